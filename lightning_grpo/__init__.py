@@ -1,0 +1,1 @@
+"""lightning-grpo: GRPO for PyTorch Lightning."""

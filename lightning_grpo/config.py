@@ -1,0 +1,195 @@
+"""Configuration dataclasses: every knob, its default, and the rules checked at load.
+
+Each dataclass validates itself in ``__post_init__``, so jsonargparse (and any Python
+caller) refuses a bad config before a model is built. Every problem is collected and
+reported at once as ``field=value: rule; fix`` lines in one ``ValueError``.
+Derived counts (``n_mini``, ``n_micro``, per-rank sizes) are methods, never fields.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A config broke one or more rules; the message lists each as ``field=value: rule``."""
+
+
+def _raise_if(problems: list[str], where: str) -> None:
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"invalid {where} ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{lines}")
+
+
+@dataclass(frozen=True)
+class RankSizes:
+    """Per-data-parallel-rank sizes of one collected batch (trajectories)."""
+
+    batch: int
+    mini: int
+    micro: int
+
+
+@dataclass
+class GRPOConfig:
+    """The ``rl`` section: how a collected batch is sized, split and optimized."""
+
+    batch_per_replica: int = 32
+    """Trajectories per loop step, per policy replica (prompts x group_size). Positive multiple of group_size."""
+    mini_batch_per_replica: int = 0
+    """Trajectories per optimizer step; 0 = the whole batch (one step). n_mini = batch / mini."""
+    micro_batch_per_replica: int = 0
+    """Trajectories per forward/backward chunk; 0 = one chunk. Memory only: the step result is unchanged."""
+    group_size: int = 8
+    """Completions drawn per prompt (the GRPO group)."""
+    epsilon: float = 0.2
+    """Lower clip range: the ratio is clipped below at 1 - epsilon."""
+    epsilon_high: float | None = None
+    """Upper clip range (1 + epsilon_high); None = epsilon (symmetric clip)."""
+    beta: float = 0.0
+    """Weight of the k3 KL penalty to the reference policy; 0 = no reference model is built."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this after normalization; 0 disables clipping."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage scaling: divide by the group's reward std, the batch's, or not at all."""
+    deterministic: bool = False
+    """Deterministic kernels and seeding (see determinism.py); CUBLAS_WORKSPACE_CONFIG must come from the launch env."""
+    use_rollout_logprobs_for_loss: bool = False
+    """Use the engine's sampler logprobs as pi_old (no ahead pass); needs an engine that returns them."""
+    grad_accum: int = 1
+    """Retired for GRPO: the accumulation count is derived as n_micro. Set micro_batch_per_replica instead."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- derived counts ------------------------------------------------------------------------------------------
+    @property
+    def mini_batch(self) -> int:
+        """Trajectories per optimizer step, with the 0 sentinel resolved."""
+        return self.mini_batch_per_replica or self.batch_per_replica
+
+    @property
+    def micro_batch(self) -> int:
+        """Trajectories per chunk, with the 0 sentinel resolved."""
+        return self.micro_batch_per_replica or self.mini_batch
+
+    @property
+    def n_mini(self) -> int:
+        """Optimizer steps per collected batch. DP-invariant: batch/mini == batch_per_dp/mini_per_dp."""
+        return self.batch_per_replica // self.mini_batch
+
+    @property
+    def n_micro(self) -> int:
+        """Forward/backward chunks per optimizer step (the trainer's ``grad_accum``)."""
+        return self.mini_batch // self.micro_batch
+
+    @property
+    def prompts_per_batch(self) -> int:
+        return self.batch_per_replica // self.group_size
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def rank_sizes(self, dp_size: int) -> RankSizes:
+        """Sizes of one rank's share; raises ConfigError if they do not divide by ``dp_size``."""
+        self.validate(dp_size)
+        return RankSizes(
+            self.batch_per_replica // dp_size, self.mini_batch // dp_size, self.micro_batch // dp_size
+        )
+
+    # -- validation ----------------------------------------------------------------------------------------------
+    def validate(self, dp_size: int = 1) -> None:
+        """Raise one ConfigError listing every broken rule (``dp_size`` adds the per-rank rules)."""
+        p: list[str] = []
+        b, mini, micro, g = self.batch_per_replica, self.mini_batch_per_replica, self.micro_batch_per_replica, self.group_size
+        if not _is_int(g) or g < 2:
+            p.append(f"group_size={g}: must be an integer >= 2 (a group of one has no relative advantage)")
+        if not _is_int(b) or b <= 0:
+            p.append(f"batch_per_replica={b}: must be a positive integer")
+        elif _is_int(g) and g >= 2 and b % g:
+            p.append(f"batch_per_replica={b}: must be a multiple of group_size={g}; try {max(g, b - b % g)}")
+        if not _is_int(mini) or mini < 0:
+            p.append(f"mini_batch_per_replica={mini}: must be >= 0 (0 = whole batch)")
+        elif _is_int(b) and b > 0 and mini > b:
+            p.append(f"mini_batch_per_replica={mini}: must not exceed batch_per_replica={b}")
+        elif _is_int(b) and b > 0 and mini and b % mini:
+            p.append(f"mini_batch_per_replica={mini} must divide batch_per_replica={b} (a ragged step changes its token mean)")
+        if not _is_int(micro) or micro < 0:
+            p.append(f"micro_batch_per_replica={micro}: must be >= 0 (0 = one chunk per step)")
+        elif not p and micro > self.mini_batch:
+            p.append(f"micro_batch_per_replica={micro}: must not exceed the mini-batch ({self.mini_batch})")
+        elif not p and micro and self.mini_batch % micro:
+            p.append(f"micro_batch_per_replica={micro} must divide the mini-batch ({self.mini_batch}) exactly")
+        if not _finite(self.epsilon) or not 0 < self.epsilon < 1:
+            p.append(f"epsilon={self.epsilon}: must be in (0, 1) so the clip range 1 - epsilon stays positive")
+        if self.epsilon_high is not None and (not _finite(self.epsilon_high) or self.epsilon_high <= 0):
+            p.append(f"epsilon_high={self.epsilon_high}: must be > 0 (or null for symmetric clipping)")
+        if not _finite(self.beta) or self.beta < 0:
+            p.append(f"beta={self.beta}: must be a finite number >= 0 (0 = no KL, no reference model)")
+        if not _finite(self.max_grad_norm) or self.max_grad_norm < 0:
+            p.append(f"max_grad_norm={self.max_grad_norm}: must be a finite number >= 0 (0 = no clipping)")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            p.append(f"scale_rewards={self.scale_rewards!r}: must be one of 'group', 'batch', 'none'")
+        if self.grad_accum != 1:
+            p.append(
+                f"grad_accum={self.grad_accum}: rl.grad_accum is retired for GRPO; the accumulation count is derived. "
+                "Set micro_batch_per_replica (trajectories per forward/backward) instead"
+            )
+        if not p and dp_size > 1:
+            p += self._rank_problems(dp_size)
+        _raise_if(p, "rl config")
+
+    def _rank_problems(self, dp: int) -> list[str]:
+        p = []
+        if self.prompts_per_batch % dp:
+            p.append(
+                f"batch_per_replica={self.batch_per_replica}: its {self.prompts_per_batch} groups must split evenly "
+                f"over DP size {dp} (groups never split across ranks)"
+            )
+        if self.mini_batch % dp:
+            p.append(f"mini_batch_per_replica={self.mini_batch}: must divide by DP size {dp}")
+        if self.micro_batch % dp:
+            p.append(f"micro_batch_per_replica={self.micro_batch}: must divide by DP size {dp}")
+        return p
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer and its schedule (stepped by us once per optimizer step)."""
+
+    lr: float = 1e-5
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    """Linear warmup, in optimizer steps (not loop steps)."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """LR after warmup: constant, or cosine decay to 0 over total_steps."""
+    total_steps: int = 0
+    """Optimizer steps the cosine schedule spans (0 = max_steps of the trainer x n_mini)."""
+
+    def __post_init__(self) -> None:
+        p = []
+        if not _finite(self.lr) or self.lr <= 0:
+            p.append(f"lr={self.lr}: must be a finite number > 0")
+        if self.weight_decay < 0:
+            p.append(f"weight_decay={self.weight_decay}: must be >= 0")
+        if not all(0 <= b < 1 for b in self.betas):
+            p.append(f"betas={self.betas}: each must be in [0, 1)")
+        if self.warmup_steps < 0:
+            p.append(f"warmup_steps={self.warmup_steps}: must be >= 0")
+        if self.total_steps < 0:
+            p.append(f"total_steps={self.total_steps}: must be >= 0")
+        _raise_if(p, "optim config")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
