@@ -62,3 +62,53 @@ def _take(t: Tensor | None, rows: Tensor | slice) -> Tensor | None:
 
 def _move(t: Tensor | None, device: torch.device | str) -> Tensor | None:
     return None if t is None else t.to(device)
+
+
+def pack_rollouts(rollouts, advantages: Tensor, rewards: Tensor, pad_id: int, max_len: int | None = None) -> RolloutBatch:
+    """Pack ``prompt + completion`` of each rollout from position 0, right-padded to the longest.
+
+    Args:
+        rollouts: grouped rollouts (``Rollout`` from rollout/base.py), group after group.
+        advantages: ``[N]``; rewards: ``[N]``.
+        pad_id: token used for padding (never counted: masks are False there).
+        max_len: refuse sequences longer than this (the model's context), naming the row.
+    """
+    seqs = [list(r.prompt.token_ids) + list(r.token_ids) for r in rollouts]
+    if max_len is not None:
+        for i, s in enumerate(seqs):
+            if len(s) > max_len:
+                raise ValueError(f"rollout {i} (prompt id {rollouts[i].prompt.id}) has {len(s)} tokens, over the "
+                                 f"model context of {max_len}; lower rollout.max_new_tokens or the prompt length")
+    n, width = len(seqs), max(max(len(s) for s in seqs), 2)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.bool)
+    completion = torch.zeros((n, width), dtype=torch.bool)
+    with_lp = all(r.logprobs is not None for r in rollouts)
+    logprobs = torch.zeros((n, width), dtype=torch.float32) if with_lp else None
+    for i, (r, s) in enumerate(zip(rollouts, seqs)):
+        p = len(r.prompt.token_ids)
+        input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attention[i, : len(s)] = True
+        completion[i, p : len(s)] = True
+        if logprobs is not None and r.token_ids:
+            logprobs[i, p : len(s)] = torch.tensor(r.logprobs, dtype=torch.float32)
+    group_ids = torch.tensor([r.prompt.id for r in rollouts], dtype=torch.long)
+    # Sample id = group_id * group_size + rank within the group: deterministic and unique.
+    seen: dict[int, int] = {}
+    for r in rollouts:
+        seen[r.prompt.id] = seen.get(r.prompt.id, 0) + 1
+    group_size = max(seen.values())
+    within = [0] * n
+    for i, r in enumerate(rollouts):
+        within[i] = group_size - seen[r.prompt.id]
+        seen[r.prompt.id] -= 1
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        completion_mask=completion,
+        advantages=advantages.to(torch.float32),
+        rewards=rewards.to(torch.float32),
+        group_ids=group_ids,
+        sample_ids=group_ids * group_size + torch.tensor(within, dtype=torch.long),
+        rollout_logprobs=logprobs,
+    )

@@ -193,3 +193,31 @@ def _is_int(x: object) -> bool:
 
 def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class RolloutConfig:
+    """How rollouts are produced for each collected batch."""
+
+    engine: Literal["hf", "vllm", "replay"] = "hf"
+    """hf: transformers generate with the policy itself (CPU default); vllm: in-process vLLM; replay: a JSONL file."""
+    max_new_tokens: int = 32
+    """Completion length cap, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (also used to score logprobs in the update, so ratios compare like with like)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    replay_path: str | None = None
+    """JSONL of recorded rollouts when engine=replay."""
+
+    def __post_init__(self) -> None:
+        p = []
+        if self.max_new_tokens < 1:
+            p.append(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if not _finite(self.temperature) or self.temperature <= 0:
+            p.append(f"temperature={self.temperature}: must be > 0 for GRPO sampling (greedy groups have no spread)")
+        if not 0 < self.top_p <= 1:
+            p.append(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.engine == "replay" and not self.replay_path:
+            p.append("replay_path=None: engine=replay needs a JSONL file of recorded rollouts")
+        _raise_if(p, "rollout config")

@@ -1,0 +1,150 @@
+"""Deferred-divisor gradient accumulation with the poisoned-window countdown.
+
+One optimizer step consumes ``grad_accum`` (= ``n_micro``) ``train`` calls, its *window*.
+
+* ``grad_accum == 1``: backprop the chunk's normalized loss as is. This is the unchunked
+  expression, kept on purpose: ``(sum a_i) * s`` and ``sum (a_i * s)`` differ in the last bits.
+* ``grad_accum > 1``: backprop each chunk's un-normalized sum (``loss * denom``), add up the
+  divisors, and on the last call scale the gradient once by ``1 / max(sum denom, 1)``, **then**
+  clip, **then** step. Gradients are linear, so this equals the unchunked token mean; clipping
+  before the scale would clip at the wrong scale; ``max(., 1)`` keeps an all-empty window at a
+  zero gradient instead of 0/0.
+* A non-finite chunk loss poisons its whole window: grads are zeroed, the divisor resets, and
+  the remaining calls of that window are discarded, so the optimizer never steps on a mixture
+  of two mini-batches. A non-finite gradient norm at the step skips that step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+GradSync = Callable[[bool], contextlib.AbstractContextManager]
+
+
+def _no_sync_control(enabled: bool) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one closed window did."""
+
+    grad_norm: float
+    """Global gradient norm after normalization, before clipping (nan when skipped)."""
+    lr: float
+    skipped: bool
+
+
+class DeferredAccumulator:
+    """Accumulates ``grad_accum`` chunks per optimizer step with a deferred divisor.
+
+    Args:
+        params: the parameters the optimizer updates.
+        optimizer: anything with ``step()`` / ``zero_grad()`` (a Lightning optimizer is fine).
+        grad_accum: train calls per optimizer step (``n_micro``).
+        max_grad_norm: clip threshold after normalization; 0 = measure the norm, never clip.
+        backward: how to backprop a loss (``LightningModule.manual_backward`` under a Trainer).
+        scheduler: LR scheduler stepped once per optimizer step (Lightning never steps it under
+            manual optimization).
+        grad_sync: ``grad_sync(enabled)`` context; non-final calls run with sync disabled (DDP
+            ``no_sync`` / FSDP2 ``set_requires_gradient_sync``).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], optimizer, grad_accum: int, max_grad_norm: float = 0.0,
+                 backward: Callable[[Tensor], None] | None = None, scheduler=None,
+                 grad_sync: GradSync = _no_sync_control) -> None:
+        if grad_accum < 1:
+            raise ValueError(f"DeferredAccumulator(grad_accum={grad_accum}): must be >= 1")
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer = optimizer
+        self.grad_accum = grad_accum
+        self.max_grad_norm = max_grad_norm
+        self.backward = backward or (lambda loss: loss.backward())
+        self.scheduler = scheduler
+        self.grad_sync = grad_sync
+        self._calls = 0  # calls taken into the current window
+        self._denom_sum: Tensor | float = 0.0
+        self._discard = 0  # countdown: calls of a poisoned window still to drop
+        self.skipped_steps = 0
+        self.discarded_chunks = 0
+
+    # -- the countdown -----------------------------------------------------------------------------------------
+    def discarding(self) -> bool:
+        """True while the next call belongs to a poisoned window (skip its forward, call ``discard``)."""
+        return self._discard > 0
+
+    def discard(self) -> StepOutcome | None:
+        """Drop one call of a poisoned window; returns the skipped step's outcome when the window ends."""
+        self._discard -= 1
+        self.discarded_chunks += 1
+        return self._skipped() if self._discard == 0 else None
+
+    def _skipped(self) -> StepOutcome:
+        return StepOutcome(grad_norm=math.nan, lr=self._lr(), skipped=True)
+
+    def _poison(self) -> None:
+        self._discard = self.grad_accum - 1 - self._calls
+        self.discarded_chunks += 1  # the non-finite chunk itself
+        self.skipped_steps += 1
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._calls = 0
+        self._denom_sum = 0.0
+
+    # -- one call ----------------------------------------------------------------------------------------------
+    @property
+    def closes_window(self) -> bool:
+        """Whether the next call is the last of its window (the one that steps)."""
+        return self._calls == self.grad_accum - 1
+
+    def train(self, loss: Tensor, denom: Tensor) -> StepOutcome | None:
+        """Backprop one chunk; on the window's last call, step. Returns the step's outcome then."""
+        if self.discarding():
+            raise RuntimeError("train() called during a poisoned window; check discarding() first")
+        if not torch.isfinite(loss):  # CPU-GPU sync point, once per chunk
+            self._poison()
+            return self._skipped() if self._discard == 0 else None
+        last = self.closes_window
+        with self.grad_sync(last):
+            self.backward(loss if self.grad_accum == 1 else loss * denom)
+        self._denom_sum = self._denom_sum + denom.detach()
+        self._calls += 1
+        return self._step() if last else None
+
+    def _step(self) -> StepOutcome:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.grad_accum > 1 and grads:
+            scale = 1.0 / torch.as_tensor(self._denom_sum, dtype=torch.float64).clamp(min=1)
+            torch._foreach_mul_(grads, scale.to(grads[0].device, grads[0].dtype))
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
+        grad_norm, lr = float(norm), self._lr()
+        if not math.isfinite(grad_norm):
+            self.skipped_steps += 1
+            self._reset_window()
+            return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=True)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self._reset_window()
+        return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=False)
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # -- resume ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"calls": self._calls, "denom_sum": float(self._denom_sum), "discard": self._discard,
+                "skipped_steps": self.skipped_steps, "discarded_chunks": self.discarded_chunks}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._calls, self._denom_sum, self._discard = state["calls"], state["denom_sum"], state["discard"]
+        self.skipped_steps, self.discarded_chunks = state["skipped_steps"], state["discarded_chunks"]

@@ -1,0 +1,98 @@
+"""The collected-batch loop: one collected batch -> ``n_mini`` optimizer steps of ``n_micro`` chunks.
+
+This is our "custom Loop": Lightning's loop classes are private, so the nesting lives here,
+called from one manual-optimization ``training_step``. The loop passes indices only; the
+``ChunkPlan`` materializes each chunk when the loop reaches it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from lightning_grpo.accumulate import DeferredAccumulator, StepOutcome
+from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.objectives.grpo import ChunkStats
+
+log = logging.getLogger(__name__)
+
+# (chunk, pi_old for it or None) -> (normalized loss, divisor, stats)
+ForwardChunk = Callable[[RolloutBatch, Tensor | None], tuple[Tensor, Tensor, ChunkStats]]
+
+
+@dataclass
+class LoopProgress:
+    """Named counters of the nesting; saved with checkpoints."""
+
+    loop_step: int = 0
+    """Collected batches consumed (Lightning ``training_step`` calls)."""
+    optimizer_steps: int = 0
+    """Windows closed, stepped or skipped."""
+    mini: int = 0
+    micro: int = 0
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+@dataclass
+class LoopResult:
+    """What one collected batch produced: stats of the chunks that stepped, and one outcome per window."""
+
+    chunks: list[ChunkStats] = field(default_factory=list)
+    steps: list[StepOutcome] = field(default_factory=list)
+    discarded_chunks: int = 0
+
+
+class CollectedBatchLoop:
+    """Walks ``for mini: for micro:`` over a ``ChunkPlan`` and feeds the accumulator.
+
+    Args:
+        accumulator: owns backward, the deferred divisor, the countdown and the step.
+        forward_chunk: scores one chunk with the objective.
+    """
+
+    def __init__(self, accumulator: DeferredAccumulator, forward_chunk: ForwardChunk) -> None:
+        self.accumulator = accumulator
+        self.forward_chunk = forward_chunk
+        self.progress = LoopProgress()
+
+    def run(self, batch: RolloutBatch, plan: ChunkPlan, pi_old: Sequence[Tensor | None] | None = None) -> LoopResult:
+        """Consume ``batch``. ``pi_old[k]`` is the frozen pi_old of the k-th chunk in walk order (None = detach)."""
+        if plan.n_micro != self.accumulator.grad_accum:
+            raise ValueError(f"plan has n_micro={plan.n_micro} but the accumulator steps every "
+                             f"{self.accumulator.grad_accum} calls")
+        acc, result, window = self.accumulator, LoopResult(), []
+        discarded_before = acc.discarded_chunks
+        for k, (mini, micro) in enumerate(plan.walk()):
+            self.progress.mini, self.progress.micro = mini, micro
+            if acc.discarding():  # rest of a poisoned window: skip the forward too
+                outcome = acc.discard()
+            else:
+                old = None if pi_old is None else pi_old[k]
+                loss, denom, stats = self.forward_chunk(plan.chunk(batch, mini, micro), old)
+                window.append(stats)
+                outcome = acc.train(loss, denom)
+            if outcome is not None:  # the window closed
+                self._close(result, window, outcome, mini)
+                window = []
+        result.discarded_chunks = acc.discarded_chunks - discarded_before  # dropped + the non-finite ones
+        self.progress.loop_step += 1
+        return result
+
+    def _close(self, result: LoopResult, window: list[ChunkStats], outcome: StepOutcome, mini: int) -> None:
+        self.progress.optimizer_steps += 1
+        result.steps.append(outcome)
+        if outcome.skipped:
+            log.warning("non-finite loss or gradient: skipped the optimizer step of loop step %d, mini-batch %d",
+                        self.progress.loop_step, mini)
+        else:
+            result.chunks.extend(window)

@@ -1,0 +1,222 @@
+"""GRPOModule: a manual-optimization LightningModule whose ``training_step`` is one loop step.
+
+One ``training_step`` consumes one collected batch: rollout -> rewards -> advantages ->
+``n_mini`` optimizer steps of ``n_micro`` chunks -> one roll-up of metrics. Counters:
+``trainer.global_step`` counts optimizer steps (Lightning's meaning under manual
+optimization, so ``trainer.max_steps`` is in optimizer steps = loop steps x n_mini);
+``loop_step`` counts collected batches and is the logged x-axis (``step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Sequence
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+from lightning_grpo.accumulate import DeferredAccumulator
+from lightning_grpo.advantages import group_advantages
+from lightning_grpo.batch import RolloutBatch, pack_rollouts
+from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
+from lightning_grpo.data.rewards import RewardSpec, score
+from lightning_grpo.logprobs import token_logprobs
+from lightning_grpo.loop import CollectedBatchLoop, LoopResult
+from lightning_grpo.metrics import roll_up
+from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
+from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
+
+
+class GRPOModule(LightningModule):
+    """GRPO on a causal-LM policy with exact micro-batching and per-batch mini-batching.
+
+    Args:
+        policy: which model to train (a Hugging Face folder, or ``tiny:<name>``).
+        rl: batch sizes, clipping, KL, gradient clipping (see ``GRPOConfig``).
+        optim: AdamW and its schedule, stepped once per optimizer step.
+        rollout: the engine and how it samples.
+        rewards: reward functions and weights (None = the built-in task's reward).
+        seed: base seed of rollout sampling (per rank and loop step streams derive from it).
+
+    Example::
+
+        module = GRPOModule(rl=GRPOConfig(batch_per_replica=16, group_size=4, micro_batch_per_replica=4))
+        Trainer(max_steps=10, callbacks=[HandoffCallback()]).fit(module, datamodule=PromptDataModule())
+
+    Subclasses override ``configure_policy`` (model construction), ``compute_rewards`` or
+    ``build_engine`` to plug in their own parts.
+    """
+
+    def __init__(self, policy: PolicyConfig | None = None, rl: GRPOConfig | None = None,
+                 optim: OptimConfig | None = None, rollout: RolloutConfig | None = None,
+                 rewards: list[RewardSpec] | None = None, seed: int = 0) -> None:
+        super().__init__()
+        self.automatic_optimization = False  # the loop steps the optimizer itself
+        self.policy_cfg, self.rl = policy or PolicyConfig(), rl or GRPOConfig()
+        self.optim_cfg, self.rollout_cfg = optim or OptimConfig(), rollout or RolloutConfig()
+        self.reward_specs, self.seed = rewards, seed
+        self.policy, self.tokenizer = self.configure_policy()
+        # k3 KL needs a frozen reference; with beta == 0 none is built (no memory spent).
+        self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if self.rl.beta > 0 else None
+        self.objective = GRPOObjective(self.rl.epsilon, self.rl.epsilon_high, self.rl.beta, dp_mean=self._dp_mean)
+        self.engine: RolloutEngine | None = None
+        self.loop: CollectedBatchLoop | None = None
+
+    # -- parts a subclass may replace ------------------------------------------------------------------------------
+    def configure_policy(self):
+        """(model, tokenizer). Default: ``load_policy(self.policy_cfg)``."""
+        return load_policy(self.policy_cfg)
+
+    def build_engine(self) -> RolloutEngine:
+        from lightning_grpo.rollout import build_engine
+
+        return build_engine(self.rollout_cfg, self)
+
+    def compute_rewards(self, rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, float]]:
+        """One reward per rollout. Recorded rewards (replay) are used as they are."""
+        if all(r.reward is not None for r in rollouts):
+            return torch.tensor([r.reward for r in rollouts], dtype=torch.float32), {}
+        total, parts = score(rollouts, self.reward_specs)
+        return total, {f"reward/{name}": float(v.mean()) for name, v in parts.items()}
+
+    # -- Lightning hooks ---------------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        self.rl.validate(self._world_size())  # per-rank divisibility needs the DP size
+        if self.engine is None:
+            self.engine = self.build_engine()
+
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                weight_decay=o.weight_decay)
+        total = o.total_steps or max(self.trainer.max_steps, 1) if self._trainer else o.total_steps or 1
+        return [opt], [torch.optim.lr_scheduler.LambdaLR(opt, _schedule(o.warmup_steps, total, o.schedule))]
+
+    def on_train_start(self) -> None:
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        self.loop = self.make_loop(opt, sched, self.manual_backward)
+
+    def make_loop(self, optimizer, scheduler=None, backward=None) -> CollectedBatchLoop:
+        """The collected-batch loop over this module's policy (also usable without a Trainer)."""
+        acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.rl.n_micro,
+                                  max_grad_norm=self.rl.max_grad_norm, backward=backward, scheduler=scheduler,
+                                  grad_sync=self._grad_sync)
+        return CollectedBatchLoop(acc, self.forward_chunk)
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        return batch  # prompt records are host data; tensors move per chunk in forward_chunk
+
+    def training_step(self, records, batch_idx: int) -> None:
+        # 1. rollout: this rank's prompts -> completions -> rewards -> group advantages
+        batch, rollout_metrics = self.collect(records)
+        self._notify("on_rollout_end")
+        # 2.-3. pi_old and update: n_mini optimizer steps of n_micro chunks
+        result = self.update(batch)
+        self._notify("on_update_end")
+        # 4. report: one roll-up per collected batch
+        self.report(result, rollout_metrics)
+
+    # -- the phases ---------------------------------------------------------------------------------------------------
+    def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generate ``group_size`` completions per prompt, score them, normalize per group."""
+        prompts = [self._to_prompt(r) for r in records]
+        rollouts = self.engine.generate(prompts, self.rl.group_size, self.sampling())
+        rewards, metrics = self.compute_rewards(rollouts)
+        advantages, adv_stats = group_advantages(rewards, self.rl.group_size, self.rl.scale_rewards)
+        batch = pack_rollouts(rollouts, advantages, rewards, self.tokenizer.pad_token_id, self._context())
+        lengths = batch.completion_mask.sum(-1).float()
+        metrics.update(adv_stats)
+        metrics["completion/len_mean"], metrics["completion/len_max"] = float(lengths.mean()), float(lengths.max())
+        metrics["completion/stop_frac"] = sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts)
+        return batch, metrics
+
+    def update(self, batch: RolloutBatch) -> LoopResult:
+        """Consume one collected batch (this rank's share) as n_mini optimizer steps."""
+        expected = self.rl.rank_sizes(self._world_size()).batch
+        plan = ChunkPlan.fixed(len(batch), self.rl.n_mini, self.rl.n_micro, expected_rows=expected)
+        return self.loop.run(batch, plan)
+
+    def forward_chunk(self, chunk: RolloutBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, ChunkStats]:
+        """Score one chunk: current logprobs, pi_old, optional reference, then the objective."""
+        chunk = chunk.to(self.device)
+        logprobs = self.logprobs(self.policy, chunk)
+        if old_logprobs is None and self.rl.use_rollout_logprobs_for_loss:
+            if chunk.rollout_logprobs is None:
+                raise ValueError("rl.use_rollout_logprobs_for_loss=true but the engine returned no sampler logprobs")
+            old_logprobs = chunk.rollout_logprobs[:, 1:]
+        ref = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref = self.logprobs(self.ref, chunk)
+        return self.objective(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref)
+
+    def logprobs(self, model, chunk: RolloutBatch) -> Tensor:
+        """``[B, T-1]`` logprobs at the sampling temperature (so ratios compare like with like)."""
+        return token_logprobs(model, chunk.input_ids, chunk.attention_mask, temperature=self.rollout_cfg.temperature)
+
+    def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
+        metrics = {**rollout_metrics, **roll_up(result)}
+        metrics["loop_step"] = float(self.loop.progress.loop_step)
+        metrics["global_step"] = float(self.global_step)
+        metrics["step"] = metrics["loop_step"]  # the logger's x-axis: collected batches
+        bar = {"reward": metrics.get("reward/mean", math.nan), "loss": metrics.get("grpo/loss", math.nan)}
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+        self.last_metrics = metrics
+
+    # -- helpers ------------------------------------------------------------------------------------------------------
+    def sampling(self) -> SamplingConfig:
+        r = self.rollout_cfg
+        step = self.loop.progress.loop_step if self.loop else 0
+        # A distinct, reproducible stream per (seed, loop step, rank).
+        seed = (self.seed * 1_000_003 + step) * max(self._world_size(), 1) + self.global_rank
+        return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed)
+
+    def _to_prompt(self, record) -> Prompt:
+        ids = self.tokenizer(record.text, add_special_tokens=True)["input_ids"]
+        return Prompt(id=record.id, token_ids=list(ids), text=record.text, answer=record.answer)
+
+    def _context(self) -> int | None:
+        return getattr(self.policy.config, "max_position_embeddings", None)
+
+    def _world_size(self) -> int:
+        return self._trainer.world_size if self._trainer is not None else 1
+
+    def _dp_mean(self, t: Tensor) -> Tensor:
+        if self._world_size() == 1:
+            return t
+        return self.trainer.strategy.reduce(t, reduce_op="mean")
+
+    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Non-final micro-steps skip the gradient all-reduce (DDP ``no_sync``; FSDP2 handled per module)."""
+        model = self._trainer.strategy.model if self._trainer is not None else None
+        if enabled or model is None or not hasattr(model, "no_sync"):
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def _notify(self, hook: str) -> None:
+        """Tell callbacks about the two in-step boundaries (the hand-off Callback listens)."""
+        if self._trainer is None:
+            return
+        for cb in self.trainer.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self.trainer, self)
+
+
+def _schedule(warmup: int, total: int, kind: str):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "cosine":
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor

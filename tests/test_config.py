@@ -1,0 +1,119 @@
+import math
+
+import pytest
+import yaml
+
+from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig
+
+# (overrides, a fragment the message must contain). Each row breaks exactly one rule.
+BAD_RL = [
+    (dict(batch_per_replica=0), "batch_per_replica=0: must be a positive integer"),
+    (dict(batch_per_replica=-8), "batch_per_replica=-8"),
+    (dict(batch_per_replica=30, group_size=8), "batch_per_replica=30: must be a multiple of group_size=8"),
+    (dict(group_size=1, batch_per_replica=4), "group_size=1"),
+    (dict(group_size=0), "group_size=0"),
+    (dict(mini_batch_per_replica=-1), "mini_batch_per_replica=-1"),
+    (dict(mini_batch_per_replica=64), "must not exceed batch_per_replica=32"),
+    (dict(mini_batch_per_replica=12), "mini_batch_per_replica=12 must divide batch_per_replica=32"),
+    (dict(micro_batch_per_replica=-2), "micro_batch_per_replica=-2"),
+    (dict(mini_batch_per_replica=16, micro_batch_per_replica=32), "must not exceed the mini-batch (16)"),
+    (dict(mini_batch_per_replica=16, micro_batch_per_replica=6), "micro_batch_per_replica=6 must divide the mini-batch (16)"),
+    (dict(micro_batch_per_replica=5), "micro_batch_per_replica=5 must divide the mini-batch (32)"),
+    (dict(epsilon=0.0), "epsilon=0.0"),
+    (dict(epsilon=1.5), "epsilon=1.5"),
+    (dict(epsilon=math.nan), "epsilon=nan"),
+    (dict(epsilon_high=-0.1), "epsilon_high=-0.1"),
+    (dict(beta=-0.01), "beta=-0.01"),
+    (dict(beta=math.inf), "beta=inf"),
+    (dict(max_grad_norm=-1.0), "max_grad_norm=-1.0"),
+    (dict(scale_rewards="median"), "scale_rewards='median'"),
+    (dict(grad_accum=4), "Set micro_batch_per_replica"),
+    (dict(batch_per_replica=True), "batch_per_replica=True"),
+]
+
+
+@pytest.mark.parametrize("overrides,fragment", BAD_RL, ids=[f"{i}-{next(iter(o))}" for i, (o, _) in enumerate(BAD_RL)])
+def test_bad_rl_config_is_refused_with_field_value_and_rule(overrides, fragment):
+    with pytest.raises(ValueError, match=None) as err:
+        GRPOConfig(**overrides)
+    assert isinstance(err.value, ConfigError)
+    assert fragment in str(err.value)
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(epsilon=2.0, beta=-1.0, grad_accum=2)
+    msg = str(err.value)
+    assert "3 problems" in msg and "epsilon=2.0" in msg and "beta=-1.0" in msg and "grad_accum=2" in msg
+
+
+@pytest.mark.parametrize(
+    "batch,mini,micro,n_mini,n_micro",
+    [(32, 0, 0, 1, 1), (32, 16, 8, 2, 2), (32, 8, 0, 4, 1), (32, 0, 4, 1, 8), (64, 16, 2, 4, 8)],
+)
+def test_derived_counts(batch, mini, micro, n_mini, n_micro):
+    cfg = GRPOConfig(batch_per_replica=batch, mini_batch_per_replica=mini, micro_batch_per_replica=micro, group_size=2)
+    assert (cfg.n_mini, cfg.n_micro) == (n_mini, n_micro)
+
+
+def test_counts_are_dp_invariant():
+    cfg = GRPOConfig(batch_per_replica=32, mini_batch_per_replica=16, micro_batch_per_replica=4, group_size=4)
+    for dp in (1, 2, 4):
+        r = cfg.rank_sizes(dp)
+        assert r.batch // r.mini == cfg.n_mini and r.mini // r.micro == cfg.n_micro
+
+
+@pytest.mark.parametrize(
+    "overrides,dp,fragment",
+    [
+        (dict(batch_per_replica=24, group_size=8), 2, "3 groups must split evenly over DP size 2"),
+        (dict(batch_per_replica=32, group_size=4, mini_batch_per_replica=8, micro_batch_per_replica=1), 2,
+         "micro_batch_per_replica=1: must divide by DP size 2"),
+        (dict(batch_per_replica=24, group_size=2, mini_batch_per_replica=3), 2, "mini_batch_per_replica=3: must divide by DP size 2"),
+    ],
+)
+def test_per_rank_rules_name_the_dp_size(overrides, dp, fragment):
+    cfg = GRPOConfig(**overrides)
+    with pytest.raises(ConfigError, match="DP size") as err:
+        cfg.rank_sizes(dp)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "cls,overrides,fragment",
+    [
+        (OptimConfig, dict(lr=0.0), "lr=0.0"),
+        (OptimConfig, dict(warmup_steps=-1), "warmup_steps=-1"),
+        (OptimConfig, dict(betas=(0.9, 1.0)), "betas="),
+        (RolloutConfig, dict(max_new_tokens=0), "max_new_tokens=0"),
+        (RolloutConfig, dict(temperature=0.0), "temperature=0.0"),
+        (RolloutConfig, dict(top_p=0.0), "top_p=0.0"),
+        (RolloutConfig, dict(engine="replay"), "engine=replay needs a JSONL"),
+    ],
+)
+def test_other_sections_validate(cls, overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        cls(**overrides)
+    assert fragment in str(err.value)
+
+
+def test_rl_config_round_trips_through_yaml():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--rl", type=GRPOConfig, default=GRPOConfig())
+    cfg = parser.parse_args(["--rl.batch_per_replica=16", "--rl.group_size=4", "--rl.micro_batch_per_replica=4"])
+    dumped = parser.dump(cfg)
+    again = parser.parse_string(dumped)
+    assert parser.instantiate_classes(again).rl == GRPOConfig(batch_per_replica=16, group_size=4,
+                                                              micro_batch_per_replica=4)
+    assert yaml.safe_load(dumped)["rl"]["micro_batch_per_replica"] == 4
+
+
+def test_bad_value_is_refused_at_parse_time():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--rl", type=GRPOConfig, default=GRPOConfig())
+    with pytest.raises(Exception, match="mini_batch_per_replica=12 must divide"):
+        parser.instantiate_classes(parser.parse_args(["--rl.mini_batch_per_replica=12"]))
