@@ -130,7 +130,7 @@ class GRPOModule(LightningModule):
         advantages, adv_stats = group_advantages(rewards, self.rl.group_size, self.rl.scale_rewards)
         batch = pack_rollouts(rollouts, advantages, rewards, self.tokenizer.pad_token_id, self._context())
         lengths = batch.completion_mask.sum(-1).float()
-        metrics.update(adv_stats)
+        metrics.update({k: float(v) for k, v in adv_stats.items()})
         metrics["completion/len_mean"], metrics["completion/len_max"] = float(lengths.mean()), float(lengths.max())
         metrics["completion/stop_frac"] = sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts)
         return batch, metrics
