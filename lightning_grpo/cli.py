@@ -1,0 +1,54 @@
+"""``lightning-grpo``: the LightningCLI entry point (``fit``, ``validate``, ``--print_config``) and ``plot``.
+
+Every knob is a dotted key (``--model.rl.micro_batch_per_replica=8``), so YAML configs and
+``wandb sweep`` drive the same surface.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_grpo.data.prompts import PromptDataModule
+from lightning_grpo.module import GRPOModule
+from lightning_grpo.summary import RunSummary
+
+TRAINER_DEFAULTS = {
+    # Under manual optimization Lightning counts logging in batches = loop steps: log every one.
+    "log_every_n_steps": 1,
+    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
+    "max_steps": 20,
+    "accelerator": "auto",
+    "devices": 1,
+}
+
+
+class GRPOCLI(LightningCLI):
+    """LightningCLI with our defaults: CSV logs under ``runs/``, a run summary, config saved beside the logs."""
+
+    def before_fit(self) -> None:
+        if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(RunSummary())
+
+
+def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] == "plot":
+        from lightning_grpo.plot import main as plot_main
+
+        plot_main(argv[1:])
+        return
+    GRPOCLI(
+        GRPOModule,
+        PromptDataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=0,
+        # Sweeps re-run in one directory: overwrite the saved config instead of aborting.
+        save_config_kwargs={"overwrite": True},
+        args=argv,
+    )
+
+
+if __name__ == "__main__":
+    main()

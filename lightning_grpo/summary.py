@@ -1,0 +1,69 @@
+"""RunSummary: a short report at the end of a fit (steps, reward first/last, throughput, where logs are)."""
+
+from __future__ import annotations
+
+import time
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+
+class RunSummary(Callback):
+    """Prints what a person wants to know when a run ends.
+
+    Args:
+        window: loop steps averaged for the "first" and "last" reward.
+
+    Example::
+
+        Trainer(callbacks=[RunSummary(window=5)])
+    """
+
+    def __init__(self, window: int = 5) -> None:
+        if window < 1:
+            raise ValueError(f"RunSummary(window={window}): must be >= 1")
+        self.window = window
+        self._rewards: list[float] = []
+        self._tokens = 0.0
+        self._start = 0.0
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start, self._rewards, self._tokens = time.perf_counter(), [], 0.0
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        metrics = getattr(pl_module, "last_metrics", {})
+        if "reward/mean" in metrics:
+            self._rewards.append(float(metrics["reward/mean"]))
+        self._tokens += float(metrics.get("grpo/tokens", 0.0))
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:
+            print(self.report(trainer), flush=True)
+
+    def report(self, trainer: Trainer) -> str:
+        seconds = time.perf_counter() - self._start
+        w, r = self.window, self._rewards
+        first, last = _mean(r[:w]), _mean(r[-w:])
+        lines = [
+            "",
+            "lightning-grpo run summary",
+            f"  loop steps       {len(r)}  (optimizer steps: {trainer.global_step})",
+            f"  reward first {w:<3} {first:.3f}",
+            f"  reward last {w:<4} {last:.3f}  ({last - first:+.3f})",
+            f"  wall time        {seconds:.1f} s, {self._tokens / max(seconds, 1e-9):.0f} trained tokens/s (this rank)",
+            f"  logs             {trainer.log_dir}",
+        ]
+        return "\n".join(lines)
+
+    def state_dict(self) -> dict:
+        return {"rewards": list(self._rewards), "tokens": self._tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rewards, self._tokens = list(state["rewards"]), state["tokens"]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
