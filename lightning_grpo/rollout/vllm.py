@@ -34,7 +34,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_grpo.config import ConfigError
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
 from lightning_grpo.rollout.sleep import SleepState
 
@@ -85,6 +84,8 @@ class VLLMConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             p.append(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be >= 1 or None (auto)")
         if p:
+            from lightning_grpo.config import ConfigError  # here, so config.py may import VLLMConfig without a cycle
+
             raise ConfigError("invalid vllm config:\n" + "\n".join(f"  - {x}" for x in p))
 
 
@@ -204,6 +205,8 @@ def _check_launch(cfg: VLLMConfig) -> None:
     dist = torch.distributed
     standalone = cfg.distributed_executor_backend is None
     if standalone and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from lightning_grpo.config import ConfigError
+
         raise ConfigError(
             "vllm.distributed_executor_backend=None under a distributed run of "
             f"world size {dist.get_world_size()}: set it to 'external_launcher' (one engine per rank)"
