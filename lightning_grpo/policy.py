@@ -53,10 +53,16 @@ class PolicyConfig:
     """Allow custom modeling code shipped in the folder. Off: loading never executes checkpoint code."""
     tiny: TinyPolicySpec | None = None
     """Shape used when ``path`` is ``tiny:<name>`` (None = TinyPolicySpec defaults)."""
+    warm_start: str | None = None
+    """Built-in task to supervise a ``tiny:`` policy on once, at build time (teaches the answer format)."""
+    warm_start_steps: int = 200
+    """Optimizer steps of that warm start (seconds on CPU; the result is cached with the build)."""
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError("policy.path='': give a Hugging Face model folder or 'tiny:<name>'")
+        if self.warm_start_steps < 0:
+            raise ValueError(f"policy.warm_start_steps={self.warm_start_steps}: must be >= 0")
 
 
 def make_char_tokenizer():
@@ -106,10 +112,10 @@ def build_tiny_policy(out_dir: str | os.PathLike, spec: TinyPolicySpec | None = 
     return out
 
 
-def tiny_cache_dir(name: str, spec: TinyPolicySpec) -> Path:
+def tiny_cache_dir(name: str, spec: TinyPolicySpec, warm: str = "") -> Path:
     root = Path(os.environ.get("LIGHTNING_GRPO_CACHE", Path.home() / ".cache" / "lightning_grpo"))
     key = "-".join(f"{v}" for v in vars(spec).values())
-    return root / f"tiny-{name}-{key}"
+    return root / f"tiny-{name}-{key}{warm}"
 
 
 def resolve_path(cfg: PolicyConfig) -> Path:
@@ -123,12 +129,29 @@ def resolve_path(cfg: PolicyConfig) -> Path:
             )
         return path
     spec = cfg.tiny or TinyPolicySpec()
-    folder = tiny_cache_dir(cfg.path.split(":", 1)[1] or "default", spec)
+    warm = f"-warm-{cfg.warm_start}-{cfg.warm_start_steps}" if cfg.warm_start else ""
+    folder = tiny_cache_dir(cfg.path.split(":", 1)[1] or "default", spec, warm)
     if not (folder / "config.json").exists():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         build_tiny_policy(tmp, spec)
-        os.replace(tmp, folder) if not folder.exists() else None  # another rank may have won the race
+        if cfg.warm_start:
+            _warm_start_folder(tmp, cfg.warm_start, cfg.warm_start_steps, spec.seed)
+        if not folder.exists():  # another rank may have won the race
+            os.replace(tmp, folder)
     return folder
+
+
+def _warm_start_folder(folder: Path, task: str, steps: int, seed: int) -> None:
+    """Supervise the freshly built policy on ``task`` and save it back (same folder layout)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightning_grpo.data.tasks import warm_start
+
+    model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    result = warm_start(model, tok, task, steps=steps, seed=seed)
+    print(f"warm start of the tiny policy on {task!r}: {result.steps} steps, loss {result.loss:.3f}, "
+          f"{result.seconds:.1f} s (cached in {folder.name})", flush=True)
+    model.save_pretrained(folder, safe_serialization=True)
 
 
 def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
