@@ -58,6 +58,9 @@ class GRPOConfig:
     """Deterministic kernels and seeding (see determinism.py); CUBLAS_WORKSPACE_CONFIG must come from the launch env."""
     use_rollout_logprobs_for_loss: bool = False
     """Use the engine's sampler logprobs as pi_old (no ahead pass); needs an engine that returns them."""
+    freeze_pi_old: bool = True
+    """Keep pi_old frozen across the window at n_mini > 1 (the ahead pass). Diagnostic only: false lets pi_old follow
+    the drifting policy, so the ratio returns to 1 every mini-batch and the clip never binds (reproduces the collapse)."""
     grad_accum: int = 1
     """Retired for GRPO: the accumulation count is derived as n_micro. Set micro_batch_per_replica instead."""
 
@@ -84,6 +87,11 @@ class GRPOConfig:
     def n_micro(self) -> int:
         """Forward/backward chunks per optimizer step (the trainer's ``grad_accum``)."""
         return self.mini_batch // self.micro_batch
+
+    @property
+    def needs_cached_old_logprobs(self) -> bool:
+        """Several optimizer steps per batch and pi_old not from the sampler: the ahead pass must freeze pi_old."""
+        return self.n_mini > 1 and not self.use_rollout_logprobs_for_loss and self.freeze_pi_old
 
     @property
     def prompts_per_batch(self) -> int:
@@ -133,6 +141,8 @@ class GRPOConfig:
             p.append(f"max_grad_norm={self.max_grad_norm}: must be a finite number >= 0 (0 = no clipping)")
         if self.scale_rewards not in ("group", "batch", "none"):
             p.append(f"scale_rewards={self.scale_rewards!r}: must be one of 'group', 'batch', 'none'")
+        if not isinstance(self.freeze_pi_old, bool):
+            p.append(f"freeze_pi_old={self.freeze_pi_old!r}: must be true or false")
         if self.grad_accum != 1:
             p.append(
                 f"grad_accum={self.grad_accum}: rl.grad_accum is retired for GRPO; the accumulation count is derived. "

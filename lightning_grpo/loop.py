@@ -17,6 +17,7 @@ from lightning_grpo.accumulate import DeferredAccumulator, StepOutcome
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.objectives.grpo import ChunkStats
+from lightning_grpo.old_logprobs import paired
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class LoopResult:
 
     chunks: list[ChunkStats] = field(default_factory=list)
     steps: list[StepOutcome] = field(default_factory=list)
+    windows: list[list[ChunkStats]] = field(default_factory=list)
+    """Chunk stats of every closed window (one per optimizer step, pairs with ``steps``): per-mini-batch figures."""
     discarded_chunks: int = 0
 
 
@@ -70,6 +73,8 @@ class CollectedBatchLoop:
         if plan.n_micro != self.accumulator.grad_accum:
             raise ValueError(f"plan has n_micro={plan.n_micro} but the accumulator steps every "
                              f"{self.accumulator.grad_accum} calls")
+        if pi_old is not None and len(pi_old) != plan.n_mini * plan.n_micro:
+            raise ValueError(f"pi_old has {len(pi_old)} entries for a plan of {plan.n_mini * plan.n_micro} chunks")
         acc, result, window = self.accumulator, LoopResult(), []
         discarded_before = acc.discarded_chunks
         for k, (mini, micro) in enumerate(plan.walk()):
@@ -77,8 +82,8 @@ class CollectedBatchLoop:
             if acc.discarding():  # rest of a poisoned window: skip the forward too
                 outcome = acc.discard()
             else:
-                old = None if pi_old is None else pi_old[k]
-                loss, denom, stats = self.forward_chunk(plan.chunk(batch, mini, micro), old)
+                chunk = plan.chunk(batch, mini, micro)
+                loss, denom, stats = self.forward_chunk(chunk, paired(pi_old, k, chunk))  # keyed by call order
                 window.append(stats)
                 outcome = acc.train(loss, denom)
             if outcome is not None:  # the window closed
@@ -91,6 +96,7 @@ class CollectedBatchLoop:
     def _close(self, result: LoopResult, window: list[ChunkStats], outcome: StepOutcome, mini: int) -> None:
         self.progress.optimizer_steps += 1
         result.steps.append(outcome)
+        result.windows.append(window)
         if outcome.skipped:
             log.warning("non-finite loss or gradient: skipped the optimizer step of loop step %d, mini-batch %d",
                         self.progress.loop_step, mini)

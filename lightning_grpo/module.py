@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,7 @@ from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.loop import CollectedBatchLoop, LoopResult
 from lightning_grpo.metrics import roll_up
 from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
+from lightning_grpo.old_logprobs import OldLogprobCache, needs_ahead_pass, warn_if_unfrozen
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
 
@@ -64,6 +66,11 @@ class GRPOModule(LightningModule):
         # k3 KL needs a frozen reference; with beta == 0 none is built (no memory spent).
         self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if self.rl.beta > 0 else None
         self.objective = GRPOObjective(self.rl.epsilon, self.rl.epsilon_high, self.rl.beta, dp_mean=self._dp_mean)
+        # Frozen pi_old across the window (the ahead pass); also holds the one-shot probe's state (state_dict).
+        self.old_logprobs = OldLogprobCache(self.policy, lambda c: self.logprobs(self.policy, c.to(self.device)),
+                                            dp_sum=lambda t: self._dp_mean(t) * self._world_size())
+        self.ahead_seconds = self.update_seconds = 0.0  # wall time of the last ahead pass / whole update
+        warn_if_unfrozen(self.rl)
         self.engine: RolloutEngine | None = None
         self.loop: CollectedBatchLoop | None = None
 
@@ -139,7 +146,13 @@ class GRPOModule(LightningModule):
         """Consume one collected batch (this rank's share) as n_mini optimizer steps."""
         expected = self.rl.rank_sizes(self._world_size()).batch
         plan = ChunkPlan.fixed(len(batch), self.rl.n_mini, self.rl.n_micro, expected_rows=expected)
-        return self.loop.run(batch, plan)
+        start = time.perf_counter()
+        # pi_old per chunk in walk order, frozen before the first step; None = no ahead pass (n_mini == 1, ...).
+        pi_old = self.old_logprobs.compute(batch, plan) if needs_ahead_pass(self.rl, self.objective) else None
+        self.ahead_seconds = self.old_logprobs.last_seconds if pi_old is not None else 0.0
+        result = self.loop.run(batch, plan, pi_old)
+        self.update_seconds = time.perf_counter() - start
+        return result
 
     def forward_chunk(self, chunk: RolloutBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, ChunkStats]:
         """Score one chunk: current logprobs, pi_old, optional reference, then the objective."""
@@ -164,6 +177,8 @@ class GRPOModule(LightningModule):
         metrics["loop_step"] = float(self.loop.progress.loop_step)
         metrics["global_step"] = float(self.global_step)
         metrics["step"] = metrics["loop_step"]  # the logger's x-axis: collected batches
+        metrics["grpo/ahead_seconds"] = self.ahead_seconds
+        metrics["grpo/ahead_share"] = self.ahead_seconds / self.update_seconds if self.update_seconds > 0 else 0.0
         bar = {"reward": metrics.get("reward/mean", math.nan), "loss": metrics.get("grpo/loss", math.nan)}
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)

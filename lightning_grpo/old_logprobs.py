@@ -1,0 +1,256 @@
+"""Frozen pi_old across the window: the ahead pass, keyed by call order, and the one-shot determinism probe.
+
+At ``n_mini > 1`` one collected batch drives several optimizer steps. If pi_old were the
+current logprobs detached, it would follow the drifting policy: the ratio returns to 1 on
+every mini-batch, the clip never binds and the batch takes ``n_mini`` unconstrained steps
+(a real run collapsed to reward 0 this way). So before training, the ahead pass walks the
+same ``ChunkPlan`` in the same order with the model in ``eval()`` and ``no_grad()``, and
+records pi_old per chunk; training chunk ``k`` then scores against record ``k``.
+
+Cheaper than one full extra forward: mini-batch 0 trains before any update, so its pi_old
+*is* its current logprobs detached. Once the probe has shown that train-mode and eval-mode
+forwards agree, the walk skips mini-batch 0 (entries ``None``), saving ``1 / n_mini`` of
+the pass.
+
+The probe is a one-shot screen, not a monitor: on the first ahead chunk of a run it
+re-scores that chunk in ``train()`` mode at unchanged weights and compares with the
+``eval()`` record. A stochastic layer that fires there (dropout left on, MoE routing churn)
+fails the run with an explicit error instead of silently biasing every ratio.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.config import GRPOConfig
+
+log = logging.getLogger(__name__)
+
+# chunk -> [B, T-1] logprobs of the policy (the same scorer training uses, minus autograd).
+Score = Callable[[RolloutBatch], Tensor]
+# Sums a 0-d tensor over data-parallel ranks (identity on one device): the probe gates mesh-wide.
+DPSum = Callable[[Tensor], Tensor]
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class ForwardNoisePolicy:
+    """How much train()-vs-eval() forward noise a policy model tolerates at unchanged weights.
+
+    A model declares one as the attribute ``forward_noise_policy``; a model that declares none
+    gets the strict gate (0.05 nats on any token fails).
+
+    Example::
+
+        model.forward_noise_policy = ForwardNoisePolicy(bound_nats=0.1, max_fraction=0.01)
+    """
+
+    bound_nats: float = 0.05
+    """Per-token bound: a token fails when its logprob moved by more than this many nats."""
+    max_fraction: float = 0.0
+    """Allowed fraction of counted tokens past the bound; 0 = any failing token fails the probe."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bound_nats) and self.bound_nats > 0):
+            raise ValueError(f"ForwardNoisePolicy(bound_nats={self.bound_nats}): must be a finite number > 0")
+        if not 0 <= self.max_fraction < 1:
+            raise ValueError(f"ForwardNoisePolicy(max_fraction={self.max_fraction}): must be in [0, 1)")
+
+
+STRICT = ForwardNoisePolicy()
+
+
+def noise_policy_of(model: nn.Module) -> ForwardNoisePolicy:
+    """The tolerance ``model`` declares, or the strict gate."""
+    declared = getattr(model, "forward_noise_policy", None)
+    return declared if isinstance(declared, ForwardNoisePolicy) else STRICT
+
+
+class NondeterministicForwardError(RuntimeError):
+    """train()-mode and eval()-mode forwards disagree, so an eval-mode pi_old would bias every ratio."""
+
+
+class PairingError(RuntimeError):
+    """A recorded pi_old does not fit the chunk training paired it with (the two walks diverged)."""
+
+
+def needs_ahead_pass(rl: GRPOConfig, objective) -> bool:
+    """The gate: several steps per batch, pi_old not taken from the sampler, and an objective that has a ratio."""
+    return rl.needs_cached_old_logprobs and objective.needs_old_logprobs()
+
+
+def paired(pi_old: Sequence[Tensor | None] | None, k: int, chunk: RolloutBatch) -> Tensor | None:
+    """Record ``k`` of the ahead walk, checked against chunk ``k`` of the training walk."""
+    if pi_old is None:
+        return None
+    old = pi_old[k]
+    want = (len(chunk), chunk.input_ids.shape[1] - 1)  # [B, T-1], T trimmed per chunk
+    if old is not None and tuple(old.shape) != want:
+        raise PairingError(f"chunk {k} of the training walk has logprob shape {want} but the ahead pass recorded "
+                           f"{tuple(old.shape)}: both walks must use the same ChunkPlan in the same order")
+    return old
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the one-shot probe measured on the first ahead chunk."""
+
+    fraction: float
+    """Mesh-wide fraction of counted tokens whose logprob moved past the bound."""
+    max_diff: float
+    """Largest |train - eval| logprob on this rank's counted tokens (nats)."""
+    policy: ForwardNoisePolicy
+
+    @property
+    def passed(self) -> bool:
+        return self.fraction <= self.policy.max_fraction
+
+
+class OldLogprobCache:
+    """Records frozen pi_old per chunk before training and runs the determinism probe once per run.
+
+    Args:
+        model: the policy (its modes are toggled, its ``forward_noise_policy`` read).
+        score: ``chunk -> [B, T-1]`` policy logprobs, the very scorer training uses.
+        dp_sum: sum over data-parallel ranks, so every rank takes the same probe decision.
+        skip_first_mini: leave mini-batch 0 out of the walk once the probe passed (``False``
+            keeps the reference design's full walk; the bench compares both).
+
+    Example::
+
+        cache = OldLogprobCache(policy, lambda c: token_logprobs(policy, c.input_ids, c.attention_mask))
+        loop.run(batch, plan, cache.compute(batch, plan))
+    """
+
+    def __init__(self, model: nn.Module, score: Score, dp_sum: DPSum = _identity, skip_first_mini: bool = True) -> None:
+        self.model = model
+        self.score = score
+        self.dp_sum = dp_sum
+        self.skip_first_mini = skip_first_mini
+        self._probe: ProbeResult | None = None  # set once per run; resumes from state_dict
+        self.last_seconds = 0.0
+        """Wall time of the latest ahead pass (device work included)."""
+
+    @property
+    def probe_passed(self) -> bool:
+        return self._probe is not None and self._probe.passed
+
+    def compute(self, batch: RolloutBatch, plan: ChunkPlan) -> list[Tensor | None]:
+        """pi_old of every chunk of ``plan`` in walk order; ``None`` = current logprobs detached (mini-batch 0)."""
+        start = time.perf_counter()
+        out: list[Tensor | None] = []
+        with _eval_mode(self.model), torch.no_grad():
+            for mini, micro in plan.walk():
+                if mini == 0 and self._skips_first_mini():
+                    out.append(None)  # trained before any update: pi_old == current, exactly
+                    continue
+                chunk = plan.chunk(batch, mini, micro)
+                out.append(self.score(chunk))
+                if self._probe is None:
+                    self._run_probe(chunk, out[-1])
+                    if mini == 0 and self._skips_first_mini():
+                        out[-1] = None  # same rule as the rest of mini-batch 0 from now on
+        _sync(out)
+        self.last_seconds = time.perf_counter() - start
+        return out
+
+    def _skips_first_mini(self) -> bool:
+        return self.skip_first_mini and self.probe_passed
+
+    # -- the probe ---------------------------------------------------------------------------------------------
+    def _run_probe(self, chunk: RolloutBatch, eval_logprobs: Tensor) -> None:
+        """Re-score ``chunk`` in train() mode at unchanged weights; raise if it moved past the declared bound."""
+        policy = noise_policy_of(self.model)
+        # Still under no_grad: what differs between the two forwards is the mode (dropout, routing), and a forward
+        # with grad but no backward would leave an autograd graph (and FSDP2/DDP hooks) waiting for nothing.
+        with _train_mode(self.model):
+            train_logprobs = self.score(chunk)
+        mask = chunk.completion_mask[:, 1:].to(eval_logprobs.device)  # [B, T-1]
+        diff = (train_logprobs - eval_logprobs).abs().masked_fill(~mask, 0.0)
+        past = ~(diff <= policy.bound_nats) & mask  # a NaN counts as moved
+        moved = self.dp_sum(past.sum().double())
+        counted = self.dp_sum(mask.sum().double())
+        fraction = float(moved / counted.clamp(min=1))  # one host sync, once per run
+        result = ProbeResult(fraction, float(diff.max()) if diff.numel() else 0.0, policy)
+        if not result.passed:
+            raise NondeterministicForwardError(_probe_message(result))
+        log.info("pi_old determinism probe passed: %.4g of tokens past %.3g nats (max |diff| %.3g nats)",
+                 result.fraction, policy.bound_nats, result.max_diff)
+        self._probe = result
+
+    # -- resume ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The probe runs once per run; a resumed run must not run it again."""
+        p = self._probe
+        return {"probe": None if p is None else {"fraction": p.fraction, "max_diff": p.max_diff,
+                                                 "bound_nats": p.policy.bound_nats,
+                                                 "max_fraction": p.policy.max_fraction}}
+
+    def load_state_dict(self, state: dict) -> None:
+        p = state.get("probe")
+        self._probe = None if p is None else ProbeResult(
+            p["fraction"], p["max_diff"], ForwardNoisePolicy(p["bound_nats"], p["max_fraction"]))
+
+
+def _probe_message(r: ProbeResult) -> str:
+    allowed = "any token" if r.policy.max_fraction == 0 else f"more than {r.policy.max_fraction:.4g} of tokens"
+    return (
+        f"pi_old determinism probe failed: {r.fraction:.4g} of completion tokens moved by more than "
+        f"{r.policy.bound_nats:.3g} nats (max {r.max_diff:.3g} nats) between the eval() record and a train() "
+        f"re-score at unchanged weights; the gate fails on {allowed}. The ahead pass records pi_old in eval() mode, "
+        "so every ratio would carry this noise. Likely causes: dropout left on (attention_dropout, hidden_dropout, "
+        "resid_pdrop in the model config), another stochastic layer, or MoE routing churn between two identical "
+        "forwards. Fix: set the model's dropout probabilities to 0 for RL, pin MoE routing (routing replay); or, "
+        "if the noise is expected and small, declare it on the model "
+        "(model.forward_noise_policy = ForwardNoisePolicy(bound_nats=..., max_fraction=...))."
+    )
+
+
+class _ModeSwitch:
+    """Set every submodule to one mode, then restore each one's own mode (a frozen tower may sit in eval)."""
+
+    def __init__(self, model: nn.Module, training: bool) -> None:
+        self.model, self.training = model, training
+        self._saved: list[tuple[nn.Module, bool]] = []
+
+    def __enter__(self) -> None:
+        self._saved = [(m, m.training) for m in self.model.modules()]
+        self.model.train(self.training)
+
+    def __exit__(self, *exc) -> None:
+        for m, mode in self._saved:
+            m.training = mode
+
+
+def _eval_mode(model: nn.Module) -> _ModeSwitch:
+    return _ModeSwitch(model, training=False)
+
+
+def _train_mode(model: nn.Module) -> _ModeSwitch:
+    return _ModeSwitch(model, training=True)
+
+
+def _sync(out: list[Tensor | None]) -> None:
+    """Wait for queued device work so ``last_seconds`` is the pass's real cost (one sync per loop step)."""
+    recorded = next((t for t in out if t is not None), None)
+    if recorded is not None and recorded.is_cuda:
+        torch.cuda.synchronize(recorded.device)
+
+
+def warn_if_unfrozen(rl: GRPOConfig) -> None:
+    """The diagnostic switch is off-label: say so once, when the module is built."""
+    if rl.n_mini > 1 and not rl.freeze_pi_old and not rl.use_rollout_logprobs_for_loss:
+        log.warning("rl.freeze_pi_old=false at n_mini=%d: pi_old follows the drifting policy, the ratio returns to 1 "
+                    "on every mini-batch and the clip never binds. Diagnostic only; keep it true to train.", rl.n_mini)

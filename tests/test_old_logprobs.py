@@ -1,0 +1,294 @@
+"""Frozen pi_old across the window: the ahead pass, its gates, call-order keying and the one-shot probe."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import SMALL, clone, params_of, synthetic_batch
+
+from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.config import ConfigError, GRPOConfig
+from lightning_grpo.module import GRPOModule
+from lightning_grpo.old_logprobs import (
+    ForwardNoisePolicy,
+    NondeterministicForwardError,
+    OldLogprobCache,
+    PairingError,
+    needs_ahead_pass,
+)
+from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, build_tiny_policy
+
+LENS = [3, 9, 1, 6, 12, 2, 5, 8, 4, 10, 7, 11, 6, 2, 9, 3]  # 16 unequal completions
+
+
+def make(policy_dir, batch=16, mini=4, micro=2, lr=1e-2, **rl):
+    cfg = GRPOConfig(batch_per_replica=batch, group_size=2, mini_batch_per_replica=mini,
+                     micro_batch_per_replica=micro, **rl)
+    module = GRPOModule(policy=PolicyConfig(path=str(policy_dir)), rl=cfg)
+    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=lr))
+    return module
+
+
+def count_scores(module) -> list[bool]:
+    """Record the model's mode at every ahead-pass score call (True = train mode: the probe)."""
+    calls, real = [], module.old_logprobs.score
+
+    def score(chunk):
+        calls.append(module.policy.training)
+        return real(chunk)
+
+    module.old_logprobs.score = score
+    return calls
+
+
+def window_stats(window) -> tuple[float, float, float]:
+    """Token-weighted clip fraction, ratio mean, and the max ratio of one optimizer step's chunks."""
+    tokens = sum(float(c.tokens) for c in window)
+    clip = sum(float(c.clip_frac * c.tokens) for c in window) / tokens
+    ratio = sum(float(c.ratio_mean * c.tokens) for c in window) / tokens
+    return clip, ratio, max(float(c.ratio_max) for c in window)
+
+
+@pytest.fixture(scope="module")
+def dropout_policy_dir(tmp_path_factory):
+    return build_tiny_policy(tmp_path_factory.mktemp("dropout-policy"), replace(SMALL, dropout=0.1))
+
+
+# -- the clip binds only with frozen pi_old -------------------------------------------------------------------------
+@pytest.mark.parametrize("skip_first_mini", [True, False], ids=["skip-mini0", "full-walk"])
+def test_frozen_pi_old_first_mini_ratio_is_one_and_later_minis_clip(tiny_policy_dir, skip_first_mini):
+    module = make(tiny_policy_dir)  # n_mini=4 x n_micro=2
+    module.old_logprobs.skip_first_mini = skip_first_mini
+    for seed in (0, 1):  # the probe's loop step and a later one
+        result = module.update(synthetic_batch(LENS, seed=seed))
+        assert len(result.windows) == 4 and not any(s.skipped for s in result.steps)
+        first = [(float(c.ratio_mean), float(c.ratio_max), float(c.clip_frac)) for c in result.windows[0]]
+        assert first == [(1.0, 1.0, 0.0)] * 2  # trained before any update: exactly exp(0)
+        later = [window_stats(w) for w in result.windows[1:]]
+        assert all(ratio != 1.0 for _, ratio, _ in later)
+        assert any(clip > 0 for clip, _, _ in later), later
+    assert module.ahead_seconds > 0 and 0 < module.ahead_seconds < module.update_seconds
+
+
+def test_without_frozen_pi_old_the_clip_never_binds(tiny_policy_dir):
+    module = make(tiny_policy_dir, freeze_pi_old=False)
+    calls = count_scores(module)
+    for seed in (0, 1):
+        result = module.update(synthetic_batch(LENS, seed=seed))
+        for window in result.windows:
+            assert window_stats(window) == (0.0, 1.0, 1.0)  # pi_old = current: ratio returns to 1 every mini-batch
+    assert calls == [] and module.ahead_seconds == 0.0
+
+
+# -- call-order keying ----------------------------------------------------------------------------------------------
+def shuffled_batch():
+    """Unequal lengths with sample ids in a scrambled order (no id matches its row)."""
+    batch = synthetic_batch(LENS, seed=3)
+    return replace(batch, sample_ids=torch.randperm(len(LENS), generator=torch.Generator().manual_seed(9)) + 100)
+
+
+def record_walks(module):
+    """(ahead walk, training walk): sample ids and width of every chunk each pass scored."""
+    ahead, train = [], []
+    score, forward = module.old_logprobs.score, module.loop.forward_chunk
+
+    def ahead_score(chunk):
+        if not module.policy.training:  # the probe's re-score is not part of the walk
+            ahead.append((tuple(chunk.sample_ids.tolist()), chunk.input_ids.shape[1]))
+        return score(chunk)
+
+    def train_forward(chunk, old):
+        train.append((tuple(chunk.sample_ids.tolist()), chunk.input_ids.shape[1]))
+        return forward(chunk, old)
+
+    module.old_logprobs.score, module.loop.forward_chunk = ahead_score, train_forward
+    return ahead, train
+
+
+def test_ahead_and_training_walks_visit_identical_chunks(tiny_policy_dir):
+    module = make(tiny_policy_dir)
+    module.old_logprobs.skip_first_mini = False
+    ahead, train = record_walks(module)
+    module.update(shuffled_batch())
+    assert ahead == train and len(train) == 8
+    assert len({width for _, width in train}) > 1  # chunks are trimmed to unequal widths
+
+    module.old_logprobs.skip_first_mini = True  # the probe passed: mini-batch 0 leaves the walk
+    ahead.clear(), train.clear()
+    module.update(shuffled_batch())
+    assert ahead == train[2:]
+
+
+def test_non_contiguous_plan_pairs_by_call_order(tiny_policy_dir):
+    module = make(tiny_policy_dir)
+    module.old_logprobs.skip_first_mini = False
+    ahead, train = record_walks(module)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(4)).tolist()
+    plan = ChunkPlan(tuple(tuple(tuple(order[(mi * 2 + mc) * 2:(mi * 2 + mc) * 2 + 2]) for mc in range(2))
+                           for mi in range(4)))
+    batch = shuffled_batch()
+    pi_old = module.old_logprobs.compute(batch, plan)
+    module.loop.run(batch, plan, pi_old)
+    assert ahead == train and len(train) == 8
+
+
+def test_a_record_that_does_not_fit_its_chunk_is_refused(tiny_policy_dir):
+    module = make(tiny_policy_dir)
+    batch = synthetic_batch(LENS)
+    plan = ChunkPlan.fixed(16, 4, 2)
+    pi_old = module.old_logprobs.compute(batch, plan)
+    with pytest.raises(PairingError, match="chunk 3 of the training walk"):
+        module.loop.run(batch, plan, pi_old[:3] + [pi_old[4]] + pi_old[4:])  # chunk 3 gets chunk 4's record
+    with pytest.raises(ValueError, match="pi_old has 7 entries for a plan of 8 chunks"):
+        module.loop.run(batch, plan, pi_old[:7])
+
+
+# -- the one-shot determinism probe --------------------------------------------------------------------------------
+def test_probe_catches_dropout_left_on(dropout_policy_dir):
+    torch.manual_seed(0)
+    module = make(dropout_policy_dir)
+    before = params_of(module.policy)
+    with pytest.raises(NondeterministicForwardError) as err:
+        module.update(synthetic_batch(LENS))
+    msg = str(err.value)
+    assert "of completion tokens moved by more than 0.05 nats" in msg and "any token" in msg
+    assert "dropout left on" in msg and "MoE routing" in msg and "ForwardNoisePolicy" in msg
+    assert all(torch.equal(before[k], v) for k, v in params_of(module.policy).items())  # nothing trained
+    assert not module.policy.training  # the mode it had before the ahead pass
+
+
+def test_probe_accepts_the_noise_a_policy_declares(dropout_policy_dir):
+    torch.manual_seed(0)
+    module = make(dropout_policy_dir)
+    module.policy.forward_noise_policy = ForwardNoisePolicy(bound_nats=5.0)
+    module.update(synthetic_batch(LENS))
+    assert module.old_logprobs.probe_passed
+
+
+def test_probe_passes_a_deterministic_policy_and_runs_once(tiny_policy_dir):
+    module = make(tiny_policy_dir)
+    calls = count_scores(module)
+    for seed in range(3):
+        module.update(synthetic_batch(LENS, seed=seed))
+    assert calls.count(True) == 1  # one train-mode re-score in the whole run
+    # Step 1 probed chunk (0, 0) then left mini-batch 0; later steps score only minis 1..3 (6 chunks).
+    assert len(calls) == 1 + 1 + 6 + 6 + 6
+    assert module.old_logprobs.probe_passed and not module.policy.training
+
+
+def test_probe_state_survives_resume(tiny_policy_dir):
+    module = make(tiny_policy_dir)
+    module.update(synthetic_batch(LENS))
+    state = module.old_logprobs.state_dict()
+    resumed = make(tiny_policy_dir)
+    resumed.old_logprobs.load_state_dict(state)
+    calls = count_scores(resumed)
+    resumed.update(synthetic_batch(LENS, seed=1))
+    assert True not in calls and len(calls) == 6  # no second probe, and mini-batch 0 skipped from the start
+    assert OldLogprobCache(module.policy, module.old_logprobs.score).state_dict() == {"probe": None}
+
+
+def test_noise_policy_is_validated():
+    with pytest.raises(ValueError, match="bound_nats=0"):
+        ForwardNoisePolicy(bound_nats=0)
+    with pytest.raises(ValueError, match="max_fraction=1.0"):
+        ForwardNoisePolicy(max_fraction=1.0)
+
+
+# -- the gates ------------------------------------------------------------------------------------------------------
+class _NoRatio:
+    def needs_old_logprobs(self) -> bool:
+        return False
+
+
+class _Ratio:
+    def needs_old_logprobs(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("rl,objective,expected", [
+    ({"mini_batch_per_replica": 4}, _Ratio(), True),
+    ({"mini_batch_per_replica": 0}, _Ratio(), False),  # n_mini == 1: pi_old == current, exactly
+    ({"mini_batch_per_replica": 4, "use_rollout_logprobs_for_loss": True}, _Ratio(), False),  # sampler pi_old
+    ({"mini_batch_per_replica": 4}, _NoRatio(), False),  # e.g. distillation: no ratio to clip
+    ({"mini_batch_per_replica": 4, "freeze_pi_old": False}, _Ratio(), False),  # the diagnostic switch
+])
+def test_ahead_pass_gate(rl, objective, expected):
+    assert needs_ahead_pass(GRPOConfig(batch_per_replica=16, group_size=2, **rl), objective) is expected
+
+
+def test_freeze_pi_old_must_be_a_bool():
+    with pytest.raises(ConfigError, match="freeze_pi_old='yes': must be true or false"):
+        GRPOConfig(freeze_pi_old="yes")
+
+
+def test_n_mini_1_runs_no_ahead_pass_and_stays_byte_identical(tiny_policy_dir):
+    module = make(tiny_policy_dir, mini=0, micro=4)  # n_mini=1, n_micro=4
+    reference = clone(module)
+    reference.loop = reference.make_loop(torch.optim.AdamW(reference.policy.parameters(), lr=1e-2))
+    calls = count_scores(module)
+    batch = synthetic_batch(LENS)
+    module.update(batch)
+    reference.loop.run(batch, ChunkPlan.fixed(16, 1, 4))  # the path before the ahead pass existed
+    assert calls == [] and module.ahead_seconds == 0.0
+    a, b = params_of(module.policy), params_of(reference.policy)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rollout_logprobs_path_runs_no_ahead_pass(tiny_policy_dir):
+    module = make(tiny_policy_dir, use_rollout_logprobs_for_loss=True)
+    calls = count_scores(module)
+    result = module.update(synthetic_batch(LENS, with_logprobs=True))
+    assert calls == [] and len(result.steps) == 4
+
+
+def test_report_logs_ahead_time_and_share(tiny_policy_dir):
+    module = make(tiny_policy_dir)
+    module.report(module.update(synthetic_batch(LENS)), {})
+    m = module.last_metrics
+    assert m["grpo/ahead_seconds"] == module.ahead_seconds > 0
+    assert 0 < m["grpo/ahead_share"] < 1 and m["grpo/clip_frac"] > 0
+
+
+# -- regression run on the built-in task ----------------------------------------------------------------------------
+def arith_run(policy_dir, freeze: bool, steps: int = 30) -> tuple[float, float, list[float]]:
+    """Warm-started tiny policy, then GRPO at n_mini=8 on ``arith``: (val accuracy before, after, clip_frac per step)."""
+    from lightning_grpo.config import RolloutConfig
+    from lightning_grpo.data.prompts import PromptStream
+    from lightning_grpo.data.rewards import RewardSpec
+    from lightning_grpo.data.tasks import ArithTask, greedy_accuracy, warm_start
+    from lightning_grpo.metrics import roll_up
+    from lightning_grpo.rollout.hf import HFEngine
+
+    torch.manual_seed(0)
+    rl = GRPOConfig(batch_per_replica=64, group_size=8, mini_batch_per_replica=8, freeze_pi_old=freeze)
+    module = GRPOModule(policy=PolicyConfig(path=str(policy_dir)), rl=rl, rollout=RolloutConfig(max_new_tokens=4),
+                        rewards=[RewardSpec("arith")])
+    warm_start(module.policy, module.tokenizer, "arith", steps=400, seed=0)
+    task, val = ArithTask(), ArithTask().items(100, 1, "val")
+    before = greedy_accuracy(module.policy, module.tokenizer, val, max_new_tokens=4)
+    module.policy.train()  # as under a Trainer
+    module.engine = HFEngine(module.policy, module.tokenizer)
+    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=3e-4))
+    stream, clip = PromptStream(task.items(400, 0, "train"), seed=0), []
+    for step in range(steps):
+        batch, _ = module.collect(stream.step(step, rl.prompts_per_batch))
+        clip.append(roll_up(module.update(batch))["grpo/clip_frac"])
+    return before, greedy_accuracy(module.policy, module.tokenizer, val, max_new_tokens=4), clip
+
+
+@pytest.mark.slow
+def test_regression_n_mini_8_on_arith_learns_with_frozen_pi_old_and_never_clips_without(tmp_path):
+    pytest.importorskip("lightning_grpo.rollout.hf")
+    pytest.importorskip("lightning_grpo.data.prompts")
+    policy_dir = build_tiny_policy(tmp_path / "policy", TinyPolicySpec())  # hidden 128: learns arith after warm start
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the same numbers on every machine, and no fight over 2 shared cores
+    try:
+        before, after, clip = arith_run(policy_dir, freeze=True)
+        _, _, clip_unfrozen = arith_run(policy_dir, freeze=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert after >= before > 0, (before, after)  # keeps learning (measured: 0.26 -> 0.33)
+    assert sum(c > 0 for c in clip) >= 5, clip  # the trust region is active
+    assert clip_unfrozen == [0.0] * len(clip_unfrozen)  # pi_old follows the policy: the clip never binds
