@@ -11,6 +11,7 @@ import sys
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_grpo.data.prompts import PromptDataModule
+from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.summary import RunSummary
 
@@ -30,6 +31,10 @@ class GRPOCLI(LightningCLI):
     def before_fit(self) -> None:
         if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
             self.trainer.callbacks.append(RunSummary())
+        if not any(isinstance(cb, HandoffCallback) for cb in self.trainer.callbacks):
+            # Publishes the trainer's weights to the engine once per collected batch: without it a vLLM engine
+            # would sample from the initial checkpoint forever. Configure it under trainer.callbacks.
+            self.trainer.callbacks.append(HandoffCallback())
 
 
 def main(args: list[str] | None = None) -> None:

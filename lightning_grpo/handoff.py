@@ -1,0 +1,347 @@
+"""The colocated hand-off: one phase machine that passes the device between the rollout engine and the trainer.
+
+Every loop step runs the same cycle (the event log records it, names exactly as here)::
+
+    generate -> engine.sleep -> trainer.onload -> train
+             -> engine.wake_up(weights) -> weight_sync -> trainer.offload -> engine.wake_up(kv_cache)
+             -> next generate
+
+The second line (publication) runs lazily, at the start of the next loop step, so a
+checkpoint taken at the batch boundary always sees the trainer resident and the engine
+asleep. A run, fresh or resumed, starts at that boundary: the engine is put to sleep
+(on resume before the optimizer state is restored) and the first hand-off publishes the
+trainer's policy before any sampling. See docs/handoff.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, replace
+from enum import Enum
+from typing import Any, Literal
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_grpo.offload import OffloadBackend, TrainerOffload, memory_saver_usable, select_offload
+from lightning_grpo.profiling import LoopProfile, profiling_requested
+from lightning_grpo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, named_weights, push_weights
+
+log = logging.getLogger(__name__)
+
+GENERATE, ENGINE_SLEEP, TRAINER_ONLOAD, TRAIN = "generate", "engine.sleep", "trainer.onload", "train"
+WAKE_WEIGHTS, WEIGHT_SYNC = "engine.wake_up(weights)", "weight_sync"
+TRAINER_OFFLOAD, WAKE_KV_CACHE = "trainer.offload", "engine.wake_up(kv_cache)"
+CYCLE = (GENERATE, ENGINE_SLEEP, TRAINER_ONLOAD, TRAIN, WAKE_WEIGHTS, WEIGHT_SYNC, TRAINER_OFFLOAD, WAKE_KV_CACHE)
+"""One loop step's events, in order, with colocated offload on."""
+NO_SYNC = SyncStats(n_buckets=0, n_tensors=0, bytes=0, seconds=0.0)
+
+
+class Phase(str, Enum):
+    IDLE = "idle"
+    """Outside fit, or before the run reached its first batch boundary."""
+    BOUNDARY = "boundary"
+    """Trainer resident, engine asleep (colocated); publication pending. Checkpoints are taken here."""
+    PUBLISH = "publish"
+    """Waking the engine's weights, syncing, offloading the trainer, waking the KV cache."""
+    GENERATE = "generate"
+    """Engine awake with the current policy, trainer offloaded."""
+    TRAIN = "train"
+    """Engine asleep, trainer resident, the update running."""
+
+
+class HandoffCallback(Callback):
+    """Hands the device between rollout engine and trainer once per collected batch, and publishes weights.
+
+    ``GRPOModule.training_step`` calls ``on_rollout_end`` after generation and ``on_update_end``
+    after the update; Lightning calls the rest.
+
+    Args:
+        placement: ``colocated``: engine and trainer share the device, so they take turns;
+            ``disaggregated``: disjoint devices, nothing sleeps or moves (weights still sync).
+        colocated_offload: with ``colocated``: False keeps both resident for the whole step
+            (shorter step, both footprints at once) and builds a vLLM engine without sleep mode.
+        sleep_level: 1: the engine backs its weights up to host while asleep; 2: it discards
+            them, and the full sync before the next draw rewrites every parameter and buffer
+            (checked: a partial sync raises).
+        offload_backend: ``auto``: torch_memory_saver if usable, else host copies, nothing on
+            CPU; ``host``: host copies even on CPU (tests); ``torch_memory_saver``: required.
+        sync_bucket_mb: weight-sync bucket size; None = ``pl_module.rollout_cfg.sync_bucket_mb``.
+        profile: write ``profile.jsonl`` records under ``trainer.log_dir``; None = the
+            ``LIGHTNING_GRPO_PROFILE_LOOP`` environment variable.
+
+    Raises:
+        ValueError: a knob out of range (all problems listed at once).
+
+    Example::
+
+        trainer = Trainer(max_steps=100, callbacks=[HandoffCallback(sleep_level=2)])
+        trainer.fit(GRPOModule(rollout=RolloutConfig(engine="vllm")), datamodule=PromptDataModule())
+        trainer.callbacks[0].events[:5]  # ['engine.sleep', 'engine.wake_up(weights)', 'weight_sync', ...]
+    """
+
+    def __init__(self, placement: Literal["colocated", "disaggregated"] = "colocated", colocated_offload: bool = True,
+                 sleep_level: Literal[1, 2] = 1, offload_backend: OffloadBackend = "auto",
+                 sync_bucket_mb: float | None = None, profile: bool | None = None) -> None:
+        problems = []
+        if placement not in ("colocated", "disaggregated"):
+            problems.append(f"placement={placement!r}: must be 'colocated' or 'disaggregated'")
+        if sleep_level not in (1, 2):
+            problems.append(f"sleep_level={sleep_level!r}: must be 1 (weights kept on host) or 2 (discarded)")
+        if offload_backend not in ("auto", "torch_memory_saver", "host"):
+            problems.append(f"offload_backend={offload_backend!r}: must be 'auto', 'torch_memory_saver' or 'host'")
+        if sync_bucket_mb is not None and not sync_bucket_mb > 0:
+            problems.append(f"sync_bucket_mb={sync_bucket_mb!r}: must be > 0 (or None: the module's rollout config)")
+        if problems:
+            raise ValueError("HandoffCallback(" + "; ".join(problems) + ")")
+        self.placement, self.sleep_level, self.offload_backend = placement, sleep_level, offload_backend
+        self.handoff = placement == "colocated" and colocated_offload
+        """Whether engine sleep/wake and trainer offload/onload happen at all."""
+        self._sync_bucket_mb, self._profile_flag = sync_bucket_mb, profile
+        self._phase = Phase.IDLE
+        self._events: list[str] = []
+        self._stale = True  # the engine does not hold the trainer's current policy
+        self._discarded = False  # a level-2 sleep dropped the engine's weights since the last full sync
+        self._engine: Any = None
+        self._policy: nn.Module | None = None
+        self._offload: TrainerOffload | None = None  # chosen at first use: the optimizers exist by then
+        self._profile = LoopProfile(None)
+        self._state_dict_hook: Any = None
+        self._failure: BaseException | None = None
+        self.last_sync: SyncStats | None = None
+        """What the last weight sync moved (``NO_SYNC`` when the engine is the policy)."""
+        self._step_sync: SyncStats | None = None  # this loop step's sync, for the profile record
+        self._step_bytes = {"offloaded": 0, "onloaded": 0}
+
+    # -- read-only views -------------------------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def events(self) -> list[str]:
+        """Every transition so far, in order (names from ``CYCLE``)."""
+        return list(self._events)
+
+    @property
+    def engine_is_policy(self) -> bool:
+        """The engine generates with the trained module itself (``HFEngine``): a weight sync has nothing to move."""
+        return self._engine is not None and getattr(self._engine, "model", None) is self._policy
+
+    # -- Lightning hooks -------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and not self.handoff:
+            _build_engine_without_sleep_mode(pl_module)  # before pl_module.setup builds it
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Resume: runs after pl_module.setup built the engine and before the optimizer state is restored onto the
+        # device, so the engine sleeps first; the first hand-off then publishes the restored policy.
+        if trainer.training:
+            self._start(trainer, pl_module)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._require(Phase.BOUNDARY, Phase.GENERATE, hook="on_train_batch_start")
+        self._publish(pl_module)
+        self._event(GENERATE)
+
+    def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Generation done: the engine releases the device, the trainer takes it."""
+        self._require(Phase.GENERATE, hook="on_rollout_end")
+        self._sleep_engine()
+        self._onload_trainer()
+        self._event(TRAIN)
+        self._phase = Phase.TRAIN
+
+    def on_update_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The policy changed: the engine is stale until the next publication (lazy, before the next draw)."""
+        self._require(Phase.TRAIN, hook="on_update_end")
+        self._phase, self._stale = Phase.BOUNDARY, True
+        self._profile.boundary("report")
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._write_profile(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._phase is Phase.BOUNDARY:
+            self._publish(pl_module)  # validation samples from the engine: it must hold the current policy
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._failure = exception
+        self._cleanup(exception)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._phase in (Phase.PUBLISH, Phase.GENERATE, Phase.TRAIN):
+            self._cleanup(self._failure)  # a model handed back after fit is resident; the engine stays asleep
+        if self._state_dict_hook is not None:
+            self._state_dict_hook.remove()
+            self._state_dict_hook = None
+        self._phase, self._failure = Phase.IDLE, None
+
+    # -- the phase machine -----------------------------------------------------------------------------------------
+    def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Enter the batch boundary once per fit: engine asleep, trainer resident, publication pending."""
+        if self._phase is not Phase.IDLE:
+            return
+        self._engine = pl_module.engine
+        self._policy = getattr(pl_module, "policy", pl_module)
+        self._profile = self._make_profile(trainer, pl_module)
+        # Lightning reads the module's state_dict first thing in a save, before any callback hook runs: this pre-hook
+        # is the checkpoint window (engine asleep, trainer resident) whatever point of the step the save comes from.
+        self._state_dict_hook = pl_module.register_state_dict_pre_hook(lambda *_: self._checkpoint_window())
+        self._events, self._offload, self._stale, self._discarded = [], None, True, False
+        self._sleep_engine()
+        self._profile.boundary(None)  # start-up ends here: restore/sanity time is not charged to engine.sleep
+        self._phase = Phase.BOUNDARY
+
+    def _publish(self, pl_module: LightningModule) -> None:
+        """Boundary -> generate: wake weights, sync if stale, offload the trainer, wake the KV cache."""
+        if self._phase is not Phase.BOUNDARY:
+            return
+        self._phase = Phase.PUBLISH
+        if self.handoff:
+            self._event(WAKE_WEIGHTS)
+            self._engine.wake_up(["weights"])
+        if self._stale or self._discarded:
+            self._event(WEIGHT_SYNC)
+            self.last_sync = self._step_sync = self._sync(pl_module)
+            self._stale = self._discarded = False
+        if self.handoff:
+            self._event(TRAINER_OFFLOAD)
+            self._step_bytes["offloaded"] += self._trainer_offload(pl_module).offload()
+            self._event(WAKE_KV_CACHE)
+            self._engine.wake_up(["kv_cache"])
+        self._phase = Phase.GENERATE
+
+    def _sync(self, pl_module: LightningModule) -> SyncStats:
+        """Push every parameter and persistent buffer to the engine, once per collected batch."""
+        if self.engine_is_policy:
+            return NO_SYNC  # HFEngine generates with this very module: its weights are already the policy's
+        expected = [name for name, _ in named_weights(self._policy)]
+        pushed: list[str] = []
+        bucket_mb = self._sync_bucket_mb or getattr(getattr(pl_module, "rollout_cfg", None), "sync_bucket_mb", None)
+        bucket = int(bucket_mb * (1 << 20)) if bucket_mb else DEFAULT_BUCKET_BYTES
+        stats = push_weights(_recorded(named_weights(self._policy), pushed), self._engine, bucket_bytes=bucket)
+        if self._discarded and sorted(pushed) != sorted(expected):
+            missing = sorted(set(expected) - set(pushed))[:5]
+            raise RuntimeError(
+                f"weight sync after a level-2 sleep rewrote {len(pushed)} of {len(expected)} tensors (missing e.g. "
+                f"{missing}): the engine discarded its weights, so the sync must rewrite every parameter and buffer"
+            )
+        return stats
+
+    def _sleep_engine(self) -> None:
+        if self.handoff:
+            self._event(ENGINE_SLEEP)
+            self._engine.sleep(self.sleep_level)
+            self._discarded = self._discarded or self.sleep_level == 2
+
+    def _onload_trainer(self) -> None:
+        if self.handoff:
+            self._event(TRAINER_ONLOAD)
+            if self._offload is not None:  # None: never offloaded yet, so resident
+                self._step_bytes["onloaded"] += self._offload.onload()
+
+    def _checkpoint_window(self) -> None:
+        """A save is reading the module: make sure the trainer is resident and the engine asleep."""
+        if self._phase in (Phase.GENERATE, Phase.PUBLISH):  # a validation or emergency save after publication
+            self._sleep_engine()
+            self._onload_trainer()
+            self._phase = Phase.BOUNDARY  # level 1: weights come back on wake; level 2: _discarded forces a sync
+
+    def _cleanup(self, exception: BaseException | None) -> None:
+        """Engine asleep, trainer resident. While ``exception`` is in flight, a cleanup failure never replaces it."""
+        try:
+            if self._engine is not None:
+                self._sleep_engine()  # idempotent; re-releases weights after a weights-only wake
+                self._onload_trainer()
+            self._phase = Phase.BOUNDARY
+        except Exception as err:
+            self._phase = Phase.IDLE  # state unknown: the machine stops managing anything
+            if exception is None:
+                raise
+            log.error("hand-off cleanup failed while handling %r: %r", exception, err)
+            if hasattr(exception, "add_note"):  # Python >= 3.11
+                exception.add_note(f"(the hand-off cleanup also failed: {err!r})")
+
+    def _event(self, name: str) -> None:
+        self._events.append(name)
+        self._profile.boundary(name)
+
+    def _require(self, *phases: Phase, hook: str) -> None:
+        if self._phase not in phases:
+            raise RuntimeError(
+                f"HandoffCallback.{hook} in phase {self._phase.value!r}, expected {[p.value for p in phases]}: "
+                "the hand-off hooks ran out of order (is the callback attached to the trainer that runs the module?)"
+            )
+
+    # -- setup helpers ---------------------------------------------------------------------------------------------
+    def _trainer_offload(self, pl_module: LightningModule) -> TrainerOffload:
+        if self._offload is None:
+            self._offload = self._select_offload(pl_module.trainer, pl_module)
+        return self._offload
+
+    def _select_offload(self, trainer: Trainer, pl_module: LightningModule) -> TrainerOffload:
+        device = pl_module.device
+        usable, why_not = memory_saver_usable() if device.type == "cuda" else (False, "not on CUDA")
+        usable = trainer.strategy.reduce_boolean_decision(usable, all=True)  # every rank uses the same backend
+        if self.engine_is_policy:
+            # The engine generates with the policy itself: its parameters stay; the rest of the trainer moves.
+            modules = [m for m in pl_module.children() if not _shares_parameters(m, self._policy)]
+            return select_offload(self.offload_backend, modules, trainer.optimizers, device, False, "engine is policy")
+        return select_offload(self.offload_backend, [pl_module], trainer.optimizers, device, usable, why_not)
+
+    def _make_profile(self, trainer: Trainer, pl_module: LightningModule) -> LoopProfile:
+        wanted = profiling_requested() if self._profile_flag is None else self._profile_flag
+        if not trainer.strategy.broadcast(wanted):
+            return LoopProfile(None)
+        name = "profile.jsonl" if trainer.global_rank == 0 else f"profile.rank{trainer.global_rank}.jsonl"
+        return LoopProfile(f"{trainer.log_dir or trainer.default_root_dir}/{name}", pl_module.device)
+
+    def _write_profile(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loop = getattr(pl_module, "loop", None)
+        sync, self._step_sync = self._step_sync, None
+        self._profile.write(
+            loop_step=loop.progress.loop_step if loop is not None else trainer.global_step,
+            global_step=trainer.global_step, placement=self.placement, handoff=self.handoff,
+            sleep_level=self.sleep_level, offload_backend=self._offload.kind if self._offload else None,
+            engine_is_policy=self.engine_is_policy, sync=None if sync is None else asdict(sync),
+            offload_bytes=dict(self._step_bytes),
+        )
+        self._step_bytes = {"offloaded": 0, "onloaded": 0}
+
+
+def _build_engine_without_sleep_mode(pl_module: LightningModule) -> None:
+    """colocated_offload=false / disaggregated: a vLLM engine that never sleeps need not reserve sleep-mode memory."""
+    cfg = getattr(pl_module, "rollout_cfg", None)
+    if cfg is None or getattr(cfg, "engine", None) != "vllm" or getattr(pl_module, "engine", None) is not None:
+        return
+    from lightning_grpo.rollout.vllm import VLLMConfig
+
+    vllm = cfg.vllm or VLLMConfig()
+    if vllm.enable_sleep_mode is None:  # an explicit choice is the user's
+        pl_module.rollout_cfg = replace(cfg, vllm=replace(vllm, enable_sleep_mode=False))
+
+
+def _recorded(named: Iterable[tuple[str, Tensor]], names: list[str]) -> Iterator[tuple[str, Tensor]]:
+    for name, tensor in named:
+        names.append(name)
+        yield name, tensor
+
+
+def _shares_parameters(module: nn.Module, other: nn.Module) -> bool:
+    mine = {id(p) for p in module.parameters()}
+    return module is other or any(id(p) in mine for p in other.parameters())
