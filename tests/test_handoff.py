@@ -144,11 +144,11 @@ def test_hf_engine_is_the_policy_so_the_sync_moves_nothing(tmp_path):
 
 
 class ValidatingModule(GRPOModule):
-    """Validation samples from the engine, so it runs after a publication (the engine must be awake)."""
+    """GRPOModule's validation samples from the engine, so it must run after a publication (engine awake)."""
 
     def validation_step(self, records, batch_idx):
         assert not self.engine.asleep, "validation must sample from an awake engine"
-        self.engine.generate([self._to_prompt(r) for r in records], self.rl.group_size, self.sampling())
+        return super().validation_step(records, batch_idx)
 
 
 @pytest.mark.parametrize("level", [1, 2])
