@@ -1,0 +1,271 @@
+"""Prompts with deterministic ids, one list per loop step, sharded over data-parallel ranks.
+
+The prompt stream is one global sequence: epoch ``e`` is the source in the order of a
+permutation seeded by ``seed + e``, and stream position ``p`` is epoch ``p // n``,
+slot ``p % n``. Loop step ``s`` takes positions ``s*P .. s*P + P - 1`` (``P`` =
+``prompts_per_step``); rank ``r`` of ``W`` takes the contiguous slice ``r*P/W ..
+(r+1)*P/W - 1`` of them. A prompt's id *is* its position, so ids are unique across
+ranks, monotonic, identical in two runs, and a group (one prompt's completions)
+never spans two ranks. Resuming from ``state_dict`` continues at the next step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
+
+from lightning_grpo.data.sources import load_items
+from lightning_grpo.data.tasks import TaskItem, encode_prompt
+from lightning_grpo.rollout.base import Prompt
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt of the stream."""
+
+    id: int
+    """Global stream position: unique across ranks, the same in every run (the group id of its completions)."""
+    text: str
+    answer: str | None = None
+    """Reference answer for verifiable rewards, if the source has one."""
+    meta: dict = field(default_factory=dict)
+    """Source extras: ``source_index`` (row in the source), ``epoch``, and the row's other columns."""
+
+    def to_prompt(self, tokenizer) -> Prompt:
+        """The engine's ``Prompt``: tokenized by ``tasks.encode_prompt`` (the encoding ``warm_start`` trains on)."""
+        return Prompt(self.id, encode_prompt(tokenizer, self.text), self.text, self.answer, self.meta)
+
+
+class PromptStream:
+    """The global prompt stream over ``items`` (see the module docstring); pure, no state."""
+
+    def __init__(self, items: Sequence[TaskItem], seed: int = 0, shuffle: bool = True) -> None:
+        self.items, self.seed, self.shuffle = items, seed, shuffle
+        self._orders: dict[int, list[int]] = {}
+
+    def record(self, position: int) -> PromptRecord:
+        epoch, slot = divmod(position, len(self.items))
+        index = self._order(epoch)[slot]
+        item = self.items[index]
+        return PromptRecord(position, item.text, item.answer, {"source_index": index, "epoch": epoch, **item.meta})
+
+    def step(self, step: int, prompts_per_step: int, rank: int = 0, world_size: int = 1) -> list[PromptRecord]:
+        """Rank ``rank``'s share of loop step ``step``: ids ``step*P + rank*P/W + i``."""
+        per_rank = prompts_per_step // world_size
+        start = step * prompts_per_step + rank * per_rank
+        return [self.record(p) for p in range(start, start + per_rank)]
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.items)))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
+            self._orders = {epoch: order}  # one epoch cached: a step spans at most two, each built once per epoch
+        return self._orders[epoch]
+
+
+class _Steps(IterableDataset):
+    """Yields one list of records per loop step, forever, from ``start()`` on (read when iteration begins)."""
+
+    def __init__(self, records: Callable[[int], list[PromptRecord]], start: Callable[[], int]) -> None:
+        self._records, self._start = records, start
+
+    def __iter__(self) -> Iterator[list[PromptRecord]]:
+        step = self._start()
+        while True:
+            yield self._records(step)
+            step += 1
+
+
+class _Fixed(IterableDataset):
+    """A finite, already sharded list of per-step record lists (validation)."""
+
+    def __init__(self, batches: list[list[PromptRecord]]) -> None:
+        self._batches = batches
+
+    def __iter__(self) -> Iterator[list[PromptRecord]]:
+        return iter(self._batches)
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+class PromptDataModule(LightningDataModule):
+    """Prompt lists for the GRPO loop: one list (this rank's share) per loop step, with deterministic ids.
+
+    The train loader is an infinite ``IterableDataset`` with ``batch_size=None``, so Lightning
+    injects no ``DistributedSampler``: the sharding is ours (see the module docstring). The
+    position (steps consumed) advances when a training batch reaches the model
+    (``on_before_batch_transfer``), so a checkpoint taken after a step resumes with the next one.
+
+    Args:
+        source: ``"builtin:<task>"`` (e.g. ``builtin:arith``), a ``.jsonl`` path, or (from Python)
+            a ``datasets.Dataset`` / list of dicts.
+        prompts_per_step: prompts per loop step over all data-parallel ranks (each rank gets
+            ``prompts_per_step / world_size``); None = the module's ``rl.prompts_per_batch``.
+        prompt_key: column of the prompt text in a file or dataset.
+        answer_key: column of the reference answer; null when the prompts have none.
+        prompt_template: ``"gsm8k"`` or a format string with ``{prompt}`` wrapped around every prompt; null = as is.
+        seed: seeds the per-epoch shuffle (``seed + epoch``) and a built-in task's draw.
+        shuffle: reshuffle every epoch; off = source order.
+        builtin_size: prompts drawn from a built-in task for training.
+        val_source: held-out prompts (same forms as ``source``); null = a built-in task's held-out split,
+            or no validation for other sources.
+        val_size: held-out prompts to use (first ``val_size`` of a file); 0 disables validation.
+
+    Example::
+
+        dm = PromptDataModule("builtin:arith", prompts_per_step=4)
+        first = next(iter(dm.train_dataloader()))  # [PromptRecord(id=0, ...), ..., PromptRecord(id=3, ...)]
+    """
+
+    def __init__(
+        self,
+        source: str | Sequence[Mapping[str, Any]] = "builtin:arith",
+        prompts_per_step: int | None = None,
+        prompt_key: str = "prompt",
+        answer_key: str | None = "answer",
+        prompt_template: str | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        builtin_size: int = 10_000,
+        val_source: str | Sequence[Mapping[str, Any]] | None = None,
+        val_size: int = 64,
+    ) -> None:
+        super().__init__()
+        if prompts_per_step is not None and (not isinstance(prompts_per_step, int) or prompts_per_step < 1):
+            raise ValueError(f"PromptDataModule(prompts_per_step={prompts_per_step!r}): must be a positive integer")
+        if val_size < 0:
+            raise ValueError(f"PromptDataModule(val_size={val_size}): must be >= 0 (0 disables validation)")
+        self.source, self.val_source = source, val_source
+        self.prompts_per_step = prompts_per_step
+        self._load = {
+            "prompt_key": prompt_key,
+            "answer_key": answer_key,
+            "prompt_template": prompt_template,
+            "seed": seed,
+        }
+        self.seed, self.shuffle, self.builtin_size, self.val_size = seed, shuffle, builtin_size, val_size
+        self.rank, self.world_size = 0, 1
+        self._stream: PromptStream | None = None
+        self._val_items: list[TaskItem] | None = None
+        self._consumed = 0
+
+    # -- setup -------------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        """Read rank/world and ``prompts_per_step`` from the trainer (if attached), then load the sources."""
+        if self.trainer is not None:
+            self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
+            if self.prompts_per_step is None:
+                self.prompts_per_step = self._prompts_from_module()
+        if self.prompts_per_step is None:
+            raise ValueError("PromptDataModule(prompts_per_step=None): without a trainer, give prompts_per_step")
+        if self.prompts_per_step % self.world_size:
+            raise ValueError(
+                f"PromptDataModule(prompts_per_step={self.prompts_per_step}): must divide evenly over "
+                f"{self.world_size} data-parallel ranks (a prompt's group never splits across ranks)"
+            )
+        if self._stream is None:
+            items = load_items(self.source, size=self.builtin_size, split="train", **self._load)
+            self._stream = PromptStream(items, self.seed, self.shuffle)
+            self._val_items = self._load_val()
+
+    def _prompts_from_module(self) -> int:
+        rl = getattr(self.trainer.lightning_module, "rl", None)
+        if rl is None or not hasattr(rl, "prompts_per_batch"):
+            raise ValueError(
+                "PromptDataModule(prompts_per_step=None) reads trainer.lightning_module.rl.prompts_per_batch, "
+                f"which {type(self.trainer.lightning_module).__name__} lacks; give prompts_per_step"
+            )
+        return int(rl.prompts_per_batch)
+
+    def _load_val(self) -> list[TaskItem]:
+        if self.val_size == 0:
+            return []
+        if self.val_source is not None:
+            return load_items(self.val_source, size=self.val_size, split="train", **self._load)[: self.val_size]
+        if isinstance(self.source, str) and self.source.startswith("builtin:"):
+            return load_items(self.source, size=self.val_size, split="val", **self._load)
+        return []  # a file/dataset source with no val_source: nothing is held out unless asked
+
+    # -- stream --------------------------------------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        """Loop steps consumed so far (the next training batch is this step's prompts)."""
+        return self._consumed
+
+    def records(self, step: int) -> list[PromptRecord]:
+        """This rank's prompts of loop step ``step``."""
+        self._ensure_setup()
+        return self._stream.step(step, self.prompts_per_step, self.rank, self.world_size)
+
+    def val_batches(self) -> list[list[PromptRecord]]:
+        """This rank's held-out prompts, one list per validation step; ids are held-out indices.
+
+        The last step wraps around to the start, so every rank gets the same number of equal lists
+        (uneven ranks would hang a distributed validation loop); wrapped prompts repeat their ids.
+        """
+        self._ensure_setup()
+        items, per_rank, n = self._val_items, self.prompts_per_step // self.world_size, len(self._val_items)
+        batches = []
+        for step in range(-(-n // self.prompts_per_step) if n else 0):
+            start = step * self.prompts_per_step + self.rank * per_rank
+            ids = [(start + i) % n for i in range(per_rank)]
+            batches.append([PromptRecord(i, items[i].text, items[i].answer, {"source_index": i}) for i in ids])
+        return batches
+
+    def _ensure_setup(self) -> None:
+        if self._stream is None:
+            self.setup("fit")
+
+    # -- loaders -------------------------------------------------------------------------------------------------
+    @override
+    def train_dataloader(self) -> DataLoader:
+        self._ensure_setup()
+        return DataLoader(_Steps(self.records, lambda: self._consumed), batch_size=None, collate_fn=_as_is)
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        batches = self.val_batches()
+        return DataLoader(_Fixed(batches), batch_size=None, collate_fn=_as_is) if batches else []
+
+    @override
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        # Records are text: nothing to move. Lightning's default would also refuse the frozen dataclasses.
+        return batch
+
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Advance the position when a training batch reaches the model (not when the loader prefetches it)."""
+        if self.trainer is None or self.trainer.training:
+            self.mark_consumed(batch)
+        return batch
+
+    def mark_consumed(self, batch: Sequence[PromptRecord]) -> None:
+        """Record that ``batch`` (one step's records) was used; loops without a Trainer call this themselves."""
+        if batch:
+            self._consumed = max(self._consumed, batch[0].id // self.prompts_per_step + 1)
+
+    # -- checkpoint ----------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self._consumed, "prompts_per_step": self.prompts_per_step, "seed": self.seed}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("prompts_per_step")
+        if self.prompts_per_step is not None and saved is not None and saved != self.prompts_per_step:
+            raise ValueError(
+                f"resumed PromptDataModule(prompts_per_step={self.prompts_per_step}) but the checkpoint used {saved}: "
+                "the prompt stream would not continue where it stopped; keep prompts_per_step unchanged"
+            )
+        self.prompts_per_step = self.prompts_per_step or saved
+        self._consumed = int(state_dict["position"])

@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from lightning_grpo.data.rewards import math_answer
+from lightning_grpo.data.tasks import (
+    GSM8K_TEMPLATE,
+    ArithTask,
+    TaskItem,
+    encode_prompt,
+    get_task,
+    greedy_accuracy,
+    render_gsm8k,
+    warm_start,
+)
+from lightning_grpo.policy import CHARS, PolicyConfig, load_policy
+from lightning_grpo.rollout.base import Prompt, Rollout
+
+
+def test_arith_items_are_deterministic_and_correct():
+    task = get_task("arith")
+    items = task.items(200, seed=5)
+    assert items == task.items(200, seed=5)
+    assert items != task.items(200, seed=6)
+    for it in items:
+        a, b = it.text[:-1].split("+")
+        assert it.text.endswith("=") and it.answer == str(int(a) + int(b))
+        assert 0 <= int(a) <= task.max_operand and 0 <= int(b) <= task.max_operand
+    assert all(c in CHARS for it in items for c in it.text + it.answer)
+
+
+def test_val_split_is_held_out():
+    task = ArithTask()
+    train = {it.text for it in task.items(3000, seed=0)}
+    val = {it.text for it in task.items(300, seed=0, split="val")}
+    assert val and not train & val
+    # Every pair lands in one split: together they cover the whole problem space.
+    assert len(train | val) == (task.max_operand + 1) ** 2
+
+
+def test_unknown_task_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown built-in task 'sort'; known tasks: arith"):
+        get_task("sort")
+
+
+def test_render_gsm8k():
+    item = render_gsm8k({"question": "Tom has 3 apples and buys 5. How many?", "answer": "3 + 5 = 8\n#### 8"})
+    assert item == TaskItem(GSM8K_TEMPLATE.format(prompt="Tom has 3 apples and buys 5. How many?"), "8")
+    completion = Rollout(Prompt(0, [1], item.text, item.answer), [2], "3 plus 5 is 8\n#### 8", "stop")
+    assert math_answer([completion]) == [1.0]
+
+
+@pytest.fixture
+def policy(tiny_policy_dir):
+    return load_policy(PolicyConfig(path=str(tiny_policy_dir)))
+
+
+def test_encode_prompt_is_plain_characters(policy):
+    _, tok = policy
+    assert tok.convert_ids_to_tokens(encode_prompt(tok, "12+3=")) == list("12+3=")
+
+
+def test_warm_start_lowers_the_loss_and_leaves_rng_and_mode_alone(policy):
+    model, tok = policy
+    model.eval()
+    rng_before = torch.get_rng_state()
+    short = warm_start(model, tok, "arith", steps=1, seed=0, batch_size=8)
+    longer = warm_start(model, tok, ArithTask(), steps=12, seed=0, batch_size=8, lr=1e-2)
+    assert longer.steps == 12 and longer.seconds > 0
+    assert longer.loss < short.loss
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert not model.training
+
+
+def test_greedy_accuracy_is_a_fraction(policy):
+    model, tok = policy
+    acc = greedy_accuracy(model, tok, ArithTask().items(10, seed=0), max_new_tokens=3)
+    assert 0.0 <= acc <= 1.0
