@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from lightning.pytorch.cli import LightningCLI
+import yaml
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.handoff import HandoffCallback
@@ -37,6 +38,30 @@ class GRPOCLI(LightningCLI):
             self.trainer.callbacks.append(HandoffCallback())
 
 
+class LoggedConfig(SaveConfigCallback):
+    """Saves ``config.yaml`` beside the logs, as Lightning does, and logs every key to the run's loggers.
+
+    Keys are the CLI's dotted keys (``model.rl.mini_batch_per_replica``), the names a W&B sweep's
+    parameters use, so a run's logged params line up with the sweep that launched it (CSV: ``hparams.yaml``).
+    """
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        params = flatten(yaml.safe_load(self.parser.dump(self.config, skip_none=False)))
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """Nested dicts -> one level of dotted keys; lists and scalars stay values."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] == "plot":
@@ -51,7 +76,8 @@ def main(args: list[str] | None = None) -> None:
         seed_everything_default=0,
         # Sweeps re-run in one directory: overwrite the saved config instead of aborting.
         save_config_kwargs={"overwrite": True},
-        args=argv,
+        save_config_callback=LoggedConfig,
+        args=args,  # None: LightningCLI reads sys.argv itself (passing both warns)
     )
 
 

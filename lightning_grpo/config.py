@@ -95,10 +95,12 @@ class GRPOConfig:
 
     @property
     def prompts_per_batch(self) -> int:
+        """Prompts per loop step (per replica): batch_per_replica / group_size."""
         return self.batch_per_replica // self.group_size
 
     @property
     def clip_high(self) -> float:
+        """Upper clip range in use: epsilon_high, or epsilon when it is None."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     def rank_sizes(self, dp_size: int) -> RankSizes:
@@ -173,8 +175,11 @@ class OptimConfig:
     lr: float = 1e-5
     """Peak learning rate (AdamW)."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment decay rates (beta1, beta2)."""
     eps: float = 1e-8
+    """AdamW denominator epsilon."""
     warmup_steps: int = 0
     """Linear warmup, in optimizer steps (not loop steps)."""
     schedule: Literal["constant", "cosine"] = "constant"

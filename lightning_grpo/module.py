@@ -128,6 +128,14 @@ class GRPOModule(LightningModule):
         # 4. report: one roll-up per collected batch
         self.report(result, rollout_metrics)
 
+    def validation_step(self, records, batch_idx: int) -> None:
+        """Held-out prompts, greedy, through the same engine: ``val/reward`` (see ``lightning_grpo/validation.py``)."""
+        from lightning_grpo.validation import greedy_scores
+
+        metrics = greedy_scores(self, records)
+        metrics["step"] = float(self.loop.progress.loop_step if self.loop else 0)  # x-axis: the loop step
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=len(records), sync_dist=True)
+
     # -- the phases ---------------------------------------------------------------------------------------------------
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate ``group_size`` completions per prompt, score them, normalize per group."""

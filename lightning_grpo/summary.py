@@ -13,16 +13,18 @@ class RunSummary(Callback):
 
     Args:
         window: loop steps averaged for the "first" and "last" reward.
+        plot: with a ``CSVLogger``, draw the curves (``lightning-grpo plot``) into ``curves.png`` in
+            its log dir when the run ends; False (or matplotlib missing) prints the command instead.
 
     Example::
 
         Trainer(callbacks=[RunSummary(window=5)])
     """
 
-    def __init__(self, window: int = 5) -> None:
+    def __init__(self, window: int = 5, plot: bool = True) -> None:
         if window < 1:
             raise ValueError(f"RunSummary(window={window}): must be >= 1")
-        self.window = window
+        self.window, self.plot = window, plot
         self._rewards: list[float] = []
         self._tokens = 0.0
         self._start = 0.0
@@ -41,7 +43,7 @@ class RunSummary(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:
-            print(self.report(trainer), flush=True)
+            print(self.report(trainer) + self._curves(trainer), flush=True)
 
     def report(self, trainer: Trainer) -> str:
         seconds = time.perf_counter() - self._start
@@ -57,6 +59,27 @@ class RunSummary(Callback):
             f"  logs             {trainer.log_dir}",
         ]
         return "\n".join(lines)
+
+    def _curves(self, trainer: Trainer) -> str:
+        """The summary's last line: where the curves PNG is, or the command that makes it (rank 0 only)."""
+        from lightning.pytorch.loggers import CSVLogger
+
+        from lightning_grpo.plot import PlotError, plot_curves
+
+        csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+        if csv_logger is None:
+            return ""  # no CSV to plot (e.g. only W&B, which draws its own curves)
+        command = f"lightning-grpo plot {csv_logger.log_dir}"
+        if not self.plot:
+            return f"\n  curves           {command}"
+        csv_logger.save()  # flush the buffered rows now: the logger's own final save comes after this hook
+        try:
+            png, _ = plot_curves(csv_logger.experiment.metrics_file_path)
+        except PlotError as err:
+            return f"\n  curves           {command}  ({err})"
+        except Exception as err:  # noqa: BLE001 - a plotting failure must not fail a finished run
+            return f"\n  curves           {command}  (plot failed: {err!r})"
+        return f"\n  curves           {png}  (redraw: {command})"
 
     def state_dict(self) -> dict:
         return {"rewards": list(self._rewards), "tokens": self._tokens}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 
@@ -10,6 +11,14 @@ from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.policy import TinyPolicySpec
 
 SMALL = TinyPolicySpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+
+QUICKSTART_ARGS = [
+    "--config", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
+    # shortened: 2 loop steps, a validation after each, 16 held-out prompts, a shorter warm start (cached per session)
+    "--trainer.max_steps=2", "--trainer.val_check_interval=1", "--data.val_size=16",
+    "--model.policy.warm_start_steps=30",
+]
+"""``lightning-grpo fit`` arguments of the shortened quickstart (the quickstart_run fixture, the sweep test)."""
 
 
 def synthetic_batch(completion_lens: list[int], prompt_len: int = 4, vocab: int = 80, seed: int = 0,

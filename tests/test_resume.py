@@ -1,0 +1,302 @@
+"""Complete, atomic checkpoints at the batch boundary, and a resume after kill -9 that continues bit-identically."""
+
+import csv
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from helpers import TINY_JOB, StepRecorder, fit_tiny, global_determinism_restored, tiny_grpo_module
+
+import lightning_grpo.checkpoint as ckpt_mod
+from lightning_grpo.checkpoint import (
+    AtomicCheckpointIO,
+    GRPOCheckpoint,
+    checkpoint_name,
+    complete_checkpoints,
+    config_path,
+    find_last_checkpoint,
+    resolve_ckpt_path,
+)
+
+TESTS = Path(__file__).parent
+LOOP_STEPS = 4
+WALL_CLOCK = {"grpo/ahead_seconds", "grpo/ahead_share"}  # timings: the only columns allowed to differ
+
+
+@pytest.fixture(autouse=True)
+def _restore_switches():
+    with global_determinism_restored():
+        yield
+
+
+# -- the atomic writer -----------------------------------------------------------------------------------------------
+def test_exception_inside_the_writer_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    io, first = AtomicCheckpointIO(), tmp_path / checkpoint_name(1)
+    io.save_checkpoint({"w": torch.arange(4)}, first)
+
+    def torn(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", torn)
+    for target in (first, tmp_path / checkpoint_name(2)):  # overwrite the same name, and write the next one
+        with pytest.raises(OSError, match="injected"):
+            io.save_checkpoint({"w": torch.zeros(4)}, target)
+    assert torch.equal(io.load_checkpoint(first)["w"], torch.arange(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]  # no torn file, no temp file left
+
+
+def test_kill9_while_writing_leaves_the_previous_checkpoint(tmp_path):
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"w": torch.arange(4)}, tmp_path / checkpoint_name(1))
+    pid = os.fork()
+    if pid == 0:  # child: SIGKILL itself half-way through writing loop step 2
+        def dying(obj, f):
+            f.write(b"x" * 4096)
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = dying
+        io.save_checkpoint({"w": torch.zeros(4)}, tmp_path / checkpoint_name(2))
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert [p.name for p in tmp_path.glob(".*.tmp-*")] == [f".{checkpoint_name(2)}.tmp-{pid}"]  # the torn bytes
+    assert complete_checkpoints(tmp_path) == [tmp_path / checkpoint_name(1)] == [find_last_checkpoint([tmp_path])]
+    assert torch.equal(io.load_checkpoint(find_last_checkpoint([tmp_path]))["w"], torch.arange(4))
+
+
+def test_loading_never_unpickles_code(tmp_path):
+    path = tmp_path / checkpoint_name(1)
+    torch.save({"fn": SimpleNamespace(x=1)}, path)  # an arbitrary object: needs code to rebuild
+    with pytest.raises(Exception, match="[Ww]eights only"):
+        AtomicCheckpointIO().load_checkpoint(path, weights_only=False)
+
+
+def test_every_rank_gets_its_own_rng_streams_back():
+    """Two ranks' states gathered (as under DDP), saved, loaded weights_only; rank 1 restores rank 1's streams."""
+    import random
+
+    import numpy as np
+
+    def draw():
+        return torch.rand(3).tolist(), np.random.rand(2).tolist(), random.random(), random.gauss(0, 1)
+
+    per_rank = []
+    for r in (0, 1):
+        torch.manual_seed(10 + r), np.random.seed(20 + r), random.seed(30 + r), random.gauss(0, 1)
+        per_rank.append((ckpt_mod.rng_state(), draw()))
+    stack = {k: torch.stack([per_rank[0][0][k], per_rank[1][0][k]]) for k in per_rank[0][0]}
+    rows = iter(stack.values())  # gather_rng_states all-gathers the keys in rng_state()'s order
+    trainer = SimpleNamespace(world_size=2, global_rank=1, strategy=SimpleNamespace(
+        root_device=torch.device("cpu"), all_gather=lambda t: next(rows)))
+    torch.manual_seed(10), np.random.seed(20), random.seed(30), random.gauss(0, 1)  # this process is "rank 0"
+    gathered = ckpt_mod.gather_rng_states(trainer)
+    buffer = io.BytesIO()
+    torch.save({"rng": gathered}, buffer)
+    buffer.seek(0)
+    ckpt_mod.restore_state(trainer, SimpleNamespace(), torch.load(buffer, weights_only=True))
+    assert draw() == per_rank[1][1]
+
+
+# -- the callback ------------------------------------------------------------------------------------------------------
+def test_constructor_validation_lists_every_problem():
+    with pytest.raises(ValueError, match=r"GRPOCheckpoint\(every_n_loop_steps=-1: .*; keep_last=-2: "):
+        GRPOCheckpoint(every_n_loop_steps=-1, keep_last=-2)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded-folder"])
+def test_cadence_counts_loop_steps_renames_finished_saves_and_keeps_the_last(tmp_path, sharded):
+    saved = []
+
+    def save_checkpoint(path, weights_only=None):  # a file (CheckpointIO), or a folder (FSDP2 sharded save)
+        path = Path(path)
+        assert path.name.startswith(".") and not path.exists()  # written under a staging name
+        saved.append(path.name)
+        if sharded:
+            path.mkdir()
+            (path / "shard0").write_bytes(b"x")
+        else:
+            path.write_bytes(b"ckpt")
+
+    module = SimpleNamespace(loop=SimpleNamespace(progress=SimpleNamespace(loop_step=0)))
+    trainer = SimpleNamespace(is_global_zero=True, callbacks=[], lightning_module=module, max_steps=0,
+                              save_checkpoint=save_checkpoint)
+    cb = GRPOCheckpoint(dirpath=str(tmp_path), every_n_loop_steps=3, keep_last=2)
+    for step in range(1, 11):  # whatever n_mini is, the callback sees one call per loop step
+        module.loop.progress.loop_step = step
+        cb.on_train_batch_end(trainer, module, None, None, step - 1)
+    cb.on_train_end(trainer, module)  # loop step 10 was not on the cadence: saved at the end
+    assert saved == [f".{checkpoint_name(s)}.staging" for s in (3, 6, 9, 10)]
+    kept = complete_checkpoints(tmp_path)
+    assert [p.name for p in kept] == [checkpoint_name(9), checkpoint_name(10)] and kept[-1] == cb.last_path
+    assert all(p.is_dir() == sharded for p in kept)
+    assert sorted(tmp_path.iterdir()) == sorted([*kept, *map(config_path, kept)])  # nothing else left behind
+
+
+def test_last_is_the_newest_complete_checkpoint_across_run_versions(tmp_path):
+    trainer = SimpleNamespace(callbacks=[], logger=SimpleNamespace(root_dir=str(tmp_path)), default_root_dir="x")
+    assert resolve_ckpt_path("last", trainer) is None  # nothing yet: start from scratch (with a warning)
+    old, new = tmp_path / "version_0" / "checkpoints", tmp_path / "version_1" / "checkpoints"
+    for folder, steps in ((old, (4, 5)), (new, (6,))):
+        folder.mkdir(parents=True)
+        for s in steps:
+            (folder / checkpoint_name(s)).write_bytes(b"")
+            time.sleep(0.01)
+    (new / f".{checkpoint_name(7)}.tmp-1").write_bytes(b"torn")
+    assert resolve_ckpt_path("last", trainer) == str(new / checkpoint_name(6))
+    assert resolve_ckpt_path("some/path.ckpt", trainer) == "some/path.ckpt"
+
+
+def test_a_save_failing_mid_write_keeps_the_previous_checkpoint_and_resume_repeats_the_lost_step(
+        tiny_policy_dir, tmp_path, monkeypatch):
+    real_save, calls = torch.save, []
+
+    def second_save_fails(obj, f):
+        calls.append(1)
+        if len(calls) == 2:
+            f.write(b"half")
+            raise OSError("injected failure while writing loop step 2")
+        real_save(obj, f)
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", second_save_fails)
+    crashed, cb = StepRecorder(), GRPOCheckpoint(every_n_loop_steps=1, keep_last=0)
+    with pytest.raises(OSError, match="injected"):
+        fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path / "crashed", loop_steps=2, callbacks=[crashed, cb])
+    monkeypatch.undo()
+    first = cb.dirpath / checkpoint_name(1)
+    assert sorted(p.name for p in cb.dirpath.iterdir()) == sorted([first.name, config_path(first).name])
+    assert find_last_checkpoint([cb.dirpath]) == first
+    saved = torch.load(first, weights_only=True)
+    grpo = saved["grpo"]
+    assert (saved["global_step"], grpo["loop_step"], grpo["data"]["next_prompt_id"]) == (2, 1, 2)  # n_mini = 2
+    assert grpo["old_logprobs"]["probe"] is not None and len(grpo["rng"]) == 1
+    assert yaml.safe_load(config_path(first).read_text())["model"]["rl"]["deterministic"] is True
+
+    resumed, module = StepRecorder(), tiny_grpo_module(tiny_policy_dir)
+    fit_tiny(module, tmp_path / "resumed", loop_steps=2, callbacks=[resumed, GRPOCheckpoint()], ckpt_path=first)
+    assert resumed.prompt_ids == crashed.prompt_ids[1:] == [[2, 3]]
+    assert _without_timings(resumed.metrics) == _without_timings(crashed.metrics[1:])
+    assert module.old_logprobs.probe_passed and module.loop.progress.loop_step == 2
+
+
+def _without_timings(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in rows]
+
+
+# -- kill -9 and resume through the CLI --------------------------------------------------------------------------------
+def _write_config(folder: Path, policy_dir: Path) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {"max_steps": LOOP_STEPS * 2, "accelerator": "cpu", "devices": 1, "enable_progress_bar": False,
+                    "enable_model_summary": False,
+                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                               "init_args": {"save_dir": "runs", "name": "tiny"}}},
+        "checkpoint": {"every_n_loop_steps": 1, "keep_last": 0},
+        "model": {"policy": {"path": str(policy_dir)}, **TINY_JOB},
+        "data": {"source": "builtin:arith", "val_size": 0},
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "job.yaml").write_text(yaml.safe_dump(config))
+    return folder / "job.yaml"
+
+
+class Forker:
+    """Starts CLI runs through tests/cli_forker.py (the CLI imported once, each run a forked child process)."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen([sys.executable, str(TESTS / "cli_forker.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, text=True)
+        self.codes: dict[int, int] = {}
+
+    def fit(self, folder: Path, *extra: str) -> int:
+        self.proc.stdin.write("\t".join([str(folder), "fit", "--config", "job.yaml", *extra]) + "\n")
+        self.proc.stdin.flush()
+        while not (line := self.proc.stdout.readline()).startswith("started "):
+            assert line, "tests/cli_forker.py died"
+            self._note(line)
+        return int(line.split()[1])
+
+    def exit_codes(self, timeout: float) -> dict[int, int]:
+        out, _ = self.proc.communicate(timeout=timeout)  # EOF: the forker waits for every run, then exits
+        for line in out.splitlines():
+            self._note(line)
+        return self.codes
+
+    def _note(self, line: str) -> None:
+        if line.startswith("exited "):
+            _, pid, code = line.split()
+            self.codes[int(pid)] = int(code)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # the forker reaps its children, so a finished run disappears
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _rows(folder: Path, version: int) -> list[dict]:
+    with open(folder / "runs" / "tiny" / f"version_{version}" / "metrics.csv") as f:
+        return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in csv.DictReader(f)]
+
+
+def _params(path: Path) -> dict:
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+@pytest.mark.slow
+def test_kill9_at_a_random_loop_step_then_resume_last_matches_the_uninterrupted_run(tiny_policy_dir, tmp_path):
+    rng = random.Random()
+    seed = rng.randrange(10**6)
+    rng.seed(seed)
+    a, b = tmp_path / "uninterrupted", tmp_path / "killed"
+    _write_config(a, tiny_policy_dir), _write_config(b, tiny_policy_dir)
+    forker = Forker()
+    try:
+        run_a, run_b = forker.fit(a), forker.fit(b)  # two independent fresh runs, same seed, side by side
+        # kill -9 B at a random moment of a random loop step, once its checkpoint of loop step k exists
+        k = rng.randint(1, LOOP_STEPS - 2)
+        b_ckpts, deadline = b / "runs" / "tiny" / "version_0" / "checkpoints", time.time() + 300
+        while not (b_ckpts / checkpoint_name(k)).exists():
+            assert _alive(run_b) and time.time() < deadline, (b / "out.log").read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 2.0))
+        os.kill(run_b, signal.SIGKILL)
+        while _alive(run_b):
+            time.sleep(0.05)
+        survivors = complete_checkpoints(b_ckpts)
+        resumed = forker.fit(b, "--ckpt_path", "last")
+        codes = forker.exit_codes(timeout=400)
+    finally:
+        forker.proc.kill()
+    assert codes[run_b] == -signal.SIGKILL, f"run B ended before the kill (seed {seed})"
+    assert codes[run_a] == 0, (a / "out.log").read_text()[-3000:]
+    assert codes[resumed] == 0, (b / "out.log").read_text()[-3000:]
+
+    resumed_from = int(survivors[-1].stem.split("-")[-1])
+    full, after = _rows(a, 0), _rows(b, 1)
+    assert [int(r["step"]) for r in full] == list(range(1, LOOP_STEPS + 1))
+    assert [int(r["step"]) for r in after] == list(range(resumed_from + 1, LOOP_STEPS + 1)), f"seed {seed}"
+    assert after == full[resumed_from:], f"seed {seed}: resumed metrics differ from the uninterrupted run"
+    assert float(after[-1]["grpo/grad_norm"]) > 0
+    # Parameters: equal where the two fresh runs overlap, and at the end of the resumed run.
+    a_ckpts = a / "runs" / "tiny" / "version_0" / "checkpoints"
+    for step, other in ((resumed_from, b_ckpts), (LOOP_STEPS, b / "runs" / "tiny" / "version_1" / "checkpoints")):
+        pa, pb = _params(a_ckpts / checkpoint_name(step)), _params(other / checkpoint_name(step))
+        assert pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa), f"step {step}, seed {seed}"
+    final = torch.load(a_ckpts / checkpoint_name(LOOP_STEPS), weights_only=True)
+    assert {"state_dict", "optimizer_states", "lr_schedulers", "loops", "PromptDataModule", "grpo"} <= final.keys()
+    assert final["global_step"] == 2 * LOOP_STEPS and final["grpo"]["data"]["next_prompt_id"] == 2 * LOOP_STEPS
+    assert all(config_path(p).is_file() for p in complete_checkpoints(a_ckpts))
