@@ -9,8 +9,10 @@ from __future__ import annotations
 import sys
 
 import yaml
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
+from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.module import GRPOModule
@@ -29,6 +31,14 @@ TRAINER_DEFAULTS = {
 class GRPOCLI(LightningCLI):
     """LightningCLI with our defaults: CSV logs under ``runs/``, a run summary, config saved beside the logs."""
 
+    def add_arguments_to_parser(self, parser) -> None:
+        # Complete, atomic checkpoints once per loop step: `--checkpoint.every_n_loop_steps` (docs/checkpointing.md).
+        parser.add_lightning_class_args(GRPOCheckpoint, "checkpoint")
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand and self.config[self.subcommand].get("trainer.enable_checkpointing") is False:
+            self._parser(self.subcommand).callback_keys.remove("checkpoint")  # Lightning refuses a Checkpoint then
+
     def before_fit(self) -> None:
         if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
             self.trainer.callbacks.append(RunSummary())
@@ -36,6 +46,10 @@ class GRPOCLI(LightningCLI):
             # Publishes the trainer's weights to the engine once per collected batch: without it a vLLM engine
             # would sample from the initial checkpoint forever. Configure it under trainer.callbacks.
             self.trainer.callbacks.append(HandoffCallback())
+        # Checkpoints last (Lightning's order at init): a save sees every other callback's state of this loop step.
+        self.trainer.callbacks.sort(key=lambda cb: isinstance(cb, Checkpoint))
+        config = self.config_init[self.subcommand]
+        config["ckpt_path"] = resolve_ckpt_path(config.get("ckpt_path"), self.trainer)  # "last" -> newest complete
 
 
 class LoggedConfig(SaveConfigCallback):

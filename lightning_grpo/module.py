@@ -25,6 +25,7 @@ from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.rewards import RewardSpec, score
+from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.loop import CollectedBatchLoop, LoopResult
 from lightning_grpo.metrics import roll_up
@@ -94,6 +95,8 @@ class GRPOModule(LightningModule):
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.rl.validate(self._world_size())  # per-rank divisibility needs the DP size
+        if self.rl.deterministic:  # before the engine is built: it may start CUDA work (see determinism.py)
+            enable_determinism(self.seed)
         if self.engine is None:
             self.engine = self.build_engine()
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
 import torch
+from lightning.pytorch import Callback
 
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.policy import TinyPolicySpec
@@ -54,3 +56,73 @@ def max_rel_delta(before: dict, a: dict, b: dict) -> float:
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
+
+
+def digit_share(rollouts) -> list[float]:
+    """Reward: the share of digits in the completion. Spread out even for an untrained policy (resume tests)."""
+    return [sum(c.isdigit() for c in r.text) / max(len(r.text), 1) for r in rollouts]
+
+
+# The tiny GRPO job of the determinism/resume tests: 2 prompts x 4 completions of 4 tokens, n_mini=2 (so the ahead
+# pass and its probe run and global_step = 2 x loop_step), warmup + cosine LR (scheduler state matters on resume).
+TINY_JOB = {
+    "rl": {"batch_per_replica": 8, "group_size": 4, "mini_batch_per_replica": 4, "deterministic": True},
+    "optim": {"lr": 1e-3, "warmup_steps": 3, "schedule": "cosine"},
+    "rollout": {"engine": "hf", "max_new_tokens": 4},
+    "rewards": [{"name": "helpers:digit_share"}],
+}
+
+
+def tiny_grpo_module(policy_dir, seed: int = 0):
+    """``TINY_JOB`` as a GRPOModule on the policy folder ``policy_dir``."""
+    from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
+    from lightning_grpo.data.rewards import RewardSpec
+    from lightning_grpo.module import GRPOModule
+    from lightning_grpo.policy import PolicyConfig
+
+    job = TINY_JOB
+    return GRPOModule(policy=PolicyConfig(path=str(policy_dir)), rl=GRPOConfig(**job["rl"]),
+                      optim=OptimConfig(**job["optim"]), rollout=RolloutConfig(**job["rollout"]),
+                      rewards=[RewardSpec(**r) for r in job["rewards"]], seed=seed)
+
+
+class StepRecorder(Callback):
+    """Records, per loop step, the logged metrics and the prompt ids trained on."""
+
+    def __init__(self):
+        self.metrics, self.prompt_ids = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.metrics.append(dict(pl_module.last_metrics))
+        self.prompt_ids.append([r.id for r in batch])
+
+
+def fit_tiny(module, root, loop_steps: int, callbacks=(), ckpt_path=None):
+    """``Trainer.fit`` of ``module`` for ``loop_steps`` collected batches on CPU; returns the trainer."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import Checkpoint
+
+    from lightning_grpo.data.prompts import PromptDataModule
+
+    trainer = Trainer(max_steps=loop_steps * module.rl.n_mini, accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                      enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks), callbacks=list(callbacks))
+    trainer.fit(module, datamodule=PromptDataModule("builtin:arith", val_size=0), ckpt_path=ckpt_path)
+    return trainer
+
+
+@contextlib.contextmanager
+def global_determinism_restored():
+    """Determinism mode is process-global: put torch's switches back after a test that enabled it."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+             torch.backends.cuda.cudnn_sdp_enabled())
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+        torch.backends.cuda.enable_flash_sdp(saved[4])
+        torch.backends.cuda.enable_mem_efficient_sdp(saved[5])
+        torch.backends.cuda.enable_cudnn_sdp(saved[6])
