@@ -31,6 +31,10 @@ def _no_sync_control(enabled: bool) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def _local_finite(loss: Tensor) -> bool:
+    return bool(torch.isfinite(loss))
+
+
 @dataclass(frozen=True)
 class StepOutcome:
     """What one closed window did."""
@@ -54,11 +58,15 @@ class DeferredAccumulator:
             manual optimization).
         grad_sync: ``grad_sync(enabled)`` context; non-final calls run with sync disabled (DDP
             ``no_sync`` / FSDP2 ``set_requires_gradient_sync``).
+        all_finite: ``all_finite(loss)`` -> whether the chunk loss is finite on *every* data-parallel
+            rank. The poison decision must be collective: a rank that abandons its window while another
+            goes on to the synced backward leaves that one waiting in the all-reduce.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer, grad_accum: int, max_grad_norm: float = 0.0,
                  backward: Callable[[Tensor], None] | None = None, scheduler=None,
-                 grad_sync: GradSync = _no_sync_control) -> None:
+                 grad_sync: GradSync = _no_sync_control,
+                 all_finite: Callable[[Tensor], bool] = _local_finite) -> None:
         if grad_accum < 1:
             raise ValueError(f"DeferredAccumulator(grad_accum={grad_accum}): must be >= 1")
         self.params = [p for p in params if p.requires_grad]
@@ -68,6 +76,7 @@ class DeferredAccumulator:
         self.backward = backward or (lambda loss: loss.backward())
         self.scheduler = scheduler
         self.grad_sync = grad_sync
+        self.all_finite = all_finite
         self._calls = 0  # calls taken into the current window
         self._denom_sum: Tensor | float = 0.0
         self._discard = 0  # countdown: calls of a poisoned window still to drop
@@ -109,7 +118,7 @@ class DeferredAccumulator:
         """Backprop one chunk; on the window's last call, step. Returns the step's outcome then."""
         if self.discarding():
             raise RuntimeError("train() called during a poisoned window; check discarding() first")
-        if not torch.isfinite(loss):  # CPU-GPU sync point, once per chunk
+        if not self.all_finite(loss.detach()):  # CPU-GPU sync point (a collective under DP), once per chunk
             self._poison()
             return self._skipped() if self._discard == 0 else None
         last = self.closes_window

@@ -6,9 +6,15 @@
 * Counts (``grpo/n``, ``grpo/tokens``, ``grpo/denom``) are summed.
 * Per-token ratios (clip fraction, ratio mean, KL) are weighted by this rank's tokens.
 * Per-optimizer-step figures (grad norm, lr) are mean and max over the steps of the batch.
+* Across data-parallel ranks ``combine_ranks`` makes one figure per metric for the whole job (see the
+  ``RANK_*`` sets and docs/distributed.md).
 """
 
 from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
 
 import torch
 
@@ -44,3 +50,86 @@ def roll_up(result: LoopResult) -> dict[str, float]:
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
     return float(num / den) if float(den) > 0 else 0.0
+
+
+
+# -- across data-parallel ranks ------------------------------------------------------------------------------------
+# Each rank rolls up its own share; ``combine_ranks`` makes one figure per metric for the whole job.
+# Unlisted names (reward/<name>, rates, shares) are means over ranks, exact because every rank holds the same
+# number of trajectories and groups. grpo/loss is one of them: rank r reports S_r / N_bar (its loss sum over the
+# DP-mean divisor N_bar), so the mean over ranks is sum(S_r) / sum(N_r), the whole batch's token mean.
+RANK_SUM = frozenset({"grpo/tokens", "grpo/n"})
+"""Counts of this rank's share: summed, they count the whole collected batch."""
+RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/ratio_mean", "grpo/kl"})
+"""Per-token figures of this rank's tokens: weighted by ``grpo/tokens`` (ranks hold unequal token counts)."""
+RANK_MAX = frozenset({"grpo/ratio_max", "reward/max", "completion/len_max", "grpo/ahead_seconds"})
+RANK_MIN = frozenset({"reward/min"})
+RANK_SAME = frozenset({
+    "step", "loop_step", "global_step", "grpo/denom", "grpo/grad_norm", "grpo/grad_norm_max", "grpo/lr",
+    "grpo/lr_max", "grpo/optimizer_steps", "grpo/skipped_steps", "grpo/discarded_chunks",
+})
+"""Equal on every rank by construction (the divisor is already a DP mean, the norm is taken after the gradient
+sync, skip decisions are collective); reduced with max, so a disagreement could only show the worse value."""
+RANK_POOLED_STD = frozenset({"reward/std"})
+"""Unbiased std of all rewards, pooled exactly from each rank's ``reward/mean`` and ``reward/std``."""
+
+AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
+"""``(tensor, op)`` -> the tensor reduced over data-parallel ranks, op ``"sum"`` or ``"max"``."""
+
+
+def rank_reduction(name: str) -> str:
+    """How metric ``name`` combines over ranks: sum, token, max, min, same, std or mean."""
+    for kind, names in (("sum", RANK_SUM), ("token", RANK_TOKEN_WEIGHTED), ("max", RANK_MAX), ("min", RANK_MIN),
+                        ("same", RANK_SAME), ("std", RANK_POOLED_STD)):
+        if name in names:
+            return kind
+    return "mean"
+
+
+def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: int, rows: int) -> dict[str, float]:
+    """One figure per metric for the whole job from this rank's figures; every rank returns the same dict.
+
+    Three small all-reduces per loop step (a check that every rank has the same names, then one float64
+    vector summed and one maxed) instead of one collective per metric.
+
+    Args:
+        metrics: this rank's figures (``roll_up`` + rollout metrics + counters).
+        all_reduce: reduces a tensor over the data-parallel ranks (``trainer.strategy.reduce``).
+        world_size: data-parallel ranks.
+        rows: trajectories per rank (the same on every rank); pools ``reward/std``.
+    """
+    names = sorted(metrics)
+    key = float(zlib.crc32("\n".join(names).encode()))
+    check = all_reduce(torch.tensor([key, -key], dtype=torch.float64), "max")
+    if float(check[0]) != -float(check[1]):  # max == min: every rank logged the same names
+        raise RuntimeError(f"combine_ranks: data-parallel ranks logged different metric names; this rank: {names}")
+    kind = {n: rank_reduction(n) for n in names}
+    tokens = metrics.get("grpo/tokens", 0.0)
+    summed = [n for n in names if kind[n] in ("sum", "token", "std", "mean")]
+    maxed = [n for n in names if kind[n] in ("max", "min", "same")]
+    local = {n: metrics[n] for n in names}
+    for n in names:
+        if kind[n] == "token":
+            local[n] = metrics[n] * tokens  # this rank's sum over tokens
+        elif kind[n] == "std":  # this rank's sum of squared rewards
+            local[n] = (rows - 1) * metrics[n] ** 2 + rows * metrics.get("reward/mean", 0.0) ** 2
+        elif kind[n] == "min":
+            local[n] = -metrics[n]
+    out = dict(zip(summed, _reduced(all_reduce, [local[n] for n in summed], "sum")))
+    out.update(zip(maxed, _reduced(all_reduce, [local[n] for n in maxed], "max")))
+    all_tokens = out.get("grpo/tokens", 0.0)
+    for n in names:
+        if kind[n] == "mean":
+            out[n] /= world_size
+        elif kind[n] == "token":
+            out[n] = out[n] / all_tokens if all_tokens > 0 else 0.0
+        elif kind[n] == "min":
+            out[n] = -out[n]
+    for n in (n for n in names if kind[n] == "std"):
+        count, mean = rows * world_size, out.get("reward/mean", 0.0)
+        out[n] = math.sqrt(max(out[n] - count * mean * mean, 0.0) / (count - 1)) if count > 1 else 0.0
+    return out
+
+
+def _reduced(all_reduce: AllReduce, values: list[float], op: str) -> list[float]:
+    return all_reduce(torch.tensor(values, dtype=torch.float64), op).tolist() if values else []

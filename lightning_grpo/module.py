@@ -26,9 +26,10 @@ from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.rewards import RewardSpec, score
 from lightning_grpo.determinism import enable_determinism
+from lightning_grpo.distributed import data_parallel_mesh, gradient_sync, root_call, shard_fsdp2
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.loop import CollectedBatchLoop, LoopResult
-from lightning_grpo.metrics import roll_up
+from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
 from lightning_grpo.old_logprobs import OldLogprobCache, needs_ahead_pass, warn_if_unfrozen
 from lightning_grpo.policy import PolicyConfig, load_policy
@@ -100,6 +101,17 @@ class GRPOModule(LightningModule):
         if self.engine is None:
             self.engine = self.build_engine()
 
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy``: FSDP2-shard the policy (and the reference) over the data-parallel mesh."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return  # DDP wraps the whole module itself; one process needs nothing
+        mesh = data_parallel_mesh(self.trainer.strategy)
+        for model in (self.policy, self.ref):
+            if model is not None:
+                shard_fsdp2(model, mesh)
+
     def configure_optimizers(self):
         o = self.optim_cfg
         opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
@@ -115,7 +127,7 @@ class GRPOModule(LightningModule):
         """The collected-batch loop over this module's policy (also usable without a Trainer)."""
         acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.rl.n_micro,
                                   max_grad_norm=self.rl.max_grad_norm, backward=backward, scheduler=scheduler,
-                                  grad_sync=self._grad_sync)
+                                  grad_sync=self._grad_sync, all_finite=self._all_ranks_finite)
         return CollectedBatchLoop(acc, self.forward_chunk)
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
@@ -145,7 +157,8 @@ class GRPOModule(LightningModule):
         prompts = [self._to_prompt(r) for r in records]
         rollouts = self.engine.generate(prompts, self.rl.group_size, self.sampling())
         rewards, metrics = self.compute_rewards(rollouts)
-        advantages, adv_stats = group_advantages(rewards, self.rl.group_size, self.rl.scale_rewards)
+        advantages, adv_stats = group_advantages(rewards, self.rl.group_size, self.rl.scale_rewards,
+                                                 batch_std=self._dp_batch_std(rewards))
         batch = pack_rollouts(rollouts, advantages, rewards, self.tokenizer.pad_token_id, self._context())
         lengths = batch.completion_mask.sum(-1).float()
         metrics.update({k: float(v) for k, v in adv_stats.items()})
@@ -181,7 +194,9 @@ class GRPOModule(LightningModule):
 
     def logprobs(self, model, chunk: RolloutBatch) -> Tensor:
         """``[B, T-1]`` logprobs at the sampling temperature (so ratios compare like with like)."""
-        return token_logprobs(model, chunk.input_ids, chunk.attention_mask, temperature=self.rollout_cfg.temperature)
+        # root_call: under FSDP2 the root's hooks gather embeddings/head around the decoder + sliced head.
+        return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
+                         temperature=self.rollout_cfg.temperature)
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
         metrics = {**rollout_metrics, **roll_up(result)}
@@ -190,6 +205,9 @@ class GRPOModule(LightningModule):
         metrics["step"] = metrics["loop_step"]  # the logger's x-axis: collected batches
         metrics["grpo/ahead_seconds"] = self.ahead_seconds
         metrics["grpo/ahead_share"] = self.ahead_seconds / self.update_seconds if self.update_seconds > 0 else 0.0
+        world = self._world_size()
+        if world > 1:  # one figure per metric for the whole job (reductions: docs/distributed.md)
+            metrics = combine_ranks(metrics, self._all_reduce, world, self.rl.rank_sizes(world).batch)
         bar = {"reward": metrics.get("reward/mean", math.nan), "loss": metrics.get("grpo/loss", math.nan)}
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
@@ -219,12 +237,26 @@ class GRPOModule(LightningModule):
             return t
         return self.trainer.strategy.reduce(t, reduce_op="mean")
 
+    def _all_reduce(self, t: Tensor, op: str) -> Tensor:
+        return self.trainer.strategy.reduce(t.to(self.device), reduce_op=op).cpu()
+
+    def _dp_batch_std(self, rewards: Tensor) -> Tensor | None:
+        """``scale_rewards="batch"`` under DP: the unbiased std of every rank's rewards (None: the local one)."""
+        if self.rl.scale_rewards != "batch" or self._world_size() == 1:
+            return None
+        r = rewards.detach().double()
+        total, squares, n = self._all_reduce(torch.stack([r.sum(), r.square().sum(), r.new_tensor(r.numel())]), "sum")
+        return ((squares - total * total / n).clamp(min=0) / (n - 1)).sqrt().float()
+
+    def _all_ranks_finite(self, loss: Tensor) -> bool:
+        """Finite on every rank (one tiny all-reduce per chunk under DP): every rank poisons the same window."""
+        finite = torch.isfinite(loss).to(torch.float32)
+        return bool(finite if self._world_size() == 1 else self.trainer.strategy.reduce(finite, reduce_op="min"))
+
     def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        """Non-final micro-steps skip the gradient all-reduce (DDP ``no_sync``; FSDP2 handled per module)."""
-        model = self._trainer.strategy.model if self._trainer is not None else None
-        if enabled or model is None or not hasattr(model, "no_sync"):
-            return contextlib.nullcontext()
-        return model.no_sync()
+        """Non-final micro-steps skip the gradient sync (DDP ``no_sync``; FSDP2 ``set_requires_gradient_sync``)."""
+        wrapper = self._trainer.strategy.model if self._trainer is not None else None
+        return gradient_sync(enabled, wrapper, self.policy)
 
     def _notify(self, hook: str) -> None:
         """Tell callbacks about the two in-step boundaries (the hand-off Callback listens)."""

@@ -42,8 +42,9 @@ class RunSummary(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        report = self.report(trainer)  # on every rank: trainer.log_dir is a broadcast under DDP
         if trainer.is_global_zero:
-            print(self.report(trainer) + self._curves(trainer), flush=True)
+            print(report + self._curves(trainer), flush=True)
 
     def report(self, trainer: Trainer) -> str:
         seconds = time.perf_counter() - self._start
@@ -55,7 +56,7 @@ class RunSummary(Callback):
             f"  loop steps       {len(r)}  (optimizer steps: {trainer.global_step})",
             f"  reward first {w:<3} {first:.3f}",
             f"  reward last {w:<4} {last:.3f}  ({last - first:+.3f})",
-            f"  wall time        {seconds:.1f} s, {self._tokens / max(seconds, 1e-9):.0f} trained tokens/s (this rank)",
+            f"  wall time        {seconds:.1f} s, {self._tokens / max(seconds, 1e-9):.0f} trained tokens/s (all ranks)",
             f"  logs             {trainer.log_dir}",
         ]
         return "\n".join(lines)

@@ -92,6 +92,8 @@ class HFEngine:
                 attention_mask=attention_mask,
                 generation_config=self._generation_config(sampling),
                 logits_processor=_processors(sampling, recorder),
+                # FSDP2: every forward is a collective, so ranks keep stepping until all have finished.
+                synced_gpus=_fsdp2_sharded(self.model) or None,
             )  # [N, L + T]
         completions = sequences[:, input_ids.shape[1] :].cpu()  # [N, T]
         logprobs = recorder.finish(sequences).cpu() if recorder else None  # [N, T]
@@ -209,6 +211,12 @@ def _default_eos(model: nn.Module, tokenizer) -> list[int]:
     extra = getattr(gen, "eos_token_id", None)
     ids += extra if isinstance(extra, (list, tuple)) else [extra]
     return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _fsdp2_sharded(model: nn.Module) -> bool:
+    from lightning_grpo.distributed import is_fsdp2
+
+    return is_fsdp2(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def _device_of(model: nn.Module) -> torch.device:

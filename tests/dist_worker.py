@@ -1,0 +1,180 @@
+"""One rank of the 2-process data-parallel checks (tests/test_distributed.py launches two of these).
+
+Each process is started the way torchrun or SLURM would start it (``LOCAL_RANK``, ``NODE_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT`` in the environment), so Lightning spawns nothing and every
+case below reuses one gloo process group. A case runs one loop step through a real
+``Trainer.fit`` on this rank's share of a fixed collected batch and writes, per rank,
+``<out>/<case>.rank<r>.pt``: the full (gathered) parameters after the step, the step outcomes
+and the logged metrics.
+
+Usage: python tests/dist_worker.py --out DIR --policy DIR --cases ddp-m1,fsdp2-m4,...
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from helpers import synthetic_batch  # tests/ is on sys.path: it is this script's folder
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.utils.data import DataLoader
+
+from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
+from lightning_grpo.data.prompts import PromptDataModule
+from lightning_grpo.data.rewards import RewardSpec
+from lightning_grpo.module import GRPOModule
+from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.rollout.weight_sync import push_weights
+
+# Completion lengths of the collected batch (4 groups of 2). Rank 0 takes the first half: long
+# completions; rank 1 the second: short ones. A per-rank token mean weighs them wrongly.
+LENGTHS = [20, 15, 12, 18, 1, 3, 2, 4]
+BATCH_SEED = 7
+CLIP = 0.5  # below the natural gradient norm (~1.9): clipping binds, so the norm must be the global one
+
+
+def lr_of(case: str) -> float:
+    """SGD step size: updates of ~0.15, so the float32 rounding of the weights (half an ulp of a norm weight
+    near 1.0 is 6e-8) stays far below the 1e-6 gate; a clipped step is ~4x shorter, so its rate is 4x larger."""
+    return 4.0 if "clip" in case else 1.0
+
+
+
+def case_config(case: str) -> GRPOConfig:
+    """``<strategy>-m<n_micro>[-clip|-rankmean|-refuse]`` -> the rl config of that case (8 trajectories)."""
+    parts = case.split("-")
+    n_micro = int(parts[1][1:])
+    if "refuse" in parts:  # mini-batch of 3 trajectories cannot split over 2 ranks
+        return GRPOConfig(batch_per_replica=6, group_size=2, mini_batch_per_replica=3, max_grad_norm=0.0)
+    return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, micro_batch_per_replica=len(LENGTHS) // n_micro,
+                      max_grad_norm=CLIP if "clip" in parts else 0.0)
+
+
+class FixedBatchModule(GRPOModule):
+    """GRPOModule whose rollout phase returns this rank's share of a fixed batch, stepped with plain SGD.
+
+    Records after every backward whether this rank holds gradients and their local sum (``grad_trace``):
+    with sync skipped, DDP ranks hold different (local) gradients and FSDP2 has not reduced any yet.
+    """
+
+    nan_row: int | None = None  # rank 0 poisons this row's advantage (a non-finite chunk on one rank only)
+
+    def collect(self, records):
+        batch, world, rank = synthetic_batch(LENGTHS, seed=BATCH_SEED), self.trainer.world_size, self.global_rank
+        share = len(batch) // world
+        batch = batch.select(slice(rank * share, (rank + 1) * share))
+        if self.nan_row is not None and rank == 0:
+            batch = replace(batch, advantages=batch.advantages.index_fill(0, torch.tensor([self.nan_row]), math.nan))
+        return batch, {}
+
+    lr = 1.0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.policy.parameters(), lr=self.lr)  # update = lr x gradient
+
+    def manual_backward(self, loss, *args, **kwargs) -> None:
+        super().manual_backward(loss, *args, **kwargs)
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        local = sum(float((g.to_local() if hasattr(g, "to_local") else g).double().abs().sum()) for g in grads)
+        self.grad_trace.append((bool(grads), local))
+
+
+class RecordingEngine:
+    """An engine that keeps the tensors a weight sync hands it."""
+
+    def __init__(self) -> None:
+        self.received: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, named_tensors) -> None:
+        self.received.update((name, t.detach().clone()) for name, t in named_tensors)
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor (FSDP2 shards are all-gathered: every rank must call this)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+def run_fit(case: str, policy: str, out: Path, rank: int) -> None:
+    """Two real loop steps (prompts -> HF generation on the sharded policy -> update -> combined metrics)."""
+    module = GRPOModule(policy=PolicyConfig(path=policy, dtype="float32"), optim=OptimConfig(lr=1e-3),
+                        rl=GRPOConfig(batch_per_replica=8, group_size=2, micro_batch_per_replica=4),
+                        rollout=RolloutConfig(max_new_tokens=8),
+                        rewards=[RewardSpec("arith"), RewardSpec("reward_fns:length_reward", weight=0.1)])
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=_strategy(case), max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=PromptDataModule("builtin:arith", builtin_size=64, val_size=0))
+    record = {"case": case, "params": full_params(module.policy), "metrics": dict(module.last_metrics),
+              "sampling_seed": module.sampling().seed}
+    torch.save(record, out / f"{case}.rank{rank}.pt")
+
+
+def _strategy(case: str):
+    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if case.startswith("fsdp2") else "ddp"
+
+
+def run_case(case: str, policy: str, out: Path, rank: int) -> None:
+    if case.endswith("-fit"):
+        return run_fit(case, policy, out, rank)
+    strategy = _strategy(case)
+    module = FixedBatchModule(policy=PolicyConfig(path=policy, dtype="float32"), rl=case_config(case),
+                              rollout=RolloutConfig())
+    module.grad_trace, module.lr = [], lr_of(case)
+    if "rankmean" in case:  # the wrong reduction: each rank divides by its own token count
+        module.objective.dp_mean = lambda t: t
+    if "nan" in case:
+        module.nan_row = 1  # rank 0's second chunk (n_micro=4: one row per chunk)
+    steps = 2 if "steps2" in case else 1  # loop steps, each on the same fixed batch
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, limit_train_batches=steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+    record: dict = {"case": case}
+    try:
+        trainer.fit(module, train_dataloaders=DataLoader([[0]] * steps, batch_size=None))
+    except ValueError as err:  # the refusal case: the config error raised at setup
+        if "refuse" not in case:
+            raise
+        record["error"] = str(err)
+    else:
+        record["params"] = full_params(module.policy)
+        record["metrics"] = dict(module.last_metrics)
+        record["sharded"] = any(hasattr(p, "full_tensor") for p in module.policy.parameters())
+        record["grad_trace"] = module.grad_trace
+        if record["sharded"]:  # weight sync from FSDP2 shards: full tensors, gathered bucket by bucket
+            engine = RecordingEngine()
+            record["sync_buckets"] = push_weights(module.policy, engine, bucket_bytes=64 << 10).n_buckets
+            record["pushed"] = engine.received
+    torch.save(record, out / f"{case}.rank{rank}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--policy", required=True)
+    parser.add_argument("--cases", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    rank, out = int(os.environ["LOCAL_RANK"]), Path(args.out)
+    for case in args.cases.split(","):
+        try:
+            run_case(case, args.policy, out, rank)
+        except Exception:
+            (out / f"{case}.rank{rank}.err").write_text(traceback.format_exc())
+            raise
+
+
+if __name__ == "__main__":
+    main()
