@@ -28,17 +28,25 @@ class TinyPolicySpec:
     """Shape of a locally built policy. head_dim >= 32 so vLLM's CPU attention accepts it."""
 
     arch: Literal["qwen2", "llama"] = "qwen2"
+    """Transformers architecture of the built model."""
     hidden_size: int = 128
+    """Model width."""
     num_layers: int = 2
+    """Decoder layers."""
     num_heads: int = 4
+    """Attention heads (head_dim = hidden_size / num_heads)."""
     num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
     intermediate_size: int = 256
+    """MLP width."""
     max_position_embeddings: int = 256
+    """Context length (prompt + completion tokens)."""
     vocab_size: int | None = None
     """None = the character tokenizer's size; larger pads the embedding (e.g. 32k for benchmarks)."""
     dropout: float = 0.0
     """Attention dropout; > 0 makes train() and eval() forwards differ (the determinism probe catches it)."""
     seed: int = 0
+    """Seed of the random initialization (part of the cache key, as every field here)."""
 
 
 @dataclass

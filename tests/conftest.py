@@ -1,4 +1,8 @@
+import contextlib
+import io
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -20,3 +24,27 @@ def tiny_policy_dir(tmp_path_factory):
     from lightning_grpo.policy import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-policy"), SMALL)
+
+
+@dataclass(frozen=True)
+class QuickstartRun:
+    argv: list[str]
+    """What followed ``lightning-grpo fit``."""
+    log_dir: Path
+    stdout: str
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> QuickstartRun:
+    """A real quickstart fit through ``lightning-grpo fit`` (in-process), run once per session."""
+    from helpers import QUICKSTART_ARGS
+    from lightning_grpo.cli import main
+
+    cwd, old = tmp_path_factory.mktemp("quickstart"), os.getcwd()
+    os.chdir(cwd)  # the config logs to the relative runs/
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            main(["fit", *QUICKSTART_ARGS])
+    finally:
+        os.chdir(old)
+    return QuickstartRun(QUICKSTART_ARGS, cwd / "runs" / "quickstart" / "version_0", out.getvalue())

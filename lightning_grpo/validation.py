@@ -1,0 +1,48 @@
+"""Validation during fit: held-out prompts, one greedy completion each, scored by the run's rewards.
+
+``GRPOModule.validation_step`` hands each held-out batch (``PromptDataModule.val_dataloader``) to
+``greedy_scores``. Completions come from the module's own rollout engine, so validation measures
+exactly the policy the engine holds. The hand-off Callback publishes the trainer's weights in its
+``on_validation_start`` (the engine is stale after an update), so the engine is awake and current
+when the first validation batch generates; an engine still asleep refuses to generate.
+
+When it runs: Lightning's ``val_check_interval`` counts training batches, and under manual
+optimization one batch is one loop step, so ``trainer.val_check_interval: 10`` validates every 10
+loop steps whatever ``n_mini`` is. The draw is seeded on a private RNG stream, so validating does
+not change the training run's rollouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_grpo.rollout.base import SamplingConfig
+
+VAL_SEED = 0
+"""Seed of the validation draw (greedy needs none; it keeps the engines off the global RNG)."""
+
+
+def greedy_sampling(max_new_tokens: int) -> SamplingConfig:
+    """Greedy decoding (temperature 0) with the training completion cap."""
+    return SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, seed=VAL_SEED)
+
+
+def greedy_scores(module, records: Sequence) -> dict[str, float]:
+    """``val/*`` metrics of one held-out batch: one greedy completion per prompt, scored by ``compute_rewards``.
+
+    Args:
+        module: a ``GRPOModule`` (its engine, tokenizer, rollout config and reward hook are used).
+        records: this rank's ``PromptRecord``s of one validation batch.
+
+    Returns:
+        ``val/reward`` (mean total reward), ``val/<name>`` for each reward part ``reward/<name>``,
+        ``val/len_mean`` (completion tokens) and ``val/stop_frac`` (share that ended on EOS).
+    """
+    prompts = [r.to_prompt(module.tokenizer) for r in records]  # the encoding training uses
+    rollouts = module.engine.generate(prompts, 1, greedy_sampling(module.rollout_cfg.max_new_tokens))
+    rewards, parts = module.compute_rewards(rollouts)
+    metrics = {"val/reward": float(rewards.float().mean())}
+    metrics.update({f"val/{name}": value for name, value in parts.items()})
+    metrics["val/len_mean"] = sum(len(r.token_ids) for r in rollouts) / len(rollouts)
+    metrics["val/stop_frac"] = sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts)
+    return metrics

@@ -1,0 +1,80 @@
+"""configs/sweep.yaml as a W&B agent would run it: two trials, offline, one after the other in one directory.
+
+The command lines are built by wandb's own sweep helpers (``create_sweep_command``,
+``create_sweep_command_args``: the exact ``--key=value`` strings the agent substitutes for
+``${args}``) and expanded the way ``wandb.wandb_agent.Agent._command_run`` does. The only change to
+the sweep's command: flags that shorten a trial to 2 loop steps, inserted before ``${args}``.
+The W&B run files are read back with ``wandb_offline.read_run``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from wandb_offline import read_run
+
+ROOT = Path(__file__).parents[1]
+SHORTEN = ["--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", "--data.val_size=16",
+           "--model.policy.warm_start_steps=30"]
+"""2 loop steps, one validation at the end on 16 held-out prompts; the warm start of QUICKSTART_ARGS (cached)."""
+
+
+def agent_command(sweep: dict, params: dict, extra: list[str]) -> list[str]:
+    """The argv the W&B agent runs for one trial of ``sweep`` with parameter values ``params``."""
+    from wandb.sdk.launch.sweeps import utils as sweep_utils
+
+    template = list(sweep["command"])
+    template[template.index("${args}"):template.index("${args}")] = extra
+    command = sweep_utils.create_sweep_command(template)
+    variables = sweep_utils.create_sweep_command_args({"args": {k: {"value": v} for k, v in params.items()}})
+    variables.update(interpreter=["python"], program=[sweep["program"]], env=["/usr/bin/env"])
+    argv = []
+    for chunk in map(str, command):  # as Agent._command_run: a ${macro} chunk expands to its list
+        macro = chunk.startswith("${") and chunk.endswith("}")
+        argv += (variables.get(chunk[2:-1]) or []) if macro else [chunk]
+    return argv
+
+
+def grid(sweep: dict) -> list[dict]:
+    names = list(sweep["parameters"])
+    return [dict(zip(names, values)) for values in itertools.product(*(sweep["parameters"][n]["values"] for n in names))]
+
+
+def test_agent_command_is_the_sweep_command_with_dotted_flags():
+    sweep = yaml.safe_load((ROOT / "configs" / "sweep.yaml").read_text())
+    argv = agent_command(sweep, grid(sweep)[-1], [])
+    assert argv[:6] == ["/usr/bin/env", "lightning-grpo", "fit", "--config", "configs/quickstart.yaml",
+                        "--trainer.logger=WandbLogger"]
+    assert argv[-2:] == ["--model.rl.mini_batch_per_replica=32", "--model.optim.lr=0.001"]
+
+
+@pytest.mark.slow
+def test_two_sweep_trials_run_offline_in_one_directory(tmp_path):
+    sweep = yaml.safe_load((ROOT / "configs" / "sweep.yaml").read_text())
+    first, last = grid(sweep)[0], grid(sweep)[-1]
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "quickstart.yaml").symlink_to(ROOT / "configs" / "quickstart.yaml")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the venv's lightning-grpo
+    runs = {}
+    for i, params in enumerate((first, last)):
+        run_id = f"trial{i}"
+        proc = subprocess.run(agent_command(sweep, params, SHORTEN), cwd=tmp_path, env={**env, "WANDB_RUN_ID": run_id},
+                              check=False, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]  # the second trial must not abort on config.yaml
+        runs[run_id] = read_run(next(tmp_path.rglob(f"run-{run_id}.wandb")))
+    a, b = runs["trial0"], runs["trial1"]
+    for key in ("model.rl.mini_batch_per_replica", "model.optim.lr"):
+        assert (a.config[key], b.config[key]) == (first[key], last[key])  # logged params differ as swept
+    assert a.config["model.rl.batch_per_replica"] == b.config["model.rl.batch_per_replica"] == 64
+    # x-axis: the loop step (Lightning's WandbLogger calls it trainer/global_step); global_step = optimizer steps
+    train = [h for h in b.history if "reward/mean" in h]
+    assert [h["trainer/global_step"] for h in train] == [h["loop_step"] for h in train] == [1, 2]
+    assert [h["global_step"] for h in train] == [2, 4]  # mini-batch 32 of 64: n_mini = 2
+    assert [h["trainer/global_step"] for h in b.history if "val/reward" in h] == [2]
