@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_grpo.rollout.vllm import VLLMConfig
+
 
 class ConfigError(ValueError):
     """A config broke one or more rules; the message lists each as ``field=value: rule``."""
@@ -224,6 +226,10 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     replay_path: str | None = None
     """JSONL of recorded rollouts when engine=replay."""
+    vllm: VLLMConfig | None = None
+    """How the vLLM engine is built when engine=vllm (None = VLLMConfig defaults)."""
+    sync_bucket_mb: float = 256.0
+    """Weight-sync bucket size in MiB: one engine call per bucket (decoder layers are never split)."""
 
     def __post_init__(self) -> None:
         p = []
@@ -233,6 +239,8 @@ class RolloutConfig:
             p.append(f"temperature={self.temperature}: must be > 0 for GRPO sampling (greedy groups have no spread)")
         if not 0 < self.top_p <= 1:
             p.append(f"top_p={self.top_p}: must be in (0, 1]")
+        if not _finite(self.sync_bucket_mb) or self.sync_bucket_mb <= 0:
+            p.append(f"sync_bucket_mb={self.sync_bucket_mb}: must be > 0")
         if self.engine == "replay" and not self.replay_path:
             p.append("replay_path=None: engine=replay needs a JSONL file of recorded rollouts")
         _raise_if(p, "rollout config")

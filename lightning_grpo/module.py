@@ -33,7 +33,7 @@ from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
 from lightning_grpo.old_logprobs import OldLogprobCache, needs_ahead_pass, warn_if_unfrozen
 from lightning_grpo.policy import PolicyConfig, load_policy
-from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
+from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 
 
 class GRPOModule(LightningModule):
@@ -120,6 +120,7 @@ class GRPOModule(LightningModule):
         return [opt], [torch.optim.lr_scheduler.LambdaLR(opt, _schedule(o.warmup_steps, total, o.schedule))]
 
     def on_train_start(self) -> None:
+        self.policy.train()  # from_pretrained returns eval(); the update runs in train mode (the probe checks it)
         opt, sched = self.optimizers(), self.lr_schedulers()
         self.loop = self.make_loop(opt, sched, self.manual_backward)
 
@@ -154,7 +155,7 @@ class GRPOModule(LightningModule):
     # -- the phases ---------------------------------------------------------------------------------------------------
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate ``group_size`` completions per prompt, score them, normalize per group."""
-        prompts = [self._to_prompt(r) for r in records]
+        prompts = [r.to_prompt(self.tokenizer) for r in records]
         rollouts = self.engine.generate(prompts, self.rl.group_size, self.sampling())
         rewards, metrics = self.compute_rewards(rollouts)
         advantages, adv_stats = group_advantages(rewards, self.rl.group_size, self.rl.scale_rewards,
@@ -221,10 +222,6 @@ class GRPOModule(LightningModule):
         seed = (self.seed * 1_000_003 + step) * max(self._world_size(), 1) + self.global_rank
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed)
-
-    def _to_prompt(self, record) -> Prompt:
-        ids = self.tokenizer(record.text, add_special_tokens=True)["input_ids"]
-        return Prompt(id=record.id, token_ids=list(ids), text=record.text, answer=record.answer)
 
     def _context(self) -> int | None:
         return getattr(self.policy.config, "max_position_embeddings", None)

@@ -21,5 +21,5 @@ def build_engine(cfg, module) -> RolloutEngine:
         from lightning_grpo.policy import resolve_path
         from lightning_grpo.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(str(resolve_path(module.policy_cfg)), getattr(cfg, "vllm", None))
+        return VLLMEngine(str(resolve_path(module.policy_cfg)), cfg.vllm)
     raise ValueError(f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'replay'")
