@@ -90,7 +90,7 @@ class GRPOModule(LightningModule):
         """One reward per rollout. Recorded rewards (replay) are used as they are."""
         if all(r.reward is not None for r in rollouts):
             return torch.tensor([r.reward for r in rollouts], dtype=torch.float32), {}
-        total, parts = score(rollouts, self.reward_specs)
+        total, parts = score(rollouts, self.reward_specs or [RewardSpec()])  # default: the built-in task reward
         return total, {f"reward/{name}": float(v.mean()) for name, v in parts.items()}
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
