@@ -149,7 +149,7 @@ def test_empty_sources_are_clear_errors(tmp_path):
         load_items([])
     with pytest.raises(PromptDataError, match="not an existing .jsonl file"):
         load_items(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ValueError, match="unknown built-in task 'nope'; known tasks: arith"):
+    with pytest.raises(ValueError, match="unknown built-in task 'nope'; known tasks: arith, arith_small"):
         load_items("builtin:nope")
 
 

@@ -1,10 +1,11 @@
 """Built-in verifiable tasks: prompts with a known answer, generated from a seed.
 
 A task makes ``TaskItem``s (prompt text + reference answer) deterministically from a
-seed and names the built-in reward that scores it. ``arith`` is the quickstart task:
-"17+8=" -> "25". It is sized so a tiny char-level policy (hidden 128, 2 layers) gets
-a fraction of it right after ``warm_start`` (a short supervised pass that mostly
-teaches the answer format) and GRPO has room to push it higher in minutes on a CPU.
+seed and names the built-in reward that scores it. ``arith`` is two-number addition,
+"7+12=" -> "19"; ``arith_small`` is the same on operands 0-5, sized so a tiny char-level
+policy (hidden 128, 2 layers) gets a fraction of it right after ``warm_start`` (a short
+supervised pass that mostly teaches the answer format) and GRPO visibly pushes it higher
+in minutes on a CPU (measured numbers in ``ArithTask``).
 
 ``render_gsm8k`` turns a GSM8K row (``question`` / ``answer`` with ``#### N``) into
 the same ``TaskItem`` shape, for the real-model recipe.
@@ -59,10 +60,20 @@ class ArithTask:
 
     Each (a, b) pair belongs to one split by a fixed hash, so a held-out set measures
     generalization rather than recall. About 1 pair in ``val_every`` is held out.
+
+    Sizing, measured on 2 shared CPU cores with the tiny policy (hidden 128, 2 layers), GRPO
+    being an on-policy loop of 8 prompts x 8 completions, AdamW, temperature 1:
+
+    - ``arith`` (operands 0-19, 400 pairs): 200 warm-start steps get ~10% right greedily, 400-600
+      steps 10-25%. With operands 0-7 or 0-9 the sampled reward already stayed flat over 100-250 GRPO
+      steps (lr 3e-4 to 1e-3): too many distinct facts for sparse rewards in minutes; 400 are more.
+    - ``arith_small`` (operands 0-5, 36 pairs, 32 for training): 30 warm-start steps (3-15 s) get
+      30-48% right greedily, 20-23% sampled (seeds 0-2); 100 GRPO steps at lr 5e-4 then raised the
+      sampled reward from 0.20 to 0.52 (one run, 80 s). The task for a run that must visibly learn.
     """
 
     max_operand: int = 19
-    """Largest operand. 19 gives 400 pairs: a tiny policy learns a share quickly but not all of it."""
+    """Largest operand."""
     val_every: int = 10
     """One pair in this many (by hash) is reserved for the ``"val"`` split."""
     name: str = "arith"
@@ -81,7 +92,10 @@ class ArithTask:
         return (a * 31 + b * 17) % self.val_every == 0
 
 
-TASKS: dict[str, Callable[[], Task]] = {"arith": ArithTask}
+TASKS: dict[str, Callable[[], Task]] = {
+    "arith": ArithTask,
+    "arith_small": lambda: ArithTask(max_operand=5, name="arith_small"),
+}
 """Registry of built-in tasks by name (``builtin:<name>`` in a data source)."""
 
 
