@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -11,21 +12,59 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_child(module: str, *args: str) -> dict:
+BENCH_VENV = Path(__file__).parent.parent / ".venv-bench"
+"""The bench-only venv holding the peers (TRL), built by ``make bench-env``; the main venv never gets them."""
+
+
+def run_child(module: str, *args: str, env: dict | None = None) -> dict:
     """Run ``python -m module args`` in a fresh process (clean peak RSS) and parse its last JSON line."""
-    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, check=False)
+    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, check=False, env=env)
     if out.returncode:
         raise RuntimeError(f"{module} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def machine() -> dict:
-    import os
+def bench_env_python() -> str | None:
+    """The bench venv's interpreter, or None when ``make bench-env`` has not been run."""
+    py = BENCH_VENV / "bin" / "python"
+    return str(py) if py.exists() else None
 
+
+def clocks() -> tuple[float, float]:
+    """(wall, process CPU) seconds. On a shared machine CPU time tracks the work done; wall time tracks the load."""
+    import time
+
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float]) -> tuple[float, float]:
+    wall, cpu = clocks()
+    return wall - start[0], cpu - start[1]
+
+
+def load_average() -> float:
+    """The 1-minute load average: the machine is shared, so every result records how busy it was."""
+    return os.getloadavg()[0]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
     import torch
 
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "python": platform.python_version()}
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "memory_gib": round(mem, 1), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 def save(name: str, payload: dict) -> Path:
