@@ -155,16 +155,17 @@ PHASES = ("step", "generate", "update", "sync")
 
 
 def summarize(run: dict) -> dict:
-    """Medians over the timed steps of each phase's wall (``_s``) and CPU (``_cpu_s``) seconds."""
+    """Medians over the timed steps of each phase's wall (``_s``) and CPU (``_cpu_s``) seconds; ``other`` is the
+    per-step remainder (step - generate - update - sync), then its median, so the columns need not add up."""
     timed = [s for s in run["steps"] if s["step"] is not None]
     med = {}
     for i, suffix in ((0, "_s"), (1, "_cpu_s")):
         for k in PHASES:
             med[k + suffix] = statistics.median(s[k][i] for s in timed)
-        med["other" + suffix] = med["step" + suffix] - sum(med[k + suffix] for k in PHASES[1:])
+        med["other" + suffix] = statistics.median(s["step"][i] - sum(s[k][i] for k in PHASES[1:]) for s in timed)
     tokens = statistics.mean(s["completion_tokens"] for s in timed)
     return {"framework": run["framework"], "engine": run["engine"], **med, "tokens_per_step": tokens,
-            "timed_steps": len(timed), "total_s": run["total_s"], "params": run.get("params")}
+            "timed_steps": len(timed), "total_s": run["total_s"], "params": run.get("params"), "raw": run["steps"]}
 
 
 def trl_command(engine: str, model: str, prompts: str, steps: int) -> list[str] | None:
@@ -287,7 +288,8 @@ def combine(runs: list[dict]) -> dict:
             rows.append(group[-1])
             continue
         row = {k: statistics.median(r[k] for r in good) if isinstance(good[0][k], float) else good[0][k]
-               for k in good[0]}
+               for k in good[0] if k != "raw"}
+        row["raw"] = [r["raw"] for r in good]  # per-step (wall, CPU) of each round, for the record
         row["rounds"] = len(good)
         rows.append(row)
     by = {(r["framework"], r["engine"]): r for r in rows if "error" not in r}
