@@ -22,7 +22,7 @@ import json
 import statistics
 import sys
 
-from bench.common import run_child, save, table
+from bench.common import pyplot, run_child, save, table
 
 N_MINIS = [2, 4, 8]
 REFERENCE_SHARE = 1 / 3
@@ -104,12 +104,8 @@ def main() -> None:
 
 
 def plot(results: list[dict], path, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for skip, style, label in ((False, "s--", "full walk (reference design)"), (True, "o-", "mini-batch 0 skipped")):

@@ -85,3 +85,15 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
     return str(v)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib (the ``plot`` extra) is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

@@ -19,7 +19,7 @@ import resource
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.common import load_average, run_child, save, table
+from bench.common import load_average, pyplot, run_child, save, table
 
 N_MICROS = [1, 2, 4, 8, 16]
 TARGET_N_MICRO, TARGET_RATIO = 8, 0.3
@@ -121,12 +121,8 @@ def main() -> None:
 
 
 def plot(results: list[dict], path, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax, rx) = plt.subplots(1, 2, figsize=(9, 3.5))
     xs = [r["n_micro"] for r in results]
