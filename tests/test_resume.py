@@ -272,7 +272,11 @@ def test_kill9_at_a_random_loop_step_then_resume_last_matches_the_uninterrupted_
         while not (b_ckpts / checkpoint_name(k)).exists():
             assert _alive(run_b) and time.time() < deadline, (b / "out.log").read_text()[-3000:]
             time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 2.0))
+        # A random moment of loop step k + 1, never past it: on an idle machine 2 s span several loop steps, and a
+        # kill after the last checkpoint would leave nothing to resume.
+        kill_at = time.time() + rng.uniform(0.0, 2.0)
+        while time.time() < kill_at and not (b_ckpts / checkpoint_name(k + 1)).exists():
+            time.sleep(0.01)
         os.kill(run_b, signal.SIGKILL)
         while _alive(run_b):
             time.sleep(0.05)
