@@ -42,7 +42,7 @@ def child(n_mini: int, rows: int, completion: int, vocab: int, chunk_rows: int, 
     rl = GRPOConfig(batch_per_replica=rows, group_size=8, mini_batch_per_replica=rows // n_mini,
                     micro_batch_per_replica=chunk_rows)
     module = GRPOModule(policy=PolicyConfig(path="tiny:bench-ahead", tiny=spec), rl=rl)
-    module.policy.train()  # as under a Trainer
+    module.configure_model()  # the policy, in train mode as under a Trainer
     module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
 
     def batch() -> RolloutBatch:

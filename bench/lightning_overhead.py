@@ -39,6 +39,8 @@ GROUP, PROMPTS, NEW_TOKENS = 8, 4, 64
 class FixedRollouts:
     """A rollout engine that returns the same completions every call (protocol of rollout/base.py)."""
 
+    holds_weights = False  # recorded completions: nothing to publish
+
     def __init__(self, rollouts) -> None:
         self.rollouts = rollouts
 
@@ -67,6 +69,7 @@ def build():
                         rl=GRPOConfig(batch_per_replica=GROUP * PROMPTS, group_size=GROUP, max_grad_norm=1.0),
                         optim=OptimConfig(lr=1e-5), rollout=RolloutConfig(max_new_tokens=NEW_TOKENS),
                         rewards=[RewardSpec("bench.speed_vs_trl:ours_reward")])
+    module.configure_model()
     data = PromptDataModule("builtin:arith", prompts_per_step=PROMPTS, val_size=0)
     data.setup()
     records = [PromptRecord(i, r.text, r.answer) for i, r in enumerate(data._stream.step(0, PROMPTS))]

@@ -58,6 +58,7 @@ def child(n_micro: int, rows: int, completion: int, vocab: int) -> dict:
                           vocab_size=vocab, max_position_embeddings=completion + 64)
     rl = GRPOConfig(batch_per_replica=rows, group_size=8, micro_batch_per_replica=rows // n_micro, max_grad_norm=1.0)
     module = GRPOModule(policy=PolicyConfig(path="tiny:bench-memory", tiny=spec), rl=rl)
+    module.configure_model()
     module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
     prompt, width = 16, 16 + completion
     lengths = torch.randint(completion // 4, completion + 1, (rows,))  # unequal, like real completions

@@ -43,7 +43,7 @@ _EXPORTS = {
     "HFEngine": "lightning_grpo.rollout.hf",
     "ReplayEngine": "lightning_grpo.rollout.replay",
     "VLLMEngine": "lightning_grpo.rollout.vllm",
-    "VLLMConfig": "lightning_grpo.rollout.vllm",
+    "VLLMConfig": "lightning_grpo.config",
     # entry points
     "GRPOCLI": "lightning_grpo.cli",
     "plot_curves": "lightning_grpo.plot",
@@ -97,7 +97,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.checkpoint import GRPOCheckpoint
     from lightning_grpo.cli import GRPOCLI
-    from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig
+    from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
     from lightning_grpo.data.prompts import PromptDataModule, PromptRecord
     from lightning_grpo.data.rewards import RewardError, RewardSpec, score
     from lightning_grpo.handoff import HandoffCallback
@@ -108,5 +108,5 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
     from lightning_grpo.rollout.hf import HFEngine
     from lightning_grpo.rollout.replay import ReplayEngine
-    from lightning_grpo.rollout.vllm import VLLMConfig, VLLMEngine
+    from lightning_grpo.rollout.vllm import VLLMEngine
     from lightning_grpo.summary import RunSummary

@@ -21,7 +21,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from torch import nn
+from torch import Tensor, nn
+
+
+def single_process(t: Tensor) -> Tensor:
+    """A reduction over data-parallel ranks when there is one process: the tensor itself."""
+    return t
 
 
 def is_fsdp2(module: nn.Module | None) -> bool:

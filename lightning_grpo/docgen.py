@@ -21,13 +21,12 @@ from collections.abc import Iterator
 
 from lightning_grpo.checkpoint import GRPOCheckpoint
 from lightning_grpo.cli import TRAINER_DEFAULTS
-from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
+from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
-from lightning_grpo.rollout.vllm import VLLMConfig
 from lightning_grpo.summary import RunSummary
 
 DATACLASS_SECTIONS = (

@@ -11,13 +11,16 @@ checkpoint taken at the batch boundary always sees the trainer resident and the 
 asleep. A run, fresh or resumed, starts at that boundary: the engine is put to sleep
 (on resume before the optimizer state is restored) and the first hand-off publishes the
 trainer's policy before any sampling. See docs/handoff.md.
+
+The callback talks to the module through ``WeightPublisher`` (publisher.py) only: the module hands
+it the engine and the policy once (``on_engine_ready``) and tells it about the two in-step boundaries.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from enum import Enum
 from typing import Any, Literal
 
@@ -27,7 +30,10 @@ from typing_extensions import override
 
 from lightning_grpo.offload import OffloadBackend, TrainerOffload, memory_saver_usable, select_offload
 from lightning_grpo.profiling import LoopProfile, profiling_requested
-from lightning_grpo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, named_weights, push_weights
+from lightning_grpo.publisher import generates_with
+from lightning_grpo.rollout.base import RolloutEngine
+from lightning_grpo.rollout.sleep import sleep_level_problem
+from lightning_grpo.rollout.weight_sync import SyncStats, named_weights, push_weights
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +61,10 @@ class Phase(str, Enum):
 class HandoffCallback(Callback):
     """Hands the device between rollout engine and trainer once per collected batch, and publishes weights.
 
-    ``GRPOModule.training_step`` calls ``on_rollout_end`` after generation and ``on_update_end``
-    after the update; Lightning calls the rest.
+    Implements ``WeightPublisher``: ``GRPOModule`` hands it the engine and policy once per fit
+    (``on_engine_ready``, which also puts the engine to sleep), calls ``on_rollout_end`` after
+    generation and ``on_update_end`` after the update; Lightning calls the rest. A module whose
+    engine holds its own weights attaches one itself (``colocated_offload=False``) when none is given.
 
     Args:
         placement: ``colocated``: engine and trainer share the device, so they take turns;
@@ -64,11 +72,11 @@ class HandoffCallback(Callback):
         colocated_offload: with ``colocated``: False keeps both resident for the whole step
             (shorter step, both footprints at once) and builds a vLLM engine without sleep mode.
         sleep_level: 1: the engine backs its weights up to host while asleep; 2: it discards
-            them, and the full sync before the next draw rewrites every parameter and buffer
-            (checked: a partial sync raises).
+            them, and the full sync before the next draw must rewrite every tensor the engine
+            holds (checked against the engine's ``weight_names()``: a partial sync raises).
         offload_backend: ``auto``: torch_memory_saver if usable, else host copies, nothing on
             CPU; ``host``: host copies even on CPU (tests); ``torch_memory_saver``: required.
-        sync_bucket_mb: weight-sync bucket size; None = ``pl_module.rollout_cfg.sync_bucket_mb``.
+        sync_bucket_mb: weight-sync bucket size; None = the module's ``rollout.sync_bucket_mb``.
         profile: write ``profile.jsonl`` records under ``trainer.log_dir``; None = the
             ``LIGHTNING_GRPO_PROFILE_LOOP`` environment variable.
 
@@ -88,8 +96,8 @@ class HandoffCallback(Callback):
         problems = []
         if placement not in ("colocated", "disaggregated"):
             problems.append(f"placement={placement!r}: must be 'colocated' or 'disaggregated'")
-        if sleep_level not in (1, 2):
-            problems.append(f"sleep_level={sleep_level!r}: must be 1 (weights kept on host) or 2 (discarded)")
+        if problem := sleep_level_problem(sleep_level, "sleep_level"):
+            problems.append(problem)
         if offload_backend not in ("auto", "torch_memory_saver", "host"):
             problems.append(f"offload_backend={offload_backend!r}: must be 'auto', 'torch_memory_saver' or 'host'")
         if sync_bucket_mb is not None and not sync_bucket_mb > 0:
@@ -104,8 +112,10 @@ class HandoffCallback(Callback):
         self._events: list[str] = []
         self._stale = True  # the engine does not hold the trainer's current policy
         self._discarded = False  # a level-2 sleep dropped the engine's weights since the last full sync
-        self._engine: Any = None
+        self._engine: RolloutEngine | None = None
         self._policy: nn.Module | None = None
+        self._bucket_bytes = 0
+        self._loop_step = 0  # of the last update, for the profile record
         self._offload: TrainerOffload | None = None  # chosen at first use: the optimizers exist by then
         self._profile = LoopProfile(None)
         self._state_dict_hook: Any = None
@@ -128,32 +138,23 @@ class HandoffCallback(Callback):
     @property
     def engine_is_policy(self) -> bool:
         """The engine generates with the trained module itself (``HFEngine``): a weight sync has nothing to move."""
-        return self._engine is not None and getattr(self._engine, "model", None) is self._policy
+        return self._engine is not None and generates_with(self._engine, self._policy)
 
-    # -- Lightning hooks -------------------------------------------------------------------------------------------
-    @override
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and not self.handoff:
-            _build_engine_without_sleep_mode(pl_module)  # before pl_module.setup builds it
+    # -- the module's side (WeightPublisher) -------------------------------------------------------------------------
+    @property
+    def sleeps_engine(self) -> bool:
+        """Whether the engine sleeps between generations (else the module builds a vLLM engine without sleep mode)."""
+        return self.handoff
 
-    @override
-    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # Resume: runs after pl_module.setup built the engine and before the optimizer state is restored onto the
-        # device, so the engine sleeps first; the first hand-off then publishes the restored policy.
-        if trainer.training:
-            self._start(trainer, pl_module)
+    def on_engine_ready(self, trainer: Trainer, engine: RolloutEngine, policy: nn.Module,
+                        sync_bucket_mb: float) -> None:
+        """The module built its engine (``on_fit_start``, before Lightning restores optimizer state onto the device):
+        enter the batch boundary, so the engine sleeps first and the first hand-off publishes the (restored) policy."""
+        self._engine, self._policy = engine, policy
+        self._bucket_bytes = int((self._sync_bucket_mb or sync_bucket_mb) * (1 << 20))
+        self._start(trainer, trainer.lightning_module)
 
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start(trainer, pl_module)
-
-    @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._require(Phase.BOUNDARY, Phase.GENERATE, hook="on_train_batch_start")
-        self._publish(pl_module)
-        self._event(GENERATE)
-
-    def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_rollout_end(self, trainer: Trainer) -> None:
         """Generation done: the engine releases the device, the trainer takes it."""
         self._require(Phase.GENERATE, hook="on_rollout_end")
         self._sleep_engine()
@@ -161,16 +162,31 @@ class HandoffCallback(Callback):
         self._event(TRAIN)
         self._phase = Phase.TRAIN
 
-    def on_update_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_update_end(self, trainer: Trainer, loop_step: int) -> None:
         """The policy changed: the engine is stale until the next publication (lazy, before the next draw)."""
         self._require(Phase.TRAIN, hook="on_update_end")
-        self._phase, self._stale = Phase.BOUNDARY, True
+        self._phase, self._stale, self._loop_step = Phase.BOUNDARY, True, loop_step
         self._profile.boundary("report")
+
+    # -- Lightning hooks -------------------------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._phase is Phase.IDLE:
+            raise RuntimeError(
+                f"HandoffCallback was given no engine: {type(pl_module).__name__} never called on_engine_ready. It "
+                "works with GRPOModule (or a module that calls the WeightPublisher hooks, see publisher.py)"
+            )
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._require(Phase.BOUNDARY, Phase.GENERATE, hook="on_train_batch_start")
+        self._publish(pl_module)
+        self._event(GENERATE)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._write_profile(trainer, pl_module)
+        self._write_profile(trainer)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -196,8 +212,6 @@ class HandoffCallback(Callback):
         """Enter the batch boundary once per fit: engine asleep, trainer resident, publication pending."""
         if self._phase is not Phase.IDLE:
             return
-        self._engine = pl_module.engine
-        self._policy = getattr(pl_module, "policy", pl_module)
         self._profile = self._make_profile(trainer, pl_module)
         # Lightning reads the module's state_dict first thing in a save, before any callback hook runs: this pre-hook
         # is the checkpoint window (engine asleep, trainer resident) whatever point of the step the save comes from.
@@ -217,7 +231,7 @@ class HandoffCallback(Callback):
             self._engine.wake_up(["weights"])
         if self._stale or self._discarded:
             self._event(WEIGHT_SYNC)
-            self.last_sync = self._step_sync = self._sync(pl_module)
+            self.last_sync = self._step_sync = self._sync()
             self._stale = self._discarded = False
         if self.handoff:
             self._event(TRAINER_OFFLOAD)
@@ -226,22 +240,30 @@ class HandoffCallback(Callback):
             self._engine.wake_up(["kv_cache"])
         self._phase = Phase.GENERATE
 
-    def _sync(self, pl_module: LightningModule) -> SyncStats:
+    def _sync(self) -> SyncStats:
         """Push every parameter and persistent buffer to the engine, once per collected batch."""
         if self.engine_is_policy:
             return NO_SYNC  # HFEngine generates with this very module: its weights are already the policy's
-        expected = [name for name, _ in named_weights(self._policy)]
         pushed: list[str] = []
-        bucket_mb = self._sync_bucket_mb or getattr(getattr(pl_module, "rollout_cfg", None), "sync_bucket_mb", None)
-        bucket = int(bucket_mb * (1 << 20)) if bucket_mb else DEFAULT_BUCKET_BYTES
-        stats = push_weights(_recorded(named_weights(self._policy), pushed), self._engine, bucket_bytes=bucket)
-        if self._discarded and sorted(pushed) != sorted(expected):
-            missing = sorted(set(expected) - set(pushed))[:5]
-            raise RuntimeError(
-                f"weight sync after a level-2 sleep rewrote {len(pushed)} of {len(expected)} tensors (missing e.g. "
-                f"{missing}): the engine discarded its weights, so the sync must rewrite every parameter and buffer"
-            )
+        stats = push_weights(_recorded(named_weights(self._policy), pushed), self._engine,
+                             bucket_bytes=self._bucket_bytes)
+        if self._discarded:
+            self._check_complete(pushed)
         return stats
+
+    def _check_complete(self, pushed: list[str]) -> None:
+        """After a level-2 sleep every tensor the engine holds was discarded: the sync must have rewritten each."""
+        declared = getattr(self._engine, "weight_names", None)
+        names = declared() if declared is not None else None
+        # An engine that cannot say what it holds is checked against the policy's own tensors.
+        expected = set(names) if names else {name for name, _ in named_weights(self._policy)}
+        missing = sorted(expected - set(pushed))
+        if missing:
+            raise RuntimeError(
+                f"weight sync after a level-2 sleep rewrote {len(expected) - len(missing)} of the {len(expected)} "
+                f"tensors the engine holds (missing e.g. {missing[:5]}): the engine discarded its weights, so the "
+                "policy must provide every one of them under the engine's names (or use sleep_level=1)"
+            )
 
     def _sleep_engine(self) -> None:
         if self.handoff:
@@ -311,29 +333,16 @@ class HandoffCallback(Callback):
         name = "profile.jsonl" if trainer.global_rank == 0 else f"profile.rank{trainer.global_rank}.jsonl"
         return LoopProfile(f"{trainer.log_dir or trainer.default_root_dir}/{name}", pl_module.device)
 
-    def _write_profile(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        loop = getattr(pl_module, "loop", None)
+    def _write_profile(self, trainer: Trainer) -> None:
         sync, self._step_sync = self._step_sync, None
         self._profile.write(
-            loop_step=loop.progress.loop_step if loop is not None else trainer.global_step,
+            loop_step=self._loop_step,
             global_step=trainer.global_step, placement=self.placement, handoff=self.handoff,
             sleep_level=self.sleep_level, offload_backend=self._offload.kind if self._offload else None,
             engine_is_policy=self.engine_is_policy, sync=None if sync is None else asdict(sync),
             offload_bytes=dict(self._step_bytes),
         )
         self._step_bytes = {"offloaded": 0, "onloaded": 0}
-
-
-def _build_engine_without_sleep_mode(pl_module: LightningModule) -> None:
-    """colocated_offload=false / disaggregated: a vLLM engine that never sleeps need not reserve sleep-mode memory."""
-    cfg = getattr(pl_module, "rollout_cfg", None)
-    if cfg is None or getattr(cfg, "engine", None) != "vllm" or getattr(pl_module, "engine", None) is not None:
-        return
-    from lightning_grpo.rollout.vllm import VLLMConfig
-
-    vllm = cfg.vllm or VLLMConfig()
-    if vllm.enable_sleep_mode is None:  # an explicit choice is the user's
-        pl_module.rollout_cfg = replace(cfg, vllm=replace(vllm, enable_sleep_mode=False))
 
 
 def _recorded(named: Iterable[tuple[str, Tensor]], names: list[str]) -> Iterator[tuple[str, Tensor]]:

@@ -50,8 +50,6 @@ class LoopResult:
 
     chunks: list[ChunkStats] = field(default_factory=list)
     steps: list[StepOutcome] = field(default_factory=list)
-    windows: list[list[ChunkStats]] = field(default_factory=list)
-    """Chunk stats of every closed window (one per optimizer step, pairs with ``steps``): per-mini-batch figures."""
     discarded_chunks: int = 0
 
 
@@ -75,28 +73,30 @@ class CollectedBatchLoop:
                              f"{self.accumulator.grad_accum} calls")
         if pi_old is not None and len(pi_old) != plan.n_mini * plan.n_micro:
             raise ValueError(f"pi_old has {len(pi_old)} entries for a plan of {plan.n_mini * plan.n_micro} chunks")
-        acc, result, window = self.accumulator, LoopResult(), []
+        acc, result, k = self.accumulator, LoopResult(), 0  # k: chunk number in walk order (pi_old pairs by it)
         discarded_before = acc.discarded_chunks
-        for k, (mini, micro) in enumerate(plan.walk()):
-            self.progress.mini, self.progress.micro = mini, micro
-            if acc.discarding():  # rest of a poisoned window: skip the forward too
-                outcome = acc.discard()
-            else:
-                chunk = plan.chunk(batch, mini, micro)
-                loss, denom, stats = self.forward_chunk(chunk, paired(pi_old, k, chunk))  # keyed by call order
-                window.append(stats)
-                outcome = acc.train(loss, denom)
-            if outcome is not None:  # the window closed
-                self._close(result, window, outcome, mini)
-                window = []
+        for mini in range(plan.n_mini):  # one optimizer step each
+            window: list[ChunkStats] = []
+            for micro in range(plan.n_micro):  # one forward/backward each; the last one steps
+                self.progress.mini, self.progress.micro = mini, micro
+                if acc.discarding():  # rest of a poisoned window: skip the forward too
+                    outcome = acc.discard()
+                else:
+                    chunk = plan.chunk(batch, mini, micro)
+                    loss, denom, stats = self.forward_chunk(chunk, paired(pi_old, k, chunk))
+                    window.append(stats)
+                    outcome = acc.train(loss, denom)
+                k += 1
+            self._close(result, window, outcome, mini)
         result.discarded_chunks = acc.discarded_chunks - discarded_before  # dropped + the non-finite ones
         self.progress.loop_step += 1
         return result
 
-    def _close(self, result: LoopResult, window: list[ChunkStats], outcome: StepOutcome, mini: int) -> None:
+    def _close(self, result: LoopResult, window: list[ChunkStats], outcome: StepOutcome | None, mini: int) -> None:
+        if outcome is None:  # the accumulator steps every n_micro calls, from an empty window at each batch start
+            raise RuntimeError(f"mini-batch {mini} ended without closing its accumulation window")
         self.progress.optimizer_steps += 1
         result.steps.append(outcome)
-        result.windows.append(window)
         if outcome.skipped:
             log.warning("non-finite loss or gradient: skipped the optimizer step of loop step %d, mini-batch %d",
                         self.progress.loop_step, mini)

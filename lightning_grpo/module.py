@@ -5,23 +5,31 @@ One ``training_step`` consumes one collected batch: rollout -> rewards -> advant
 ``trainer.global_step`` counts optimizer steps (Lightning's meaning under manual
 optimization, so ``trainer.max_steps`` is in optimizer steps = loop steps x n_mini);
 ``loop_step`` counts collected batches and is the logged x-axis (``step``).
+
+The module owns its state: ``on_save_checkpoint`` writes loop progress, accumulator, probe, data
+position and per-rank RNG into every checkpoint Lightning writes (``checkpoint/state.py``), so a plain
+``ModelCheckpoint`` resumes exactly. It keeps its engine current through a ``WeightPublisher``
+(``publisher.py``), attaching a ``HandoffCallback`` itself when the engine holds its own weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import time
 from collections.abc import Sequence
 
 import torch
 from lightning.pytorch import LightningModule
-from torch import Tensor
+from lightning.pytorch.callbacks import Checkpoint
+from torch import Tensor, nn
 
 from lightning_grpo.accumulate import DeferredAccumulator
 from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
+from lightning_grpo.checkpoint.state import STATE_KEY, LoopState
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.rewards import RewardSpec, score
@@ -31,9 +39,12 @@ from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.loop import CollectedBatchLoop, LoopResult
 from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
-from lightning_grpo.old_logprobs import OldLogprobCache, needs_ahead_pass, warn_if_unfrozen
+from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_pass, warn_if_unfrozen
 from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.publisher import WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
+
+log = logging.getLogger(__name__)
 
 
 class GRPOModule(LightningModule):
@@ -52,8 +63,13 @@ class GRPOModule(LightningModule):
         module = GRPOModule(rl=GRPOConfig(batch_per_replica=16, group_size=4, micro_batch_per_replica=4))
         Trainer(max_steps=10, callbacks=[HandoffCallback()]).fit(module, datamodule=PromptDataModule())
 
-    Subclasses override ``configure_policy`` (model construction), ``compute_rewards`` or
-    ``build_engine`` to plug in their own parts.
+        module = GRPOModule()     # outside a Trainer: build the policy yourself
+        module.configure_model()  # module.policy, module.tokenizer now exist
+
+    The policy is built in ``configure_model`` (Lightning calls it on each rank inside the strategy's
+    init context, so it loads on its device and FSDP2 shards it before the optimizer exists), the
+    engine in ``on_fit_start``. Subclasses override ``configure_policy`` (model construction),
+    ``compute_rewards`` or ``build_engine`` to plug in their own parts.
     """
 
     def __init__(self, policy: PolicyConfig | None = None, rl: GRPOConfig | None = None,
@@ -64,27 +80,28 @@ class GRPOModule(LightningModule):
         self.policy_cfg, self.rl = policy or PolicyConfig(), rl or GRPOConfig()
         self.optim_cfg, self.rollout_cfg = optim or OptimConfig(), rollout or RolloutConfig()
         self.reward_specs, self.seed = rewards, seed
-        self.policy, self.tokenizer = self.configure_policy()
-        # k3 KL needs a frozen reference; with beta == 0 none is built (no memory spent).
-        self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False) if self.rl.beta > 0 else None
-        self.objective = GRPOObjective(self.rl.epsilon, self.rl.epsilon_high, self.rl.beta, dp_mean=self._dp_mean)
-        # Frozen pi_old across the window (the ahead pass); also holds the one-shot probe's state (state_dict).
-        self.old_logprobs = OldLogprobCache(self.policy, lambda c: self.logprobs(self.policy, c.to(self.device)),
-                                            dp_sum=lambda t: self._dp_mean(t) * self._world_size())
-        self.ahead_seconds = self.update_seconds = 0.0  # wall time of the last ahead pass / whole update
         warn_if_unfrozen(self.rl)
+        self.objective = GRPOObjective(self.rl.epsilon, self.rl.epsilon_high, self.rl.beta, dp_mean=self._dp_mean)
+        self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer, reference, pi_old cache
+        self.tokenizer = None
+        self.ref: nn.Module | None = None
+        self.old_logprobs: OldLogprobCache | None = None
         self.engine: RolloutEngine | None = None
         self.loop: CollectedBatchLoop | None = None
+        self.ahead_seconds = self.update_seconds = 0.0  # wall time of the last ahead pass / whole update
+        self._publisher: WeightPublisher | None = None
+        self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
     def configure_policy(self):
         """(model, tokenizer). Default: ``load_policy(self.policy_cfg)``."""
         return load_policy(self.policy_cfg)
 
-    def build_engine(self) -> RolloutEngine:
+    def build_engine(self, will_sleep: bool = True) -> RolloutEngine:
+        """The rollout engine (``rollout.engine``). ``will_sleep``: whether the hand-off puts it to sleep."""
         from lightning_grpo.rollout import build_engine
 
-        return build_engine(self.rollout_cfg, self)
+        return build_engine(self.rollout_cfg, self, will_sleep=will_sleep)
 
     def compute_rewards(self, rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, float]]:
         """One reward per rollout. Recorded rewards (replay) are used as they are."""
@@ -96,13 +113,23 @@ class GRPOModule(LightningModule):
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.rl.validate(self._world_size())  # per-rank divisibility needs the DP size
-        if self.rl.deterministic:  # before the engine is built: it may start CUDA work (see determinism.py)
+        if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
-        if self.engine is None:
-            self.engine = self.build_engine()
 
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy``: FSDP2-shard the policy (and the reference) over the data-parallel mesh."""
+        """Build policy, tokenizer and (beta > 0) the frozen reference; FSDP2-shard them under ModelParallelStrategy.
+
+        Idempotent: Lightning may call it again for a later ``validate``; outside a Trainer call it yourself.
+        """
+        if self.policy is None:
+            policy, self.tokenizer = self.configure_policy()
+            self.policy = policy.train()  # from_pretrained returns eval(); Lightning trains (and checks) in train mode
+            # k3 KL needs the initial policy, frozen; with beta == 0 none is built (no memory spent). It stays in
+            # train mode like every module Lightning holds, and is scored under eval_mode (no dropout).
+            self.ref = copy.deepcopy(self.policy).requires_grad_(False) if self.rl.beta > 0 else None
+            # Frozen pi_old across the window (the ahead pass); also holds the one-shot probe's state.
+            self.old_logprobs = OldLogprobCache(self.policy, lambda c: self.logprobs(self.policy, c.to(self.device)),
+                                                dp_sum=lambda t: self._dp_mean(t) * self._world_size())
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
@@ -119,10 +146,35 @@ class GRPOModule(LightningModule):
         total = o.total_steps or max(self.trainer.max_steps, 1) if self._trainer else o.total_steps or 1
         return [opt], [torch.optim.lr_scheduler.LambdaLR(opt, _schedule(o.warmup_steps, total, o.schedule))]
 
+    def on_fit_start(self) -> None:
+        # Outside configure_model: its default device/dtype contexts must not leak into an engine (vLLM). Before
+        # Lightning restores optimizer state onto the device, so the hand-off can put the engine to sleep first.
+        self._publisher = find_publisher(self.trainer.callbacks)
+        if self.engine is None:
+            sleeps = self._publisher is not None and self._publisher.sleeps_engine
+            self.engine = self.build_engine(will_sleep=sleeps)
+        if self._publisher is None and needs_publisher(self.engine, self.policy):
+            self._publisher = self._attach_publisher()
+        if self._publisher is not None:
+            self._publisher.on_engine_ready(self.trainer, self.engine, self.policy, self.rollout_cfg.sync_bucket_mb)
+
     def on_train_start(self) -> None:
-        self.policy.train()  # from_pretrained returns eval(); the update runs in train mode (the probe checks it)
         opt, sched = self.optimizers(), self.lr_schedulers()
         self.loop = self.make_loop(opt, sched, self.manual_backward)
+        self._state.resume(self.trainer, self.loop, self.old_logprobs, self.trainer.datamodule)
+        self._state.boundary(self.loop, self.old_logprobs, self.global_step, self.trainer.datamodule)
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._state.step_started()  # the last hook before training_step: a loaded RNG state is restored here
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Every checkpoint Lightning writes carries the state at the last batch boundary (checkpoint/state.py)."""
+        state = self._state.record(self.trainer)
+        if state is not None:
+            checkpoint[STATE_KEY] = state
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._state.load(checkpoint)  # put back at on_train_start, once the loop exists
 
     def make_loop(self, optimizer, scheduler=None, backward=None) -> CollectedBatchLoop:
         """The collected-batch loop over this module's policy (also usable without a Trainer)."""
@@ -131,25 +183,28 @@ class GRPOModule(LightningModule):
                                   grad_sync=self._grad_sync, all_finite=self._all_ranks_finite)
         return CollectedBatchLoop(acc, self.forward_chunk)
 
-    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
-        return batch  # prompt records are host data; tensors move per chunk in forward_chunk
-
     def training_step(self, records, batch_idx: int) -> None:
         # 1. rollout: this rank's prompts -> completions -> rewards -> group advantages
         batch, rollout_metrics = self.collect(records)
-        self._notify("on_rollout_end")
+        if self._publisher is not None:
+            self._publisher.on_rollout_end(self.trainer)
         # 2.-3. pi_old and update: n_mini optimizer steps of n_micro chunks
         result = self.update(batch)
-        self._notify("on_update_end")
+        if self._publisher is not None:
+            self._publisher.on_update_end(self.trainer, self.loop_step)
         # 4. report: one roll-up per collected batch
         self.report(result, rollout_metrics)
+        # the batch boundary: what any checkpoint records until the next loop step ends
+        self._state.boundary(self.loop, self.old_logprobs, self.global_step, self.trainer.datamodule)
 
     def validation_step(self, records, batch_idx: int) -> None:
         """Held-out prompts, greedy, through the same engine: ``val/reward`` (see ``lightning_grpo/validation.py``)."""
         from lightning_grpo.validation import greedy_scores
 
+        if self.engine is None:  # trainer.validate() without a fit: nothing sleeps, nothing publishes
+            self.engine = self.build_engine(will_sleep=False)
         metrics = greedy_scores(self, records)
-        metrics["step"] = float(self.loop.progress.loop_step if self.loop else 0)  # x-axis: the loop step
+        metrics["step"] = float(self.loop_step)  # x-axis: the loop step
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=len(records), sync_dist=True)
 
     # -- the phases ---------------------------------------------------------------------------------------------------
@@ -189,7 +244,7 @@ class GRPOModule(LightningModule):
             old_logprobs = chunk.rollout_logprobs[:, 1:]
         ref = None
         if self.ref is not None:
-            with torch.no_grad():
+            with torch.no_grad(), eval_mode(self.ref):
                 ref = self.logprobs(self.ref, chunk)
         return self.objective(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref)
 
@@ -201,7 +256,7 @@ class GRPOModule(LightningModule):
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
         metrics = {**rollout_metrics, **roll_up(result)}
-        metrics["loop_step"] = float(self.loop.progress.loop_step)
+        metrics["loop_step"] = float(self.loop_step)
         metrics["global_step"] = float(self.global_step)
         metrics["step"] = metrics["loop_step"]  # the logger's x-axis: collected batches
         metrics["grpo/ahead_seconds"] = self.ahead_seconds
@@ -215,9 +270,14 @@ class GRPOModule(LightningModule):
         self.last_metrics = metrics
 
     # -- helpers ------------------------------------------------------------------------------------------------------
+    @property
+    def loop_step(self) -> int:
+        """Collected batches consumed so far (the logged ``step``; checkpoint cadence counts these)."""
+        return self.loop.progress.loop_step if self.loop is not None else 0
+
     def sampling(self) -> SamplingConfig:
         r = self.rollout_cfg
-        step = self.loop.progress.loop_step if self.loop else 0
+        step = self.loop_step
         # A distinct, reproducible stream per (seed, loop step, rank).
         seed = (self.seed * 1_000_003 + step) * max(self._world_size(), 1) + self.global_rank
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
@@ -255,14 +315,20 @@ class GRPOModule(LightningModule):
         wrapper = self._trainer.strategy.model if self._trainer is not None else None
         return gradient_sync(enabled, wrapper, self.policy)
 
-    def _notify(self, hook: str) -> None:
-        """Tell callbacks about the two in-step boundaries (the hand-off Callback listens)."""
-        if self._trainer is None:
-            return
-        for cb in self.trainer.callbacks:
-            fn = getattr(cb, hook, None)
-            if fn is not None:
-                fn(self.trainer, self)
+    def _attach_publisher(self) -> WeightPublisher:
+        """No callback publishes weights to an engine that holds its own: attach the hand-off, never sample stale."""
+        from lightning_grpo.handoff import HandoffCallback
+
+        publisher = HandoffCallback(colocated_offload=False)  # the engine was built without sleep mode
+        callbacks = self.trainer.callbacks
+        at = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
+        callbacks.insert(at, publisher)  # before checkpoint callbacks, as Lightning orders them
+        if self.trainer.is_global_zero:
+                log.warning("%s holds weights of its own and no callback publishes them: attached "
+                        "HandoffCallback(colocated_offload=False) to sync them once per loop step. Pass "
+                        "HandoffCallback() in Trainer(callbacks=...) for the colocated sleep/wake hand-off.",
+                        type(self.engine).__name__)
+        return publisher
 
 
 def _schedule(warmup: int, total: int, kind: str):

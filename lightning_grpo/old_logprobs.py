@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.distributed import single_process
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,6 @@ log = logging.getLogger(__name__)
 Score = Callable[[RolloutBatch], Tensor]
 # Sums a 0-d tensor over data-parallel ranks (identity on one device): the probe gates mesh-wide.
 DPSum = Callable[[Tensor], Tensor]
-
-
-def _identity(t: Tensor) -> Tensor:
-    return t
 
 
 @dataclass(frozen=True)
@@ -134,7 +131,8 @@ class OldLogprobCache:
         loop.run(batch, plan, cache.compute(batch, plan))
     """
 
-    def __init__(self, model: nn.Module, score: Score, dp_sum: DPSum = _identity, skip_first_mini: bool = True) -> None:
+    def __init__(self, model: nn.Module, score: Score, dp_sum: DPSum = single_process,
+                 skip_first_mini: bool = True) -> None:
         self.model = model
         self.score = score
         self.dp_sum = dp_sum
@@ -151,7 +149,7 @@ class OldLogprobCache:
         """pi_old of every chunk of ``plan`` in walk order; ``None`` = current logprobs detached (mini-batch 0)."""
         start = time.perf_counter()
         out: list[Tensor | None] = []
-        with _eval_mode(self.model), torch.no_grad():
+        with eval_mode(self.model), torch.no_grad():
             for mini, micro in plan.walk():
                 if mini == 0 and self._skips_first_mini():
                     out.append(None)  # trained before any update: pi_old == current, exactly
@@ -175,7 +173,7 @@ class OldLogprobCache:
         policy = noise_policy_of(self.model)
         # Still under no_grad: what differs between the two forwards is the mode (dropout, routing), and a forward
         # with grad but no backward would leave an autograd graph (and FSDP2/DDP hooks) waiting for nothing.
-        with _train_mode(self.model):
+        with train_mode(self.model):
             train_logprobs = self.score(chunk)
         mask = chunk.completion_mask[:, 1:].to(eval_logprobs.device)  # [B, T-1]
         diff = (train_logprobs - eval_logprobs).abs().masked_fill(~mask, 0.0)
@@ -234,11 +232,13 @@ class _ModeSwitch:
             m.training = mode
 
 
-def _eval_mode(model: nn.Module) -> _ModeSwitch:
+def eval_mode(model: nn.Module) -> _ModeSwitch:
+    """Context: every submodule in eval() (no dropout); each one's own mode comes back after."""
     return _ModeSwitch(model, training=False)
 
 
-def _train_mode(model: nn.Module) -> _ModeSwitch:
+def train_mode(model: nn.Module) -> _ModeSwitch:
+    """Context: every submodule in train(); each one's own mode comes back after."""
     return _ModeSwitch(model, training=True)
 
 

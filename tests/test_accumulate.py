@@ -14,7 +14,9 @@ UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]  # completion lengths: chunk token counts 
 
 def make_module(policy_dir, dtype="float32", micro=0, max_grad_norm=0.0):
     rl = GRPOConfig(batch_per_replica=8, group_size=2, micro_batch_per_replica=micro, max_grad_norm=max_grad_norm)
-    return GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype=dtype), rl=rl, rollout=RolloutConfig())
+    module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype=dtype), rl=rl, rollout=RolloutConfig())
+    module.configure_model()  # no Trainer: build the policy ourselves
+    return module
 
 
 def sgd_update(module, batch, lr=0.1):

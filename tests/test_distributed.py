@@ -73,6 +73,7 @@ def one_rank(policy_dir, case: str, steps: int = 1):
     if key not in _REFERENCE:
         module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype="float32"), rl=W.case_config(case),
                             rollout=RolloutConfig())
+        module.configure_model()
         before = params_of(module.policy)
         module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=W.lr_of(case)))
         for _ in range(steps):

@@ -8,6 +8,7 @@ trainer's after an update.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from pathlib import Path
@@ -18,7 +19,6 @@ from helpers import SMALL
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_grpo import handoff
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
@@ -35,7 +35,9 @@ from lightning_grpo.handoff import (
 )
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.rollout.hf import HFEngine
 from lightning_grpo.rollout.replay import ReplayEngine
+from lightning_grpo.rollout.weight_sync import named_weights
 
 PUBLISH = list(CYCLE[4:])  # wake weights, sync, offload, wake KV cache
 STEP = list(CYCLE[:4])  # generate, sleep, onload, train
@@ -75,7 +77,8 @@ def make_module(replay_file: str | None, cls=GRPOModule, engine: str = "replay",
     seed_everything(0)
     rollout = RolloutConfig(engine=engine, replay_path=replay_file, max_new_tokens=4)
     return cls(policy=PolicyConfig(path="tiny:handoff", tiny=SMALL), rl=GRPOConfig(batch_per_replica=8, group_size=4),
-               optim=OptimConfig(lr=1e-3), rollout=kw.pop("rollout", rollout), rewards=[RewardSpec("arith")], **kw)
+               optim=OptimConfig(lr=1e-3), rollout=kw.pop("rollout", rollout),
+               rewards=kw.pop("rewards", [RewardSpec("arith")]), **kw)
 
 
 def fit(module, tmp_path, callbacks, steps: int = 3, val_size: int = 0, **trainer_kw) -> Trainer:
@@ -221,7 +224,7 @@ def test_an_exception_leaves_the_engine_asleep_and_is_re_raised(replay_file, tmp
 
 def test_a_failing_cleanup_does_not_mask_the_original_exception(replay_file, tmp_path):
     class Module(ExplodingUpdate):
-        def build_engine(self):
+        def build_engine(self, will_sleep: bool = True):
             return FailingSleepEngine(self.rollout_cfg.replay_path)
 
         def update(self, batch):
@@ -234,19 +237,61 @@ def test_a_failing_cleanup_does_not_mask_the_original_exception(replay_file, tmp
     assert any("engine refused to sleep" in note for note in getattr(info.value, "__notes__", []))
 
 
-def test_a_partial_sync_after_a_level_2_sleep_is_refused(replay_file, tmp_path, monkeypatch):
-    calls, original = [], handoff.named_weights
+class OwnWeightsModule(GRPOModule):
+    """Its engine generates with a copy of the policy: an engine holding weights of its own, as vLLM does, on CPU.
 
-    def drops_the_last_tensor_when_pushing(model):  # called twice per sync: what to expect, then what to push
-        calls.append(1)
-        named = list(original(model))
-        return named if len(calls) % 2 else named[:-1]
+    ``engine_only``: the copy also holds a tensor the policy does not have (a full sync cannot rewrite it).
+    """
 
-    monkeypatch.setattr(handoff, "named_weights", drops_the_last_tensor_when_pushing)
-    module = make_module(replay_file)
-    with pytest.raises(RuntimeError, match="level-2 sleep rewrote"):
+    engine_only = False
+
+    def build_engine(self, *args, **kwargs):  # *args: also the signature of older versions (no will_sleep)
+        self.will_sleep = kwargs.get("will_sleep")
+        model = copy.deepcopy(self.policy)
+        self.initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if self.engine_only:
+            model.register_buffer("engine_only", torch.zeros(2))
+        return HFEngine(model, self.tokenizer)
+
+    def collect(self, records):
+        """Record, at each generation, how far the engine's weights are from the policy's (max |diff|)."""
+        engine = dict(self.engine.model.named_parameters())
+        diff = max(float((engine[n] - p).abs().max()) for n, p in self.policy.named_parameters())
+        self.staleness = [*getattr(self, "staleness", []), diff]
+        return super().collect(records)
+
+
+def own_weights_module(**kw) -> OwnWeightsModule:
+    return make_module(None, cls=OwnWeightsModule, engine="hf", rollout=RolloutConfig(engine="hf", max_new_tokens=3),
+                       rewards=[RewardSpec("reward_fns:length_reward")], **kw)
+
+
+def test_a_level_2_sync_that_misses_a_tensor_the_engine_holds_is_refused(tmp_path):
+    """The check compares what the sync pushed with what the engine holds (``weight_names``), so it can fail."""
+    module = own_weights_module()
+    module.engine_only = True
+    missing = r"rewrote 26 of the 27 tensors the engine holds \(missing e.g. \['engine_only'\]\)"
+    with pytest.raises(RuntimeError, match=missing):
         fit(module, tmp_path, [HandoffCallback(sleep_level=2)], steps=1)
     assert _asleep(module.engine)
+
+
+def test_a_full_level_2_sync_passes_the_check(tmp_path):
+    module = own_weights_module()
+    fit(module, tmp_path, [HandoffCallback(sleep_level=2)], steps=2)
+    assert module.engine.weight_names() == [name for name, _ in named_weights(module.policy)]
+
+
+# -- the contract: the module never samples from a stale engine ---------------------------------------------------
+def test_an_engine_with_its_own_weights_follows_the_policy_without_a_handoff_callback(tmp_path):
+    """Issue 14's bug: no HandoffCallback and an engine that is not the policy: it used to sample step 0 forever."""
+    module = own_weights_module()
+    trainer = fit(module, tmp_path, [], steps=3)  # the user wired no hand-off
+    assert module.engine.model is not module.policy
+    assert max(float((p - module.initial[n]).abs().max()) for n, p in module.policy.named_parameters()) > 1e-4
+    assert module.staleness == [0.0, 0.0, 0.0]  # every draw sampled the policy as it was right then
+    assert [type(cb) for cb in trainer.callbacks].count(HandoffCallback) == 1  # attached by the module itself
+    assert module.will_sleep is False  # nothing sleeps it: built without sleep mode
 
 
 def test_constructor_reports_every_bad_knob_at_once():

@@ -14,6 +14,7 @@ LENS = [3, 9, 1, 6, 12, 2, 5, 8, 4, 10, 7, 11]  # 12 trajectories: n_mini=2 x n_
 def make(policy_dir, batch=12, mini=6, micro=2):
     rl = GRPOConfig(batch_per_replica=batch, group_size=2, mini_batch_per_replica=mini, micro_batch_per_replica=micro)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir)), rl=rl)
+    module.configure_model()  # no Trainer: build the policy ourselves
     module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-2))
     return module
 

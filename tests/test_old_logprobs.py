@@ -25,6 +25,7 @@ def make(policy_dir, batch=16, mini=4, micro=2, lr=1e-2, **rl):
     cfg = GRPOConfig(batch_per_replica=batch, group_size=2, mini_batch_per_replica=mini,
                      micro_batch_per_replica=micro, **rl)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir)), rl=cfg)
+    module.configure_model()  # no Trainer: build the policy ourselves
     module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=lr))
     return module
 
@@ -39,6 +40,12 @@ def count_scores(module) -> list[bool]:
 
     module.old_logprobs.score = score
     return calls
+
+
+def per_step(result) -> list[list]:
+    """Chunk stats of each optimizer step (none skipped here: every window's n_micro chunks stepped)."""
+    n_micro = len(result.chunks) // len(result.steps)
+    return [result.chunks[i:i + n_micro] for i in range(0, len(result.chunks), n_micro)]
 
 
 def window_stats(window) -> tuple[float, float, float]:
@@ -61,10 +68,11 @@ def test_frozen_pi_old_first_mini_ratio_is_one_and_later_minis_clip(tiny_policy_
     module.old_logprobs.skip_first_mini = skip_first_mini
     for seed in (0, 1):  # the probe's loop step and a later one
         result = module.update(synthetic_batch(LENS, seed=seed))
-        assert len(result.windows) == 4 and not any(s.skipped for s in result.steps)
-        first = [(float(c.ratio_mean), float(c.ratio_max), float(c.clip_frac)) for c in result.windows[0]]
+        assert len(result.steps) == 4 and not any(s.skipped for s in result.steps)
+        windows = per_step(result)
+        first = [(float(c.ratio_mean), float(c.ratio_max), float(c.clip_frac)) for c in windows[0]]
         assert first == [(1.0, 1.0, 0.0)] * 2  # trained before any update: exactly exp(0)
-        later = [window_stats(w) for w in result.windows[1:]]
+        later = [window_stats(w) for w in windows[1:]]
         assert all(ratio != 1.0 for _, ratio, _ in later)
         assert any(clip > 0 for clip, _, _ in later), later
     assert module.ahead_seconds > 0 and 0 < module.ahead_seconds < module.update_seconds
@@ -75,7 +83,7 @@ def test_without_frozen_pi_old_the_clip_never_binds(tiny_policy_dir):
     calls = count_scores(module)
     for seed in (0, 1):
         result = module.update(synthetic_batch(LENS, seed=seed))
-        for window in result.windows:
+        for window in per_step(result):
             assert window_stats(window) == (0.0, 1.0, 1.0)  # pi_old = current: ratio returns to 1 every mini-batch
     assert calls == [] and module.ahead_seconds == 0.0
 
@@ -154,7 +162,7 @@ def test_probe_catches_dropout_left_on(dropout_policy_dir):
     assert "of completion tokens moved by more than 0.05 nats" in msg and "any token" in msg
     assert "dropout left on" in msg and "MoE routing" in msg and "ForwardNoisePolicy" in msg
     assert all(torch.equal(before[k], v) for k, v in params_of(module.policy).items())  # nothing trained
-    assert not module.policy.training  # the mode it had before the ahead pass
+    assert module.policy.training  # the mode it had before the ahead pass
 
 
 def test_probe_accepts_the_noise_a_policy_declares(dropout_policy_dir):
@@ -173,7 +181,7 @@ def test_probe_passes_a_deterministic_policy_and_runs_once(tiny_policy_dir):
     assert calls.count(True) == 1  # one train-mode re-score in the whole run
     # Step 1 probed chunk (0, 0) then left mini-batch 0; later steps score only minis 1..3 (6 chunks).
     assert len(calls) == 1 + 1 + 6 + 6 + 6
-    assert module.old_logprobs.probe_passed and not module.policy.training
+    assert module.old_logprobs.probe_passed and module.policy.training  # its mode before the ahead pass
 
 
 def test_probe_state_survives_resume(tiny_policy_dir):
@@ -264,6 +272,7 @@ def arith_run(policy_dir, freeze: bool, steps: int = 30) -> tuple[float, float, 
     rl = GRPOConfig(batch_per_replica=64, group_size=8, mini_batch_per_replica=8, freeze_pi_old=freeze)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir)), rl=rl, rollout=RolloutConfig(max_new_tokens=4),
                         rewards=[RewardSpec("arith")])
+    module.configure_model()
     warm_start(module.policy, module.tokenizer, "arith", steps=400, seed=0)
     task, val = ArithTask(), ArithTask().items(100, 1, "val")
     before = greedy_accuracy(module.policy, module.tokenizer, val, max_new_tokens=4)

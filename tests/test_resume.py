@@ -16,7 +16,7 @@ import torch
 import yaml
 from helpers import TINY_JOB, StepRecorder, fit_tiny, global_determinism_restored, tiny_grpo_module
 
-import lightning_grpo.checkpoint as ckpt_mod
+import lightning_grpo.checkpoint.atomic as atomic_mod
 from lightning_grpo.checkpoint import (
     AtomicCheckpointIO,
     GRPOCheckpoint,
@@ -26,6 +26,7 @@ from lightning_grpo.checkpoint import (
     find_last_checkpoint,
     resolve_ckpt_path,
 )
+from lightning_grpo.checkpoint.state import LoopState, gather_rng_states, rng_state
 
 TESTS = Path(__file__).parent
 LOOP_STEPS = 4
@@ -47,7 +48,7 @@ def test_exception_inside_the_writer_leaves_the_previous_checkpoint(tmp_path, mo
         f.write(b"half a checkpoint")
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(ckpt_mod.torch, "save", torn)
+    monkeypatch.setattr(atomic_mod.torch, "save", torn)
     for target in (first, tmp_path / checkpoint_name(2)):  # overwrite the same name, and write the next one
         with pytest.raises(OSError, match="injected"):
             io.save_checkpoint({"w": torch.zeros(4)}, target)
@@ -84,9 +85,11 @@ def test_loading_never_unpickles_code(tmp_path):
 
 def test_every_rank_gets_its_own_rng_streams_back():
     """Two ranks' states gathered (as under DDP), saved, loaded weights_only; rank 1 restores rank 1's streams."""
-    import random
-
     import numpy as np
+
+    from lightning_grpo.accumulate import DeferredAccumulator
+    from lightning_grpo.loop import CollectedBatchLoop
+    from lightning_grpo.old_logprobs import OldLogprobCache
 
     def draw():
         return torch.rand(3).tolist(), np.random.rand(2).tolist(), random.random(), random.gauss(0, 1)
@@ -94,17 +97,24 @@ def test_every_rank_gets_its_own_rng_streams_back():
     per_rank = []
     for r in (0, 1):
         torch.manual_seed(10 + r), np.random.seed(20 + r), random.seed(30 + r), random.gauss(0, 1)
-        per_rank.append((ckpt_mod.rng_state(), draw()))
+        per_rank.append((rng_state(), draw()))
     stack = {k: torch.stack([per_rank[0][0][k], per_rank[1][0][k]]) for k in per_rank[0][0]}
     rows = iter(stack.values())  # gather_rng_states all-gathers the keys in rng_state()'s order
     trainer = SimpleNamespace(world_size=2, global_rank=1, strategy=SimpleNamespace(
         root_device=torch.device("cpu"), all_gather=lambda t: next(rows)))
     torch.manual_seed(10), np.random.seed(20), random.seed(30), random.gauss(0, 1)  # this process is "rank 0"
-    gathered = ckpt_mod.gather_rng_states(trainer)
+    weight = torch.zeros(1, requires_grad=True)
+    loop = CollectedBatchLoop(DeferredAccumulator([weight], torch.optim.SGD([weight], lr=0.1), 1), None)
+    probe = OldLogprobCache(torch.nn.Linear(1, 1), score=None)
+    state = {"loop_progress": loop.progress.state_dict(), "accumulator": loop.accumulator.state_dict(),
+             "old_logprobs": probe.state_dict(), "data": None, "rng": gather_rng_states(trainer)}
     buffer = io.BytesIO()
-    torch.save({"rng": gathered}, buffer)
+    torch.save({"grpo": state}, buffer)
     buffer.seek(0)
-    ckpt_mod.restore_state(trainer, SimpleNamespace(), torch.load(buffer, weights_only=True))
+    keeper = LoopState()
+    keeper.load(torch.load(buffer, weights_only=True))
+    keeper.resume(trainer, loop, probe, datamodule=None)
+    keeper.step_started()  # where the module restores RNG: right before its first training_step
     assert draw() == per_rank[1][1]
 
 
@@ -128,12 +138,12 @@ def test_cadence_counts_loop_steps_renames_finished_saves_and_keeps_the_last(tmp
         else:
             path.write_bytes(b"ckpt")
 
-    module = SimpleNamespace(loop=SimpleNamespace(progress=SimpleNamespace(loop_step=0)))
+    module = SimpleNamespace(loop_step=0)
     trainer = SimpleNamespace(is_global_zero=True, callbacks=[], lightning_module=module, max_steps=0,
                               save_checkpoint=save_checkpoint)
     cb = GRPOCheckpoint(dirpath=str(tmp_path), every_n_loop_steps=3, keep_last=2)
     for step in range(1, 11):  # whatever n_mini is, the callback sees one call per loop step
-        module.loop.progress.loop_step = step
+        module.loop_step = step
         cb.on_train_batch_end(trainer, module, None, None, step - 1)
     cb.on_train_end(trainer, module)  # loop step 10 was not on the cadence: saved at the end
     assert saved == [f".{checkpoint_name(s)}.staging" for s in (3, 6, 9, 10)]
@@ -168,7 +178,7 @@ def test_a_save_failing_mid_write_keeps_the_previous_checkpoint_and_resume_repea
             raise OSError("injected failure while writing loop step 2")
         real_save(obj, f)
 
-    monkeypatch.setattr(ckpt_mod.torch, "save", second_save_fails)
+    monkeypatch.setattr(atomic_mod.torch, "save", second_save_fails)
     crashed, cb = StepRecorder(), GRPOCheckpoint(every_n_loop_steps=1, keep_last=0)
     with pytest.raises(OSError, match="injected"):
         fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path / "crashed", loop_steps=2, callbacks=[crashed, cb])

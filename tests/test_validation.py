@@ -56,7 +56,8 @@ def test_validation_runs_after_publication_and_leaves_training_unchanged(tmp_pat
 
 def test_validation_is_one_greedy_completion_per_prompt_from_the_engine():
     module = make_module()
-    module.setup("validate")
+    module.configure_model()
+    module.engine = module.build_engine(will_sleep=False)
     calls = []
     generate = module.engine.generate
     module.engine.generate = lambda prompts, g, sampling: calls.append((len(prompts), g, sampling)) or generate(
@@ -72,7 +73,8 @@ def test_validation_is_one_greedy_completion_per_prompt_from_the_engine():
 def test_validation_refuses_an_engine_left_asleep():
     """Generating while the hand-off has the engine asleep would sample from released memory: it raises."""
     module = make_module()
-    module.setup("validate")
+    module.configure_model()
+    module.engine = module.build_engine(will_sleep=False)
     module.engine.sleep(1)
     records = PromptDataModule("builtin:arith", prompts_per_step=4, val_size=4).val_batches()[0]
     with pytest.raises(RuntimeError, match="asleep"):

@@ -24,10 +24,10 @@ class ReverseGRPO(GRPOModule):
     """GRPO on the project's model (from its SFT checkpoint), rewarded by the project's exact match."""
 
     def __init__(self, sft_checkpoint: str | None = None, **kwargs) -> None:
-        self.sft_checkpoint = sft_checkpoint  # set first: GRPOModule.__init__ calls configure_policy
         super().__init__(**kwargs)
+        self.sft_checkpoint = sft_checkpoint
 
-    def configure_policy(self):
+    def configure_policy(self):  # called by configure_model, on each rank, when the Trainer sets the module up
         sft = CausalLMSFT.load_from_checkpoint(self.sft_checkpoint) if self.sft_checkpoint else CausalLMSFT()
         return sft.model, sft.tokenizer
 

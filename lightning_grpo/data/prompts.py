@@ -202,6 +202,10 @@ class PromptDataModule(LightningDataModule):
         """Loop steps consumed so far (the next training batch is this step's prompts)."""
         return self._consumed
 
+    def seek(self, position: int) -> None:
+        """Continue the stream at ``position`` (a resume whose last loop step was drawn but never trained on)."""
+        self._consumed = int(position)
+
     def records(self, step: int) -> list[PromptRecord]:
         """This rank's prompts of loop step ``step``."""
         self._ensure_setup()
@@ -239,7 +243,9 @@ class PromptDataModule(LightningDataModule):
 
     @override
     def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
-        # Records are text: nothing to move. Lightning's default would also refuse the frozen dataclasses.
+        # Records are host text (tensors move per chunk in GRPOModule.forward_chunk), and Lightning's default
+        # cannot rebuild frozen dataclasses. The only override of this hook: GRPOModule has none, so Lightning
+        # never warns that two implementations compete.
         return batch
 
     @override

@@ -14,12 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_grpo.distributed import single_process
+
 # Reduces a scalar tensor to its mean over data-parallel ranks (identity on one device).
 DPMean = Callable[[Tensor], Tensor]
-
-
-def _identity(x: Tensor) -> Tensor:
-    return x
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class GRPOObjective:
     name = "grpo"
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
-                 dp_mean: DPMean = _identity) -> None:
+                 dp_mean: DPMean = single_process) -> None:
         self.epsilon = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.beta = beta

@@ -7,8 +7,13 @@ from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, Sampling
 __all__ = ["Prompt", "Rollout", "RolloutEngine", "SamplingConfig", "build_engine"]
 
 
-def build_engine(cfg, module) -> RolloutEngine:
-    """The engine ``cfg.engine`` names, bound to ``module``'s policy and tokenizer."""
+def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
+    """The engine ``cfg.engine`` names, bound to ``module``'s policy and tokenizer.
+
+    ``will_sleep=False`` (nothing will put the engine to sleep: ``colocated_offload=false``, disaggregated, or
+    no hand-off at all) builds a vLLM engine without sleep mode, which then reserves no memory for it, unless
+    ``vllm.enable_sleep_mode`` is set explicitly. ``cfg`` itself is never changed.
+    """
     if cfg.engine == "replay":
         from lightning_grpo.rollout.replay import ReplayEngine
 
@@ -18,8 +23,14 @@ def build_engine(cfg, module) -> RolloutEngine:
 
         return HFEngine(module.policy, module.tokenizer)
     if cfg.engine == "vllm":
+        from dataclasses import replace
+
+        from lightning_grpo.config import VLLMConfig
         from lightning_grpo.policy import resolve_path
         from lightning_grpo.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(str(resolve_path(module.policy_cfg)), cfg.vllm)
+        vllm = cfg.vllm or VLLMConfig()
+        if vllm.enable_sleep_mode is None and not will_sleep:  # an explicit choice is the user's
+            vllm = replace(vllm, enable_sleep_mode=False)
+        return VLLMEngine(str(resolve_path(module.policy_cfg)), vllm)
     raise ValueError(f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'replay'")

@@ -191,6 +191,12 @@ class HFEngine:
     def reset_prefix_cache(self) -> None:
         """Nothing cached across calls: transformers builds a fresh KV cache per ``generate``."""
 
+    def weight_names(self) -> list[str]:
+        """Every parameter and persistent buffer the engine generates with (what a full sync must rewrite)."""
+        from lightning_grpo.rollout.weight_sync import named_weights
+
+        return [name for name, _ in named_weights(self.model)]
+
 
 def _processors(sampling: SamplingConfig, recorder: _SampledLogprobs | None):
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper

@@ -26,6 +26,9 @@ REQUIRED = ("prompt_id", "prompt_ids", "completion_ids", "reward")
 class ReplayEngine:
     """Serves recorded groups; ``sleep``/``wake_up``/``load_weights`` have nothing to do."""
 
+    holds_weights = False
+    """Recorded rollouts: no weights go stale, so no weight publisher is needed."""
+
     def __init__(self, path: str | Path, eos_token_id: int | None = None) -> None:
         self.path = Path(path)
         self.eos_token_id = eos_token_id

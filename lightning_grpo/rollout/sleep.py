@@ -14,6 +14,13 @@ TAGS = ("weights", "kv_cache")
 """What can sleep, in vLLM's vocabulary (``LLM.wake_up(tags)``)."""
 
 
+def sleep_level_problem(level: object, name: str = "level") -> str | None:
+    """The one rule for sleep levels, as a ``name=value: rule`` line (None when ``level`` is valid)."""
+    if level in (1, 2) and not isinstance(level, bool):
+        return None
+    return f"{name}={level!r}: must be 1 (weights kept on host) or 2 (weights discarded)"
+
+
 class SleepState:
     """Which tags are asleep. ``sleep``/``wake_up`` return what actually changed (empty = no-op)."""
 
@@ -32,8 +39,8 @@ class SleepState:
 
     def sleep(self, level: int) -> bool:
         """Mark everything asleep. False when it already was (a repeated call is a no-op)."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep(level={level}): level must be 1 (weights kept on host) or 2 (weights discarded)")
+        if problem := sleep_level_problem(level):
+            raise ValueError(f"sleep({problem})")
         if self._asleep == set(TAGS):
             return False
         self._asleep = set(TAGS)

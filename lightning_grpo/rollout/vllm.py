@@ -27,13 +27,12 @@ import logging
 import os
 import random
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from lightning_grpo.config import ConfigError, VLLMConfig
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
 from lightning_grpo.rollout.sleep import SleepState
 
@@ -42,51 +41,6 @@ _RELOAD_LOGGERS = (
     "vllm.model_executor.model_loader.reload.inplace",
     "vllm.model_executor.model_loader.reload.layerwise",
 )
-
-
-@dataclass
-class VLLMConfig:
-    """How the in-process vLLM engine is built."""
-
-    gpu_memory_utilization: float = 0.5
-    """Fraction of device memory vLLM may take (weights + KV cache). Colocated: leave room for the trainer."""
-    tensor_parallel_size: int = 1
-    """GPUs one engine shards the model over."""
-    max_model_len: int | None = None
-    """Context length (prompt + completion); None = the model's."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Engine weight dtype; weight syncs cast to it. auto = vLLM's pick (0.32 downcasts float32 checkpoints to bf16)."""
-    enable_sleep_mode: bool | None = None
-    """Free weights/KV cache between generations (sleep/wake_up). None = on where vLLM supports it (CUDA/ROCm/XPU)."""
-    enforce_eager: bool = False
-    """Skip torch.compile / CUDA graphs: faster start (seconds on CPU), slower decoding."""
-    seed: int = 0
-    """vLLM's seed for unseeded requests."""
-    distributed_executor_backend: Literal["external_launcher"] | None = None
-    """external_launcher: one engine per DDP rank, in the trainer's process group. None: a standalone engine."""
-    kv_cache_memory_bytes: int | None = None
-    """KV cache size in bytes; None = sized from gpu_memory_utilization. On CPU this replaces VLLM_CPU_KVCACHE_SPACE."""
-    enable_prefix_caching: bool = True
-    """Reuse KV blocks of shared prompt prefixes (a weight sync resets them)."""
-    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
-    """processed: log-softmax after temperature/top-p (what was sampled, as HFEngine); raw: of the plain logits."""
-    engine_kwargs: dict = field(default_factory=dict)
-    """Extra ``vllm.LLM`` keyword arguments, passed through unchanged."""
-
-    def __post_init__(self) -> None:
-        p = []
-        if not 0 < self.gpu_memory_utilization <= 1:
-            p.append(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
-        if self.tensor_parallel_size < 1:
-            p.append(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            p.append(f"max_model_len={self.max_model_len}: must be >= 1 or None (the model's)")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            p.append(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be >= 1 or None (auto)")
-        if p:
-            from lightning_grpo.config import ConfigError  # here, so config.py may import VLLMConfig without a cycle
-
-            raise ConfigError("invalid vllm config:\n" + "\n".join(f"  - {x}" for x in p))
 
 
 class VLLMEngine:
@@ -112,8 +66,9 @@ class VLLMEngine:
         auto_sleep = current_platform.is_sleep_mode_available()
         self.sleep_mode = auto_sleep if cfg.enable_sleep_mode is None else cfg.enable_sleep_mode
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        self.model_path = Path(model_path)
         with _caller_rng_kept():
-            self.llm = LLM(model=str(Path(model_path)), **_llm_kwargs(cfg, self.sleep_mode))
+            self.llm = LLM(model=str(self.model_path), **_llm_kwargs(cfg, self.sleep_mode))
         self.dtype: torch.dtype = self.llm.llm_engine.vllm_config.model_config.dtype
         """Weight dtype inside vLLM; ``push_weights`` casts to it."""
         self._sleep = SleepState()
@@ -162,6 +117,19 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused reset_prefix_cache(): requests are still running")
 
+    def weight_names(self) -> list[str]:
+        """Checkpoint-format names of every tensor the engine loaded (what a full sync must rewrite).
+
+        Read from the safetensors headers of ``model_path`` (names only, no tensor data).
+        """
+        from safetensors import safe_open
+
+        names: list[str] = []
+        for shard in sorted(self.model_path.glob("*.safetensors")):
+            with safe_open(str(shard), framework="pt") as f:
+                names += list(f.keys())
+        return names
+
     def close(self) -> None:
         """Shut the engine down; tear down the process groups vLLM created (never a group that was there before)."""
         self.llm.llm_engine.engine_core.shutdown()
@@ -205,8 +173,6 @@ def _check_launch(cfg: VLLMConfig) -> None:
     dist = torch.distributed
     standalone = cfg.distributed_executor_backend is None
     if standalone and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from lightning_grpo.config import ConfigError
-
         raise ConfigError(
             "vllm.distributed_executor_backend=None under a distributed run of "
             f"world size {dist.get_world_size()}: set it to 'external_launcher' (one engine per rank)"

@@ -1,0 +1,178 @@
+"""The module's own checkpoint state: what Lightning's checkpoint lacks for an exact resume.
+
+``GRPOModule.on_save_checkpoint`` writes ``checkpoint["grpo"]`` through ``LoopState.record`` and
+``on_load_checkpoint`` reads it back, so any checkpoint Lightning writes (``ModelCheckpoint``,
+``trainer.save_checkpoint``, ``OnExceptionCheckpoint``, ``GRPOCheckpoint``) resumes exactly.
+
+The record is the state at the last **batch boundary** (the end of a loop step): loop progress,
+accumulator and countdown, the pi_old probe, the data position and every rank's RNG streams. A
+save that lands inside a loop step (an exception while generating, a validation save) records
+that boundary too, and the resume draws the interrupted step's prompts again. Lightning adds
+model, optimizer, LR scheduler, its loop counters and the datamodule's ``state_dict``.
+Everything here is plain ints, floats, dicts and tensors: ``weights_only=True`` loads it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from lightning.pytorch import Trainer
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "grpo"
+FORMAT = 1
+
+
+@runtime_checkable
+class StreamPosition(Protocol):
+    """A datamodule whose prompt stream position can be read and set (``PromptDataModule``)."""
+
+    @property
+    def position(self) -> int:
+        """Loop steps of prompts consumed."""
+        ...
+
+    def seek(self, position: int) -> None: ...
+
+
+# -- RNG states (plain tensors: weights_only-loadable, and gatherable across ranks) ------------------------------
+def rng_state() -> dict[str, Tensor]:
+    """This process's python, numpy, torch (and its current CUDA device's, if initialized) RNG states as tensors."""
+    np_state = np.random.get_state(legacy=False)
+    _, py_internal, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy_key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+        "numpy_pos": torch.tensor([np_state["state"]["pos"], np_state["has_gauss"]], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([np_state["gauss"]], dtype=torch.float64),
+        "python": torch.tensor(py_internal, dtype=torch.int64),
+        "python_gauss": torch.tensor([math.nan if py_gauss is None else py_gauss], dtype=torch.float64),
+    }
+    if torch.cuda.is_initialized():  # one device per rank; get_rng_state_all would create a context on every GPU
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Tensor]) -> None:
+    """Inverse of ``rng_state``."""
+    # Copies: a row of a stacked (or loaded) tensor is a view at a storage offset, which torch.set_rng_state does
+    # not handle (it segfaulted on rank 1 of a 2-process gloo check).
+    state = {k: v.clone() for k, v in state.items()}
+    torch.set_rng_state(state["torch"])
+    pos, has_gauss = (int(x) for x in state["numpy_pos"])
+    np.random.set_state({"bit_generator": "MT19937", "state": {"key": state["numpy_key"].numpy().astype(np.uint32),
+                         "pos": pos}, "has_gauss": has_gauss, "gauss": float(state["numpy_gauss"][0])})
+    gauss = float(state["python_gauss"][0])
+    random.setstate((3, tuple(int(x) for x in state["python"]), None if math.isnan(gauss) else gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def gather_rng_states(trainer: Trainer, mine: dict[str, Tensor] | None = None) -> list[dict[str, Tensor]]:
+    """Every rank's ``rng_state()`` (or ``mine``), indexed by global rank (a collective: all ranks call it)."""
+    mine = rng_state() if mine is None else mine
+    if trainer.world_size == 1:
+        return [mine]
+    device = trainer.strategy.root_device  # NCCL gathers device tensors only
+    stacked = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}  # [W, ...] each
+    return [{k: v[r].clone() for k, v in stacked.items()} for r in range(trainer.world_size)]  # own storage each
+
+
+# -- the module's state at the batch boundary ---------------------------------------------------------------------
+class LoopState:
+    """Keeps the module's state at the last batch boundary, writes it into checkpoints, and puts a loaded one back.
+
+    The module calls ``boundary`` at the start of fit and at the end of every loop step,
+    ``step_started`` right before each ``training_step`` (it also restores a loaded RNG state there: Lightning
+    draws from the global RNG between ``on_train_start`` and the first batch, where an uninterrupted run did
+    not), ``record`` from ``on_save_checkpoint``, ``load`` from ``on_load_checkpoint`` and ``resume`` once the
+    loop exists (``on_train_start``).
+    """
+
+    def __init__(self) -> None:
+        self._boundary: dict[str, Any] | None = None  # the record at the last boundary, without RNG
+        self._rng_at_step_start: dict[str, Tensor] | None = None  # set while a loop step is in flight
+        self._loaded: dict[str, Any] | None = None  # read from a checkpoint, not yet put back
+        self._rng_to_restore: dict[str, Tensor] | None = None
+
+    def boundary(self, loop, old_logprobs, global_step: int, datamodule) -> None:
+        """Record the state now: a loop step just ended (or fit starts)."""
+        data = None
+        if isinstance(datamodule, StreamPosition):
+            per_step = getattr(datamodule, "prompts_per_step", None)
+            data = {"position": datamodule.position, "prompts_per_step": per_step,
+                    "next_prompt_id": datamodule.position * per_step if per_step else None}
+        self._boundary = copy.deepcopy({
+            "loop_step": loop.progress.loop_step, "loop_progress": loop.progress.state_dict(),
+            "accumulator": loop.accumulator.state_dict(), "old_logprobs": old_logprobs.state_dict(),
+            "global_step": global_step, "data": data,
+        })
+        self._rng_at_step_start = None
+
+    def step_started(self) -> None:
+        """A loop step begins: restore a loaded RNG state (once), then remember the streams as they are now."""
+        if self._rng_to_restore is not None:
+            set_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
+        self._rng_at_step_start = rng_state()
+
+    def record(self, trainer: Trainer) -> dict[str, Any] | None:
+        """``checkpoint["grpo"]``: the boundary state plus every rank's RNG (a collective under DP)."""
+        if self._boundary is None:
+            return copy.deepcopy(self._loaded)  # saved before training started: pass a loaded state on unchanged
+        in_flight = self._rng_at_step_start is not None
+        if in_flight and trainer.global_step != self._boundary["global_step"]:
+            log.warning("checkpoint written inside loop step %d after %d of its optimizer steps: it records the "
+                        "state before that loop step, but parameters and optimizer state have already moved, so "
+                        "a resume from it repeats the loop step on moved weights (not exact)",
+                        self._boundary["loop_step"] + 1, trainer.global_step - self._boundary["global_step"])
+        mine = self._rng_at_step_start if in_flight else self._rng_to_restore  # None: the streams as they are now
+        rng = gather_rng_states(trainer, mine)
+        return {"format": FORMAT, "world_size": trainer.world_size, **copy.deepcopy(self._boundary), "rng": rng}
+
+    def load(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(STATE_KEY)
+        if state is None:
+            log.warning("checkpoint has no %r state (written by an older version or another module): loop counters, "
+                        "accumulator, probe and RNG streams start fresh; the continuation is not exact", STATE_KEY)
+        self._loaded = state
+
+    def resume(self, trainer: Trainer, loop, old_logprobs, datamodule) -> None:
+        """Put a loaded state back into the fresh loop and probe; the data stream rewinds to its boundary."""
+        state, self._loaded = self._loaded, None
+        if state is None:
+            return
+        loop.progress.load_state_dict(state["loop_progress"])
+        loop.accumulator.load_state_dict(state["accumulator"])
+        old_logprobs.load_state_dict(state["old_logprobs"])
+        _rewind(datamodule, state.get("data"))
+        rng = state.get("rng", [])
+        if len(rng) == trainer.world_size:
+            self._rng_to_restore = rng[trainer.global_rank]
+        else:
+            log.warning("checkpoint holds RNG states of %d ranks but this run has %d: RNG streams are not restored, "
+                        "so the continuation is not bit-identical to an uninterrupted run", len(rng),
+                        trainer.world_size)
+
+
+def _rewind(datamodule, saved: dict[str, Any] | None) -> None:
+    """The datamodule's own state may be one loop step ahead (saved while that step was in flight): rewind it."""
+    if saved is None or not isinstance(datamodule, StreamPosition):
+        return
+    at, boundary = datamodule.position, saved["position"]
+    if at == boundary + 1:
+        datamodule.seek(boundary)  # drawn but never trained on: the resumed run draws those prompts again
+    elif at != boundary:
+        raise RuntimeError(
+            f"resumed {type(datamodule).__name__} at position {at} but the checkpoint had consumed {boundary} "
+            "loop steps of prompts: prompts would be replayed or skipped. Resume with the same datamodule class "
+            "(its state is saved under its class name)."
+        )
