@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from lightning_grpo.accumulate import DeferredAccumulator
 from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
-from lightning_grpo.checkpoint.state import STATE_KEY, LoopState
+from lightning_grpo.checkpoint.state import LoopState
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.rewards import RewardSpec, score
@@ -169,9 +169,7 @@ class GRPOModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Every checkpoint Lightning writes carries the state at the last batch boundary (checkpoint/state.py)."""
-        state = self._state.record(self.trainer)
-        if state is not None:
-            checkpoint[STATE_KEY] = state
+        self._state.write(self.trainer, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._state.load(checkpoint)  # put back at on_train_start, once the loop exists

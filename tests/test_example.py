@@ -3,31 +3,78 @@
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "existing_project"
 
 
-@pytest.mark.slow
-def test_example_runs_sft_then_two_grpo_loop_steps(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLE))  # as `python examples/existing_project/grpo.py` would
-    import grpo
+WALL_CLOCK = {"grpo/ahead_seconds", "grpo/ahead_share"}
 
-    trainer = grpo.main(["--root", str(tmp_path), "--sft-steps", "2", "--loop-steps", "2", "--val-every", "2"])
-    log_dir = Path(trainer.log_dir)
-    assert log_dir == tmp_path / "grpo" / "version_0"  # the project's own CSVLogger
+
+@pytest.fixture(scope="module")
+def grpo_example(tmp_path_factory):
+    """``python examples/existing_project/grpo.py`` as a module (the script's folder on sys.path)."""
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import grpo
+
+        yield grpo
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+
+@pytest.fixture(scope="module")
+def two_steps(grpo_example, tmp_path_factory):
+    """SFT (60 steps: some completions match, so GRPO has a gradient), then 2 GRPO loop steps validating every 2:
+    the project's ModelCheckpoint writes last.ckpt."""
+    root = tmp_path_factory.mktemp("example")
+    return root, grpo_example.main(["--root", str(root), "--sft-steps", "60", "--loop-steps", "2", "--val-every", "2"])
+
+
+def _rows(log_dir: Path) -> list[dict]:
     with open(log_dir / "metrics.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+        return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in csv.DictReader(f)]
+
+
+@pytest.mark.slow
+def test_example_runs_sft_then_two_grpo_loop_steps(two_steps, grpo_example):
+    root, trainer = two_steps
+    log_dir = Path(trainer.log_dir)
+    assert log_dir == root / "grpo" / "version_0"  # the project's own CSVLogger
+    rows = _rows(log_dir)
     steps = [r for r in rows if r["reward/mean"]]
     assert [(r["step"], r["global_step"]) for r in steps] == [("1", "2.0"), ("2", "4.0")]  # n_mini = 2
     assert all("reward/exact_match" in r for r in steps)  # the project's reward, through compute_rewards
     assert [r["step"] for r in rows if r["val/reward"]] == ["2"]  # validation every 2 loop steps
     assert any(r.get("lr-AdamW") for r in rows)  # the project's LearningRateMonitor still runs
     assert (log_dir / "checkpoints" / "last.ckpt").is_file()  # and its ModelCheckpoint
-    handoff = next(cb for cb in trainer.callbacks if isinstance(cb, grpo.HandoffCallback))
+    handoff = next(cb for cb in trainer.callbacks if isinstance(cb, grpo_example.HandoffCallback))
     assert handoff.events.count("train") == 2
+
+
+@pytest.mark.slow
+def test_example_resumes_through_its_own_model_checkpoint_exactly(two_steps, grpo_example, tmp_path):
+    """last.ckpt of the 2-step run (written by the project's ModelCheckpoint when validation ended), resumed to
+    4 loop steps, continues exactly as a 4-step run that was never interrupted: every row, every parameter."""
+    root, _ = two_steps
+    args = ["--sft-steps", "60", "--loop-steps", "4", "--val-every", "2"]  # 60: enough that rewards vary
+    whole = grpo_example.main(["--root", str(tmp_path), *args])
+    last = root / "grpo" / "version_0" / "checkpoints" / "last.ckpt"
+    resumed = grpo_example.main(["--root", str(root), *args, "--ckpt-path", str(last)])
+    assert Path(resumed.log_dir) == root / "grpo" / "version_1"
+    rows = _rows(Path(whole.log_dir))
+    cut = next(i for i, r in enumerate(rows) if r["val/reward"] and r["step"] == "2") + 1  # after loop step 2
+    expected = rows[cut:]
+    assert [r["step"] for r in expected if r["reward/mean"]] == ["3", "4"]
+    assert _rows(Path(resumed.log_dir)) == expected  # training and validation rows, LR monitor included
+    a, b = whole.lightning_module.policy.state_dict(), resumed.lightning_module.policy.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    at_2 = torch.load(last, weights_only=True)["state_dict"]
+    assert any(not torch.equal(at_2[f"policy.{k}"], a[k]) for k in a)  # loop steps 3-4 really moved the policy
 
 
 def test_pytorch_lightning_trainer_rejects_a_grpo_module():

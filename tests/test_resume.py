@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from helpers import TINY_JOB, StepRecorder, fit_tiny, global_determinism_restored, tiny_grpo_module
 
 import lightning_grpo.checkpoint.atomic as atomic_mod
@@ -27,6 +28,7 @@ from lightning_grpo.checkpoint import (
     resolve_ckpt_path,
 )
 from lightning_grpo.checkpoint.state import LoopState, gather_rng_states, rng_state
+from lightning_grpo.module import GRPOModule
 
 TESTS = Path(__file__).parent
 LOOP_STEPS = 4
@@ -197,6 +199,68 @@ def test_a_save_failing_mid_write_keeps_the_previous_checkpoint_and_resume_repea
     assert resumed.prompt_ids == crashed.prompt_ids[1:] == [[2, 3]]
     assert _without_timings(resumed.metrics) == _without_timings(crashed.metrics[1:])
     assert module.old_logprobs.probe_passed and module.loop.progress.loop_step == 2
+
+
+# -- checkpoints Lightning writes itself: the module's own state makes them exact ----------------------------------------
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_policy_dir, tmp_path_factory):
+    """The tiny job for LOOP_STEPS loop steps with a plain ModelCheckpoint after every loop step (n_mini = 2)."""
+    with global_determinism_restored():
+        rec, root = StepRecorder(), tmp_path_factory.mktemp("uninterrupted")
+        ckpt = ModelCheckpoint(dirpath=root / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+        module = tiny_grpo_module(tiny_policy_dir)
+        fit_tiny(module, root, loop_steps=LOOP_STEPS, callbacks=[rec, ckpt])
+    return SimpleNamespace(rows=rec.metrics, prompt_ids=rec.prompt_ids, ckpt=root / "ckpt",
+                           params={k: v.clone() for k, v in module.policy.state_dict().items()})
+
+
+def assert_continues(uninterrupted, resumed: StepRecorder, module, from_loop_step: int) -> None:
+    """Every later loop step equals the uninterrupted run's, row for row, and the final parameters are equal."""
+    assert resumed.prompt_ids == uninterrupted.prompt_ids[from_loop_step:]
+    assert _without_timings(resumed.metrics) == _without_timings(uninterrupted.rows[from_loop_step:])
+    final = module.policy.state_dict()
+    assert all(torch.equal(final[k], v) for k, v in uninterrupted.params.items())
+
+
+def test_resume_from_a_plain_model_checkpoint_equals_the_uninterrupted_run(uninterrupted, tiny_policy_dir, tmp_path):
+    """Issue 14's bug: a plain ModelCheckpoint restarted loop_step at 0, reused step 0's sampling seed, re-probed."""
+    saved = uninterrupted.ckpt / "step=2.ckpt"  # "{step}": the logged step, the loop step (global_step 4)
+    assert torch.load(saved, weights_only=True)["grpo"]["loop_step"] == 2
+    resumed, module = StepRecorder(), tiny_grpo_module(tiny_policy_dir)
+    calls = []
+    module.configure_model()
+    probe = module.old_logprobs._run_probe
+    module.old_logprobs._run_probe = lambda *a: calls.append(1) or probe(*a)
+    fit_tiny(module, tmp_path, loop_steps=LOOP_STEPS, callbacks=[resumed], ckpt_path=saved)
+    assert_continues(uninterrupted, resumed, module, from_loop_step=2)
+    assert [r["step"] for r in resumed.metrics] == [3.0, 4.0] and calls == []  # the x-axis goes on; no second probe
+
+
+class FailingRewardAt(GRPOModule):
+    """The tiny job whose reward server fails once, after generation in loop step ``fail_at`` (1-based)."""
+
+    fail_at = 3
+
+    def compute_rewards(self, rollouts):
+        if self.loop_step + 1 == self.fail_at:
+            raise ConnectionError("reward server unreachable (injected)")
+        return super().compute_rewards(rollouts)
+
+
+def test_resume_from_an_exception_checkpoint_redraws_the_failed_step(uninterrupted, tiny_policy_dir, tmp_path):
+    """OnExceptionCheckpoint saves inside loop step 3 (its prompts drawn, nothing trained): the resume redoes it."""
+    failing = tiny_grpo_module(tiny_policy_dir)
+    failing.__class__ = FailingRewardAt
+    on_exception = OnExceptionCheckpoint(dirpath=tmp_path / "crash")
+    with pytest.raises(ConnectionError, match="injected"):
+        fit_tiny(failing, tmp_path / "a", loop_steps=LOOP_STEPS, callbacks=[on_exception])
+    saved = torch.load(tmp_path / "crash" / "on_exception.ckpt", weights_only=True)
+    # step 3's prompts were drawn (the stream stood at 3) but never trained on: the checkpoint records the boundary
+    assert (saved["grpo"]["loop_step"], saved["PromptDataModule"]["position"]) == (2, 2)
+    resumed, module = StepRecorder(), tiny_grpo_module(tiny_policy_dir)
+    fit_tiny(module, tmp_path / "b", loop_steps=LOOP_STEPS, callbacks=[resumed],
+             ckpt_path=tmp_path / "crash" / "on_exception.ckpt")
+    assert_continues(uninterrupted, resumed, module, from_loop_step=2)
 
 
 def _without_timings(rows: list[dict]) -> list[dict]:

@@ -6,9 +6,10 @@
 
 The record is the state at the last **batch boundary** (the end of a loop step): loop progress,
 accumulator and countdown, the pi_old probe, the data position and every rank's RNG streams. A
-save that lands inside a loop step (an exception while generating, a validation save) records
-that boundary too, and the resume draws the interrupted step's prompts again. Lightning adds
-model, optimizer, LR scheduler, its loop counters and the datamodule's ``state_dict``.
+save that lands inside a loop step (an exception while generating or scoring) records that
+boundary too, and writes the datamodule's state as it was there, so the resume draws the
+interrupted step's prompts again. Lightning adds model, optimizer, LR scheduler, its loop
+counters and the datamodule's ``state_dict``.
 Everything here is plain ints, floats, dicts and tensors: ``weights_only=True`` loads it.
 """
 
@@ -33,14 +34,16 @@ FORMAT = 1
 
 @runtime_checkable
 class StreamPosition(Protocol):
-    """A datamodule whose prompt stream position can be read and set (``PromptDataModule``)."""
+    """A datamodule whose prompt stream position can be read, and its state given at an earlier one (PromptDataModule)."""
 
     @property
     def position(self) -> int:
-        """Loop steps of prompts consumed."""
+        """Loop steps of prompts drawn."""
         ...
 
-    def seek(self, position: int) -> None: ...
+    def state_dict_at(self, position: int) -> dict[str, Any]:
+        """``state_dict()`` as it was when ``position`` loop steps had been drawn."""
+        ...
 
 
 # -- RNG states (plain tensors: weights_only-loadable, and gatherable across ranks) ------------------------------
@@ -124,6 +127,18 @@ class LoopState:
             self._rng_to_restore = None
         self._rng_at_step_start = rng_state()
 
+    def write(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+        """Add ``checkpoint["grpo"]``; a save inside a loop step also gets the datamodule's state at the boundary."""
+        state = self.record(trainer)
+        if state is None:
+            return
+        checkpoint[STATE_KEY] = state
+        datamodule, data = trainer.datamodule, state["data"]
+        key = type(datamodule).__qualname__
+        if isinstance(datamodule, StreamPosition) and data is not None and key in checkpoint:
+            if datamodule.position != data["position"]:  # drawn but not trained on: the resume draws them again
+                checkpoint[key] = datamodule.state_dict_at(data["position"])
+
     def record(self, trainer: Trainer) -> dict[str, Any] | None:
         """``checkpoint["grpo"]``: the boundary state plus every rank's RNG (a collective under DP)."""
         if self._boundary is None:
@@ -146,14 +161,14 @@ class LoopState:
         self._loaded = state
 
     def resume(self, trainer: Trainer, loop, old_logprobs, datamodule) -> None:
-        """Put a loaded state back into the fresh loop and probe; the data stream rewinds to its boundary."""
+        """Put a loaded state back into the fresh loop and probe; check the datamodule resumed at the boundary."""
         state, self._loaded = self._loaded, None
         if state is None:
             return
         loop.progress.load_state_dict(state["loop_progress"])
         loop.accumulator.load_state_dict(state["accumulator"])
         old_logprobs.load_state_dict(state["old_logprobs"])
-        _rewind(datamodule, state.get("data"))
+        _check_data_position(datamodule, state.get("data"))
         rng = state.get("rng", [])
         if len(rng) == trainer.world_size:
             self._rng_to_restore = rng[trainer.global_rank]
@@ -163,14 +178,11 @@ class LoopState:
                         trainer.world_size)
 
 
-def _rewind(datamodule, saved: dict[str, Any] | None) -> None:
-    """The datamodule's own state may be one loop step ahead (saved while that step was in flight): rewind it."""
+def _check_data_position(datamodule, saved: dict[str, Any] | None) -> None:
     if saved is None or not isinstance(datamodule, StreamPosition):
         return
     at, boundary = datamodule.position, saved["position"]
-    if at == boundary + 1:
-        datamodule.seek(boundary)  # drawn but never trained on: the resumed run draws those prompts again
-    elif at != boundary:
+    if at != boundary:
         raise RuntimeError(
             f"resumed {type(datamodule).__name__} at position {at} but the checkpoint had consumed {boundary} "
             "loop steps of prompts: prompts would be replayed or skipped. Resume with the same datamodule class "

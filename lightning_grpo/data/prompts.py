@@ -202,9 +202,6 @@ class PromptDataModule(LightningDataModule):
         """Loop steps consumed so far (the next training batch is this step's prompts)."""
         return self._consumed
 
-    def seek(self, position: int) -> None:
-        """Continue the stream at ``position`` (a resume whose last loop step was drawn but never trained on)."""
-        self._consumed = int(position)
 
     def records(self, step: int) -> list[PromptRecord]:
         """This rank's prompts of loop step ``step``."""
@@ -263,7 +260,12 @@ class PromptDataModule(LightningDataModule):
     # -- checkpoint ----------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self._consumed, "prompts_per_step": self.prompts_per_step, "seed": self.seed}
+        return self.state_dict_at(self._consumed)
+
+    def state_dict_at(self, position: int) -> dict[str, Any]:
+        """``state_dict()`` as it was after ``position`` loop steps (a checkpoint written inside a loop step
+        records the state before it, so the resume draws that step's prompts again)."""
+        return {"position": position, "prompts_per_step": self.prompts_per_step, "seed": self.seed}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
