@@ -43,6 +43,7 @@ from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.publisher import WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
+from lightning_grpo.validation import ValidationMeans, greedy_scores
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class GRPOModule(LightningModule):
         self.loop: CollectedBatchLoop | None = None
         self.ahead_seconds = self.update_seconds = 0.0  # wall time of the last ahead pass / whole update
         self._publisher: WeightPublisher | None = None
+        self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
         self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
@@ -197,13 +199,11 @@ class GRPOModule(LightningModule):
 
     def validation_step(self, records, batch_idx: int) -> None:
         """Held-out prompts, greedy, through the same engine: ``val/reward`` (see ``lightning_grpo/validation.py``)."""
-        from lightning_grpo.validation import greedy_scores
-
         if self.engine is None:  # trainer.validate() without a fit: nothing sleeps, nothing publishes
             self.engine = self.build_engine(will_sleep=False)
         metrics = greedy_scores(self, records)
         metrics["step"] = float(self.loop_step)  # x-axis: the loop step
-        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=len(records), sync_dist=True)
+        self.val_means.log(self, metrics, weight=len(records))
 
     # -- the phases ---------------------------------------------------------------------------------------------------
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import nn
+
 from lightning_grpo.rollout.base import SamplingConfig
 
 VAL_SEED = 0
@@ -46,3 +48,30 @@ def greedy_scores(module, records: Sequence) -> dict[str, float]:
     metrics["val/len_mean"] = sum(len(r.token_ids) for r in rollouts) / len(rollouts)
     metrics["val/stop_frac"] = sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts)
     return metrics
+
+
+class ValidationMeans(nn.Module):
+    """Epoch means of the ``val/*`` metrics: one torchmetrics ``MeanMetric`` per name, weighted by prompts.
+
+    Not ``self.log(..., sync_dist=True)``: an in-process vLLM engine starts a (world size 1)
+    ``torch.distributed`` group in a single-process run, Lightning then drops ``sync_dist`` (its strategy
+    is not distributed) and warns at every validation that the epoch value is not synced. A ``Metric``
+    syncs itself over whatever group exists, so one process and several ranks log the same mean.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.means = nn.ModuleDict()
+        self._keys: dict[str, str] = {}  # metric name -> ModuleDict key (names hold '/' and '.')
+
+    def log(self, module, metrics: dict[str, float], weight: int) -> None:
+        """Add one validation batch of ``weight`` prompts, logged through ``module.log`` (epoch level)."""
+        from torchmetrics import MeanMetric
+
+        for name, value in metrics.items():
+            if name not in self._keys:
+                self._keys[name] = key = f"m{len(self._keys)}"
+                self.means[key] = MeanMetric().to(module.device)
+            key = self._keys[name]
+            self.means[key].update(value, weight)
+            module.log(name, self.means[key], on_step=False, on_epoch=True, metric_attribute=f"val_means.means.{key}")

@@ -85,8 +85,10 @@ def test_loading_never_unpickles_code(tmp_path):
         AtomicCheckpointIO().load_checkpoint(path, weights_only=False)
 
 
-def test_every_rank_gets_its_own_rng_streams_back():
+def test_every_rank_gets_its_own_rng_streams_back(monkeypatch):
     """Two ranks' states gathered (as under DDP), saved, loaded weights_only; rank 1 restores rank 1's streams."""
+    import lightning_grpo.checkpoint.state as state_mod
+
     import numpy as np
 
     from lightning_grpo.accumulate import DeferredAccumulator
@@ -100,10 +102,9 @@ def test_every_rank_gets_its_own_rng_streams_back():
     for r in (0, 1):
         torch.manual_seed(10 + r), np.random.seed(20 + r), random.seed(30 + r), random.gauss(0, 1)
         per_rank.append((rng_state(), draw()))
-    stack = {k: torch.stack([per_rank[0][0][k], per_rank[1][0][k]]) for k in per_rank[0][0]}
-    rows = iter(stack.values())  # gather_rng_states all-gathers the keys in rng_state()'s order
-    trainer = SimpleNamespace(world_size=2, global_rank=1, strategy=SimpleNamespace(
-        root_device=torch.device("cpu"), all_gather=lambda t: next(rows)))
+    parts = iter([[per_rank[0][0][k], per_rank[1][0][k]] for k in per_rank[0][0]])  # the keys in rng_state()'s order
+    monkeypatch.setattr(state_mod, "_all_gather", lambda tensor, world_size: next(parts))  # "rank 1" answers too
+    trainer = SimpleNamespace(world_size=2, global_rank=1, strategy=SimpleNamespace(root_device=torch.device("cpu")))
     torch.manual_seed(10), np.random.seed(20), random.seed(30), random.gauss(0, 1)  # this process is "rank 0"
     weight = torch.zeros(1, requires_grad=True)
     loop = CollectedBatchLoop(DeferredAccumulator([weight], torch.optim.SGD([weight], lr=0.1), 1), None)

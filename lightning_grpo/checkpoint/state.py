@@ -85,8 +85,16 @@ def gather_rng_states(trainer: Trainer, mine: dict[str, Tensor] | None = None) -
     if trainer.world_size == 1:
         return [mine]
     device = trainer.strategy.root_device  # NCCL gathers device tensors only
-    stacked = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in mine.items()}  # [W, ...] each
-    return [{k: v[r].clone() for k, v in stacked.items()} for r in range(trainer.world_size)]  # own storage each
+    per_key = {k: _all_gather(v.to(device), trainer.world_size) for k, v in mine.items()}
+    return [{k: parts[r].cpu() for k, parts in per_key.items()} for r in range(trainer.world_size)]
+
+
+def _all_gather(tensor: Tensor, world_size: int) -> list[Tensor]:
+    """``torch.distributed.all_gather``: Lightning's ``strategy.all_gather`` goes through the deprecated
+    ``torch.distributed.nn.functional.all_gather`` on torch 2.13 and warns at every save."""
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    torch.distributed.all_gather(parts, tensor)
+    return parts
 
 
 # -- the module's state at the batch boundary ---------------------------------------------------------------------
