@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from helpers import synthetic_batch  # tests/ is on sys.path: it is this script's folder
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
@@ -122,11 +122,57 @@ def run_fit(case: str, policy: str, out: Path, rank: int) -> None:
     torch.save(record, out / f"{case}.rank{rank}.pt")
 
 
+class EngineFollows(Callback):
+    """After each publication (listed after the HandoffCallback): engine and trainer logprobs of a fixed sequence."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids, self.pairs = ids, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from vllm import SamplingParams
+
+        out = pl_module.engine.llm.generate([{"prompt_token_ids": self.ids}], SamplingParams(
+            max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        engine = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], self.ids[1:])])
+        with torch.no_grad():
+            logits = pl_module.policy(torch.tensor([self.ids])).logits[0, :-1].float()
+        policy = torch.log_softmax(logits, -1).gather(1, torch.tensor(self.ids[1:])[:, None])[:, 0]
+        self.pairs.append((engine, policy))
+
+
+def run_vllm_fit(case: str, policy: str, out: Path, rank: int) -> None:
+    """Three loop steps on DDP, each rank generating with its own in-process vLLM CPU engine (external_launcher)."""
+    from lightning_grpo.config import VLLMConfig
+    from lightning_grpo.handoff import HandoffCallback
+
+    vllm = VLLMConfig(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=32 << 20,
+                      distributed_executor_backend="external_launcher")
+    module = GRPOModule(policy=PolicyConfig(path=policy, dtype="float32"), optim=OptimConfig(lr=3e-3),
+                        rl=GRPOConfig(batch_per_replica=8, group_size=2, micro_batch_per_replica=4),
+                        rollout=RolloutConfig(engine="vllm", vllm=vllm, max_new_tokens=6, sync_bucket_mb=0.05),
+                        rewards=[RewardSpec("helpers:digit_share")])  # varies within groups: the policy moves
+    handoff, follows = HandoffCallback(), EngineFollows(list(range(5, 40)))
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, callbacks=[handoff, follows])
+    try:
+        trainer.fit(module, datamodule=PromptDataModule("builtin:arith", builtin_size=64, val_size=0))
+        record = {"case": case, "params": full_params(module.policy), "metrics": dict(module.last_metrics),
+                  "events": handoff.events, "sync": vars(handoff.last_sync), "pairs": follows.pairs,
+                  "engine": type(module.engine).__name__, "sampling_seed": module.sampling().seed}
+    finally:
+        if module.engine is not None:
+            module.engine.close()
+    torch.save(record, out / f"{case}.rank{rank}.pt")
+
+
 def _strategy(case: str):
     return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if case.startswith("fsdp2") else "ddp"
 
 
 def run_case(case: str, policy: str, out: Path, rank: int) -> None:
+    if case == "ddp-vllm-fit":
+        return run_vllm_fit(case, policy, out, rank)
     if case.endswith("-fit"):
         return run_fit(case, policy, out, rank)
     strategy = _strategy(case)

@@ -300,3 +300,24 @@ def test_cli_fit_on_two_ddp_ranks(tmp_path, tiny_policy_dir):
     assert all(float(r["grpo/n"]) == 8.0 for r in rows)  # both ranks' 4 trajectories, combined
     assert all(float(r["grpo/denom"]) * 2 == float(r["grpo/tokens"]) for r in rows)
     assert list((tmp_path / "runs").rglob("*.ckpt")) and list((tmp_path / "runs").rglob("config.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_each_ddp_rank_generates_with_its_own_vllm_engine_and_syncs_it(tmp_path, tiny_policy_dir):
+    """The colocated layout of a multi-GPU node on 2 gloo ranks: one in-process vLLM CPU engine per rank
+    (``distributed_executor_backend="external_launcher"``), weights published to both after every update."""
+    pytest.importorskip("vllm")
+    launch_two_ranks(tmp_path, tiny_policy_dir, ["ddp-vllm-fit"], timeout=900)
+    r0, r1 = (torch.load(tmp_path / f"ddp-vllm-fit.rank{r}.pt", weights_only=False) for r in (0, 1))
+    n_params = len(r0["params"])
+    for r in (r0, r1):
+        assert r["engine"] == "VLLMEngine" and r["events"].count("weight_sync") == 3  # one publication per loop step
+        assert r["sync"]["n_tensors"] == n_params and r["sync"]["n_buckets"] > 1
+        assert len(r["pairs"]) == 3
+        for engine_lp, policy_lp in r["pairs"]:  # every draw: this rank's engine holds the trainer's policy
+            torch.testing.assert_close(engine_lp, policy_lp, atol=1e-4, rtol=0)
+        assert (r["pairs"][-1][0] - r["pairs"][0][0]).abs().max() > 1e-3  # the policy moved and the engine followed
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])  # DDP: one model
+    assert r0["metrics"] == r1["metrics"] and r0["metrics"]["grpo/n"] == 8.0  # both ranks' trajectories combined
+    assert r0["sampling_seed"] != r1["sampling_seed"]  # each rank's engine draws its own stream

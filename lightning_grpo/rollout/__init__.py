@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
 
 __all__ = ["Prompt", "Rollout", "RolloutEngine", "SamplingConfig", "build_engine"]
@@ -32,5 +34,9 @@ def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
         vllm = cfg.vllm or VLLMConfig()
         if vllm.enable_sleep_mode is None and not will_sleep:  # an explicit choice is the user's
             vllm = replace(vllm, enable_sleep_mode=False)
+        if vllm.distributed_executor_backend == "external_launcher" and module._trainer is not None:
+            # vLLM's torchrun-style launcher reads RANK and LOCAL_RANK; Lightning's own launcher and SLURM set neither
+            os.environ.setdefault("RANK", str(module.global_rank))
+            os.environ.setdefault("LOCAL_RANK", str(module.local_rank))
         return VLLMEngine(str(resolve_path(module.policy_cfg)), vllm)
     raise ValueError(f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'replay'")
