@@ -43,8 +43,8 @@ class GRPOCLI(LightningCLI):
         if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
             self.trainer.callbacks.append(RunSummary())
         if not any(isinstance(cb, HandoffCallback) for cb in self.trainer.callbacks):
-            # Publishes the trainer's weights to the engine once per collected batch: without it a vLLM engine
-            # would sample from the initial checkpoint forever. Configure it under trainer.callbacks.
+            # The colocated hand-off (engine sleep/wake, trainer offload, weight sync once per collected batch).
+            # Without one the module would attach a sync-only publisher. Configure it under trainer.callbacks.
             self.trainer.callbacks.append(HandoffCallback())
         # Checkpoints last (Lightning's order at init): a save sees every other callback's state of this loop step.
         self.trainer.callbacks.sort(key=lambda cb: isinstance(cb, Checkpoint))

@@ -343,6 +343,7 @@ def test_vllm_fit_samples_from_vllm_and_its_logprobs_follow_the_trainer(tmp_path
                         rl=GRPOConfig(batch_per_replica=8, group_size=4), optim=OptimConfig(lr=3e-3),
                         rollout=rollout, rewards=[RewardSpec("reward_fns:length_reward")])
     cb = HandoffCallback(profile=True)
+    module.configure_model()  # the tokenizer, for the probe's ids (fit then keeps this policy)
     probe = LogprobProbe(module.tokenizer("12+34=46; 7*8=56")["input_ids"])
     try:
         fit(module, tmp_path, [cb, probe], steps=3)
