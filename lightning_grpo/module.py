@@ -41,7 +41,7 @@ from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
 from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_pass, warn_if_unfrozen
 from lightning_grpo.policy import PolicyConfig, load_policy
-from lightning_grpo.publisher import WeightPublisher, find_publisher, needs_publisher
+from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.validation import ValidationMeans, greedy_scores
 
@@ -90,7 +90,7 @@ class GRPOModule(LightningModule):
         self.engine: RolloutEngine | None = None
         self.loop: CollectedBatchLoop | None = None
         self.ahead_seconds = self.update_seconds = 0.0  # wall time of the last ahead pass / whole update
-        self._publisher: WeightPublisher | None = None
+        self._publisher: WeightPublisher = NoPublisher()  # found (or attached) when the engine is built
         self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
         self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
 
@@ -151,14 +151,13 @@ class GRPOModule(LightningModule):
     def on_fit_start(self) -> None:
         # Outside configure_model: its default device/dtype contexts must not leak into an engine (vLLM). Before
         # Lightning restores optimizer state onto the device, so the hand-off can put the engine to sleep first.
-        self._publisher = find_publisher(self.trainer.callbacks)
+        publisher = find_publisher(self.trainer.callbacks)
         if self.engine is None:
-            sleeps = self._publisher is not None and self._publisher.sleeps_engine
-            self.engine = self.build_engine(will_sleep=sleeps)
-        if self._publisher is None and needs_publisher(self.engine, self.policy):
-            self._publisher = self._attach_publisher()
-        if self._publisher is not None:
-            self._publisher.on_engine_ready(self.trainer, self.engine, self.policy, self.rollout_cfg.sync_bucket_mb)
+            self.engine = self.build_engine(will_sleep=publisher is not None and publisher.sleeps_engine)
+        if publisher is None:
+            publisher = self._attach_publisher() if needs_publisher(self.engine, self.policy) else NoPublisher()
+        self._publisher = publisher
+        publisher.on_engine_ready(self.trainer, self.engine, self.policy, self.rollout_cfg.sync_bucket_mb)
 
     def on_train_start(self) -> None:
         opt, sched = self.optimizers(), self.lr_schedulers()
@@ -186,12 +185,10 @@ class GRPOModule(LightningModule):
     def training_step(self, records, batch_idx: int) -> None:
         # 1. rollout: this rank's prompts -> completions -> rewards -> group advantages
         batch, rollout_metrics = self.collect(records)
-        if self._publisher is not None:
-            self._publisher.on_rollout_end(self.trainer)
+        self._publisher.on_rollout_end(self.trainer)  # the hand-off: the engine sleeps, the trainer onloads
         # 2.-3. pi_old and update: n_mini optimizer steps of n_micro chunks
         result = self.update(batch)
-        if self._publisher is not None:
-            self._publisher.on_update_end(self.trainer, self.loop_step)
+        self._publisher.on_update_end(self.trainer, self.loop_step)  # the engine is stale until the next draw
         # 4. report: one roll-up per collected batch
         self.report(result, rollout_metrics)
         # the batch boundary: what any checkpoint records until the next loop step ends

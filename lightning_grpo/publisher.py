@@ -41,6 +41,22 @@ class WeightPublisher(Protocol):
     def on_update_end(self, trainer: Trainer, loop_step: int) -> None: ...
 
 
+class NoPublisher:
+    """The engine generates with the policy itself (or holds no weights): nothing to publish or hand off."""
+
+    sleeps_engine = False
+
+    def on_engine_ready(self, trainer: Trainer, engine: RolloutEngine, policy: nn.Module,
+                        sync_bucket_mb: float) -> None:
+        pass
+
+    def on_rollout_end(self, trainer: Trainer) -> None:
+        pass
+
+    def on_update_end(self, trainer: Trainer, loop_step: int) -> None:
+        pass
+
+
 def generates_with(engine: RolloutEngine, policy: nn.Module) -> bool:
     """The engine samples with the trained module itself (``HFEngine(policy)``): there is nothing to publish."""
     return getattr(engine, "model", None) is policy

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from helpers import TINY_JOB, StepRecorder, fit_tiny, global_determinism_restored, tiny_grpo_module
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 import lightning_grpo.checkpoint.atomic as atomic_mod
 from lightning_grpo.checkpoint import (
@@ -87,10 +87,9 @@ def test_loading_never_unpickles_code(tmp_path):
 
 def test_every_rank_gets_its_own_rng_streams_back(monkeypatch):
     """Two ranks' states gathered (as under DDP), saved, loaded weights_only; rank 1 restores rank 1's streams."""
-    import lightning_grpo.checkpoint.state as state_mod
-
     import numpy as np
 
+    import lightning_grpo.checkpoint.state as state_mod
     from lightning_grpo.accumulate import DeferredAccumulator
     from lightning_grpo.loop import CollectedBatchLoop
     from lightning_grpo.old_logprobs import OldLogprobCache
@@ -202,7 +201,7 @@ def test_a_save_failing_mid_write_keeps_the_previous_checkpoint_and_resume_repea
     assert module.old_logprobs.probe_passed and module.loop.progress.loop_step == 2
 
 
-# -- checkpoints Lightning writes itself: the module's own state makes them exact ----------------------------------------
+# -- checkpoints Lightning writes itself: the module's own state makes them exact ------------------------------------
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_policy_dir, tmp_path_factory):
     """The tiny job for LOOP_STEPS loop steps with a plain ModelCheckpoint after every loop step (n_mini = 2)."""

@@ -34,7 +34,7 @@ FORMAT = 1
 
 @runtime_checkable
 class StreamPosition(Protocol):
-    """A datamodule whose prompt stream position can be read, and its state given at an earlier one (PromptDataModule)."""
+    """A datamodule whose stream position can be read, and its state at an earlier position given (PromptDataModule)."""
 
     @property
     def position(self) -> int:
