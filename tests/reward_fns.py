@@ -24,3 +24,92 @@ def fails_as_batch(rollouts):
 
 
 NOT_CALLABLE = 3
+
+
+# -- TRL-style functions (fn(prompts, completions, **columns)) --------------------------------------------------
+
+
+def trl_exact(prompts, completions, answer, **kwargs):
+    """TRL's usual shape: the reference column arrives by name."""
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def trl_chat(prompts, completions, **kwargs):
+    """Conversational: prompts and completions are chat messages."""
+    return [float(p[-1]["role"] == "user" and c[0]["role"] == "assistant") for p, c in zip(prompts, completions)]
+
+
+def trl_no_opinion_on_odd(completions, completion_ids, **kwargs):
+    return [None if i % 2 else float(len(ids)) for i, ids in enumerate(completion_ids)]
+
+
+def trl_needs_difficulty(prompts, completions, difficulty):
+    return [float(d) for d in difficulty]
+
+
+def unsupported(first, second):
+    return []
+
+
+# -- return values ---------------------------------------------------------------------------------------------
+
+
+def returns_strings(rollouts):
+    return ["1.0"] * len(rollouts)
+
+
+def returns_text(rollouts):
+    return "1" * len(rollouts)
+
+
+def returns_int_keyed_dict(rollouts):
+    return {i: 1.0 for i in range(len(rollouts))}
+
+
+def returns_numpy(rollouts):
+    import numpy as np
+
+    return [np.float32(0.5), np.int64(1), np.bool_(True), True, 2][: len(rollouts)]
+
+
+def returns_array(rollouts):
+    import numpy as np
+
+    return np.full(len(rollouts), 0.25)
+
+
+# -- misbehaving functions -------------------------------------------------------------------------------------
+
+CALLS = []
+"""Batch sizes of every call of ``counted_failure``."""
+
+
+def counted_failure(rollouts):
+    CALLS.append(len(rollouts))
+    raise KeyError("no_such_field")
+
+
+def edits_in_place(rollouts):
+    for r in rollouts:
+        r.token_ids.append(3)
+        r.token_ids[0] = 5
+        r.prompt.token_ids.clear()
+        r.prompt.meta["answer"] = "edited"
+    rollouts.reverse()
+    return [1.0] * len(rollouts)
+
+
+def trl_edits_in_place(prompts, completions, completion_ids, answer, **kwargs):
+    for ids in completion_ids:
+        ids.append(3)
+    answer[:] = ["edited"] * len(answer)
+    return [0.0] * len(completions)
+
+
+RELEASE = __import__("threading").Event()
+"""Set to let ``hangs`` return (tests release it when done)."""
+
+
+def hangs(rollouts):
+    RELEASE.wait()
+    return [0.0] * len(rollouts)

@@ -1,101 +1,76 @@
 """Reward functions: the API, the built-ins, and the weighted scorer.
 
 The API. A reward function takes the completions of one collected batch and returns one
-float per completion, in order::
+value per completion, in order: a real number, or None for "no opinion on this sample".
+Two signatures are accepted and told apart once, when the config loads
+(``reward_calls.inspect_reward``)::
 
-    def my_reward(rollouts: Sequence[Rollout]) -> Sequence[float]:
+    def my_reward(rollouts: Sequence[Rollout]) -> list[float | None]:         # ours
         return [1.0 if r.text.strip() == r.prompt.answer else 0.0 for r in rollouts]
 
-Each ``Rollout`` carries ``.text`` (the completion, decoded without special tokens),
-``.finish_reason`` (``"stop"``: the sampler emitted EOS; ``"length"``: cut at
-``max_new_tokens``) and ``.prompt`` (``.text``, ``.answer``, ``.id``, ``.meta``). The
-function sees the whole batch at once, so a reward model can batch its forward pass.
+    def my_trl_reward(prompts, completions, answer, **kwargs) -> list[float | None]:  # TRL's, unchanged
+        return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
 
-A ``RewardSpec`` names a function (a built-in name, or ``"package.module:function"``)
-and its weight; ``score`` sums the weighted rewards. A function that raises, returns
-the wrong number of values or a NaN/inf value fails the step with a ``RewardError``
-naming the function and, where it can be found, the sample index.
+Each ``Rollout`` carries ``.text`` (the completion, decoded without special tokens),
+``.finish_reason`` (``"stop"``: EOS or a stop string; ``"length"``: cut at ``max_new_tokens``) and
+``.prompt`` (``.text``, ``.messages``, ``.answer``, ``.id``, ``.meta`` with the dataset's columns).
+The function sees the whole batch at once, so a reward model can batch its forward pass.
+
+A ``RewardSpec`` names a function (a built-in name, or ``"module:function"`` importable from the
+current working folder or an installed package), its weight and its time limit; ``score`` sums the
+weighted rewards, a None counting 0. docs/rewards.md is the user's guide.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-import re
+import os
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 
 import torch
 from torch import Tensor
 
+from lightning_grpo.data.answers import NUMBER, answers_match, extract_answer, extract_reference, normalize_answer
+from lightning_grpo.data.reward_calls import RewardError, RewardFunction, as_values, call_reward, inspect_reward
 from lightning_grpo.rollout.base import Rollout
 
-RewardFn = Callable[[Sequence[Rollout]], Sequence[float]]
+__all__ = ["RewardError", "RewardSpec", "extract_answer", "extract_reference", "normalize_answer", "score"]
 
-
-class RewardError(RuntimeError):
-    """A reward function failed or returned unusable values; the message names it."""
+RewardFn = Callable[[Sequence[Rollout]], Sequence[float | None]]
 
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """One reward function and its weight in the total."""
+    """One reward function, its weight in the total and its time limit. The function is resolved at load."""
 
     name: str = "arith"
-    """A built-in (``arith``, ``math_answer``, ``format``, ``recorded``) or an import path ``package.module:function``."""
+    """A built-in (``arith``, ``math_answer``, ``format``, ``recorded``) or an import path ``module:function``
+    (the current working folder is importable, like a script's own folder)."""
     weight: float = 1.0
     """Multiplies this function's rewards in the total."""
+    timeout_s: float | None = 60.0
+    """Seconds one batch call may take; past it the step fails with a RewardError naming the function.
+    null = no limit (the call then runs on the training thread)."""
+    per_sample: bool = False
+    """Call the function once per completion (a one-element batch each) instead of once per batch; a failure
+    then names its sample. Off: one batch call, and a failure is reported at once with the function's traceback."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight):
             raise ValueError(f"reward {self.name!r}: weight={self.weight!r} must be a finite number")
+        if self.timeout_s is not None and (not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0):
+            raise ValueError(f"reward {self.name!r}: timeout_s={self.timeout_s!r} must be > 0 seconds (or null)")
+        # Import and signature problems surface here, at config load, not at the first loop step.
+        object.__setattr__(self, "_function", load_reward(self.name))
 
-
-# -- answer parsing ----------------------------------------------------------------------------------------------
-
-_HASHES = re.compile(r"####\s*([^\n]*)")
-_NUMBER = re.compile(r"^[-+]?\d+(\.\d+)?$")
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}``, braces balanced (``\\boxed{\\frac{1}{2}}`` works)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a completion: the last ``\\boxed{}``, else what follows the last ``####``, else None."""
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    hashes = _HASHES.findall(text)
-    return hashes[-1].strip() if hashes else None
-
-
-def extract_reference(answer: str) -> str:
-    """A reference answer's final value: GSM8K's ``#### N`` / ``\\boxed{N}`` if present, else the whole string."""
-    found = extract_answer(answer)
-    return (found if found is not None else answer).strip()
-
-
-def normalize_answer(answer: str) -> str:
-    """Canonical form for comparison: no ``$``/commas/trailing period; numbers as plain decimals (``42.0`` -> ``42``)."""
-    s = answer.strip().replace(",", "").replace("$", "").rstrip(".").strip()
-    if _NUMBER.match(s):
-        try:
-            value = Decimal(s)
-            return format(value.to_integral_value() if value == value.to_integral_value() else value.normalize(), "f")
-        except InvalidOperation:  # unreachable for the regex above; kept to never crash a step on a format quirk
-            return s
-    return s
+    @property
+    def function(self) -> RewardFunction:
+        """The resolved function and its calling convention."""
+        return self._function  # type: ignore[attr-defined]
 
 
 # -- built-in reward functions -----------------------------------------------------------------------------------
@@ -108,20 +83,25 @@ def _need_answer(r: Rollout, fn: str) -> str:
 
 
 def math_answer(rollouts: Sequence[Rollout]) -> list[float]:
-    """1.0 when the completion's ``\\boxed{}`` / ``####`` answer equals the reference's final answer, else 0.0."""
+    """1.0 when the completion's ``\\boxed{}`` / ``####`` answer equals the reference's final answer, else 0.0.
+
+    Equal means equal after normalization (``1,000`` = ``1000.0``) or, with math-verify installed, equivalent
+    (``\\frac{1}{2}`` = ``0.5``); see ``data/answers.py``.
+    """
     out = []
     for r in rollouts:
         predicted = extract_answer(r.text)
-        expected = normalize_answer(extract_reference(_need_answer(r, "math_answer")))
-        out.append(float(predicted is not None and normalize_answer(predicted) == expected))
+        expected = extract_reference(_need_answer(r, "math_answer"))
+        out.append(float(predicted is not None and answers_match(predicted, expected)))
     return out
 
 
 def format_reward(rollouts: Sequence[Rollout]) -> list[float]:
-    """1.0 when the completion stopped on EOS and states an answer (``\\boxed{}``, ``####`` or a bare number)."""
+    """1.0 when the completion stopped (EOS or a stop string) and states an answer (``\\boxed{}``, ``####`` or a
+    bare number)."""
     out = []
     for r in rollouts:
-        stated = extract_answer(r.text) is not None or bool(_NUMBER.match(r.text.strip()))
+        stated = extract_answer(r.text) is not None or bool(NUMBER.match(r.text.strip()))
         out.append(float(r.finish_reason == "stop" and stated))
     return out
 
@@ -148,36 +128,63 @@ BUILTINS: dict[str, RewardFn] = {
 
 
 def resolve_reward(name: str) -> RewardFn:
-    """The function a ``RewardSpec.name`` refers to: a built-in, or ``package.module:function``."""
+    """The function a ``RewardSpec.name`` refers to: a built-in, or ``module:function``."""
     if name in BUILTINS:
         return BUILTINS[name]
     if ":" not in name:
         raise ValueError(
             f"reward {name!r}: not a built-in ({', '.join(BUILTINS)}); "
-            "give an import path 'package.module:function' for your own"
+            "give an import path 'module:function' for your own (my_rewards.py in the working folder: "
+            "'my_rewards:my_function')"
         )
     module_name, attr = name.split(":", 1)
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a console script's sys.path lacks the working folder
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r} ({err})") from err
+        raise ValueError(
+            f"reward {name!r}: cannot import module {module_name!r} ({err}); it must be importable from the "
+            f"working folder {os.getcwd()} or an installed package"
+        ) from err
     fn = getattr(module, attr, None)
     if not callable(fn):  # a config error like the others above, hence ValueError, not TypeError
         raise ValueError(f"reward {name!r}: module {module_name!r} has no callable {attr!r}")  # noqa: TRY004
     return fn
 
 
+def load_reward(name: str) -> RewardFunction:
+    """Resolve ``name`` and classify its signature (ours or TRL's); every problem is a ``ValueError`` naming it."""
+    return inspect_reward(name, resolve_reward(name))
+
+
+def check_reward_columns(specs: Sequence[RewardSpec], columns: set[str]) -> None:
+    """A TRL-style function's required keywords must be dataset columns: else a ``ValueError`` before training."""
+    for spec in specs:
+        missing = sorted(spec.function.required - columns)
+        if missing:
+            raise ValueError(
+                f"reward {spec.name!r} requires {missing}, which are not columns of the prompt data (its columns: "
+                f"{sorted(columns)}). Rename the parameter to a column, give it a default, or check data.source"
+            )
+
+
 # -- scoring -----------------------------------------------------------------------------------------------------
 
 
-def score(rollouts: Sequence[Rollout], specs: Sequence[RewardSpec]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted sum of the reward functions over ``rollouts``.
+def score(rollouts: Sequence[Rollout], specs: Sequence[RewardSpec],
+          should_stop: Callable[[], bool] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Weighted sum of the reward functions over ``rollouts``; a None (no opinion) counts 0 in the total.
+
+    ``should_stop`` is polled while a function runs (``GRPOModule`` passes "the trainer received SIGTERM").
 
     Returns:
-        ``(total [N] float32, per_function)``: ``per_function[name]`` is that function's unweighted ``[N]`` rewards.
+        ``(total [N] float32, per_function)``: ``per_function[name]`` is that function's unweighted ``[N]``
+        rewards, NaN where it returned None.
 
     Raises:
-        RewardError: a function raised, returned a length other than ``N``, or a NaN/inf value.
+        RewardError: a function raised, timed out, or returned something other than one real number or None per
+            completion (strings, dicts, NaN/inf and wrong lengths are refused).
     """
     if not specs:
         raise ValueError("no reward functions configured: give at least one RewardSpec")
@@ -185,45 +192,28 @@ def score(rollouts: Sequence[Rollout], specs: Sequence[RewardSpec]) -> tuple[Ten
     if len(set(names)) != len(names):
         raise ValueError(f"reward functions {names}: each may appear once (merge the weights instead)")
     total = torch.zeros(len(rollouts), dtype=torch.float32)
+    opinions = torch.zeros(len(rollouts), dtype=torch.bool)
     per_function = {}
     for spec in specs:
-        values = _call(spec.name, resolve_reward(spec.name), rollouts)
+        values = _values(spec, rollouts, should_stop)
         per_function[spec.name] = values
-        total += spec.weight * values
+        total += spec.weight * values.nan_to_num(0.0)
+        opinions |= ~values.isnan()
+    if not bool(opinions.all()):
+        warnings.warn(f"{int((~opinions).sum())} of {len(rollouts)} completions got None from every reward function "
+                      f"({names}); their total reward is 0", stacklevel=2)
     return total, per_function
 
 
-def _call(name: str, fn: RewardFn, rollouts: Sequence[Rollout]) -> Tensor:
-    """``fn(rollouts)`` as a checked ``[N]`` float32 tensor."""
-    try:
-        raw = fn(rollouts)
-    except Exception as err:
-        where = _first_failing(fn, rollouts)
-        raise RewardError(f"reward function {name!r} raised {type(err).__name__}: {err}{where}") from err
-    try:
-        values = torch.as_tensor([float(v) for v in raw], dtype=torch.float32)  # [N]
-    except (TypeError, ValueError) as err:
-        raise RewardError(f"reward function {name!r} must return a sequence of floats ({err})") from err
-    if len(values) != len(rollouts):
-        raise RewardError(
-            f"reward function {name!r} returned {len(values)} values for {len(rollouts)} completions; "
-            f"expected exactly {len(rollouts)} (one float per completion, in order)"
-        )
-    bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
-    if bad:
-        i = bad[0]
-        raise RewardError(
-            f"reward function {name!r} returned {values[i].item()} for sample {i} (prompt id "
-            f"{rollouts[i].prompt.id}){f' and {len(bad) - 1} more' if len(bad) > 1 else ''}; rewards must be finite"
-        )
-    return values
-
-
-def _first_failing(fn: RewardFn, rollouts: Sequence[Rollout]) -> str:
-    """Locate the sample: re-call ``fn`` one sample at a time (failure path only; costs up to N calls)."""
+def _values(spec: RewardSpec, rollouts: Sequence[Rollout], should_stop: Callable[[], bool] | None) -> Tensor:
+    """One function's checked ``[N]`` values: one batch call, or one call per sample when declared so."""
+    rf = spec.function
+    if not spec.per_sample:
+        return as_values(spec.name, call_reward(rf, rollouts, spec.timeout_s, should_stop), rollouts)
+    out = []
     for i, r in enumerate(rollouts):
         try:
-            fn([r])
-        except Exception:  # noqa: BLE001 - any failure locates the sample; the original error is chained
-            return f" (first failing sample: index {i}, prompt id {r.prompt.id})"
-    return " (no single sample fails alone: the failure depends on the whole batch)"
+            out.append(as_values(spec.name, call_reward(rf, [r], spec.timeout_s, should_stop), [r]))
+        except RewardError as err:
+            raise RewardError(f"{err} [per_sample: sample {i}, prompt id {r.prompt.id}]") from err.__cause__
+    return torch.cat(out)  # [N]
