@@ -270,11 +270,26 @@ class RolloutConfig:
     """How the vLLM engine is built when engine=vllm (None = VLLMConfig defaults)."""
     sync_bucket_mb: float = 256.0
     """Weight-sync bucket size in MiB: one engine call per bucket (decoder layers are never split)."""
+    stop: list[str] | None = None
+    """Stop strings: a completion ends with the token that completes one (kept, so it is trained on; the text handed
+    to rewards is cut before it), finish_reason "stop". The same on every engine. EOS always stops."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt (in tokens, chat template included); None = the context (policy, or vllm.max_model_len) minus
+    max_new_tokens. Longer prompts follow long_prompts, checked once before training."""
+    long_prompts: Literal["drop", "error"] = "drop"
+    """Prompts over max_prompt_tokens: drop (counted in data/long_prompts_dropped, warned once) or error at setup."""
 
     def __post_init__(self) -> None:
         p = []
         if self.max_new_tokens < 1:
             p.append(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.max_prompt_tokens is not None and (not _is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1):
+            p.append(f"max_prompt_tokens={self.max_prompt_tokens}: must be a positive integer or null (the context)")
+        if self.long_prompts not in ("drop", "error"):
+            p.append(f"long_prompts={self.long_prompts!r}: must be 'drop' or 'error'")
+        if self.stop is not None and (not isinstance(self.stop, (list, tuple))
+                                      or not all(isinstance(x, str) and x for x in self.stop)):
+            p.append(f"stop={self.stop!r}: must be a list of non-empty strings (or null)")
         if not _finite(self.temperature) or self.temperature <= 0:
             p.append(f"temperature={self.temperature}: must be > 0 for GRPO sampling (greedy groups have no spread)")
         if not 0 < self.top_p <= 1:

@@ -32,7 +32,7 @@ from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint.state import LoopState
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
-from lightning_grpo.data.rewards import RewardSpec, score
+from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.distributed import data_parallel_mesh, gradient_sync, root_call, shard_fsdp2
 from lightning_grpo.logprobs import token_logprobs
@@ -109,14 +109,37 @@ class GRPOModule(LightningModule):
         """One reward per rollout. Recorded rewards (replay) are used as they are."""
         if all(r.reward is not None for r in rollouts):
             return torch.tensor([r.reward for r in rollouts], dtype=torch.float32), {}
-        total, parts = score(rollouts, self.reward_specs or [RewardSpec()])  # default: the built-in task reward
-        return total, {f"reward/{name}": float(v.mean()) for name, v in parts.items()}
+        # Default: the built-in task reward. A SIGTERM (Lightning's flag) abandons a reward call still running.
+        stop = (lambda: self.trainer.received_sigterm) if self._trainer is not None else None
+        total, parts = score(rollouts, self.reward_specs or [RewardSpec()], should_stop=stop)
+        # Per function: the mean over the samples it scored (None = no opinion, NaN in ``parts``).
+        metrics = {f"reward/{name}": float(v.nanmean()) for name, v in parts.items()}
+        metrics["reward/none_frac"] = float(torch.stack(list(parts.values())).isnan().float().mean())
+        return total, metrics
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.rl.validate(self._world_size())  # per-rank divisibility needs the DP size
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
+
+    def check_data(self) -> None:
+        """Fit the datamodule's prompts to this policy (chat template, max_prompt_tokens) and check that every
+        column a reward function requires exists. Raises before any step runs."""
+        dm = self._datamodule()
+        if dm is None or not hasattr(dm, "prepare_prompts"):
+            return
+        dm.prepare_prompts(self.tokenizer, self.max_prompt_tokens(), self.rollout_cfg.long_prompts)
+        check_reward_columns(self.reward_specs or [], dm.columns)
+
+    def max_prompt_tokens(self) -> int | None:
+        """The prompt-length limit: ``rollout.max_prompt_tokens``, else the context left after the completion."""
+        if self.rollout_cfg.max_prompt_tokens is not None:
+            return self.rollout_cfg.max_prompt_tokens
+        vllm = self.rollout_cfg.vllm if self.rollout_cfg.engine == "vllm" else None
+        contexts = [self._context(), vllm.max_model_len if vllm is not None else None]
+        context = min((c for c in contexts if c), default=None)
+        return None if context is None else max(context - self.rollout_cfg.max_new_tokens, 1)
 
     def configure_model(self) -> None:
         """Build policy, tokenizer and (beta > 0) the frozen reference; FSDP2-shard them under ModelParallelStrategy.
@@ -151,6 +174,7 @@ class GRPOModule(LightningModule):
     def on_fit_start(self) -> None:
         # Outside configure_model: its default device/dtype contexts must not leak into an engine (vLLM). Before
         # Lightning restores optimizer state onto the device, so the hand-off can put the engine to sleep first.
+        self.check_data()  # before the engine: a data problem is reported in seconds, not after vLLM starts
         publisher = find_publisher(self.trainer.callbacks)
         if self.engine is None:
             self.engine = self.build_engine(will_sleep=publisher is not None and publisher.sleeps_engine)
@@ -197,6 +221,7 @@ class GRPOModule(LightningModule):
     def validation_step(self, records, batch_idx: int) -> None:
         """Held-out prompts, greedy, through the same engine: ``val/reward`` (see ``lightning_grpo/validation.py``)."""
         if self.engine is None:  # trainer.validate() without a fit: nothing sleeps, nothing publishes
+            self.check_data()
             self.engine = self.build_engine(will_sleep=False)
         metrics = greedy_scores(self, records)
         metrics["step"] = float(self.loop_step)  # x-axis: the loop step
@@ -256,6 +281,7 @@ class GRPOModule(LightningModule):
         metrics["step"] = metrics["loop_step"]  # the logger's x-axis: collected batches
         metrics["grpo/ahead_seconds"] = self.ahead_seconds
         metrics["grpo/ahead_share"] = self.ahead_seconds / self.update_seconds if self.update_seconds > 0 else 0.0
+        metrics["data/long_prompts_dropped"] = float(getattr(self._datamodule(), "long_prompts_dropped", 0))
         world = self._world_size()
         if world > 1:  # one figure per metric for the whole job (reductions: docs/distributed.md)
             metrics = combine_ranks(metrics, self._all_reduce, world, self.rl.rank_sizes(world).batch)
@@ -276,7 +302,10 @@ class GRPOModule(LightningModule):
         # A distinct, reproducible stream per (seed, loop step, rank).
         seed = (self.seed * 1_000_003 + step) * max(self._world_size(), 1) + self.global_rank
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed)
+                              logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed, stop=tuple(r.stop or ()))
+
+    def _datamodule(self):
+        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
 
     def _context(self) -> int | None:
         return getattr(self.policy.config, "max_position_embeddings", None)

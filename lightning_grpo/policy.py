@@ -1,14 +1,18 @@
-"""Policy loading: any Hugging Face causal-LM folder, plus a tiny local policy factory.
+"""Policy loading: a Hugging Face Hub id or causal-LM folder, plus a tiny local policy factory.
 
-``PolicyConfig.path`` is a folder in the Hugging Face layout (a real checkpoint or one
-this module built). ``tiny:<name>`` builds a small random-init model with a locally made
-character tokenizer into a cache folder once, then loads it through the very same
-``from_pretrained`` path a real model takes. Nothing is downloaded.
+``PolicyConfig.path`` is a local folder in the Hugging Face layout, or a Hub id
+(``Qwen/Qwen2.5-0.5B-Instruct``, at ``revision``) resolved through the Hub cache
+(``HF_HOME`` / ``HF_HUB_CACHE``) with ``huggingface_hub.snapshot_download``: downloaded when
+there is network, read from the cache when offline (``HF_HUB_OFFLINE=1``). Model, tokenizer
+and chat template all load from that one folder, which the vLLM engine is built on too.
+``tiny:<name>`` builds a small random-init model with a locally made character tokenizer into
+a cache folder once, then loads it through the very same ``from_pretrained`` path.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -18,6 +22,8 @@ from torch import nn
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+TOKENIZER_VERSION = 2
+"""Bumped when the char tokenizer's files change (part of the tiny cache key): 2 = byte-level spelling."""
 # Characters of the built-in tasks; ids 0-3 are the special tokens.
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list("0123456789+-*=()?:#, .abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n\\{}/_")
@@ -47,6 +53,8 @@ class TinyPolicySpec:
     """Attention dropout; > 0 makes train() and eval() forwards differ (the determinism probe catches it)."""
     seed: int = 0
     """Seed of the random initialization (part of the cache key, as every field here)."""
+    chat_template: bool = False
+    """Give the char tokenizer ``TINY_CHAT_TEMPLATE`` (a plain-text chat format), so chat-message prompts work."""
 
 
 @dataclass
@@ -54,11 +62,19 @@ class PolicyConfig:
     """Which model to train and how to load it."""
 
     path: str = "tiny:default"
-    """A Hugging Face model folder, or ``tiny:<name>`` for a locally built tiny policy (cached)."""
+    """A Hugging Face Hub id (``Qwen/Qwen2.5-0.5B-Instruct``), a local model folder, or ``tiny:<name>`` for a
+    locally built tiny policy (cached). A Hub id resolves through the Hub cache (HF_HOME; offline: HF_HUB_OFFLINE=1)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a Hub id; None = main. Ignored for folders."""
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the trained policy."""
+    """Parameter dtype of the trained policy (float32 for mixed precision: the master weights)."""
     trust_remote_code: bool = False
-    """Allow custom modeling code shipped in the folder. Off: loading never executes checkpoint code."""
+    """Allow custom modeling code shipped with the model. Off: loading never executes checkpoint code."""
+    attn_implementation: str | None = None
+    """Attention kernel passed to from_pretrained (``sdpa``, ``eager``, ``flash_attention_2``); None = transformers'
+    default."""
+    chat_template: str | None = None
+    """A Jinja chat template (or the path of a .jinja file) replacing the tokenizer's own; None = the tokenizer's."""
     tiny: TinyPolicySpec | None = None
     """Shape used when ``path`` is ``tiny:<name>`` (None = TinyPolicySpec defaults)."""
     warm_start: str | None = None
@@ -68,23 +84,36 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         if not self.path:
-            raise ValueError("policy.path='': give a Hugging Face model folder or 'tiny:<name>'")
+            raise ValueError("policy.path='': give a Hugging Face Hub id, a model folder or 'tiny:<name>'")
         if self.warm_start_steps < 0:
             raise ValueError(f"policy.warm_start_steps={self.warm_start_steps}: must be >= 0")
 
 
 def make_char_tokenizer():
-    """A character-level fast tokenizer built with the ``tokenizers`` library (no download)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A character-level fast tokenizer built with the ``tokenizers`` library (no download).
+
+    Saved in byte-level form (a BPE with no merges; space and newline spelled ``Ġ`` and ``Ċ``), because
+    transformers 5 loads a qwen2 folder's tokenizer as ``Qwen2Tokenizer``, which rebuilds a byte-level BPE
+    from the saved vocab: spelled any other way, whitespace would silently vanish from every prompt.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    byte_level = {" ": "Ġ", "\n": "Ċ"}
+    vocab = {byte_level.get(tok, tok): i for i, tok in enumerate(SPECIALS + CHARS)}
+    core = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+"""A chat template the char tokenizer can spell (letters, ':', space, newline): ``role: content`` lines."""
 
 
 def build_tiny_policy(out_dir: str | os.PathLike, spec: TinyPolicySpec | None = None) -> Path:
@@ -93,6 +122,8 @@ def build_tiny_policy(out_dir: str | os.PathLike, spec: TinyPolicySpec | None = 
 
     spec = spec or TinyPolicySpec()
     tok = make_char_tokenizer()
+    if spec.chat_template:
+        tok.chat_template = TINY_CHAT_TEMPLATE
     vocab = max(spec.vocab_size or 0, len(tok))
     cls = Qwen2Config if spec.arch == "qwen2" else LlamaConfig
     config = cls(
@@ -123,19 +154,21 @@ def build_tiny_policy(out_dir: str | os.PathLike, spec: TinyPolicySpec | None = 
 def tiny_cache_dir(name: str, spec: TinyPolicySpec, warm: str = "") -> Path:
     root = Path(os.environ.get("LIGHTNING_GRPO_CACHE", Path.home() / ".cache" / "lightning_grpo"))
     key = "-".join(f"{v}" for v in vars(spec).values())
-    return root / f"tiny-{name}-{key}{warm}"
+    return root / f"tiny-{name}-{key}-tok{TOKENIZER_VERSION}{warm}"
 
 
 def resolve_path(cfg: PolicyConfig) -> Path:
-    """The folder to load: ``cfg.path`` itself, or the cached tiny build (built on first use)."""
+    """The folder to load: a local folder, the Hub cache's snapshot of a Hub id, or the cached tiny build."""
     if not cfg.path.startswith("tiny:"):
         path = Path(cfg.path).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"policy.path={cfg.path!r} is not a folder. Give a local Hugging Face model folder "
-                "(models are never downloaded at run time) or 'tiny:<name>' for a locally built tiny policy."
-            )
-        return path
+        if path.is_dir():
+            return path
+        if HUB_ID.match(cfg.path):
+            return hub_snapshot(cfg.path, cfg.revision, cfg.trust_remote_code)
+        raise PolicyNotFoundError(
+            f"policy.path={cfg.path!r} is neither a local folder nor a Hugging Face Hub id ('org/name'). Give a "
+            "local Hugging Face model folder, a Hub id, or 'tiny:<name>' for a locally built tiny policy."
+        )
     spec = cfg.tiny or TinyPolicySpec()
     warm = f"-warm-{cfg.warm_start}-{cfg.warm_start_steps}" if cfg.warm_start else ""
     folder = tiny_cache_dir(cfg.path.split(":", 1)[1] or "default", spec, warm)
@@ -147,6 +180,49 @@ def resolve_path(cfg: PolicyConfig) -> Path:
         if not folder.exists():  # another rank may have won the race
             os.replace(tmp, folder)
     return folder
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+"""What a Hub model id looks like (``name`` or ``org/name``)."""
+# Enough to load a causal LM and its tokenizer: no legacy *.bin, no ONNX/GGUF exports.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+_SNAPSHOTS: dict[tuple[str, str | None, bool], Path] = {}
+
+
+class PolicyNotFoundError(FileNotFoundError):
+    """``policy.path`` names no usable folder or Hub model; the message names it and the fix."""
+
+
+def hub_snapshot(repo_id: str, revision: str | None, trust_remote_code: bool = False) -> Path:
+    """The local snapshot folder of Hub model ``repo_id`` (downloaded if online; from the Hub cache if offline).
+
+    Resolved once per process, so the trainer, the tokenizer and the vLLM engine read the very same folder.
+    """
+    key = (repo_id, revision, trust_remote_code)
+    if key not in _SNAPSHOTS:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+        at = f"{repo_id!r} (revision {revision or 'main'})"
+        patterns = HUB_FILES + (["*.py"] if trust_remote_code else [])  # code only when it may run
+        try:
+            _SNAPSHOTS[key] = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        except LocalEntryNotFoundError as err:
+            raise PolicyNotFoundError(
+                f"policy.path={repo_id!r}: not a local folder, and Hub model {at} is not in the Hub cache "
+                f"{constants.HF_HUB_CACHE} while offline (HF_HUB_OFFLINE=1 or no network). Fix: download it once "
+                f"where there is network (`hf download {repo_id}`) and point HF_HOME/HF_HUB_CACHE at that cache, "
+                "or set policy.path to a local model folder"
+            ) from err
+        except RevisionNotFoundError as err:
+            raise PolicyNotFoundError(f"policy.revision={revision!r}: Hub model {repo_id!r} has no such "
+                                      "revision; give a branch, tag or commit of it") from err
+        except RepositoryNotFoundError as err:
+            raise PolicyNotFoundError(
+                f"policy.path={repo_id!r}: no such model on the Hugging Face Hub (or it is gated/private: set "
+                "HF_TOKEN), and no local folder of that name"
+            ) from err
+    return _SNAPSHOTS[key]
 
 
 def _warm_start_folder(folder: Path, task: str, steps: int, seed: int) -> None:
@@ -163,14 +239,20 @@ def _warm_start_folder(folder: Path, task: str, steps: int, seed: int) -> None:
 
 
 def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
-    """(model, tokenizer) from ``cfg``. Weights load from safetensors; remote code only if allowed."""
+    """(model, tokenizer) from ``cfg``, both from one folder. Weights load from safetensors; remote code only if
+    allowed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_path(cfg)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    if cfg.chat_template is not None:
+        template = Path(cfg.chat_template).expanduser()
+        is_file = cfg.chat_template.endswith(".jinja") or ("{" not in cfg.chat_template and template.is_file())
+        tok.chat_template = template.read_text(encoding="utf-8") if is_file else cfg.chat_template
+    extra = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code, use_safetensors=None
+        path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code, use_safetensors=None, **extra
     )
     return model, tok

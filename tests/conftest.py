@@ -1,12 +1,16 @@
 import contextlib
 import io
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-# Tests never touch the network or the user's cache.
+# Tests never touch the network or the user's cache: Hugging Face Hub and datasets caches live in a
+# throwaway folder (set before huggingface_hub/datasets are imported: they read these at import).
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="lightning-grpo-hf-")
+os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -24,6 +28,15 @@ def tiny_policy_dir(tmp_path_factory):
     from lightning_grpo.policy import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-policy"), SMALL)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_policy_dir(tmp_path_factory):
+    """The small Qwen2 policy with a chat template on its char tokenizer (``role: content`` lines)."""
+    from helpers import SMALL_CHAT
+    from lightning_grpo.policy import build_tiny_policy
+
+    return build_tiny_policy(tmp_path_factory.mktemp("tiny-chat-policy"), SMALL_CHAT)
 
 
 @dataclass(frozen=True)

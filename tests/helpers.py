@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import shutil
 from pathlib import Path
 
 import torch
@@ -13,6 +15,9 @@ from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.policy import TinyPolicySpec
 
 SMALL = TinyPolicySpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+SMALL_CHAT = dataclasses.replace(SMALL, chat_template=True)
+"""SMALL with a chat template on its tokenizer (the stand-in for an instruct model)."""
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 QUICKSTART_ARGS = [
     "--config", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
@@ -126,3 +131,31 @@ def global_determinism_restored():
         torch.backends.cuda.enable_flash_sdp(saved[4])
         torch.backends.cuda.enable_mem_efficient_sdp(saved[5])
         torch.backends.cuda.enable_cudnn_sdp(saved[6])
+
+
+def cache_hub_model(hub_cache: Path, repo_id: str, folder: Path, commit: str = HUB_COMMIT) -> Path:
+    """Lay ``folder`` out in a Hugging Face Hub cache as ``repo_id`` (``models--org--name/snapshots/<commit>``,
+    ``refs/main``), as a download there would; returns the snapshot folder."""
+    repo = Path(hub_cache) / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(folder, snapshot)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def cache_hub_dataset(datasets_cache: Path, repo_id: str, subset: str, files: dict[str, str]) -> Path:
+    """Lay JSON Lines files out in a ``datasets`` cache as Hub dataset ``repo_id`` / ``subset`` (one file per split),
+    the way ``datasets.load_dataset(repo_id, subset)`` leaves it after a download; returns the prepared folder."""
+    from datasets.packaged_modules.json.json import Json
+
+    namespace, name = repo_id.split("/")
+    builder = Json(cache_dir=str(datasets_cache), dataset_name=name, config_name=subset, hash="0123456789abcdef",
+                   data_files={split: [str(f)] for split, f in files.items()})
+    builder.download_and_prepare()
+    # The json builder names its config after the data files; a Hub download's is the subset name, under org___name.
+    prepared = Path(builder.cache_dir).parents[1]
+    target = Path(datasets_cache) / f"{namespace}___{name}" / subset
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(prepared), target)
+    return target

@@ -126,7 +126,8 @@ def test_jsonl_missing_key_names_file_line_key_and_fix(tmp_path):
     with pytest.raises(PromptDataError, match=rf"{path}:3: no key 'question' \(the row has \['answer', 'q'\]\)") as e:
         load_items(str(path), prompt_key="question")
     assert "--data.prompt_key" in str(e.value)
-    with pytest.raises(PromptDataError, match=r":1: no key 'solution'.*or to null if the prompts have none"):
+    with pytest.raises(PromptDataError, match=r"data.answer_key='solution': '.*p.jsonl' has no such column \(its "
+                                              r"columns: \['question', 'answer', 'q'\]\).*or to null if the prompts"):
         load_items(str(path), prompt_key="question", answer_key="solution")
 
 
@@ -147,7 +148,7 @@ def test_empty_sources_are_clear_errors(tmp_path):
         PromptDataModule(str(path), prompts_per_step=2).setup("fit")
     with pytest.raises(PromptDataError, match="list of 0 rows.*empty"):
         load_items([])
-    with pytest.raises(PromptDataError, match="not an existing .jsonl file"):
+    with pytest.raises(PromptDataError, match="missing.jsonl': not an existing file or folder"):
         load_items(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="unknown built-in task 'nope'; known tasks: arith, arith_small"):
         load_items("builtin:nope")
@@ -161,18 +162,19 @@ def test_prompts_per_step_must_split_over_ranks():
 
 
 def test_gsm8k_file_with_template_and_answers():
-    dm = PromptDataModule(GSM8K, prompts_per_step=8, prompt_key="question", prompt_template="gsm8k", shuffle=False)
+    dm = PromptDataModule(GSM8K, prompts_per_step=8, prompt_key="question", prompt_template="gsm8k", shuffle=False,
+                          val_size=0)
     (batch,) = take(dm, 1)
     assert len(batch) == 8 and batch[0].text.startswith("Tom has 3 apples") and "####" in batch[0].text
-    assert batch[0].answer.endswith("#### 8")
-    assert dm.val_dataloader() == []  # a file source holds nothing out unless val_source is given
+    assert batch[0].answer.endswith("#### 8") and batch[0].meta["answer"] == batch[0].answer  # the raw column too
+    assert dm.val_dataloader() == []  # val_size=0: no validation
     with pytest.raises(PromptDataError, match="containing '{prompt}'"):
         load_items(GSM8K, prompt_key="question", prompt_template="no placeholder")
 
 
 def test_dataset_objects():
     rows = [{"prompt": f"{i}+1=", "answer": i + 1, "extra": "x"} for i in range(3)]
-    records = take(PromptDataModule(rows, prompts_per_step=3, shuffle=False), 1)[0]
+    records = take(PromptDataModule(rows, prompts_per_step=3, shuffle=False, val_size=0), 1)[0]
     assert [(r.text, r.answer, r.meta["extra"]) for r in records] == [
         ("0+1=", "1", "x"),
         ("1+1=", "2", "x"),
@@ -180,7 +182,7 @@ def test_dataset_objects():
     ]
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_list(rows)
-    assert take(PromptDataModule(ds, prompts_per_step=3, shuffle=False), 1)[0] == records
+    assert take(PromptDataModule(ds, prompts_per_step=3, shuffle=False, val_size=0), 1)[0] == records
 
 
 def test_val_batches_are_held_out_and_even_over_ranks():

@@ -20,8 +20,9 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_grpo.data.sources import load_items
-from lightning_grpo.data.tasks import TaskItem, encode_prompt
+from lightning_grpo.data.chat import encode, fit_items
+from lightning_grpo.data.sources import PromptDataError, load_items
+from lightning_grpo.data.tasks import TaskItem
 from lightning_grpo.rollout.base import Prompt
 
 
@@ -36,24 +37,38 @@ class PromptRecord:
     """Reference answer for verifiable rewards, if the source has one."""
     meta: dict = field(default_factory=dict)
     """Source extras: ``source_index`` (row in the source), ``epoch``, and the row's other columns."""
+    messages: list[dict] | None = None
+    """Chat messages of a conversational prompt; None = plain text."""
 
     def to_prompt(self, tokenizer) -> Prompt:
-        """The engine's ``Prompt``: tokenized by ``tasks.encode_prompt`` (the encoding ``warm_start`` trains on)."""
-        return Prompt(self.id, encode_prompt(tokenizer, self.text), self.text, self.answer, self.meta)
+        """The engine's ``Prompt``: chat-templated when it has messages, else ``tasks.encode_prompt`` (the encoding
+        ``warm_start`` trains on)."""
+        ids, text = encode(tokenizer, self.text, self.messages)
+        return Prompt(self.id, ids, text, self.answer, self.meta, self.messages)
+
+    @classmethod
+    def of(cls, position: int, item: TaskItem, **extra: Any) -> PromptRecord:
+        """The record at stream position (or held-out index) ``position`` of ``item``; ``extra`` joins its meta."""
+        return cls(position, item.text, item.answer, {**extra, **item.meta}, item.messages)
 
 
 class PromptStream:
-    """The global prompt stream over ``items`` (see the module docstring); pure, no state."""
+    """The global prompt stream over ``items`` (see the module docstring); pure, no state.
 
-    def __init__(self, items: Sequence[TaskItem], seed: int = 0, shuffle: bool = True) -> None:
+    ``rows[i]`` is item i's row in the source (``source_index``); None = its position in ``items``.
+    """
+
+    def __init__(self, items: Sequence[TaskItem], seed: int = 0, shuffle: bool = True,
+                 rows: Sequence[int] | None = None) -> None:
         self.items, self.seed, self.shuffle = items, seed, shuffle
+        self.rows = rows
         self._orders: dict[int, list[int]] = {}
 
     def record(self, position: int) -> PromptRecord:
         epoch, slot = divmod(position, len(self.items))
         index = self._order(epoch)[slot]
-        item = self.items[index]
-        return PromptRecord(position, item.text, item.answer, {"source_index": index, "epoch": epoch, **item.meta})
+        row = index if self.rows is None else self.rows[index]
+        return PromptRecord.of(position, self.items[index], source_index=row, epoch=epoch)
 
     def step(self, step: int, prompts_per_step: int, rank: int = 0, world_size: int = 1) -> list[PromptRecord]:
         """Rank ``rank``'s share of loop step ``step``: ids ``step*P + rank*P/W + i``."""
@@ -97,6 +112,14 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
+def _name(source: Any) -> str:
+    return repr(source) if isinstance(source, str) else f"<{type(source).__name__}>"
+
+
+HOLDOUT_SEED = 0
+"""Seed of the rows a file/dataset source holds out for validation: the same held-out set for every run seed."""
+
+
 class PromptDataModule(LightningDataModule):
     """Prompt lists for the GRPO loop: one list (this rank's share) per loop step, with deterministic ids.
 
@@ -106,19 +129,29 @@ class PromptDataModule(LightningDataModule):
     (``on_before_batch_transfer``), so a checkpoint taken after a step resumes with the next one.
 
     Args:
-        source: ``"builtin:<task>"`` (e.g. ``builtin:arith``), a ``.jsonl`` path, or (from Python)
-            a ``datasets.Dataset`` / list of dicts.
+        source: ``"builtin:<task>"`` (e.g. ``builtin:arith``), a local file (``.jsonl``, ``.json``,
+            ``.parquet``, ``.csv``), a folder (``save_to_disk`` output or data files), a ``datasets`` Hub id
+            (``openai/gsm8k``; offline: from the local datasets cache), or (from Python) a ``datasets.Dataset`` /
+            list of dicts.
+        split: split of a ``datasets`` id or folder to train on (``train``); a single file has one.
+        subset: configuration (subset) of a ``datasets`` id, e.g. ``main`` for ``openai/gsm8k``; null = the default.
         prompts_per_step: prompts per loop step over all data-parallel ranks (each rank gets
             ``prompts_per_step / world_size``); None = the module's ``rl.prompts_per_batch``.
-        prompt_key: column of the prompt text in a file or dataset.
-        answer_key: column of the reference answer; null when the prompts have none.
-        prompt_template: ``"gsm8k"`` or a format string with ``{prompt}`` wrapped around every prompt; null = as is.
+        prompt_key: column of the prompt: a string, or a list of chat messages (TRL's conversational format).
+        answer_key: column of the reference answer; null when the prompts have none. Every column of a row
+            (this one too) travels with its prompt to the reward functions.
+        prompt_template: ``"gsm8k"`` or a format string with ``{prompt}`` wrapped around every string prompt;
+            null = as is.
+        system_prompt: a system message put first in chat prompts; prepended (plus a newline) to plain ones.
+        chat: wrap string prompts as one user message so they go through the tokenizer's chat template (what an
+            instruct model expects); chat-message prompts always do.
         seed: seeds the per-epoch shuffle (``seed + epoch``) and a built-in task's draw.
         shuffle: reshuffle every epoch; off = source order.
         builtin_size: prompts drawn from a built-in task for training.
-        val_source: held-out prompts (same forms as ``source``); null = a built-in task's held-out split,
-            or no validation for other sources.
-        val_size: held-out prompts to use (first ``val_size`` of a file); 0 disables validation.
+        val_source: held-out prompts (same forms as ``source``); null = a built-in task's held-out draw,
+            ``val_split`` of ``source``, or else ``val_size`` rows held out of ``source`` (never trained on).
+        val_split: split holding the held-out prompts (of ``val_source``, else of ``source``), e.g. ``test``.
+        val_size: held-out prompts to use; 0 disables validation.
 
     Example::
 
@@ -129,14 +162,19 @@ class PromptDataModule(LightningDataModule):
     def __init__(
         self,
         source: str | Sequence[Mapping[str, Any]] = "builtin:arith",
+        split: str = "train",
+        subset: str | None = None,
         prompts_per_step: int | None = None,
         prompt_key: str = "prompt",
         answer_key: str | None = "answer",
         prompt_template: str | None = None,
+        system_prompt: str | None = None,
+        chat: bool = False,
         seed: int = 0,
         shuffle: bool = True,
         builtin_size: int = 10_000,
         val_source: str | Sequence[Mapping[str, Any]] | None = None,
+        val_split: str | None = None,
         val_size: int = 64,
     ) -> None:
         super().__init__()
@@ -145,17 +183,26 @@ class PromptDataModule(LightningDataModule):
         if val_size < 0:
             raise ValueError(f"PromptDataModule(val_size={val_size}): must be >= 0 (0 disables validation)")
         self.source, self.val_source = source, val_source
+        self.split, self.val_split = split, val_split
         self.prompts_per_step = prompts_per_step
         self._load = {
             "prompt_key": prompt_key,
             "answer_key": answer_key,
             "prompt_template": prompt_template,
+            "system_prompt": system_prompt,
+            "chat": chat,
             "seed": seed,
+            "subset": subset,
         }
         self.seed, self.shuffle, self.builtin_size, self.val_size = seed, shuffle, builtin_size, val_size
         self.rank, self.world_size = 0, 1
+        self.long_prompts_dropped = 0
+        """Training prompts dropped as longer than ``rollout.max_prompt_tokens`` (logged: data/long_prompts_dropped)."""
+        self._items: list[TaskItem] | None = None
+        self._val_given: list[TaskItem] | None = None
         self._stream: PromptStream | None = None
         self._val_items: list[TaskItem] | None = None
+        self._prepared: tuple | None = None
         self._consumed = 0
 
     # -- setup -------------------------------------------------------------------------------------------------------
@@ -173,10 +220,57 @@ class PromptDataModule(LightningDataModule):
                 f"PromptDataModule(prompts_per_step={self.prompts_per_step}): must divide evenly over "
                 f"{self.world_size} data-parallel ranks (a prompt's group never splits across ranks)"
             )
-        if self._stream is None:
-            items = load_items(self.source, size=self.builtin_size, split="train", **self._load)
-            self._stream = PromptStream(items, self.seed, self.shuffle)
-            self._val_items = self._load_val()
+        if self._items is None:
+            self._items = load_items(self.source, size=self.builtin_size, split="train", dataset_split=self.split,
+                                     **self._load)
+            self._val_given = self._load_val()
+            self._assemble()
+
+    def prepare_prompts(self, tokenizer, max_tokens: int | None, on_long: str = "drop") -> None:
+        """Fit the prompts to the policy, once, before training (``GRPOModule.setup`` calls this).
+
+        Chat prompts need the tokenizer's chat template; prompts over ``max_tokens`` are dropped (counted in
+        ``long_prompts_dropped``, warned once) or refused (``on_long="error"``). Raises before any step runs.
+        """
+        self._ensure_setup()
+        key = (id(tokenizer), max_tokens, on_long)
+        if self._prepared != key:
+            self._assemble(tokenizer, max_tokens, on_long)
+            self._prepared = key
+
+    def _assemble(self, tokenizer=None, max_tokens: int | None = None, on_long: str = "drop") -> None:
+        """The training stream and the held-out items from the loaded ones (fitted to ``tokenizer`` if given)."""
+        items, rows, val = self._items, list(range(len(self._items))), self._val_given
+        if tokenizer is not None:
+            items, rows = fit_items(items, tokenizer, max_tokens, on_long, f"data.source={_name(self.source)}")
+            self.long_prompts_dropped = len(self._items) - len(items)
+            if val:
+                val, _ = fit_items(val, tokenizer, max_tokens, on_long, "held-out prompts (validation)")
+        if val is None:  # hold val_size rows of the source out of training
+            items, rows, val = self._hold_out(items, rows)
+        self._stream = PromptStream(items, self.seed, self.shuffle, rows)
+        self._val_items = val
+
+    def _hold_out(self, items: list[TaskItem], rows: list[int]) -> tuple[list[TaskItem], list[int], list[TaskItem]]:
+        """``val_size`` items drawn with a fixed seed (the same set for every run seed); the rest train."""
+        if self.val_size >= len(items):
+            raise PromptDataError(
+                f"data.val_size={self.val_size}: would hold out all {len(items)} prompts of "
+                f"source={_name(self.source)} for validation, leaving none to train on. Lower --data.val_size "
+                "(0 = no validation) or give --data.val_source / --data.val_split"
+            )
+        order = list(range(len(items)))
+        random.Random(HOLDOUT_SEED).shuffle(order)
+        held = set(order[: self.val_size])
+        train = [i for i in range(len(items)) if i not in held]
+        return [items[i] for i in train], [rows[i] for i in train], [items[i] for i in sorted(held)]
+
+    @property
+    def columns(self) -> set[str]:
+        """Names of the columns that travel with each prompt to the reward functions (``answer`` included)."""
+        self._ensure_setup()
+        names = {k for it in self._items for k in it.meta}
+        return names | ({"answer"} if any(it.answer is not None for it in self._items) else set())
 
     def _prompts_from_module(self) -> int:
         rl = getattr(self.trainer.lightning_module, "rl", None)
@@ -187,14 +281,18 @@ class PromptDataModule(LightningDataModule):
             )
         return int(rl.prompts_per_batch)
 
-    def _load_val(self) -> list[TaskItem]:
+    def _load_val(self) -> list[TaskItem] | None:
+        """Held-out items from their own source or split; None = hold ``val_size`` rows out of ``source``."""
         if self.val_size == 0:
             return []
+        split = self.val_split or self.split
         if self.val_source is not None:
-            return load_items(self.val_source, size=self.val_size, split="train", **self._load)[: self.val_size]
+            return load_items(self.val_source, size=self.val_size, dataset_split=split, **self._load)[: self.val_size]
         if isinstance(self.source, str) and self.source.startswith("builtin:"):
             return load_items(self.source, size=self.val_size, split="val", **self._load)
-        return []  # a file/dataset source with no val_source: nothing is held out unless asked
+        if self.val_split is not None:
+            return load_items(self.source, dataset_split=self.val_split, **self._load)[: self.val_size]
+        return None
 
     # -- stream --------------------------------------------------------------------------------------------------
     @property
@@ -220,11 +318,11 @@ class PromptDataModule(LightningDataModule):
         for step in range(-(-n // self.prompts_per_step) if n else 0):
             start = step * self.prompts_per_step + self.rank * per_rank
             ids = [(start + i) % n for i in range(per_rank)]
-            batches.append([PromptRecord(i, items[i].text, items[i].answer, {"source_index": i}) for i in ids])
+            batches.append([PromptRecord.of(i, items[i], source_index=i) for i in ids])
         return batches
 
     def _ensure_setup(self) -> None:
-        if self._stream is None:
+        if self._items is None:
             self.setup("fit")
 
     # -- loaders -------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 import torch
 from torch import nn
 
-from lightning_grpo.data.rewards import extract_reference
+from lightning_grpo.data.answers import extract_reference
 
 Split = Literal["train", "val"]
 
@@ -36,10 +36,13 @@ class TaskItem:
     """One prompt of a task with its reference answer."""
 
     text: str
-    """Prompt text, exactly as the policy sees it (no chat template)."""
+    """Prompt text, exactly as the policy sees it; for a chat prompt, its last message's content (for display)."""
     answer: str | None
     """Reference answer the reward checks against; None when the source has none."""
     meta: dict = field(default_factory=dict)
+    """The source row's other columns (the raw answer column included): reward functions receive them."""
+    messages: list[dict] | None = None
+    """Chat messages of a conversational prompt (rendered by the tokenizer's chat template); None = plain text."""
 
 
 class Task(Protocol):

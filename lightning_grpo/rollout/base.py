@@ -25,6 +25,8 @@ class SamplingConfig:
     """Return the sampler's per-token logprobs (needed by ``use_rollout_logprobs_for_loss``)."""
     seed: int | None = None
     """Seed for this draw (engines derive per-rank, per-step streams from it)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the completion ends with the token that completes one (see ``cut_at_stop``)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class Prompt:
     answer: str | None = None
     """Reference answer for verifiable rewards, if the task has one."""
     meta: dict = field(default_factory=dict)
+    """The dataset row's other columns (handed to reward functions), plus the stream's ``source_index``/``epoch``."""
+    messages: list[dict] | None = None
+    """Chat messages of a conversational prompt (``text`` is then its chat-templated string); None = plain text."""
 
 
 @dataclass(frozen=True)
@@ -71,3 +76,23 @@ class RolloutEngine(Protocol):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
+
+
+def cut_at_stop(token_ids: Sequence[int], stop: Sequence[str], decode) -> tuple[list[int], str, bool]:
+    """``(tokens, text, stopped)``: a completion cut at its first stop string, the same for every engine.
+
+    The tokens end with the first one whose text completes a stop string (it was sampled, so it is trained on);
+    the text is ``decode`` of them cut right before that string (what vLLM returns by default). With no stop
+    string in the text the completion comes back whole. ``decode`` maps token ids to text.
+    """
+    ids = list(token_ids)
+    text = decode(ids)
+    if not any(s in text for s in stop):
+        return ids, text, False
+    lo, hi = 1, len(ids)  # the shortest prefix whose text holds a stop string (containment only grows)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        prefix = decode(ids[:mid])
+        hi, lo = (mid, lo) if any(s in prefix for s in stop) else (hi, mid + 1)
+    text = decode(ids[:lo])
+    return ids[:lo], text[: min(text.find(s) for s in stop if s in text)], True

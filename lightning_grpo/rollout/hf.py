@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop
 from lightning_grpo.rollout.sleep import SleepState
 
 
@@ -92,12 +92,14 @@ class HFEngine:
                 attention_mask=attention_mask,
                 generation_config=self._generation_config(sampling),
                 logits_processor=_processors(sampling, recorder),
+                stopping_criteria=_stop_criteria(self.tokenizer, sampling.stop, input_ids.shape[1]),
                 # FSDP2: every forward is a collective, so ranks keep stepping until all have finished.
                 synced_gpus=_fsdp2_sharded(self.model) or None,
             )  # [N, L + T]
         completions = sequences[:, input_ids.shape[1] :].cpu()  # [N, T]
         logprobs = recorder.finish(sequences).cpu() if recorder else None  # [N, T]
-        return [self._rollout(p, completions[i], None if logprobs is None else logprobs[i]) for i, p in enumerate(rows)]
+        return [self._rollout(p, completions[i], None if logprobs is None else logprobs[i], sampling.stop)
+                for i, p in enumerate(rows)]
 
     def _check_prompts(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> None:
         n_ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
@@ -154,15 +156,17 @@ class HFEngine:
             model.train(was_training)
             model.generation_config = saved_config
 
-    def _rollout(self, prompt: Prompt, tokens: Tensor, logprobs: Tensor | None) -> Rollout:
+    def _rollout(self, prompt: Prompt, tokens: Tensor, logprobs: Tensor | None, stop: Sequence[str]) -> Rollout:
         ids = tokens.tolist()
-        stop = next((j for j, t in enumerate(ids) if t in self.eos_token_ids), None)
-        ids = ids if stop is None else ids[: stop + 1]  # EOS included; padding after it dropped
+        eos = next((j for j, t in enumerate(ids) if t in self.eos_token_ids), None)
+        ids = ids if eos is None else ids[: eos + 1]  # EOS included; padding after it dropped
+        decode = lambda t: self.tokenizer.decode(t, skip_special_tokens=True)
+        ids, text, stopped = cut_at_stop(ids, stop, decode) if stop else (ids, decode(ids), False)
         return Rollout(
             prompt=prompt,
             token_ids=ids,
-            text=self.tokenizer.decode(ids, skip_special_tokens=True),
-            finish_reason="length" if stop is None else "stop",
+            text=text,
+            finish_reason="stop" if stopped or eos is not None else "length",
             logprobs=None if logprobs is None else logprobs[: len(ids)].tolist(),
         )
 
@@ -209,6 +213,29 @@ def _processors(sampling: SamplingConfig, recorder: _SampledLogprobs | None):
     if recorder is not None:
         procs.append(recorder)
     return procs
+
+
+class _StopStrings:
+    """Stopping criterion: a row is done once its *completion* text holds a stop string (never the prompt's).
+
+    transformers' own ``stop_strings`` also match a stop string straddling the prompt's end, where vLLM only
+    looks at the completion; this one looks where vLLM looks. It decodes only each row's last few tokens.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str], prompt_width: int) -> None:
+        self.tokenizer, self.stop, self.start = tokenizer, list(stop), prompt_width
+        self.window = max(len(s) for s in self.stop) + 4  # tokens that can spell the longest stop string
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
+        tails = input_ids[:, self.start :][:, -self.window :].tolist()
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tails]
+        return torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
+
+
+def _stop_criteria(tokenizer, stop: Sequence[str], prompt_width: int):
+    from transformers import StoppingCriteriaList
+
+    return StoppingCriteriaList([_StopStrings(tokenizer, stop, prompt_width)] if stop else [])
 
 
 def _default_eos(model: nn.Module, tokenizer) -> list[int]:

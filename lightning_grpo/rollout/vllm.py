@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.config import ConfigError, VLLMConfig
-from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop
 from lightning_grpo.rollout.sleep import SleepState
 
 # Loggers that complain on every partial (bucketed) reload that the other layers were "not loaded".
@@ -81,11 +81,17 @@ class VLLMEngine:
         self._refresh_derived()
         requests = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
         outputs = self.llm.generate(requests, _sampling_params(group_size, sampling), use_tqdm=False)
+        decode = self._decoder() if sampling.stop else None
         return [
-            _rollout(prompt, completion, sampling.logprobs)
+            _rollout(prompt, completion, sampling.logprobs, sampling.stop, decode)
             for prompt, out in zip(prompts, outputs)
             for completion in sorted(out.outputs, key=lambda c: c.index)
         ]
+
+    def _decoder(self):
+        """Token ids -> text as HFEngine decodes them (special tokens skipped), for the shared stop-string cut."""
+        tokenizer = self.llm.get_tokenizer()
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- hand-off hooks ------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -207,16 +213,20 @@ def _sampling_params(group_size: int, s: SamplingConfig):
         max_tokens=s.max_new_tokens,
         logprobs=0 if s.logprobs else None,  # 0 = only the sampled token's logprob
         seed=s.seed,
+        stop=list(s.stop) or None,  # vLLM matches them in the completion text only, as HFEngine does
     )
 
 
-def _rollout(prompt: Prompt, completion, with_logprobs: bool) -> Rollout:
-    ids = list(completion.token_ids)
+def _rollout(prompt: Prompt, completion, with_logprobs: bool, stop=(), decode=None) -> Rollout:
+    ids, text = list(completion.token_ids), completion.text
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished prompt id={prompt.id} with reason {completion.finish_reason!r}")
     logprobs = [step[t].logprob for step, t in zip(completion.logprobs, ids)] if with_logprobs else None
+    if stop:  # tokens up to the one completing the stop string, text cut before it: exactly as HFEngine
+        ids, text, _ = cut_at_stop(ids, stop, decode)
+        logprobs = None if logprobs is None else logprobs[: len(ids)]
     return Rollout(
-        prompt=prompt, token_ids=ids, text=completion.text, finish_reason=completion.finish_reason, logprobs=logprobs
+        prompt=prompt, token_ids=ids, text=text, finish_reason=completion.finish_reason, logprobs=logprobs
     )
 
 
