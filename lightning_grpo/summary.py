@@ -26,12 +26,19 @@ class RunSummary(Callback):
             raise ValueError(f"RunSummary(window={window}): must be >= 1")
         self.window, self.plot = window, plot
         self._rewards: list[float] = []
+        self._val: list[tuple[int, float]] = []  # (loop step, val/reward) of each validation
         self._tokens = 0.0
         self._start = 0.0
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start, self._rewards, self._tokens = time.perf_counter(), [], 0.0
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        value = trainer.callback_metrics.get("val/reward")
+        if value is not None and not trainer.sanity_checking:
+            self._val.append((len(self._rewards), float(value)))
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
@@ -56,10 +63,19 @@ class RunSummary(Callback):
             f"  loop steps       {len(r)}  (optimizer steps: {trainer.global_step})",
             f"  reward first {w:<3} {first:.3f}",
             f"  reward last {w:<4} {last:.3f}  ({last - first:+.3f})",
+            *self._val_lines(),
             f"  wall time        {seconds:.1f} s, {self._tokens / max(seconds, 1e-9):.0f} trained tokens/s (all ranks)",
             f"  logs             {trainer.log_dir}",
         ]
         return "\n".join(lines)
+
+    def _val_lines(self) -> list[str]:
+        """First and last ``val/reward`` (greedy, held-out prompts) with the loop step each was taken at."""
+        if not self._val:
+            return ["  val/reward       not measured (no validation ran: trainer.val_check_interval, data.val_size)"]
+        (s0, v0), (s1, v1) = self._val[0], self._val[-1]
+        return [f"  val/reward first {v0:.3f}  (loop step {s0})",
+                f"  val/reward last  {v1:.3f}  (loop step {s1}, {v1 - v0:+.3f}; {len(self._val)} validations)"]
 
     def _curves(self, trainer: Trainer) -> str:
         """The summary's last line: where the curves PNG is, or the command that makes it (rank 0 only)."""
@@ -83,10 +99,11 @@ class RunSummary(Callback):
         return f"\n  curves           {png}  (redraw: {command})"
 
     def state_dict(self) -> dict:
-        return {"rewards": list(self._rewards), "tokens": self._tokens}
+        return {"rewards": list(self._rewards), "tokens": self._tokens, "val": [list(v) for v in self._val]}
 
     def load_state_dict(self, state: dict) -> None:
         self._rewards, self._tokens = list(state["rewards"]), state["tokens"]
+        self._val = [tuple(v) for v in state.get("val", [])]
 
 
 def _mean(xs: list[float]) -> float:

@@ -37,6 +37,16 @@ def test_val_split_is_held_out():
     assert len(train | val) == (task.max_operand + 1) ** 2
 
 
+def test_arith_small_validates_on_its_own_draw_of_the_training_distribution():
+    """Held out by hash, arith_small's 36 pairs left 4 sums never trained on: val/reward stayed 0.0 all run.
+    Now validation draws 64 prompts from the 32 training pairs, on a stream of its own."""
+    task = get_task("arith_small")
+    train, val = task.items(2000, seed=0), task.items(64, seed=0, split="val")
+    assert {it.text for it in val} <= {it.text for it in train}  # the same pairs as training
+    assert len({it.text for it in val}) > 20  # 64 draws over the 36 pairs: a reward that can move in 1/64 steps
+    assert [it.text for it in val] != [it.text for it in train[:64]]  # not the training draw itself
+
+
 def test_unknown_task_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown built-in task 'sort'; known tasks: arith, arith_small"):
         get_task("sort")

@@ -61,8 +61,13 @@ class Task(Protocol):
 class ArithTask:
     """Addition of two integers in ``[0, max_operand]``: prompt ``"a+b="``, answer ``str(a + b)``.
 
-    Each (a, b) pair belongs to one split by a fixed hash, so a held-out set measures
-    generalization rather than recall. About 1 pair in ``val_every`` is held out.
+    Each (a, b) pair belongs to one split by a fixed hash; about 1 pair in ``val_every`` is reserved.
+    With ``val_holdout`` the ``"val"`` split is those reserved pairs, so it measures generalization
+    rather than recall. Without it the reserved pairs are simply not used, and ``"val"`` is an
+    independent draw (its own seed stream) from the training pairs: validation then measures how well
+    the policy knows the training distribution. ``arith_small`` does that: its 36 pairs held out by
+    hash left 4 sums that a policy learning facts never gets right (``val/reward`` stayed 0.0 at every
+    validation), while a draw of 64 prompts from its 32 training pairs moves in steps of 1/64.
 
     Sizing, measured on 2 shared CPU cores with the tiny policy (hidden 128, 2 layers), GRPO
     being an on-policy loop of 8 prompts x 8 completions, AdamW, temperature 1:
@@ -73,21 +78,27 @@ class ArithTask:
     - ``arith_small`` (operands 0-5, 36 pairs, 32 for training): 30 warm-start steps (3-15 s) get
       30-48% right greedily, 20-23% sampled (seeds 0-2); 100 GRPO steps at lr 5e-4 then raised the
       sampled reward from 0.20 to 0.52 (one run, 80 s). The task for a run that must visibly learn.
+      The quickstart's validation (greedy, 64 prompts drawn from the training pairs, every 10 loop steps)
+      went 0.34, 0.41, 0.44, 0.42, 0.45, 0.44, 0.63, 0.58 over its 80 loop steps (one run).
     """
 
     max_operand: int = 19
     """Largest operand."""
     val_every: int = 10
-    """One pair in this many (by hash) is reserved for the ``"val"`` split."""
+    """One pair in this many (by hash) is reserved and never trained on."""
+    val_holdout: bool = True
+    """``"val"`` = the reserved pairs (generalization); False = a separate draw of the training pairs."""
     name: str = "arith"
     reward: str = "arith"
 
     def items(self, n: int, seed: int, split: Split = "train") -> list[TaskItem]:
-        rng = random.Random(seed)
+        reserved = split == "val" and self.val_holdout
+        # A draw of the training pairs for validation gets its own stream, so it is not the training draw.
+        rng = random.Random(f"{seed}-val" if split == "val" and not self.val_holdout else seed)
         out: list[TaskItem] = []
         while len(out) < n:
             a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            if self._is_val(a, b) == (split == "val"):
+            if self._is_val(a, b) == reserved:
                 out.append(TaskItem(f"{a}+{b}=", str(a + b), {"a": a, "b": b}))
         return out
 
@@ -97,7 +108,7 @@ class ArithTask:
 
 TASKS: dict[str, Callable[[], Task]] = {
     "arith": ArithTask,
-    "arith_small": lambda: ArithTask(max_operand=5, name="arith_small"),
+    "arith_small": lambda: ArithTask(max_operand=5, val_holdout=False, name="arith_small"),
 }
 """Registry of built-in tasks by name (``builtin:<name>`` in a data source)."""
 
