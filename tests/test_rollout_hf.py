@@ -151,3 +151,30 @@ def test_a_prompt_longer_than_the_context_is_refused(engine, policy):
     n_ctx = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"prompt id=7: {n_ctx} prompt tokens"):
         engine.generate([Prompt(id=7, token_ids=[5] * n_ctx)], 1, SamplingConfig(max_new_tokens=4))
+
+
+def test_cut_at_stop_keeps_the_completing_token_and_cuts_the_text():
+    from lightning_grpo.rollout.base import cut_at_stop
+
+    decode = lambda ids: "".join(chr(96 + i) for i in ids)  # noqa: E731 - 1 -> "a", 2 -> "b", ...
+    assert cut_at_stop([1, 2, 3, 4, 5], ["cd"], decode) == ([1, 2, 3, 4], "ab", True)
+    assert cut_at_stop([1, 2, 3, 4, 5], ["zz"], decode) == ([1, 2, 3, 4, 5], "abcde", False)
+    assert cut_at_stop([1, 2, 3, 4, 5], ["e", "bc"], decode) == ([1, 2, 3], "a", True)  # the first to complete
+
+
+def test_stop_strings_end_the_completion(engine, policy):
+    _, tok = policy
+    greedy = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    prompts = prompts_of(tok, ["3+4=", "(12+34)*56-78="])
+    free = engine.generate(prompts, 1, greedy)
+    full = free[0]
+    assert len(full.text) >= 4, "needs a few characters of greedy text to cut"
+    stop = full.text[2:4]
+    out = engine.generate(prompts, 1, SamplingConfig(max_new_tokens=12, temperature=0.0, stop=(stop,)))[0]
+    cut = full.text.find(stop)
+    assert out.text == full.text[:cut] and out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: cut + 2]  # up to the token that completed the stop string
+    # a stop string that never occurs changes nothing
+    same = engine.generate(prompts, 1, SamplingConfig(max_new_tokens=12, temperature=0.0, stop=("#never#",)))
+    assert [(r.token_ids, r.text, r.finish_reason) for r in same] == [(r.token_ids, r.text, r.finish_reason)
+                                                                       for r in free]

@@ -172,3 +172,30 @@ def test_sleep_and_wake_track_the_hand_off_order(engine, trainer):
 def test_config_errors_are_reported_together():
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5(.|\n)*tensor_parallel_size=0"):
         VLLMConfig(gpu_memory_utilization=1.5, tensor_parallel_size=0)
+
+
+def test_eos_and_stop_strings_behave_as_in_the_hf_engine(engine, tiny_policy_dir):
+    """Greedy on the same weights: the same tokens, text and finish reason from vLLM and transformers, whether a
+    completion ends on EOS (kept), on a stop string (tokens up to the completing one, text cut before it) or at
+    max_new_tokens."""
+    from lightning_grpo.data.tasks import warm_start
+    from lightning_grpo.rollout.hf import HFEngine
+
+    model, tok = load_policy(PolicyConfig(path=str(tiny_policy_dir)))
+    warm_start(model, tok, "arith", steps=40, seed=0)  # learns "digits, then EOS"
+    push_weights(model, engine)
+    hf = HFEngine(model, tok)
+    prompts = prompts_of(tok, ["3+4=", "12+7=", "19+19=", "5+0=", "(1+2)*3="])
+
+    def draw(e, stop=()):
+        out = e.generate(prompts, 1, SamplingConfig(max_new_tokens=6, temperature=0.0, stop=stop))
+        return [(r.token_ids, r.text, r.finish_reason) for r in out]
+
+    plain = draw(hf)
+    assert plain == draw(engine)
+    assert any(ids[-1] == tok.eos_token_id and reason == "stop" for ids, _, reason in plain)  # EOS, kept
+    stop = ("1", "+")
+    cut = draw(hf, stop)
+    assert cut == draw(engine, stop)
+    assert any(reason == "stop" and ids[-1] != tok.eos_token_id for ids, _, reason in cut)  # a stop string hit
+    assert all(not any(s in text for s in stop) for _, text, _ in cut)
