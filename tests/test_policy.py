@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from helpers import HUB_COMMIT, cache_hub_model
 
@@ -67,3 +72,26 @@ def test_attn_implementation_and_chat_template_override(tiny_policy_dir, tmp_pat
     (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     _, tok = load_policy(PolicyConfig(path=str(tiny_policy_dir), chat_template=str(tmp_path / "t.jinja")))
     assert tok.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == "ab"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_fit_by_hub_id_offline_through_the_vllm_engine(tmp_path, tiny_chat_policy_dir):
+    """`lightning-grpo fit --model.policy.path=<hub id>` with HF_HOME + HF_HUB_OFFLINE=1, as a user runs it: the
+    trainer and the vLLM engine both load the cache's snapshot folder."""
+    pytest.importorskip("vllm")
+    snapshot = cache_hub_model(tmp_path / "hf" / "hub", REPO, tiny_chat_policy_dir)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_CACHE"}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    cli = Path(sys.executable).parent / "lightning-grpo"
+    args = [str(cli), "fit", f"--model.policy.path={REPO}", "--model.rollout.engine=vllm",
+            "--model.rollout.vllm.dtype=float32", "--model.rollout.vllm.enforce_eager=true",
+            "--model.rollout.vllm.max_model_len=256", "--model.rollout.vllm.kv_cache_memory_bytes=33554432",
+            "--trainer.accelerator=cpu", "--trainer.max_steps=1", "--model.rl.batch_per_replica=4",
+            "--model.rl.group_size=2", "--model.rollout.max_new_tokens=4", "--data.val_size=0",
+            "--trainer.enable_checkpointing=false"]
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert f"model='{snapshot}'" in log  # vLLM's engine config names the snapshot folder the trainer loaded
+    assert (tmp_path / "runs" / "lightning_logs" / "version_0" / "metrics.csv").exists()

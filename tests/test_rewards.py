@@ -1,8 +1,11 @@
 import copy
 import math
+import signal
+import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,3 +258,45 @@ def test_math_answer_uses_math_verify_where_installed(monkeypatch):
     assert math_answer([roll("#### 0.5", "\\frac{1}{2}"), roll("\\boxed{1/2}", "#### 0.5")]) == [1.0, 1.0]
     monkeypatch.setitem(sys.modules, "math_verify", None)  # not installed: the string check alone decides
     assert math_answer([roll("#### 0.5", "\\frac{1}{2}"), roll("#### 42.0", "42")]) == [0.0, 1.0]
+
+
+STUCK = '''
+import pathlib
+import time
+
+
+def stuck(rollouts):
+    pathlib.Path("entered").touch()
+    while True:  # a hung call that even swallows the exceptions a signal handler could raise in it
+        try:
+            time.sleep(0.05)
+        except BaseException:
+            pass
+'''
+
+
+@pytest.mark.slow
+def test_sigterm_is_not_held_by_a_hung_reward_function(tmp_path):
+    """A real SIGTERM to a `lightning-grpo fit` whose reward hangs: the run ends in seconds, naming the function
+    (main's reward ran on the training thread, so Lightning's SIGTERM flag was never read: 10+ minutes)."""
+    (tmp_path / "stuck_rewards.py").write_text(STUCK)  # a user's module in the working folder
+    cli = Path(sys.executable).parent / "lightning-grpo"
+    args = [str(cli), "fit", "--model.policy.path=tiny:sigterm", "--trainer.accelerator=cpu", "--trainer.max_steps=2",
+            "--model.rl.batch_per_replica=4", "--model.rl.group_size=2", "--model.rollout.max_new_tokens=2",
+            '--model.rewards=[{"name": "stuck_rewards:stuck", "timeout_s": 600}]', "--data.val_size=0",
+            "--trainer.enable_checkpointing=false", "--trainer.logger=false"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "entered").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - sent < 15
+    assert proc.returncode != 0
+    assert "reward function 'stuck_rewards:stuck' was still running" in out and "(SIGTERM)" in out
