@@ -207,13 +207,13 @@ def hub_snapshot(repo_id: str, revision: str | None, trust_remote_code: bool = F
         patterns = HUB_FILES + (["*.py"] if trust_remote_code else [])  # code only when it may run
         try:
             _SNAPSHOTS[key] = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
-        except LocalEntryNotFoundError as err:
+        except LocalEntryNotFoundError:
             raise PolicyNotFoundError(
                 f"policy.path={repo_id!r}: not a local folder, and Hub model {at} is not in the Hub cache "
                 f"{constants.HF_HUB_CACHE} while offline (HF_HUB_OFFLINE=1 or no network). Fix: download it once "
                 f"where there is network (`hf download {repo_id}`) and point HF_HOME/HF_HUB_CACHE at that cache, "
                 "or set policy.path to a local model folder"
-            ) from err
+            ) from None  # the whole story is above: huggingface_hub's chained error would only repeat it
         except RevisionNotFoundError as err:
             raise PolicyNotFoundError(f"policy.revision={revision!r}: Hub model {repo_id!r} has no such "
                                       "revision; give a branch, tag or commit of it") from err

@@ -189,14 +189,14 @@ def _load_dataset(name: str, split: str, subset: str | None) -> Any:
 
     try:
         return datasets.load_dataset(name, subset, split=split)
-    except ConnectionError as err:
+    except ConnectionError:
         args = f"{name!r}" + (f", {subset!r}" if subset else "")
         raise PromptDataError(
             f"data.source={name!r}: not a local file or folder, and the datasets id is not in the local datasets "
             f"cache ({datasets.config.HF_DATASETS_CACHE}) while offline (HF_HUB_OFFLINE=1 or no network). Fix: "
             f"load it once where there is network (datasets.load_dataset({args})) and point HF_HOME at that "
             "cache, or give a local .jsonl/.parquet file or a save_to_disk folder"
-        ) from err
+        ) from None  # datasets' chained "Couldn't reach ... on the Hub" only repeats it
     except ValueError as err:
         knob = f"data.split={split!r}" if "split" in str(err).lower() else f"data.subset={subset!r}"
         raise PromptDataError(f"{knob} of data.source={name!r}: {err}") from err
