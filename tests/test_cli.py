@@ -38,7 +38,8 @@ def test_every_config_key_is_logged_as_a_dotted_param(quickstart_run):
     """The CSV logger's hparams.yaml holds the CLI's keys, the names a W&B sweep's parameters use."""
     params = yaml.safe_load((quickstart_run.log_dir / "hparams.yaml").read_text())
     assert params["model.rl.batch_per_replica"] == 64 and params["trainer.max_steps"] == 2
-    assert params["data.val_size"] == 16 and params["model.rewards"] == [{"name": "arith", "weight": 1.0}]
+    assert params["data.val_size"] == 16 and params["model.rewards"] == [
+        {"name": "arith", "weight": 1.0, "timeout_s": 60.0, "per_sample": False}]
 
 
 def test_flatten_makes_dotted_keys_and_keeps_lists():

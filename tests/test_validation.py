@@ -67,7 +67,7 @@ def test_validation_is_one_greedy_completion_per_prompt_from_the_engine():
     (n, group, sampling), _ = calls
     assert (n, group, sampling.temperature, sampling.max_new_tokens) == (4, 1, 0.0, 3)
     assert first == again  # greedy: the same completions every time
-    assert set(first) == {"val/reward", "val/reward/arith", "val/len_mean", "val/stop_frac"}
+    assert set(first) == {"val/reward", "val/reward/arith", "val/reward/none_frac", "val/len_mean", "val/stop_frac"}
 
 
 def test_validation_refuses_an_engine_left_asleep():
