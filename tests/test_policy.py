@@ -53,8 +53,9 @@ def test_a_hub_id_not_in_the_cache_is_a_short_error_naming_the_id_and_the_fix(hu
 def test_the_module_reports_a_missing_model_before_anything_trains(hub_cache):
     from lightning_grpo.module import GRPOModule
 
+    module = GRPOModule(policy=PolicyConfig(path="tiny-org/not-there"))
     with pytest.raises(PolicyNotFoundError, match="'tiny-org/not-there'"):
-        GRPOModule(policy=PolicyConfig(path="tiny-org/not-there"))
+        module.configure_model()  # where Lightning builds the policy: setup, before the first step
 
 
 def test_neither_folder_nor_hub_id():
