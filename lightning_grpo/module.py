@@ -41,6 +41,7 @@ from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
 from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_pass, warn_if_unfrozen
 from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.validation import ValidationMeans, greedy_scores
@@ -115,6 +116,8 @@ class GRPOModule(LightningModule):
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.rl.validate(self._world_size())  # per-rank divisibility needs the DP size
+        if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
+            count_loop_steps(self.trainer)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 
