@@ -73,7 +73,7 @@ TINY_JOB = {
 }
 
 
-def tiny_grpo_module(policy_dir, seed: int = 0):
+def tiny_grpo_module(policy_dir, seed: int | None = 0):
     """``TINY_JOB`` as a GRPOModule on the policy folder ``policy_dir``."""
     from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
     from lightning_grpo.data.rewards import RewardSpec
