@@ -48,6 +48,10 @@ from lightning_grpo.validation import ValidationMeans, greedy_scores
 
 log = logging.getLogger(__name__)
 
+# The sections' defaults: instances rather than None, so `--help` and `--print_config` show every field.
+# Shared between modules, hence copied by GRPOModule.__init__ and never mutated.
+_POLICY, _RL, _OPTIM, _ROLLOUT = PolicyConfig(), GRPOConfig(), OptimConfig(), RolloutConfig()
+
 
 class GRPOModule(LightningModule):
     """GRPO on a causal-LM policy with exact micro-batching and per-batch mini-batching.
@@ -76,17 +80,16 @@ class GRPOModule(LightningModule):
     ``compute_rewards`` or ``build_engine`` to plug in their own parts.
     """
 
-    def __init__(self, policy: PolicyConfig | None = None, rl: GRPOConfig | None = None,
-                 optim: OptimConfig | None = None, rollout: RolloutConfig | None = None,
-                 rewards: list[RewardSpec] | None = None, seed: int | None = None) -> None:
+    def __init__(self, policy: PolicyConfig = _POLICY, rl: GRPOConfig = _RL, optim: OptimConfig = _OPTIM,
+                 rollout: RolloutConfig = _ROLLOUT, rewards: list[RewardSpec] | None = None,
+                 seed: int | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False  # the loop steps the optimizer itself
         resolved = run_seed(seed)  # one source of truth: model.seed, else seed_everything's
         self.seed, self.seed_source = resolved.value, resolved.source
-        self.policy_cfg = with_seed(policy or PolicyConfig(), self.seed)  # the tiny build it used
-        self.rl = rl or GRPOConfig()
-        self.optim_cfg, self.rollout_cfg = optim or OptimConfig(), rollout or RolloutConfig()
-        self.reward_specs = rewards
+        self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)  # the tiny build it used
+        self.rl, self.optim_cfg = copy.deepcopy(rl or GRPOConfig()), copy.deepcopy(optim or OptimConfig())
+        self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
         warn_if_unfrozen(self.rl)
         self.objective = GRPOObjective(self.rl.epsilon, self.rl.epsilon_high, self.rl.beta, dp_mean=self._dp_mean)
         self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer, reference, pi_old cache
