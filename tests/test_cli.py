@@ -229,13 +229,21 @@ def test_a_module_in_the_working_folder_is_found(tmp_path, monkeypatch, capsys):
     assert code == 0 and "--model.knob KNOB my own knob." in _words(out) and "--model.rl.batch_per_replica" in out
 
 
-def test_validate_runs_one_greedy_pass_and_logs_val_reward(tiny_policy_dir, tmp_path, monkeypatch, capsys):
+def test_validate_scores_a_checkpoint_as_the_fit_did(tiny_policy_dir, tmp_path, monkeypatch, capsys):
+    """`validate --ckpt_path` of the last checkpoint gives the val/reward the fit logged at that loop step."""
     monkeypatch.chdir(tmp_path)
-    argv = ["validate", *_short_run(tiny_policy_dir, "val")[1:], "--data.val_size=8"]
-    code, _, err = _run(argv, capsys)
+    held_out = ["--data.val_size=8", "--trainer.val_check_interval=2", "--trainer.num_sanity_val_steps=0",
+                "--model.rewards=[{name: helpers:char_codes}]"]  # greedy text of an untrained policy scores > 0
+    fit = _short_run(tiny_policy_dir, "fit", *held_out)
+    fit[fit.index("--trainer.enable_checkpointing=false")] = "--trainer.enable_checkpointing=true"
+    code, _, err = _run(fit, capsys)
+    assert code == 0, err[-2000:]
+    fitted = [r["val/reward"] for r in _rows(tmp_path / "runs/fit/version_0/metrics.csv") if r["val/reward"]]
+    ckpt = max((tmp_path / "runs/fit/version_0/checkpoints").glob("*.ckpt"))
+    code, _, err = _run(["validate", *_short_run(tiny_policy_dir, "val", *held_out)[1:], f"--ckpt_path={ckpt}"], capsys)
     assert code == 0, err[-2000:]
     rows = _rows(tmp_path / "runs/val/version_0/metrics.csv")
-    assert len(rows) == 1 and rows[0]["val/reward"] != ""
+    assert len(fitted) == 1 and float(fitted[0]) > 0 and [r["val/reward"] for r in rows] == fitted
 
 
 @pytest.fixture(scope="module")
