@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfig
 from torch.optim import Optimizer
 
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
-from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig
+from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.data.sources import PromptDataError
@@ -34,7 +34,6 @@ from lightning_grpo.module import GRPOModule
 from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
 from lightning_grpo.plot import build_parser as plot_parser
 from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
-from lightning_grpo.rollout.vllm import VLLMConfig
 from lightning_grpo.summary import RunSummary
 
 TRAINER_DEFAULTS = {

@@ -12,7 +12,9 @@ from lightning_grpo.policy import PolicyConfig, resolve_path, with_seed
 
 
 def _module(seed: int | None, tiny=SMALL) -> GRPOModule:
-    return GRPOModule(policy=PolicyConfig(path="tiny:seeded", tiny=tiny), seed=seed)
+    module = GRPOModule(policy=PolicyConfig(path="tiny:seeded", tiny=tiny), seed=seed)
+    module.configure_model()  # builds the policy (what a Trainer does on each rank)
+    return module
 
 
 def test_a_tiny_policy_is_built_and_cached_per_module_seed():
