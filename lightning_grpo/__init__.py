@@ -34,6 +34,8 @@ _EXPORTS = {
     "HandoffCallback": "lightning_grpo.handoff",
     "GRPOCheckpoint": "lightning_grpo.checkpoint",
     "RunSummary": "lightning_grpo.summary",
+    "GRPOProgressBar": "lightning_grpo.progress",
+    "GRPORichProgressBar": "lightning_grpo.progress",
     # rollout engines behind one protocol
     "RolloutEngine": "lightning_grpo.rollout.base",
     "SamplingConfig": "lightning_grpo.rollout.base",
@@ -55,6 +57,8 @@ __all__ = [
     "GRPOCheckpoint",
     "GRPOConfig",
     "GRPOModule",
+    "GRPOProgressBar",
+    "GRPORichProgressBar",
     "HFEngine",
     "HandoffCallback",
     "OptimConfig",
@@ -104,6 +108,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.module import GRPOModule
     from lightning_grpo.plot import plot_curves
     from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, load_policy
+    from lightning_grpo.progress import GRPOProgressBar, GRPORichProgressBar
     from lightning_grpo.rollout import build_engine
     from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
     from lightning_grpo.rollout.hf import HFEngine

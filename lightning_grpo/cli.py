@@ -1,21 +1,39 @@
 """``lightning-grpo``: the LightningCLI entry point (``fit``, ``validate``, ``--print_config``) and ``plot``.
 
 Every knob is a dotted key (``--model.rl.micro_batch_per_replica=8``), so YAML configs and
-``wandb sweep`` drive the same surface.
+``wandb sweep`` drive the same surface. ``--model.class_path my_pkg.MyModule`` swaps in a
+``GRPOModule`` subclass. A config error is reported in a few lines (``LIGHTNING_GRPO_DEBUG=1``
+shows the traceback), before any model is built where the error allows.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
 import sys
+import traceback
+from pathlib import Path
+from typing import NoReturn
 
 import yaml
+from jsonargparse import ArgumentParser, set_parsing_settings
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfigCallback
+from torch.optim import Optimizer
 
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
+from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
 from lightning_grpo.data.prompts import PromptDataModule
+from lightning_grpo.data.rewards import RewardSpec
+from lightning_grpo.data.sources import PromptDataError
+from lightning_grpo.determinism import DeterminismError
 from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
+from lightning_grpo.plot import build_parser as plot_parser
+from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
 from lightning_grpo.summary import RunSummary
 
 TRAINER_DEFAULTS = {
@@ -26,18 +44,132 @@ TRAINER_DEFAULTS = {
     "accelerator": "auto",
     "devices": 1,
 }
+SECTIONS = {
+    "model.policy": PolicyConfig,
+    "model.policy.tiny": TinyPolicySpec,
+    "model.rl": GRPOConfig,
+    "model.optim": OptimConfig,
+    "model.rollout": RolloutConfig,
+    "model.rollout.vllm": VLLMConfig,
+    "model.rewards": RewardSpec,
+}
+"""``--<key>.help`` prints the fields of that section with their descriptions (``--model.help`` shows them all)."""
+DEBUG_ENV = "LIGHTNING_GRPO_DEBUG"
+"""Set to 1 to get the full traceback of a config error instead of its short report."""
+LOAD_ERRORS = (ValueError, TypeError, OSError, ImportError, MisconfigurationException)
+"""Raised while the config's classes are built: the config is wrong (a bug shows its traceback with DEBUG_ENV)."""
+RUN_ERRORS = (ConfigError, PromptDataError, DeterminismError, MisconfigurationException)
+"""Config errors only the run can find (per-rank sizes need the DP size, data load at setup, Lightning's checks)."""
+_PACKAGE = str(Path(__file__).parent)
+_UNION_NOISE = re.compile(r"Does not validate against any of the Union subtypes|^\s*Subtypes: |^\s*Errors:$|"
+                          r"Expected a <class 'NoneType'>|NestedArg")
+"""Lines of a jsonargparse parse error about the ``None`` alternative of an optional section (the model's)."""
+OPTIMIZER_REFUSED = (
+    "Not accepted: the optimizer is AdamW from model.optim (--model.optim.lr, .weight_decay, .betas, .eps) and "
+    "its schedule is model.optim.warmup_steps/schedule/total_steps, stepped once per optimizer step by the loop. "
+    "For another optimizer subclass GRPOModule and override configure_optimizers (--model.class_path)."
+)
+
+
+class LoggedConfig(SaveConfigCallback):
+    """Saves ``config.yaml`` beside the logs, as Lightning does, and logs every key to the run's loggers.
+
+    Keys are the CLI's dotted keys (``model.rl.mini_batch_per_replica``), the names a W&B sweep's
+    parameters use, so a run's logged params line up with the sweep that launched it (CSV: ``hparams.yaml``).
+    ``model.seed`` is logged as the seed the run used (``seed_everything``'s when the config leaves it unset).
+    """
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        params = flatten(yaml.safe_load(self.parser.dump(self.config, skip_none=False)))
+        if isinstance(getattr(pl_module, "seed", None), int):
+            params["model.seed"] = pl_module.seed
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)
 
 
 class GRPOCLI(LightningCLI):
-    """LightningCLI with our defaults: CSV logs under ``runs/``, a run summary, config saved beside the logs."""
+    """LightningCLI for GRPO: CSV logs under ``runs/``, a run summary, config saved and logged beside the logs.
+
+    Differences from a stock LightningCLI, each for a reason:
+
+    - ``fit`` and ``validate`` only (``test``/``predict`` have nothing to run); ``plot`` is listed too.
+    - The model is chosen by ``--model.class_path`` (default ``GRPOModule``); ``--model.help [CLASS]``
+      and ``--model.rl.help`` (one per section) list the knobs with their descriptions.
+    - ``--optimizer`` / ``--lr_scheduler`` are refused: ``model.optim`` is the one optimizer source.
+    - Config errors are reported in a few lines, not a usage dump or chained tracebacks.
+
+    Example (a project's own entry point, with its own module)::
+
+        GRPOCLI(MyGRPOModule)  # `python train.py fit --config my.yaml`
+    """
+
+    def __init__(self, model_class: type[GRPOModule] = GRPOModule, datamodule_class=PromptDataModule, *,
+                 subclass_mode_model: bool = True, auto_configure_optimizers: bool = False,
+                 seed_everything_default: bool | int = 0, trainer_defaults: dict | None = None,
+                 save_config_callback: type[SaveConfigCallback] | None = LoggedConfig,
+                 save_config_kwargs: dict | None = None, **kwargs) -> None:
+        super().__init__(
+            model_class, datamodule_class, subclass_mode_model=subclass_mode_model,
+            auto_configure_optimizers=auto_configure_optimizers, seed_everything_default=seed_everything_default,
+            trainer_defaults=TRAINER_DEFAULTS if trainer_defaults is None else trainer_defaults,
+            save_config_callback=save_config_callback,
+            # Sweeps re-run in one directory: overwrite the saved config instead of aborting.
+            save_config_kwargs={"overwrite": True} if save_config_kwargs is None else save_config_kwargs, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # test/predict would need test_step/predict_step: a GRPO run has neither
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
+    def init_parser(self, **kwargs) -> ArgumentParser:
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)  # a field's docstring is its --help text
+        kwargs.setdefault("description", "GRPO for PyTorch Lightning. `fit --help`: the options; `fit --model.help`: "
+                                         "every model knob with its meaning.")
+        kwargs.setdefault("exit_on_error", False)  # errors come back to parse_arguments: reported in a few lines
+        return super().init_parser(**kwargs)
+
+    def _add_subcommands(self, parser, **kwargs) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        # `lightning-grpo plot` is handled by main() before LightningCLI; listed so that --help names it.
+        parser._subcommands_action.add_subcommand("plot", plot_parser(ArgumentParser), help=PLOT_DESCRIPTION)
 
     def add_arguments_to_parser(self, parser) -> None:
         # Complete, atomic checkpoints once per loop step: `--checkpoint.every_n_loop_steps` (docs/checkpointing.md).
         parser.add_lightning_class_args(GRPOCheckpoint, "checkpoint")
+        if self.subclass_mode_model:  # a config without class_path builds the CLI's model class with its defaults
+            cls = self.model_class
+            parser.set_defaults({"model": {"class_path": f"{cls.__module__}.{cls.__qualname__}"}})
+        group = parser.add_argument_group("The model's sections, each field with its description")
+        for key, section in SECTIONS.items():
+            group.add_argument(f"--{key}.help", action=_SectionHelp, section=section)
+        if not self.auto_configure_optimizers:  # accepted in every form a user may try, then refused with the fix
+            common = {"required": False, "instantiate": False, "fail_untyped": False}
+            parser.add_subclass_arguments(Optimizer, "optimizer", skip={"params"}, help=OPTIMIZER_REFUSED, **common)
+            parser.add_subclass_arguments(LRSchedulerTypeTuple, "lr_scheduler", skip={"optimizer"},
+                                          help=OPTIMIZER_REFUSED, **common)
+
+    def parse_arguments(self, parser, args) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as err:
+            if not self.auto_configure_optimizers and re.search(r'key "(optimizer|lr_scheduler)"', str(err)):
+                config_error(f"--optimizer/--lr_scheduler: {OPTIMIZER_REFUSED}")
+            config_error(err)
 
     def before_instantiate_classes(self) -> None:
-        if self.subcommand and self.config[self.subcommand].get("trainer.enable_checkpointing") is False:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if not self.auto_configure_optimizers:
+            for key in ("optimizer", "lr_scheduler"):
+                if config.get(key) is not None:
+                    config_error(f"--{key}: {OPTIMIZER_REFUSED}")
+        if self.subcommand and config.get("trainer.enable_checkpointing") is False:
             self._parser(self.subcommand).callback_keys.remove("checkpoint")  # Lightning refuses a Checkpoint then
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except LOAD_ERRORS as err:
+            config_error(err)
 
     def before_fit(self) -> None:
         if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
@@ -52,24 +184,55 @@ class GRPOCLI(LightningCLI):
         config["ckpt_path"] = resolve_ckpt_path(config.get("ckpt_path"), self.trainer)  # "last" -> newest complete
 
 
-class LoggedConfig(SaveConfigCallback):
-    """Saves ``config.yaml`` beside the logs, as Lightning does, and logs every key to the run's loggers.
+class _SectionHelp(argparse.Action):
+    """``--model.rl.help``: the fields of one config section with their descriptions, then exit."""
 
-    Keys are the CLI's dotted keys (``model.rl.mini_batch_per_replica``), the names a W&B sweep's
-    parameters use, so a run's logged params line up with the sweep that launched it (CSV: ``hparams.yaml``).
-    """
+    def __init__(self, option_strings, dest, section: type, **kwargs) -> None:
+        self.section = section
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help=f"Show the fields of {section.__name__} with their descriptions and exit.")
 
-    def save_config(self, trainer, pl_module, stage: str) -> None:
-        params = flatten(yaml.safe_load(self.parser.dump(self.config, skip_none=False)))
-        for logger in trainer.loggers:
-            logger.log_hyperparams(params)
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        key = option_string.removeprefix("--").removesuffix(".help")
+        section = ArgumentParser(prog=parser.prog, description=f"{key}: {self.section.__name__}")
+        section.add_class_arguments(self.section, key)
+        section.print_help()
+        parser.exit()
+
+
+def config_error(err: BaseException | str) -> NoReturn:
+    """Report a config error in a few lines on stderr and exit 2 (``LIGHTNING_GRPO_DEBUG=1``: raise it instead)."""
+    if isinstance(err, BaseException) and os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        raise err
+    message = err if isinstance(err, str) else _innermost_message(err)
+    sys.stderr.write(f"lightning-grpo: error: {message.strip()}\n"
+                     f"  (all options: lightning-grpo fit --help; full traceback: {DEBUG_ENV}=1)\n")
+    raise SystemExit(2)
+
+
+def _innermost_message(err: BaseException) -> str:
+    """The message of the error our code raised: jsonargparse re-raises a class's own error inside its own."""
+    if isinstance(err, argparse.ArgumentError):  # jsonargparse's parse errors name the key and what was expected
+        return "\n".join(line for line in str(err).splitlines() if not _UNION_NOISE.search(line))
+    chain = [err]
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and cause not in chain:
+        chain.append(cause)
+    ours = [e for e in chain if e.__traceback__ and _PACKAGE in traceback.extract_tb(e.__traceback__)[-1].filename]
+    origin = ours[-1] if ours else err
+    return str(origin) if isinstance(origin, ValueError) else f"{type(origin).__name__}: {origin}"
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
-    """Nested dicts -> one level of dotted keys; lists and scalars stay values."""
+    """Nested dicts -> one level of dotted keys; lists and scalars stay values.
+
+    ``init_args`` levels are dropped (``model.init_args.rl.group_size`` -> ``model.rl.group_size``): the
+    short form jsonargparse accepts on the command line, and the key a sweep's parameter uses.
+    """
     flat = {}
     for key, value in tree.items():
-        if isinstance(value, dict) and value:
+        if key == "init_args" and isinstance(value, dict):
+            flat.update(flatten(value, prefix))
+        elif isinstance(value, dict) and value:
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
@@ -83,16 +246,12 @@ def main(args: list[str] | None = None) -> None:
 
         plot_main(argv[1:])
         return
-    GRPOCLI(
-        GRPOModule,
-        PromptDataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
-        seed_everything_default=0,
-        # Sweeps re-run in one directory: overwrite the saved config instead of aborting.
-        save_config_kwargs={"overwrite": True},
-        save_config_callback=LoggedConfig,
-        args=args,  # None: LightningCLI reads sys.argv itself (passing both warns)
-    )
+    if os.getcwd() not in sys.path:  # `--model.class_path my_pkg.MyModule` from the working folder, as `python -m`
+        sys.path.append(os.getcwd())
+    try:
+        GRPOCLI(args=args)  # None: LightningCLI reads sys.argv itself (passing both warns)
+    except RUN_ERRORS as err:
+        config_error(err)
 
 
 if __name__ == "__main__":

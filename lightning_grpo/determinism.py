@@ -11,6 +11,10 @@ and silently does not, so the decision is to **refuse** on a CUDA machine whenev
 variable is missing (or has a value cuBLAS ignores), whether CUDA is already initialized
 or not, and to say how to export it before launch. A CPU-only process has no cuBLAS and
 needs nothing. The decision is ``cublas_problem`` (a pure function, unit-tested).
+
+The run's seed has one source of truth, Lightning's: ``run_seed`` gives ``model.seed`` when it is
+set, else the seed ``seed_everything`` applied (the CLI's ``--seed_everything``; Lightning leaves it
+in ``PL_GLOBAL_SEED``), else 0 as Lightning's own ``seed_everything()`` does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import numpy as np
 import torch
 
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
+SEED_ENV = "PL_GLOBAL_SEED"
+"""Where Lightning's ``seed_everything`` leaves the seed it applied (spawned ranks inherit it)."""
 CUBLAS_VALUES = (":4096:8", ":16:8")
 """The two workspace settings torch accepts as deterministic (":16:8" saves memory, may cost speed)."""
 
@@ -65,6 +71,30 @@ def cublas_problem(cuda: CudaState, env: Mapping[str, str]) -> str | None:
     return (f"rl.deterministic=true needs {CUBLAS_ENV} from the launch environment, but it {found}: {when}. "
             f"Fix: `{export}` (or {CUBLAS_VALUES[1]}) in the shell or job script before launching, e.g. "
             f"`{export} && lightning-grpo fit --config ...`; or set rl.deterministic=false.")
+
+
+@dataclass(frozen=True)
+class RunSeed:
+    """The seed a run's own random streams derive from, and where it came from."""
+
+    value: int
+    source: str
+    """``model.seed`` (set explicitly), ``seed_everything`` (Lightning's, via ``PL_GLOBAL_SEED``) or ``default`` (0)."""
+
+
+def run_seed(explicit: int | None, env: Mapping[str, str] | None = None) -> RunSeed:
+    """``explicit`` when given (logged when it overrides ``seed_everything``), else Lightning's seed, else 0."""
+    env = os.environ if env is None else env
+    applied = env.get(SEED_ENV)
+    if explicit is not None:
+        if applied is not None and int(applied) != explicit:
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(f"model.seed={explicit} overrides seed_everything={applied} for the module's random streams")
+        return RunSeed(int(explicit), "model.seed")
+    if applied is not None:
+        return RunSeed(int(applied), "seed_everything")
+    return RunSeed(0, "default")
 
 
 def seed_all(seed: int) -> None:

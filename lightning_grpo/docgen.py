@@ -47,6 +47,8 @@ CLASS_SECTIONS = (
     ("trainer.callbacks", RunSummary, "the end-of-run report; the CLI adds one with these defaults"),
 )
 """(key prefix, class, what it is): one table of ``__init__`` arguments each, described by the ``Args:`` section."""
+MODEL_CLASS_PATH = ("the module's class: GRPOModule or your subclass of it (`my_pkg.MyModule`, importable from the "
+                    "working folder); `--model.help my_pkg.MyModule` lists its arguments")
 TRAINER_NOTES = {
     "accelerator": "`auto`: the GPU when there is one; the quickstart pins `cpu`",
     "devices": "data-parallel replicas (one policy replica each: `batch_per_replica` is per replica)",
@@ -121,6 +123,8 @@ def _class_section(prefix: str, cls: type, what: str, problems: list[str]) -> li
         lines += [f"In YAML: `trainer.callbacks: [{{class_path: {cls.__module__}.{cls.__name__}, init_args: {{...}}}}]`.",
                   ""]
     lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    if prefix == "model":
+        lines.append(_row("model.class_path", "str", f"{cls.__module__}.{cls.__name__}", MODEL_CLASS_PATH))
     for name, param in inspect.signature(cls.__init__).parameters.items():
         if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or (
                 prefix == "model" and name in nested):

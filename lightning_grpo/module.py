@@ -33,19 +33,24 @@ from lightning_grpo.checkpoint.state import LoopState
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
-from lightning_grpo.determinism import enable_determinism
+from lightning_grpo.determinism import enable_determinism, run_seed
 from lightning_grpo.distributed import data_parallel_mesh, gradient_sync, root_call, shard_fsdp2
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.loop import CollectedBatchLoop, LoopResult
 from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
 from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_pass, warn_if_unfrozen
-from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.policy import PolicyConfig, load_policy, with_seed
+from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.validation import ValidationMeans, greedy_scores
 
 log = logging.getLogger(__name__)
+
+# The sections' defaults: instances rather than None, so `--help` and `--print_config` show every field.
+# Shared between modules, hence copied by GRPOModule.__init__ and never mutated.
+_POLICY, _RL, _OPTIM, _ROLLOUT = PolicyConfig(), GRPOConfig(), OptimConfig(), RolloutConfig()
 
 
 class GRPOModule(LightningModule):
@@ -57,7 +62,9 @@ class GRPOModule(LightningModule):
         optim: AdamW and its schedule, stepped once per optimizer step.
         rollout: the engine and how it samples.
         rewards: reward functions and weights (None = the built-in task's reward).
-        seed: base seed of rollout sampling (per rank and loop step streams derive from it).
+        seed: base seed of the module's random streams: rollout sampling (per rank and loop step streams derive
+            from it) and a ``tiny:`` policy's init and warm start. None = the seed ``seed_everything`` applied
+            (the CLI's ``--seed_everything``), else 0; set it to override that one source.
 
     Example::
 
@@ -73,14 +80,16 @@ class GRPOModule(LightningModule):
     ``compute_rewards`` or ``build_engine`` to plug in their own parts.
     """
 
-    def __init__(self, policy: PolicyConfig | None = None, rl: GRPOConfig | None = None,
-                 optim: OptimConfig | None = None, rollout: RolloutConfig | None = None,
-                 rewards: list[RewardSpec] | None = None, seed: int = 0) -> None:
+    def __init__(self, policy: PolicyConfig = _POLICY, rl: GRPOConfig = _RL, optim: OptimConfig = _OPTIM,
+                 rollout: RolloutConfig = _ROLLOUT, rewards: list[RewardSpec] | None = None,
+                 seed: int | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False  # the loop steps the optimizer itself
-        self.policy_cfg, self.rl = policy or PolicyConfig(), rl or GRPOConfig()
-        self.optim_cfg, self.rollout_cfg = optim or OptimConfig(), rollout or RolloutConfig()
-        self.reward_specs, self.seed = rewards, seed
+        resolved = run_seed(seed)  # one source of truth: model.seed, else seed_everything's
+        self.seed, self.seed_source = resolved.value, resolved.source
+        self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)  # the tiny build it used
+        self.rl, self.optim_cfg = copy.deepcopy(rl or GRPOConfig()), copy.deepcopy(optim or OptimConfig())
+        self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
         warn_if_unfrozen(self.rl)
         self.objective = GRPOObjective(self.rl.epsilon, self.rl.epsilon_high, self.rl.beta, dp_mean=self._dp_mean)
         self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer, reference, pi_old cache
@@ -120,6 +129,8 @@ class GRPOModule(LightningModule):
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.rl.validate(self._world_size())  # per-rank divisibility needs the DP size
+        if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
+            count_loop_steps(self.trainer)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 

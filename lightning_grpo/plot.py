@@ -28,6 +28,7 @@ PANELS = (
 OVERLAYS = {"reward/mean": "val/reward"}
 """A second line drawn on a panel when the run logged it (validation: greedy, held-out)."""
 PNG_NAME = "curves.png"
+DESCRIPTION = "Draw reward, loss, clip fraction and completion length of a CSVLogger run into one PNG."
 
 Series = tuple[list[float], list[float]]  # (loop steps, values) of the rows that logged the metric
 
@@ -133,12 +134,17 @@ def _number(raw: str | None) -> float | None:
     return value if not math.isinf(value) else None
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``lightning-grpo plot LOG_DIR [-o OUT]``."""
-    parser = argparse.ArgumentParser(prog="lightning-grpo plot", description=__doc__.split("\n")[0])
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``plot`` arguments (``parser_class``: the CLI lists ``plot`` among its subcommands with a jsonargparse one)."""
+    parser = parser_class(prog="lightning-grpo plot", description=DESCRIPTION)
     parser.add_argument("log_dir", help="a CSVLogger run folder (or its metrics.csv, or a folder of runs: the newest)")
     parser.add_argument("-o", "--output", help=f"PNG to write (default: {PNG_NAME} beside metrics.csv)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``lightning-grpo plot LOG_DIR [-o OUT]``."""
+    args = build_parser().parse_args(argv)
     try:
         png, _ = plot_curves(find_metrics(args.log_dir), args.output)
     except PlotError as err:

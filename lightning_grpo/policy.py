@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -51,8 +51,9 @@ class TinyPolicySpec:
     """None = the character tokenizer's size; larger pads the embedding (e.g. 32k for benchmarks)."""
     dropout: float = 0.0
     """Attention dropout; > 0 makes train() and eval() forwards differ (the determinism probe catches it)."""
-    seed: int = 0
-    """Seed of the random initialization (part of the cache key, as every field here)."""
+    seed: int | None = None
+    """Seed of the random initialization and the warm start; None = the module's seed (``model.seed``, else
+    ``seed_everything``), 0 outside a module. Part of the cache key, as every field here."""
     chat_template: bool = False
     """Give the char tokenizer ``TINY_CHAT_TEMPLATE`` (a plain-text chat format), so chat-message prompts work."""
 
@@ -142,7 +143,7 @@ def build_tiny_policy(out_dir: str | os.PathLike, spec: TinyPolicySpec | None = 
         torch_dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
+        torch.manual_seed(spec.seed or 0)
         model = AutoModelForCausalLM.from_config(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,6 +158,13 @@ def tiny_cache_dir(name: str, spec: TinyPolicySpec, warm: str = "") -> Path:
     return root / f"tiny-{name}-{key}-tok{TOKENIZER_VERSION}{warm}"
 
 
+def with_seed(cfg: PolicyConfig, seed: int) -> PolicyConfig:
+    """``cfg`` with a ``tiny:`` policy's unset ``tiny.seed`` filled in: the policy a seeded run builds (and caches)."""
+    if not cfg.path.startswith("tiny:") or (cfg.tiny is not None and cfg.tiny.seed is not None):
+        return cfg
+    return replace(cfg, tiny=replace(cfg.tiny or TinyPolicySpec(), seed=seed))
+
+
 def resolve_path(cfg: PolicyConfig) -> Path:
     """The folder to load: a local folder, the Hub cache's snapshot of a Hub id, or the cached tiny build."""
     if not cfg.path.startswith("tiny:"):
@@ -169,7 +177,7 @@ def resolve_path(cfg: PolicyConfig) -> Path:
             f"policy.path={cfg.path!r} is neither a local folder nor a Hugging Face Hub id ('org/name'). Give a "
             "local Hugging Face model folder, a Hub id, or 'tiny:<name>' for a locally built tiny policy."
         )
-    spec = cfg.tiny or TinyPolicySpec()
+    spec = with_seed(cfg, 0).tiny  # unseeded outside a module: 0, the same cache entry as an explicit 0
     warm = f"-warm-{cfg.warm_start}-{cfg.warm_start_steps}" if cfg.warm_start else ""
     folder = tiny_cache_dir(cfg.path.split(":", 1)[1] or "default", spec, warm)
     if not (folder / "config.json").exists():

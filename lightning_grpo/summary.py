@@ -67,6 +67,9 @@ class RunSummary(Callback):
             f"  wall time        {seconds:.1f} s, {self._tokens / max(seconds, 1e-9):.0f} trained tokens/s (all ranks)",
             f"  logs             {trainer.log_dir}",
         ]
+        seed = getattr(trainer.lightning_module, "seed", None)
+        if seed is not None:  # the effective seed, and where it came from (model.seed or seed_everything)
+            lines.insert(2, f"  seed             {seed}  (from {getattr(trainer.lightning_module, 'seed_source', '?')})")
         return "\n".join(lines)
 
     def _val_lines(self) -> list[str]:

@@ -21,6 +21,12 @@ def _isolated_cache(tmp_path_factory):
     os.environ["LIGHTNING_GRPO_CACHE"] = str(tmp_path_factory.mktemp("grpo-cache"))
 
 
+@pytest.fixture(autouse=True)
+def _global_seed_restored(monkeypatch):
+    """Lightning's seed_everything leaves its seed in os.environ and GRPOModule(seed=None) reads it: per test."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory):
     """A small Qwen2 policy folder (hidden 64, head_dim 32) with the char tokenizer."""

@@ -68,6 +68,11 @@ def digit_share(rollouts) -> list[float]:
     return [sum(c.isdigit() for c in r.text) / max(len(r.text), 1) for r in rollouts]
 
 
+def char_codes(rollouts) -> list[float]:
+    """Reward: the mean character code of the completion / 128. Any text scores, and a different text differs."""
+    return [sum(map(ord, r.text)) / max(len(r.text), 1) / 128 for r in rollouts]
+
+
 # The tiny GRPO job of the determinism/resume tests: 2 prompts x 4 completions of 4 tokens, n_mini=2 (so the ahead
 # pass and its probe run and global_step = 2 x loop_step), warmup + cosine LR (scheduler state matters on resume).
 TINY_JOB = {
@@ -78,7 +83,7 @@ TINY_JOB = {
 }
 
 
-def tiny_grpo_module(policy_dir, seed: int = 0):
+def tiny_grpo_module(policy_dir, seed: int | None = 0):
     """``TINY_JOB`` as a GRPOModule on the policy folder ``policy_dir``."""
     from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
     from lightning_grpo.data.rewards import RewardSpec

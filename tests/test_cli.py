@@ -1,13 +1,23 @@
-"""``lightning-grpo fit``: ``--print_config`` round-trips, and every key of the resolved config is logged."""
+"""``lightning-grpo``: help, short config errors, the one optimizer source, a user's module, and the seed.
+
+Also: ``--print_config`` round-trips, and every key of the resolved config is logged.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
+import os
+from pathlib import Path
 
 import pytest
 import yaml
 
-from lightning_grpo.cli import flatten, main
+from lightning_grpo import docgen
+from lightning_grpo.cli import SECTIONS, flatten, main
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.module import GRPOModule
 
 TIMING = ("grpo/ahead_seconds", "grpo/ahead_share")
 """Wall-clock metrics: the only columns two identical runs may differ in."""
@@ -92,3 +102,188 @@ def test_a_quickstart_run_prints_no_warning_our_code_causes(tmp_path):
     ours = [w for w in printed if not any(w.split(": ", 1)[-1].startswith(m) for m in NOT_OURS)]
     assert ours == [], "\n".join(ours)
     assert (tmp_path / "runs" / "quickstart" / "version_0" / "metrics.csv").is_file()  # the run itself happened
+
+
+# -- the CLI a user types ----------------------------------------------------------------------------------------
+QUICKSTART = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``lightning-grpo <argv>`` in-process: (exit code, stdout, stderr)."""
+    code = 0
+    try:
+        main(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())  # argparse wraps help lines
+
+
+def test_help_lists_fit_validate_and_plot_but_not_test_or_predict(capsys):
+    code, out, _ = _run(["--help"], capsys)
+    assert code == 0 and "{fit,validate,plot}" in out
+    assert "Draw reward, loss, clip fraction" in _words(out)
+    assert " test " not in out and "predict" not in out
+    code, _, err = _run(["test"], capsys)
+    assert code == 2 and "invalid choice: 'test'" in err and "usage:" not in err
+
+
+@pytest.mark.parametrize("section", ["model.rl", "model.optim", "model.rollout", "model.policy", "model.policy.tiny"])
+def test_section_help_shows_every_field_with_its_docstring(section, capsys):
+    code, out, _ = _run(["fit", f"--{section}.help"], capsys)
+    assert code == 0
+    cls = SECTIONS[section]
+    for name, doc in docgen.field_docs(cls).items():
+        assert f"--{section}.{name}" in out
+        assert _words(doc)[:40] in _words(out), f"{section}.{name}: description missing from --help"
+
+
+def test_model_help_and_fit_help_show_descriptions(capsys):
+    code, out, _ = _run(["fit", "--model.help"], capsys)
+    assert code == 0
+    assert _words(docgen.field_docs(GRPOConfig)["micro_batch_per_replica"]) in _words(out)
+    assert "None = the seed ``seed_everything`` applied" in _words(out)  # model.seed, from the Args: section
+    code, out, _ = _run(["fit", "--help"], capsys)
+    assert code == 0 and "--model.help" in out and "--model.rl.help" in out
+    assert "held-out prompts to use" in _words(out)  # data.val_size, from PromptDataModule's Args:
+
+
+def test_a_bad_rl_config_is_reported_in_a_few_lines(capsys, monkeypatch):
+    code, out, err = _run(["fit", "--config", QUICKSTART, "--model.rl.mini_batch_per_replica=12"], capsys)
+    assert code == 2
+    assert err.splitlines()[0] == "lightning-grpo: error: invalid rl config (1 problem):"
+    assert "mini_batch_per_replica=12 must divide batch_per_replica=64" in err
+    assert len(err.splitlines()) <= 4 and "Traceback" not in err + out and "usage:" not in err
+    monkeypatch.setenv("LIGHTNING_GRPO_DEBUG", "1")  # the whole exception (and its traceback) on request
+    with pytest.raises(ValueError, match="must divide"):
+        main(["fit", "--config", QUICKSTART, "--model.rl.mini_batch_per_replica=12"])
+
+
+@pytest.mark.parametrize(("flag", "says"), [
+    ("--model.rl.batch_per_replica=abc", 'Parser key "rl.batch_per_replica"'),
+    ("--model.rl.batch_per_replca=4", "unrecognized arguments: --rl.batch_per_replca=4"),
+    ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
+    ("--model.rollout.temperature=0", "temperature=0.0: must be > 0"),
+    ("--model.class_path=no_such_pkg.Module", "No module named 'no_such_pkg'"),
+])
+def test_parse_and_load_errors_are_short_too(flag, says, capsys):
+    code, _, err = _run(["fit", "--config", QUICKSTART, flag], capsys)
+    assert code == 2 and says in err
+    assert len(err.splitlines()) <= 6 and "Traceback" not in err and "usage:" not in err and "NoneType" not in err
+
+
+@pytest.mark.parametrize("flag", ["--optimizer=Adam", "--optimizer.lr=0.1", "--optimizer=SGD", "--lr_scheduler=ConstantLR"])
+def test_optimizer_flags_are_refused_with_a_pointer_to_model_optim(flag, capsys):
+    code, _, err = _run(["fit", "--config", QUICKSTART, flag], capsys)
+    assert code == 2 and "Not accepted: the optimizer is AdamW from model.optim" in err and "--model.optim.lr" in err
+
+
+# -- runs: a user's subclass, and the seed -----------------------------------------------------------------------
+class BonusModule(GRPOModule):
+    """A user's GRPOModule subclass, picked with ``--model.class_path test_cli.BonusModule``.
+
+    Args:
+        bonus: added to every reward.
+    """
+
+    def __init__(self, bonus: float = 0.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.bonus = bonus
+
+    def compute_rewards(self, rollouts):
+        total, parts = super().compute_rewards(rollouts)
+        return total + self.bonus, parts
+
+
+def _short_run(policy_dir, name: str, *extra: str) -> list[str]:
+    """2 loop steps (n_mini = 2, max_steps = 4) of 4 prompts x 4 on the session's tiny policy, digit-share reward."""
+    return ["fit", "--config", QUICKSTART, f"--model.policy.path={policy_dir}", "--model.policy.warm_start=null",
+            "--model.rl.batch_per_replica=16", "--model.rl.group_size=4", "--model.rl.mini_batch_per_replica=8",
+            "--model.rl.micro_batch_per_replica=0", "--model.rewards=[{name: helpers:digit_share}]",
+            "--trainer.max_steps=4", "--data.val_size=0", "--trainer.enable_checkpointing=false",
+            "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.name={name}", *extra]
+
+
+def test_model_class_path_selects_a_users_subclass(tiny_policy_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = _short_run(tiny_policy_dir, "bonus", "--model.class_path=test_cli.BonusModule", "--model.bonus=10")
+    code, _, err = _run(argv, capsys)
+    assert code == 0, err[-2000:]
+    rows = [r for r in _rows(tmp_path / "runs/bonus/version_0/metrics.csv") if r["reward/mean"]]
+    assert len(rows) == 2 and all(float(r["reward/mean"]) >= 10 for r in rows)
+    params = yaml.safe_load((tmp_path / "runs/bonus/version_0/hparams.yaml").read_text())
+    assert params["model.class_path"] == "test_cli.BonusModule" and params["model.bonus"] == 10.0
+
+
+def test_a_module_in_the_working_folder_is_found(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_grpo.py").write_text(
+        "from lightning_grpo import GRPOModule\n\n\nclass MyModule(GRPOModule):\n"
+        "    \"\"\"Mine.\n\n    Args:\n        knob: my own knob.\n    \"\"\"\n\n"
+        "    def __init__(self, knob: int = 3, **kwargs):\n        super().__init__(**kwargs)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    code, out, _ = _run(["fit", "--model.help", "my_grpo.MyModule"], capsys)
+    assert code == 0 and "--model.knob KNOB my own knob." in _words(out) and "--model.rl.batch_per_replica" in out
+
+
+def test_validate_scores_a_checkpoint_as_the_fit_did(tiny_policy_dir, tmp_path, monkeypatch, capsys):
+    """`validate --ckpt_path` of the last checkpoint gives the val/reward the fit logged at that loop step."""
+    monkeypatch.chdir(tmp_path)
+    held_out = ["--data.val_size=8", "--trainer.val_check_interval=2", "--trainer.num_sanity_val_steps=0",
+                "--model.rewards=[{name: helpers:char_codes}]"]  # greedy text of an untrained policy scores > 0
+    fit = _short_run(tiny_policy_dir, "fit", *held_out)
+    fit[fit.index("--trainer.enable_checkpointing=false")] = "--trainer.enable_checkpointing=true"
+    code, _, err = _run(fit, capsys)
+    assert code == 0, err[-2000:]
+    fitted = [r["val/reward"] for r in _rows(tmp_path / "runs/fit/version_0/metrics.csv") if r["val/reward"]]
+    ckpt = max((tmp_path / "runs/fit/version_0/checkpoints").glob("*.ckpt"))
+    code, _, err = _run(["validate", *_short_run(tiny_policy_dir, "val", *held_out)[1:], f"--ckpt_path={ckpt}"], capsys)
+    assert code == 0, err[-2000:]
+    rows = _rows(tmp_path / "runs/val/version_0/metrics.csv")
+    assert len(fitted) == 1 and float(fitted[0]) > 0 and [r["val/reward"] for r in rows] == fitted
+
+
+@pytest.fixture(scope="module")
+def seeded_runs(tiny_policy_dir, tmp_path_factory):
+    """Four short CLI runs: seed_everything 1, 1 again, 2, and 2 with --model.seed=1. name -> (rows, params, out)."""
+    cwd, old, runs = tmp_path_factory.mktemp("seeds"), os.getcwd(), {}
+    os.chdir(cwd)
+    try:
+        for name, extra in (("one", ["--seed_everything=1"]), ("again", ["--seed_everything=1"]),
+                            ("two", ["--seed_everything=2"]), ("two_model1", ["--seed_everything=2", "--model.seed=1"])):
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                main(_short_run(tiny_policy_dir, name, *extra))
+            log = cwd / "runs" / name / "version_0"
+            runs[name] = (_rows(log / "metrics.csv"), yaml.safe_load((log / "hparams.yaml").read_text()), out.getvalue())
+    finally:
+        os.chdir(old)
+        os.environ.pop("PL_GLOBAL_SEED", None)
+    return runs
+
+
+def _column(rows, key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r[key]]
+
+
+def test_another_seed_everything_changes_sampling_and_metrics(seeded_runs):
+    one, two = seeded_runs["one"][0], seeded_runs["two"][0]
+    assert len(_column(one, "reward/mean")) == 2
+    assert _column(one, "reward/mean") != _column(two, "reward/mean")  # sampling
+    assert _column(one, "grpo/loss") != _column(two, "grpo/loss")  # training
+
+
+def test_the_same_seed_everything_is_bit_identical(seeded_runs):
+    assert seeded_runs["one"][0] == seeded_runs["again"][0]  # every logged value, timings aside
+
+
+def test_model_seed_overrides_seed_everything_and_the_effective_seed_is_logged(seeded_runs):
+    assert seeded_runs["two_model1"][0] == seeded_runs["one"][0]  # model.seed=1 wins over seed_everything=2
+    params = {name: run[1] for name, run in seeded_runs.items()}
+    assert (params["one"]["model.seed"], params["two"]["model.seed"], params["two_model1"]["model.seed"]) == (1, 2, 1)
+    assert params["two_model1"]["seed_everything"] == 2
+    assert "seed             2  (from seed_everything)" in seeded_runs["two"][2]
+    assert "seed             1  (from model.seed)" in seeded_runs["two_model1"][2]

@@ -8,10 +8,13 @@ from helpers import StepRecorder, fit_tiny, global_determinism_restored, tiny_gr
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.determinism import (
     CUBLAS_ENV,
+    SEED_ENV,
     CudaState,
     DeterminismError,
+    RunSeed,
     cublas_problem,
     enable_determinism,
+    run_seed,
 )
 
 CPU = CudaState(available=False, initialized=False)
@@ -125,3 +128,21 @@ def test_prompt_ids_repeat_partition_and_stay_unique_across_ranks_and_resume():
     assert resumed == uninterrupted
     every = [i for per_rank in resumed for step in per_rank for i in step]
     assert len(every) == len(set(every)) == 24  # unique across ranks and across the resume
+
+
+# -- the run's seed: one source of truth -------------------------------------------------------------------------
+def test_run_seed_is_model_seed_else_seed_everything_else_zero(caplog):
+    assert run_seed(None, env={}) == RunSeed(0, "default")
+    assert run_seed(None, env={SEED_ENV: "7"}) == RunSeed(7, "seed_everything")
+    with caplog.at_level("INFO"):
+        assert run_seed(3, env={SEED_ENV: "7"}) == RunSeed(3, "model.seed")
+    assert "model.seed=3 overrides seed_everything=7" in caplog.text
+    assert run_seed(3, env={}) == RunSeed(3, "model.seed")
+
+
+def test_the_module_takes_the_seed_lightning_applied(tiny_policy_dir, monkeypatch):
+    from lightning.pytorch import seed_everything
+
+    seed_everything(11)
+    assert tiny_grpo_module(tiny_policy_dir, seed=None).seed == 11
+    assert tiny_grpo_module(tiny_policy_dir, seed=4).seed == 4

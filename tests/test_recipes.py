@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_grpo.cli import main
+from lightning_grpo.cli import flatten, main
 
 CONFIGS = sorted(p for p in Path("configs").glob("*.yaml") if p.name != "sweep.yaml")
 
@@ -18,8 +18,8 @@ def test_config_starts_with_launch_comment_and_parses(config, capsys):
     with pytest.raises(SystemExit) as done:  # --print_config prints, then exits 0
         main(["fit", "--config", str(config), "--print_config"])
     assert done.value.code in (0, None)
-    printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["rl"]["batch_per_replica"] % printed["model"]["rl"]["group_size"] == 0
+    printed = flatten(yaml.safe_load(capsys.readouterr().out))  # model: {class_path, init_args: {rl: ...}}
+    assert printed["model.rl.batch_per_replica"] % printed["model.rl.group_size"] == 0
 
 
 RECIPE = Path(__file__).parent.parent / "configs" / "qwen2.5-0.5b-gsm8k.yaml"

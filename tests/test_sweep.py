@@ -51,7 +51,7 @@ def test_agent_command_is_the_sweep_command_with_dotted_flags():
     argv = agent_command(sweep, grid(sweep)[-1], [])
     assert argv[:6] == ["/usr/bin/env", "lightning-grpo", "fit", "--config", "configs/quickstart.yaml",
                         "--trainer.logger=WandbLogger"]
-    assert argv[-2:] == ["--model.rl.mini_batch_per_replica=32", "--model.optim.lr=0.001"]
+    assert argv[-3:] == ["--model.rl.mini_batch_per_replica=32", "--model.optim.lr=0.001", "--seed_everything=2"]
 
 
 @pytest.mark.slow
@@ -70,8 +70,9 @@ def test_two_sweep_trials_run_offline_in_one_directory(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]  # the second trial must not abort on config.yaml
         runs[run_id] = read_run(next(tmp_path.rglob(f"run-{run_id}.wandb")))
     a, b = runs["trial0"], runs["trial1"]
-    for key in ("model.rl.mini_batch_per_replica", "model.optim.lr"):
+    for key in ("model.rl.mini_batch_per_replica", "model.optim.lr", "seed_everything"):
         assert (a.config[key], b.config[key]) == (first[key], last[key])  # logged params differ as swept
+    assert (a.config["model.seed"], b.config["model.seed"]) == (0, 2)  # the seed each trial ran with
     assert a.config["model.rl.batch_per_replica"] == b.config["model.rl.batch_per_replica"] == 64
     # x-axis: the loop step (Lightning's WandbLogger calls it trainer/global_step); global_step = optimizer steps
     train = [h for h in b.history if "reward/mean" in h]
