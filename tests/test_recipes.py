@@ -45,9 +45,9 @@ def test_gsm8k_recipe_as_shipped_on_a_tiny_model(tmp_path, monkeypatch, tiny_cha
     swaps = [a.format(data=data) for a in TINY_SWAPS]
     main(["fit", "--config", str(RECIPE), f"--model.policy.path={tiny_chat_policy_dir}", *swaps])
     run = tmp_path / "runs" / "qwen2.5-0.5b-gsm8k" / "version_0"
-    config = yaml.safe_load((run / "config.yaml").read_text())
-    assert config["trainer"]["precision"] == "bf16-mixed" and config["model"]["rollout"]["engine"] == "vllm"
-    assert config["data"]["chat"] is True and config["model"]["policy"]["dtype"] == "float32"
+    config = flatten(yaml.safe_load((run / "config.yaml").read_text()))  # model: {class_path, init_args: ...}
+    assert config["trainer.precision"] == "bf16-mixed" and config["model.rollout.engine"] == "vllm"
+    assert config["data.chat"] is True and config["model.policy.dtype"] == "float32"
     rows = list(csv.DictReader((run / "metrics.csv").open()))
     train = [r for r in rows if r.get("reward/mean")]
     assert len(train) == 2 and all(r["grpo/clip_frac"] != "" for r in train)  # 2 loop steps x n_mini 2
