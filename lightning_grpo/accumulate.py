@@ -5,13 +5,22 @@ One optimizer step consumes ``grad_accum`` (= ``n_micro``) ``train`` calls, its 
 * ``grad_accum == 1``: backprop the chunk's normalized loss as is. This is the unchunked
   expression, kept on purpose: ``(sum a_i) * s`` and ``sum (a_i * s)`` differ in the last bits.
 * ``grad_accum > 1``: backprop each chunk's un-normalized sum (``loss * denom``), add up the
-  divisors, and on the last call scale the gradient once by ``1 / max(sum denom, 1)``, **then**
-  clip, **then** step. Gradients are linear, so this equals the unchunked token mean; clipping
-  before the scale would clip at the wrong scale; ``max(., 1)`` keeps an all-empty window at a
-  zero gradient instead of 0/0.
+  divisors, and at the step scale the gradient once by ``1 / sum denom``. Gradients are linear,
+  so this equals the unchunked token mean. Only ``sum == 0`` is guarded (an all-empty window keeps
+  its zero gradient instead of 0/0): under DP the divisor is a mean and may lie in (0, 1).
+  The sum is carried divided by a window constant ``ref`` (the power of two just above the first
+  chunk's divisor x ``n_micro``, close to ``sum denom``) and the step scales by ``ref / sum denom``:
+  the same update, but the backward keeps the token mean's magnitude instead of ``denom`` times it,
+  which would overflow fp16 gradients (16-mixed, 16-true) on long chunks. A power of two scales
+  without rounding, so every other precision rounds exactly as with the plain sum.
+* The step's order is fixed: unscale (a GradScaler, fp16) -> x 1/sum -> norm -> clip -> step.
+  Clipping before the scale (or before unscaling) clips at the wrong scale and silently changes
+  the update. The step *driver* owns the first and last stage (see ``plain_step`` and
+  ``GRPOModule.drive_step``, which goes through Lightning's precision plugin).
 * A non-finite chunk loss poisons its whole window: grads are zeroed, the divisor resets, and
   the remaining calls of that window are discarded, so the optimizer never steps on a mixture
-  of two mini-batches. A non-finite gradient norm at the step skips that step.
+  of two mini-batches. A non-finite gradient norm at the step skips that step (a GradScaler
+  still sees it: it skips the update itself and lowers its scale).
 """
 
 from __future__ import annotations
@@ -25,6 +34,24 @@ import torch
 from torch import Tensor, nn
 
 GradSync = Callable[[bool], contextlib.AbstractContextManager]
+# finish() normalizes and clips the window's gradients and returns their norm; a driver runs the optimizer step so that
+# finish() sees gradients at their true scale (after a GradScaler's unscale_) before the parameters change, and returns
+# that norm. A non-finite norm means the step was skipped.
+StepDriver = Callable[[Callable[[], float]], float]
+# clip(max_norm, total_norm) scales the gradients down to max_norm; only called when total_norm > max_norm.
+Clip = Callable[[float, Tensor], None]
+
+
+def plain_step(optimizer) -> StepDriver:
+    """The driver for gradients already at their true scale (no GradScaler): finish, then step unless non-finite."""
+
+    def drive(finish: Callable[[], float]) -> float:
+        norm = finish()
+        if math.isfinite(norm):
+            optimizer.step()
+        return norm
+
+    return drive
 
 
 def _no_sync_control(enabled: bool) -> contextlib.AbstractContextManager:
@@ -61,12 +88,17 @@ class DeferredAccumulator:
         all_finite: ``all_finite(loss)`` -> whether the chunk loss is finite on *every* data-parallel
             rank. The poison decision must be collective: a rank that abandons its window while another
             goes on to the synced backward leaves that one waiting in the all-reduce.
+        step: runs the optimizer step around ``finish`` (``plain_step(optimizer)`` by default; under a
+            Trainer, ``GRPOModule.drive_step`` through the precision plugin, which unscales fp16 first).
+        clip: ``clip(max_norm, total_norm)``; default ``torch.nn.utils.clip_grads_with_norm_`` (under a
+            Trainer: ``LightningModule.clip_gradients``, the precision plugin's clipping).
     """
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer, grad_accum: int, max_grad_norm: float = 0.0,
                  backward: Callable[[Tensor], None] | None = None, scheduler=None,
                  grad_sync: GradSync = _no_sync_control,
-                 all_finite: Callable[[Tensor], bool] = _local_finite) -> None:
+                 all_finite: Callable[[Tensor], bool] = _local_finite, step: StepDriver | None = None,
+                 clip: Clip | None = None) -> None:
         if grad_accum < 1:
             raise ValueError(f"DeferredAccumulator(grad_accum={grad_accum}): must be >= 1")
         self.params = [p for p in params if p.requires_grad]
@@ -77,8 +109,11 @@ class DeferredAccumulator:
         self.scheduler = scheduler
         self.grad_sync = grad_sync
         self.all_finite = all_finite
+        self.step = step or plain_step(optimizer)
+        self.clip = clip or (lambda max_norm, norm: torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm))
         self._calls = 0  # calls taken into the current window
         self._denom_sum: Tensor | float = 0.0
+        self._ref: Tensor | float = 1.0  # window constant the chunk sums are carried divided by
         self._discard = 0  # countdown: calls of a poisoned window still to drop
         self.skipped_steps = 0
         self.discarded_chunks = 0
@@ -106,7 +141,7 @@ class DeferredAccumulator:
     def _reset_window(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._calls = 0
-        self._denom_sum = 0.0
+        self._denom_sum, self._ref = 0.0, 1.0
 
     # -- one call ----------------------------------------------------------------------------------------------
     @property
@@ -123,37 +158,54 @@ class DeferredAccumulator:
             return self._skipped() if self._discard == 0 else None
         last = self.closes_window
         with self.grad_sync(last):
-            self.backward(loss if self.grad_accum == 1 else loss * denom)
+            self.backward(loss if self.grad_accum == 1 else loss * self._carry(denom.detach()))
         self._denom_sum = self._denom_sum + denom.detach()
         self._calls += 1
         return self._step() if last else None
 
+    def _carry(self, denom: Tensor) -> Tensor:
+        """``denom / ref``: the factor that turns a chunk's token mean into its sum, divided by ``ref``."""
+        if self._calls == 0:
+            _, exponent = torch.frexp(torch.where(denom > 0, denom * self.grad_accum, torch.ones_like(denom)))
+            self._ref = torch.ldexp(torch.ones_like(denom), exponent)  # 2^e, just above first divisor x n_micro
+        return denom / self._ref
+
     def _step(self) -> StepOutcome:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if self.grad_accum > 1 and grads:
-            scale = 1.0 / torch.as_tensor(self._denom_sum, dtype=torch.float64).clamp(min=1)
-            torch._foreach_mul_(grads, scale.to(grads[0].device, grads[0].dtype))
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or math.inf)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
-        grad_norm, lr = float(norm), self._lr()
-        if not math.isfinite(grad_norm):
+        lr = self._lr()
+        grad_norm = self.step(self._finish)
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
             self.skipped_steps += 1
-            self._reset_window()
-            return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=True)
-        self.optimizer.step()
-        if self.scheduler is not None:
+        elif self.scheduler is not None:
             self.scheduler.step()
         self._reset_window()
-        return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=False)
+        return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=skipped)
+
+    def _finish(self) -> float:
+        """Gradients at their true scale -> x ref / sum denom -> norm -> clip. Returns the norm (before clipping)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.grad_accum > 1:
+            total = torch.as_tensor(self._denom_sum, dtype=torch.float64)
+            ref = torch.as_tensor(self._ref, dtype=torch.float64, device=total.device)
+            scale = torch.where(total > 0, ref / total, torch.ones_like(total))  # guard sum == 0 only
+            torch._foreach_mul_(grads, scale.to(grads[0].device, grads[0].dtype))
+        norm = torch.nn.utils.get_total_norm(grads)
+        total_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
+        if self.max_grad_norm and math.isfinite(total_norm) and total_norm > self.max_grad_norm:
+            self.clip(self.max_grad_norm, norm)
+        return total_norm
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # -- resume ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"calls": self._calls, "denom_sum": float(self._denom_sum), "discard": self._discard,
+        return {"calls": self._calls, "denom_sum": float(self._denom_sum), "ref": float(self._ref), "discard": self._discard,
                 "skipped_steps": self.skipped_steps, "discarded_chunks": self.discarded_chunks}
 
     def load_state_dict(self, state: dict) -> None:
         self._calls, self._denom_sum, self._discard = state["calls"], state["denom_sum"], state["discard"]
+        self._ref = state.get("ref", 1.0)
         self.skipped_steps, self.discarded_chunks = state["skipped_steps"], state["discarded_chunks"]

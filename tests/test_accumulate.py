@@ -115,3 +115,27 @@ def test_batch_size_disagreeing_with_config_is_refused_before_backward(tiny_poli
         module.update(synthetic_batch([3] * 6))
     assert all(p.grad is None for p in module.policy.parameters())
     assert all(torch.equal(before[k], v) for k, v in params_of(module.policy).items())
+
+
+@pytest.mark.parametrize("n_micro", [1, 4])
+def test_fractional_dp_divisor_below_one_gives_the_exact_token_mean(tiny_policy_dir, n_micro):
+    """A DP-mean divisor in (0, 1) (here: 8 ranks' mean of a few tokens) is divided by as is, only 0 is guarded.
+
+    The reference is the token mean written out: grad of sum(per-token loss) / (tokens / 8), in float64.
+    """
+    from lightning_grpo.objectives.grpo import GRPOObjective
+
+    batch = synthetic_batch([1, 0, 2, 0, 0, 1, 0, 0], seed=5)  # 4 tokens: the divisor is 0.5, its chunks' 0..0.25
+    module = make_module(tiny_policy_dir, "float64", micro=8 // n_micro)
+    module.objective = GRPOObjective(dp_mean=lambda t: t / 8)  # as if 7 more ranks held no tokens
+    before = params_of(module.policy)
+    result = sgd_update(module, batch)
+    assert not result.steps[0].skipped and float(result.chunks[0].denom) < 1
+
+    ref = make_module(tiny_policy_dir, "float64")
+    logprobs = ref.logprobs(ref.policy, batch)
+    mask = batch.completion_mask[:, 1:]
+    per_token = -(torch.exp(logprobs - logprobs.detach()) * batch.advantages.double().unsqueeze(-1))
+    (per_token[mask].sum() / (mask.sum() / 8)).backward()
+    torch.optim.SGD(ref.policy.parameters(), lr=0.1).step()
+    assert max_rel_delta(before, params_of(ref.policy), params_of(module.policy)) <= 5e-8

@@ -64,3 +64,12 @@ def test_divisor_is_the_dp_mean():
     loss, denom, _ = obj(lp, torch.ones(1, 3, dtype=torch.bool), torch.ones(1))
     assert calls == [3.0] and float(denom) == 5.0 and float(loss) == pytest.approx(-3 / 5)
     assert GRPOObjective().needs_old_logprobs()
+
+
+def test_fractional_dp_divisor_is_used_as_is():
+    """Under DP the divisor is a mean and may lie in (0, 1) (fewer tokens than ranks): loss * denom is the chunk sum."""
+    lp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[True, False, False], [False, False, False]])  # one token on this rank
+    loss, denom, _ = GRPOObjective(dp_mean=lambda t: t / 4)(lp, mask, torch.tensor([2.0, 1.0]))  # 4 ranks, 1 token
+    assert float(denom) == 0.25
+    assert float(loss) == pytest.approx(-2.0 / 0.25) and float(loss * denom) == pytest.approx(-2.0)

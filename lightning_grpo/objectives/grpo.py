@@ -96,8 +96,9 @@ class GRPOObjective:
             per_token = per_token + self.beta * kl
         tokens = m.sum()
         denom = self.dp_mean(tokens.detach())
-        # Guard: an all-masked chunk has denom 0 and loss 0, never 0/0.
-        loss = (per_token * m).sum() / denom.clamp(min=1)
+        # Guard zero only: an all-masked chunk has denom 0 and loss 0, never 0/0. Under DP the divisor is a mean and
+        # may be in (0, 1) (fewer tokens than ranks); clamping it to 1 would make loss * denom differ from the chunk sum.
+        loss = (per_token * m).sum() / torch.where(denom > 0, denom, torch.ones_like(denom))
         with torch.no_grad():
             is_clipped = ((ratio * adv) > (clipped * adv)).to(m.dtype) * m  # the min picked the clipped term
             local = tokens.clamp(min=1)
@@ -105,7 +106,7 @@ class GRPOObjective:
                 loss=loss.detach(),
                 denom=denom,
                 tokens=tokens,
-                n=torch.tensor(float(mask.shape[0])),
+                n=torch.tensor(float(mask.shape[0]), dtype=torch.float32),  # 16-true sets a half default dtype
                 clip_frac=is_clipped.sum() / local,
                 ratio_mean=(ratio * m).sum() / local,
                 ratio_max=ratio.detach().masked_fill(~mask, float("-inf")).amax() if mask.numel() else tokens * 0,
