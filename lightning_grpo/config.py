@@ -181,11 +181,15 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW denominator epsilon."""
     warmup_steps: int = 0
-    """Linear warmup, in optimizer steps (not loop steps)."""
-    schedule: Literal["constant", "cosine"] = "constant"
-    """LR after warmup: constant, or cosine decay to 0 over total_steps."""
+    """Linear warmup from 0, in optimizer steps (not loop steps); transformers' convention (step 0 runs at lr 0)."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """LR after warmup (transformers' schedules): constant, or cosine / linear decay to 0 over the horizon."""
     total_steps: int = 0
-    """Optimizer steps the cosine schedule spans (0 = max_steps of the trainer x n_mini)."""
+    """Horizon of a decaying schedule, in optimizer steps. 0 = the run's length: trainer.max_steps, else
+    max_epochs x limit_train_batches (loop steps) x n_mini. A decaying schedule with neither is refused."""
+    fused: bool | None = None
+    """AdamW's fused kernel. None = fused where the device has one (CPU, CUDA) unless an fp16 GradScaler is in use
+    (16-mixed: the scaler must unscale before our clip); False = torch's default kernel (foreach on CUDA). Same hyper-parameters either way."""
 
     def __post_init__(self) -> None:
         p = []
@@ -199,6 +203,9 @@ class OptimConfig:
             p.append(f"warmup_steps={self.warmup_steps}: must be >= 0")
         if self.total_steps < 0:
             p.append(f"total_steps={self.total_steps}: must be >= 0")
+        elif self.total_steps and self.schedule != "constant" and self.warmup_steps >= self.total_steps:
+            p.append(f"warmup_steps={self.warmup_steps}: must be below total_steps={self.total_steps}, or the "
+                     f"{self.schedule} decay never starts")
         _raise_if(p, "optim config")
 
 
