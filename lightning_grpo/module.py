@@ -22,11 +22,13 @@ import time
 from collections.abc import Sequence
 
 import torch
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 
-from lightning_grpo.accumulate import DeferredAccumulator
+from lightning_grpo.accumulate import DeferredAccumulator, plain_step
 from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint.state import LoopState
@@ -41,9 +43,11 @@ from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
 from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_pass, warn_if_unfrozen
 from lightning_grpo.policy import PolicyConfig, load_policy, with_seed
+from lightning_grpo.precision import check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
+from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
 from lightning_grpo.validation import ValidationMeans, greedy_scores
 
 log = logging.getLogger(__name__)
@@ -102,6 +106,9 @@ class GRPOModule(LightningModule):
         self._publisher: WeightPublisher = NoPublisher()  # found (or attached) when the engine is built
         self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
         self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
+        self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
+        self._finish_window = None  # set while a GradScaler step waits for on_before_optimizer_step (drive_step)
+        self._window_norm = math.nan
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
     def configure_policy(self):
@@ -131,6 +138,10 @@ class GRPOModule(LightningModule):
         self.rl.validate(self._world_size())  # per-rank divisibility needs the DP size
         if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
             count_loop_steps(self.trainer)
+        if stage == "fit":  # a decaying LR schedule needs a horizon: refused here, before the model is set up
+            run = run_length(self.trainer, self.rl.n_mini)  # x mu_iterations once inner epochs exist
+            self.schedule_horizon = self.optim_cfg.total_steps or run
+            check_horizon(self.optim_cfg, self.schedule_horizon, run)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 
@@ -177,12 +188,15 @@ class GRPOModule(LightningModule):
 
     def configure_optimizers(self):
         o = self.optim_cfg
-        opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                weight_decay=o.weight_decay)
-        total = o.total_steps or max(self.trainer.max_steps, 1) if self._trainer else o.total_steps or 1
-        return [opt], [torch.optim.lr_scheduler.LambdaLR(opt, _schedule(o.warmup_steps, total, o.schedule))]
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                **_adamw_kernel(params, o.fused, self._scaler()))
+        return [opt], [build_scheduler(opt, o, self.schedule_horizon)]
 
     def on_fit_start(self) -> None:
+        # The weights are final here (precision plugin conversion, FSDP2 sharding): refuse or warn once per fit,
+        # before an engine is built.
+        check_precision(str(self.trainer.precision), self.policy, self.device.type == "cpu", self._scaler())
         # Outside configure_model: its default device/dtype contexts must not leak into an engine (vLLM). Before
         # Lightning restores optimizer state onto the device, so the hand-off can put the engine to sleep first.
         self.check_data()  # before the engine: a data problem is reported in seconds, not after vLLM starts
@@ -196,7 +210,7 @@ class GRPOModule(LightningModule):
 
     def on_train_start(self) -> None:
         opt, sched = self.optimizers(), self.lr_schedulers()
-        self.loop = self.make_loop(opt, sched, self.manual_backward)
+        self.loop = self.make_loop(opt, sched, self.manual_backward, step=self.drive_step, clip=self.clip_window)
         self._state.resume(self.trainer, self.loop, self.old_logprobs, self.trainer.datamodule)
         self._state.boundary(self.loop, self.old_logprobs, self.global_step, self.trainer.datamodule)
 
@@ -210,11 +224,45 @@ class GRPOModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._state.load(checkpoint)  # put back at on_train_start, once the loop exists
 
-    def make_loop(self, optimizer, scheduler=None, backward=None) -> CollectedBatchLoop:
+    def drive_step(self, finish) -> float:
+        """The optimizer step through Lightning's precision plugin; ``finish`` (x 1/sum denom, clip) sees true-scale grads.
+
+        Without a GradScaler the gradients are at their true scale already: finish, then step unless the
+        norm is non-finite. With one (16-mixed) the plugin's ``optimizer_step`` unscales, calls
+        ``on_before_optimizer_step`` (-> ``finish``), then ``scaler.step`` skips a non-finite update itself and
+        ``scaler.update()`` lowers the scale: so an overflowed window is stepped through, never around.
+        """
+        optimizer = self.optimizers()
+        if self._scaler() is None:
+            return plain_step(optimizer)(finish)
+        self._finish_window, self._window_norm = finish, math.nan
+        optimizer.step()
+        if self._finish_window is not None:
+            raise RuntimeError(f"{type(self.trainer.precision_plugin).__name__}.optimizer_step did not call "
+                               "on_before_optimizer_step, so the deferred divisor and clipping were not applied")
+        return self._window_norm
+
+    def clip_window(self, max_norm: float, norm: Tensor) -> None:
+        """Clip through the precision plugin (``self.clip_gradients``), after unscaling and the deferred divisor."""
+        plugin, optimizer = self.trainer.precision_plugin, self.optimizers()
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None and _optimizer_handles_unscaling(optimizer):
+            # Lightning refuses to clip for a fused optimizer under any MixedPrecision, bf16 too, though without a
+            # scaler nothing unscales inside the step (Lightning-AI/pytorch-lightning#21435): clipping here is exact.
+            torch.nn.utils.clip_grads_with_norm_([p for p in self.policy.parameters() if p.grad is not None],
+                                                 max_norm, norm)
+        else:
+            self.clip_gradients(optimizer, max_norm, "norm")
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self._finish_window is not None:  # inside drive_step's GradScaler step: gradients are unscaled now
+            finish, self._finish_window = self._finish_window, None
+            self._window_norm = finish()
+
+    def make_loop(self, optimizer, scheduler=None, backward=None, step=None, clip=None) -> CollectedBatchLoop:
         """The collected-batch loop over this module's policy (also usable without a Trainer)."""
         acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.rl.n_micro,
                                   max_grad_norm=self.rl.max_grad_norm, backward=backward, scheduler=scheduler,
-                                  grad_sync=self._grad_sync, all_finite=self._all_ranks_finite)
+                                  grad_sync=self._grad_sync, all_finite=self._all_ranks_finite, step=step, clip=clip)
         return CollectedBatchLoop(acc, self.forward_chunk)
 
     def training_step(self, records, batch_idx: int) -> None:
@@ -318,6 +366,10 @@ class GRPOModule(LightningModule):
     def _datamodule(self):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
 
+    def _scaler(self):
+        """The precision plugin's GradScaler (16-mixed), or None."""
+        return getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
+
     def _context(self) -> int | None:
         return getattr(self.policy.config, "max_position_embeddings", None)
 
@@ -366,13 +418,12 @@ class GRPOModule(LightningModule):
         return publisher
 
 
-def _schedule(warmup: int, total: int, kind: str):
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if kind == "cosine":
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
+def _adamw_kernel(params, fused: bool | None, scaler) -> dict:
+    """AdamW's fused kernel where the device has one (CPU, CUDA), else foreach; ``fused`` = the user's choice.
 
-    return factor
+    Not under a GradScaler by default: a fused step unscales inside its kernel, after our clip, and Lightning's
+    precision plugin refuses to clip for such an optimizer.
+    """
+    if fused is None:
+        fused = scaler is None and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return {"fused": True} if fused else {}  # {}: torch's default kernel (foreach on CUDA)

@@ -26,9 +26,9 @@ from lightning_grpo.data.tasks import TaskItem
 from lightning_grpo.rollout.base import Prompt
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: Lightning's 64-true/16-true/bf16-true input conversion rebuilds dataclasses in a batch
 class PromptRecord:
-    """One prompt of the stream."""
+    """One prompt of the stream (treat as read-only)."""
 
     id: int
     """Global stream position: unique across ranks, the same in every run (the group id of its completions)."""
@@ -338,9 +338,8 @@ class PromptDataModule(LightningDataModule):
 
     @override
     def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
-        # Records are host text (tensors move per chunk in GRPOModule.forward_chunk), and Lightning's default
-        # cannot rebuild frozen dataclasses. The only override of this hook: GRPOModule has none, so Lightning
-        # never warns that two implementations compete.
+        # Records are host text (tensors move per chunk in GRPOModule.forward_chunk). The only override of this
+        # hook: GRPOModule has none, so Lightning never warns that two implementations compete.
         return batch
 
     @override
