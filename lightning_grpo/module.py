@@ -22,13 +22,11 @@ import time
 from collections.abc import Sequence
 
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 
-from lightning_grpo.accumulate import DeferredAccumulator, plain_step
+from lightning_grpo.accumulate import DeferredAccumulator
 from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint.state import LoopState
@@ -43,7 +41,7 @@ from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
 from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_pass, warn_if_unfrozen
 from lightning_grpo.policy import PolicyConfig, load_policy, with_seed
-from lightning_grpo.precision import check_precision
+from lightning_grpo.precision import PluginStep, adamw_kernel, check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
@@ -107,8 +105,6 @@ class GRPOModule(LightningModule):
         self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
         self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
         self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
-        self._finish_window = None  # set while a GradScaler step waits for on_before_optimizer_step (drive_step)
-        self._window_norm = math.nan
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
     def configure_policy(self):
@@ -190,7 +186,7 @@ class GRPOModule(LightningModule):
         o = self.optim_cfg
         params = [p for p in self.policy.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                **_adamw_kernel(params, o.fused, self._scaler()))
+                                **adamw_kernel(params, o.fused, self._scaler()))
         return [opt], [build_scheduler(opt, o, self.schedule_horizon)]
 
     def on_fit_start(self) -> None:
@@ -210,7 +206,8 @@ class GRPOModule(LightningModule):
 
     def on_train_start(self) -> None:
         opt, sched = self.optimizers(), self.lr_schedulers()
-        self.loop = self.make_loop(opt, sched, self.manual_backward, step=self.drive_step, clip=self.clip_window)
+        plugin_step = PluginStep(self.trainer, self.policy, opt)  # unscale -> 1/sum -> clip -> step via the plugin
+        self.loop = self.make_loop(opt, sched, self.manual_backward, step=plugin_step, clip=plugin_step.clip)
         self._state.resume(self.trainer, self.loop, self.old_logprobs, self.trainer.datamodule)
         self._state.boundary(self.loop, self.old_logprobs, self.global_step, self.trainer.datamodule)
 
@@ -224,39 +221,10 @@ class GRPOModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._state.load(checkpoint)  # put back at on_train_start, once the loop exists
 
-    def drive_step(self, finish) -> float:
-        """The optimizer step through Lightning's precision plugin; ``finish`` (x 1/sum denom, clip) sees true-scale grads.
-
-        Without a GradScaler the gradients are at their true scale already: finish, then step unless the
-        norm is non-finite. With one (16-mixed) the plugin's ``optimizer_step`` unscales, calls
-        ``on_before_optimizer_step`` (-> ``finish``), then ``scaler.step`` skips a non-finite update itself and
-        ``scaler.update()`` lowers the scale: so an overflowed window is stepped through, never around.
-        """
-        optimizer = self.optimizers()
-        if self._scaler() is None:
-            return plain_step(optimizer)(finish)
-        self._finish_window, self._window_norm = finish, math.nan
-        optimizer.step()
-        if self._finish_window is not None:
-            raise RuntimeError(f"{type(self.trainer.precision_plugin).__name__}.optimizer_step did not call "
-                               "on_before_optimizer_step, so the deferred divisor and clipping were not applied")
-        return self._window_norm
-
-    def clip_window(self, max_norm: float, norm: Tensor) -> None:
-        """Clip through the precision plugin (``self.clip_gradients``), after unscaling and the deferred divisor."""
-        plugin, optimizer = self.trainer.precision_plugin, self.optimizers()
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is None and _optimizer_handles_unscaling(optimizer):
-            # Lightning refuses to clip for a fused optimizer under any MixedPrecision, bf16 too, though without a
-            # scaler nothing unscales inside the step (Lightning-AI/pytorch-lightning#21435): clipping here is exact.
-            torch.nn.utils.clip_grads_with_norm_([p for p in self.policy.parameters() if p.grad is not None],
-                                                 max_norm, norm)
-        else:
-            self.clip_gradients(optimizer, max_norm, "norm")
-
     def on_before_optimizer_step(self, optimizer) -> None:
-        if self._finish_window is not None:  # inside drive_step's GradScaler step: gradients are unscaled now
-            finish, self._finish_window = self._finish_window, None
-            self._window_norm = finish()
+        step = self.loop.accumulator.step if self.loop is not None else None
+        if isinstance(step, PluginStep):  # in a GradScaler step the plugin has unscaled: now the divisor and the clip
+            step.before_optimizer_step()
 
     def make_loop(self, optimizer, scheduler=None, backward=None, step=None, clip=None) -> CollectedBatchLoop:
         """The collected-batch loop over this module's policy (also usable without a Trainer)."""
@@ -416,14 +384,3 @@ class GRPOModule(LightningModule):
                         "HandoffCallback() in Trainer(callbacks=...) for the colocated sleep/wake hand-off.",
                         type(self.engine).__name__)
         return publisher
-
-
-def _adamw_kernel(params, fused: bool | None, scaler) -> dict:
-    """AdamW's fused kernel where the device has one (CPU, CUDA), else foreach; ``fused`` = the user's choice.
-
-    Not under a GradScaler by default: a fused step unscales inside its kernel, after our clip, and Lightning's
-    precision plugin refuses to clip for such an optimizer.
-    """
-    if fused is None:
-        fused = scaler is None and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return {"fused": True} if fused else {}  # {}: torch's default kernel (foreach on CUDA)

@@ -7,7 +7,7 @@
   measured on the spot.
 * ``16-mixed``: fp32 master weights, fp16 autocast and Lightning's GradScaler. The step runs through
   the precision plugin in the order unscale -> x 1/sum denom -> clip -> step, and ``scaler.update()``
-  also follows a skipped (overflowed) window (``GRPOModule.drive_step``). Refused when the weights
+  also follows a skipped (overflowed) window (``PluginStep``). Refused when the weights
   themselves are fp16 (a GradScaler cannot unscale fp16 gradients).
 * ``bf16-true`` / ``16-true`` (or ``policy.dtype`` bfloat16/float16 under any precision): the weights
   are half precision, so an AdamW update below half a weight's rounding step is lost. Warned once.
@@ -17,13 +17,19 @@ Measured figures: docs/precision.md (``python -m bench.precision``).
 
 from __future__ import annotations
 
+import math
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 
 import torch
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
+
+from lightning_grpo.accumulate import plain_step
 
 HALF = (torch.bfloat16, torch.float16)
 # CPU flags of native half-precision arithmetic (x86 /proc/cpuinfo "flags", Arm "Features").
@@ -103,3 +109,62 @@ def check_precision(precision: str, policy: nn.Module, on_cpu: bool, scaler: obj
             "this CPU just now (docs/precision.md has whole updates). Use precision: 32-true here; bf16-mixed pays off "
             "on CPUs with AVX512-BF16 or AMX, and on GPUs."
         )
+
+
+class PluginStep:
+    """The accumulator's step driver under a Trainer: the optimizer step through Lightning's precision plugin.
+
+    Without a GradScaler the gradients are at their true scale already: ``finish`` (x 1/sum denom, clip),
+    then step unless the norm is non-finite. With one (16-mixed) ``LightningOptimizer.step()`` runs the
+    plugin's ``optimizer_step``: it unscales, calls ``on_before_optimizer_step`` (-> ``finish``), then
+    ``scaler.step`` skips a non-finite update itself and ``scaler.update()`` lowers the scale. An overflowed
+    window is stepped through, never around, or the scale would stay where it overflowed.
+
+    Args:
+        trainer: the Trainer (its ``precision_plugin``).
+        policy: the trained model (its gradients are clipped).
+        optimizer: the ``LightningOptimizer`` of the policy.
+    """
+
+    def __init__(self, trainer, policy: nn.Module, optimizer) -> None:
+        self.trainer, self.policy, self.optimizer = trainer, policy, optimizer
+        self._finish: Callable[[], float] | None = None  # set while a GradScaler step waits for the hook
+        self._norm = math.nan
+
+    def __call__(self, finish: Callable[[], float]) -> float:
+        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+            return plain_step(self.optimizer)(finish)
+        self._finish, self._norm = finish, math.nan
+        self.optimizer.step()
+        if self._finish is not None:
+            raise RuntimeError(f"{type(self.trainer.precision_plugin).__name__}.optimizer_step did not call "
+                               "on_before_optimizer_step, so the deferred divisor and clipping were not applied")
+        return self._norm
+
+    def before_optimizer_step(self) -> None:
+        """``GRPOModule.on_before_optimizer_step``: inside a GradScaler step the gradients are unscaled now."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._norm = finish()
+
+    def clip(self, max_norm: float, norm: Tensor) -> None:
+        """Clip through the precision plugin (``LightningModule.clip_gradients``)."""
+        plugin = self.trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None and _optimizer_handles_unscaling(self.optimizer):
+            # Lightning refuses to clip for a fused optimizer under any MixedPrecision, bf16 too, though without a
+            # scaler nothing unscales inside the step (Lightning-AI/pytorch-lightning#21435): clipping here is exact.
+            torch.nn.utils.clip_grads_with_norm_([p for p in self.policy.parameters() if p.grad is not None],
+                                                 max_norm, norm)
+        else:
+            self.trainer.lightning_module.clip_gradients(self.optimizer, max_norm, "norm")
+
+
+def adamw_kernel(params, fused: bool | None, scaler) -> dict:
+    """AdamW's kernel arguments: fused where the device has one (CPU, CUDA) unless ``fused`` says otherwise.
+
+    Not under a GradScaler by default: a fused step unscales inside its kernel, after our clip, and Lightning's
+    precision plugin refuses to clip for such an optimizer.
+    """
+    if fused is None:
+        fused = scaler is None and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return {"fused": True} if fused else {}  # {}: torch's default kernel (foreach on CUDA, a for-loop on CPU)
