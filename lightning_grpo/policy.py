@@ -68,7 +68,8 @@ class PolicyConfig:
     revision: str | None = None
     """Hub revision (branch, tag or commit) of a Hub id; None = main. Ignored for folders."""
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the trained policy (float32 for mixed precision: the master weights)."""
+    """Parameter dtype of the trained policy. float32 = fp32 master weights under trainer.precision bf16-mixed /
+    16-mixed; bfloat16/float16 weights lose small updates (warned at fit start, docs/precision.md)."""
     trust_remote_code: bool = False
     """Allow custom modeling code shipped with the model. Off: loading never executes checkpoint code."""
     attn_implementation: str | None = None
