@@ -61,6 +61,7 @@ def setup(rows: int, completion: int, spec: dict = SPEC):
 
     module = GRPOModule(policy=PolicyConfig(path="tiny:bench-precision", tiny=TinyPolicySpec(**spec)),
                         rl=GRPOConfig(batch_per_replica=rows, group_size=rows // 2))
+    module.configure_model()  # no Trainer: build the policy ourselves
     vocab = module.policy.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt, lens = 16, torch.randint(completion // 2, completion + 1, (rows,), generator=g)

@@ -157,6 +157,7 @@ def changed_fraction(policy_dir, precision: str, dtype: str = "float32") -> floa
     module = tiny_grpo_module(policy_dir)
     module.optim_cfg = OptimConfig(lr=1e-6)
     module.policy_cfg.dtype = dtype
+    module.configure_model()  # built here to record the starting weights; the fit keeps this policy
     before = [p.detach().clone() for p in module.policy.parameters()]
     trainer = Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, precision=precision)
@@ -215,6 +216,7 @@ def adamw_updates(policy_dir, **kernel) -> tuple[dict, dict]:
     from helpers import params_of
 
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir)), rl=GRPOConfig(batch_per_replica=8, group_size=2))
+    module.configure_model()  # no Trainer: build the policy ourselves
     opt = torch.optim.AdamW(module.policy.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                             **kernel)
     before = params_of(module.policy)
