@@ -21,6 +21,8 @@ One optimizer step consumes ``grad_accum`` (= ``n_micro``) ``train`` calls, its 
   the remaining calls of that window are discarded, so the optimizer never steps on a mixture
   of two mini-batches. A non-finite gradient norm at the step skips that step (a GradScaler
   still sees it: it skips the update itself and lowers its scale).
+* ``consecutive_skips`` counts windows skipped in a row (a step taken resets it): the loop stops a
+  run past ``rl.max_consecutive_skips``, since ``global_step`` counts only the steps taken.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class StepOutcome:
     """Global gradient norm after normalization, before clipping (nan when skipped)."""
     lr: float
     skipped: bool
+    cause: str | None = None
+    """Why a skipped window was skipped: ``"loss"`` (a non-finite chunk loss) or ``"gradient"`` (a non-finite norm)."""
 
 
 class DeferredAccumulator:
@@ -117,6 +121,8 @@ class DeferredAccumulator:
         self._discard = 0  # countdown: calls of a poisoned window still to drop
         self.skipped_steps = 0
         self.discarded_chunks = 0
+        self.consecutive_skips = 0  # windows skipped since the last step taken
+        self.last_skip_cause: str | None = None  # "loss" or "gradient": why the last window was skipped
 
     # -- the countdown -----------------------------------------------------------------------------------------
     def discarding(self) -> bool:
@@ -130,12 +136,14 @@ class DeferredAccumulator:
         return self._skipped() if self._discard == 0 else None
 
     def _skipped(self) -> StepOutcome:
-        return StepOutcome(grad_norm=math.nan, lr=self._lr(), skipped=True)
+        return StepOutcome(grad_norm=math.nan, lr=self._lr(), skipped=True, cause="loss")
 
     def _poison(self) -> None:
         self._discard = self.grad_accum - 1 - self._calls
         self.discarded_chunks += 1  # the non-finite chunk itself
         self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self.last_skip_cause = "loss"
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -176,10 +184,14 @@ class DeferredAccumulator:
         skipped = not math.isfinite(grad_norm)
         if skipped:
             self.skipped_steps += 1
-        elif self.scheduler is not None:
-            self.scheduler.step()
+            self.consecutive_skips += 1
+            self.last_skip_cause = "gradient"
+        else:
+            self.consecutive_skips = 0
+            if self.scheduler is not None:
+                self.scheduler.step()
         self._reset_window()
-        return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=skipped)
+        return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=skipped, cause="gradient" if skipped else None)
 
     def _finish(self) -> float:
         """Gradients at their true scale -> x ref / sum denom -> norm -> clip. Returns the norm (before clipping)."""
@@ -202,10 +214,12 @@ class DeferredAccumulator:
 
     # -- resume ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"calls": self._calls, "denom_sum": float(self._denom_sum), "ref": float(self._ref), "discard": self._discard,
-                "skipped_steps": self.skipped_steps, "discarded_chunks": self.discarded_chunks}
+        return {"calls": self._calls, "denom_sum": float(self._denom_sum), "ref": float(self._ref),
+                "discard": self._discard, "skipped_steps": self.skipped_steps,
+                "discarded_chunks": self.discarded_chunks, "consecutive_skips": self.consecutive_skips}
 
     def load_state_dict(self, state: dict) -> None:
         self._calls, self._denom_sum, self._discard = state["calls"], state["denom_sum"], state["discard"]
         self._ref = state.get("ref", 1.0)
         self.skipped_steps, self.discarded_chunks = state["skipped_steps"], state["discarded_chunks"]
+        self.consecutive_skips = state.get("consecutive_skips", 0)  # absent in checkpoints before 0.x

@@ -61,6 +61,10 @@ class GRPOConfig:
     freeze_pi_old: bool = True
     """Keep pi_old frozen across the window at n_mini > 1 (the ahead pass). Diagnostic only: false lets pi_old follow
     the drifting policy, so the ratio returns to 1 every mini-batch and the clip never binds (reproduces the collapse)."""
+    max_consecutive_skips: int | None = 8
+    """Stop the run with an error naming the last non-finite loss or gradient once more than this many optimizer steps
+    in a row were skipped for non-finite values (global_step counts only steps taken, so an always-NaN run would
+    never reach max_steps); null = never stop."""
     grad_accum: int = 1
     """Retired for GRPO: the accumulation count is derived as n_micro. Set micro_batch_per_replica instead."""
 
@@ -145,6 +149,10 @@ class GRPOConfig:
             p.append(f"scale_rewards={self.scale_rewards!r}: must be one of 'group', 'batch', 'none'")
         if not isinstance(self.freeze_pi_old, bool):
             p.append(f"freeze_pi_old={self.freeze_pi_old!r}: must be true or false")
+        if self.max_consecutive_skips is not None and (not _is_int(self.max_consecutive_skips)
+                                                       or self.max_consecutive_skips < 0):
+            p.append(f"max_consecutive_skips={self.max_consecutive_skips!r}: must be an integer >= 0 "
+                     "(0 = stop at the first skipped step) or null (never stop)")
         if self.grad_accum != 1:
             p.append(
                 f"grad_accum={self.grad_accum}: rl.grad_accum is retired for GRPO; the accumulation count is derived. "

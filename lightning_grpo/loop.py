@@ -51,6 +51,12 @@ class LoopResult:
     chunks: list[ChunkStats] = field(default_factory=list)
     steps: list[StepOutcome] = field(default_factory=list)
     discarded_chunks: int = 0
+    consecutive_skips: int = 0
+    """Windows skipped in a row when the batch ended (across loop steps)."""
+
+
+class NonFiniteRunError(RuntimeError):
+    """More optimizer steps in a row were skipped for non-finite values than ``rl.max_consecutive_skips`` allows."""
 
 
 class CollectedBatchLoop:
@@ -59,12 +65,18 @@ class CollectedBatchLoop:
     Args:
         accumulator: owns backward, the deferred divisor, the countdown and the step.
         forward_chunk: scores one chunk with the objective.
+        max_consecutive_skips: raise ``NonFiniteRunError`` once more windows than this are skipped in a
+            row (``global_step`` counts only steps taken, so an always-NaN run would never reach
+            ``max_steps``); None = never.
     """
 
-    def __init__(self, accumulator: DeferredAccumulator, forward_chunk: ForwardChunk) -> None:
+    def __init__(self, accumulator: DeferredAccumulator, forward_chunk: ForwardChunk,
+                 max_consecutive_skips: int | None = None) -> None:
         self.accumulator = accumulator
         self.forward_chunk = forward_chunk
+        self.max_consecutive_skips = max_consecutive_skips
         self.progress = LoopProgress()
+        self.last_nonfinite = ""  # where the last non-finite value came from, for the error
 
     def run(self, batch: RolloutBatch, plan: ChunkPlan, pi_old: Sequence[Tensor | None] | None = None) -> LoopResult:
         """Consume ``batch``. ``pi_old[k]`` is the frozen pi_old of the k-th chunk in walk order (None = detach)."""
@@ -85,20 +97,39 @@ class CollectedBatchLoop:
                     chunk = plan.chunk(batch, mini, micro)
                     loss, denom, stats = self.forward_chunk(chunk, paired(pi_old, k, chunk))
                     window.append(stats)
+                    skipped_before = acc.skipped_steps
                     outcome = acc.train(loss, denom)
+                    if acc.skipped_steps != skipped_before:  # this call poisoned the window, or its step was skipped
+                        self._note_nonfinite(acc, mini, micro)
                 k += 1
             self._close(result, window, outcome, mini)
         result.discarded_chunks = acc.discarded_chunks - discarded_before  # dropped + the non-finite ones
+        result.consecutive_skips = acc.consecutive_skips
         self.progress.loop_step += 1
         return result
+
+    def _note_nonfinite(self, acc: DeferredAccumulator, mini: int, micro: int) -> None:
+        step = self.progress.loop_step + 1  # the logged step of the loop step in flight
+        if acc.last_skip_cause == "loss":
+            self.last_nonfinite = f"non-finite loss in loop step {step}, mini-batch {mini}, micro-batch {micro}"
+        else:
+            self.last_nonfinite = (f"non-finite gradient norm at the optimizer step of loop step {step}, "
+                                   f"mini-batch {mini} (closed by micro-batch {micro})")
 
     def _close(self, result: LoopResult, window: list[ChunkStats], outcome: StepOutcome | None, mini: int) -> None:
         if outcome is None:  # the accumulator steps every n_micro calls, from an empty window at each batch start
             raise RuntimeError(f"mini-batch {mini} ended without closing its accumulation window")
         self.progress.optimizer_steps += 1
         result.steps.append(outcome)
-        if outcome.skipped:
-            log.warning("non-finite loss or gradient: skipped the optimizer step of loop step %d, mini-batch %d",
-                        self.progress.loop_step, mini)
-        else:
+        if not outcome.skipped:
             result.chunks.extend(window)
+            return
+        log.warning("%s: skipped that optimizer step", self.last_nonfinite)
+        limit, run = self.max_consecutive_skips, self.accumulator.consecutive_skips
+        if limit is not None and run > limit:
+            raise NonFiniteRunError(
+                f"rl.max_consecutive_skips={limit}: {run} optimizer steps in a row were skipped for non-finite "
+                f"values; the last: {self.last_nonfinite}. Nothing was saved from this loop step: checkpoints hold "
+                "batch boundaries with finite parameters. Look for NaN/inf in rewards or advantages, lower optim.lr, "
+                "or raise rl.max_consecutive_skips (null = never stop)"
+            )

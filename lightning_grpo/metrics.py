@@ -6,6 +6,9 @@
 * Counts (``grpo/n``, ``grpo/tokens``, ``grpo/denom``) are summed.
 * Per-token ratios (clip fraction, ratio mean, KL) are weighted by this rank's tokens.
 * Per-optimizer-step figures (grad norm, lr) are mean and max over the steps of the batch.
+* Every name is logged on every loop step: a loop step whose windows were all skipped logs NaN for
+  the figures of trained chunks and taken steps and 0 for the counts, never nothing (Lightning
+  would re-log the previous step's cached value for a missing key, and a resumed run a blank).
 * Across data-parallel ranks ``combine_ranks`` makes one figure per metric for the whole job (see the
   ``RANK_*`` sets and docs/distributed.md).
 """
@@ -21,9 +24,17 @@ import torch
 from lightning_grpo.loop import LoopResult
 
 
+CHUNK_FIGURES = ("grpo/loss", "grpo/clip_frac", "grpo/ratio_mean", "grpo/ratio_max", "grpo/kl")
+"""Figures of the chunks that stepped: NaN on a loop step where none did."""
+CHUNK_COUNTS = ("grpo/denom", "grpo/tokens", "grpo/n")
+"""Counts of what was trained: 0 on a loop step where nothing was."""
+STEP_FIGURES = ("grpo/grad_norm", "grpo/grad_norm_max", "grpo/lr", "grpo/lr_max")
+"""Figures of the optimizer steps taken: NaN on a loop step where none was."""
+
+
 def roll_up(result: LoopResult) -> dict[str, float]:
-    """Metrics of one collected batch from the chunks that stepped and each window's outcome."""
-    out: dict[str, float] = {}
+    """Metrics of one collected batch from the chunks that stepped and each window's outcome (always every name)."""
+    out: dict[str, float] = dict.fromkeys(CHUNK_FIGURES + STEP_FIGURES, math.nan) | dict.fromkeys(CHUNK_COUNTS, 0.0)
     if result.chunks:
         # [K, 8] on the host in one transfer (one CPU-GPU sync per collected batch).
         names = ("loss", "denom", "tokens", "n", "clip_frac", "ratio_mean", "ratio_max", "kl")
@@ -43,7 +54,8 @@ def roll_up(result: LoopResult) -> dict[str, float]:
         out["grpo/grad_norm"], out["grpo/grad_norm_max"] = sum(norms) / len(norms), max(norms)
         out["grpo/lr"], out["grpo/lr_max"] = sum(lrs) / len(lrs), max(lrs)
     out["grpo/optimizer_steps"] = float(len(stepped))
-    out["grpo/skipped_steps"] = float(len(result.steps) - len(stepped))
+    out["grpo/skipped_windows"] = float(len(result.steps) - len(stepped))
+    out["grpo/consecutive_skips"] = float(result.consecutive_skips)
     out["grpo/discarded_chunks"] = float(result.discarded_chunks)
     return out
 
@@ -66,7 +78,7 @@ RANK_MAX = frozenset({"grpo/ratio_max", "reward/max", "completion/len_max", "grp
 RANK_MIN = frozenset({"reward/min"})
 RANK_SAME = frozenset({
     "step", "loop_step", "global_step", "grpo/denom", "grpo/grad_norm", "grpo/grad_norm_max", "grpo/lr",
-    "grpo/lr_max", "grpo/optimizer_steps", "grpo/skipped_steps", "grpo/discarded_chunks",
+    "grpo/lr_max", "grpo/optimizer_steps", "grpo/skipped_windows", "grpo/consecutive_skips", "grpo/discarded_chunks",
 })
 """Equal on every rank by construction (the divisor is already a DP mean, the norm is taken after the gradient
 sync, skip decisions are collective); reduced with max, so a disagreement could only show the worse value."""
@@ -122,7 +134,7 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
         if kind[n] == "mean":
             out[n] /= world_size
         elif kind[n] == "token":
-            out[n] = out[n] / all_tokens if all_tokens > 0 else 0.0
+            out[n] = out[n] / all_tokens if all_tokens > 0 else (math.nan if math.isnan(out[n]) else 0.0)
         elif kind[n] == "min":
             out[n] = -out[n]
     for n in (n for n in names if kind[n] == "std"):

@@ -29,6 +29,8 @@ BAD_RL = [
     (dict(scale_rewards="median"), "scale_rewards='median'"),
     (dict(grad_accum=4), "Set micro_batch_per_replica"),
     (dict(batch_per_replica=True), "batch_per_replica=True"),
+    (dict(max_consecutive_skips=-1), "max_consecutive_skips=-1: must be an integer >= 0"),
+    (dict(max_consecutive_skips=2.5), "max_consecutive_skips=2.5"),
 ]
 
 

@@ -147,7 +147,7 @@ def test_non_finite_chunk_on_one_rank_skips_the_step_on_every_rank(two_ranks, ti
     before, _, _ = one_rank(tiny_policy_dir, "ddp-m4")
     for rank in (0, 1):
         r = two_ranks("ddp-m4-nan", rank)
-        assert r["metrics"]["grpo/skipped_steps"] == 1.0 and r["metrics"]["grpo/optimizer_steps"] == 0.0
+        assert r["metrics"]["grpo/skipped_windows"] == 1.0 and r["metrics"]["grpo/optimizer_steps"] == 0.0
         assert r["metrics"]["grpo/discarded_chunks"] == 3.0  # the NaN chunk + the 2 after it, on both ranks
         assert all(torch.equal(before[k], v) for k, v in r["params"].items())
 

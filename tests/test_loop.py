@@ -1,10 +1,13 @@
 """The collected-batch loop: nesting, the poisoned-window countdown, and no leak across batches."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from helpers import params_of, synthetic_batch
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.loop import NonFiniteRunError
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
 
@@ -108,3 +111,46 @@ def test_non_finite_gradient_norm_skips_the_step(tiny_policy_dir):
     assert [s.skipped for s in result.steps] == [True]
     assert all(torch.equal(before[k], v) for k, v in params_of(module.policy).items())
     assert all(p.grad is None for p in module.policy.parameters())
+
+
+def test_past_max_consecutive_skips_the_run_stops_naming_the_last_non_finite_chunk(tiny_policy_dir):
+    """Issue 20: global_step counts only steps taken, so an always-NaN run never reached max_steps."""
+    module = make(tiny_policy_dir)  # n_mini = 2, n_micro = 3
+    module.loop.max_consecutive_skips = 4
+    poison(module, set(range(100)))  # every chunk's loss is NaN
+    before = params_of(module.policy)
+    module.update(synthetic_batch(LENS))
+    module.update(synthetic_batch(LENS))
+    assert module.loop.accumulator.consecutive_skips == 4  # 4 windows skipped: at the limit, not past it
+    with pytest.raises(NonFiniteRunError, match=r"rl.max_consecutive_skips=4: 5 optimizer steps in a row .* the last: "
+                       r"non-finite loss in loop step 3, mini-batch 0, micro-batch 0"):
+        module.update(synthetic_batch(LENS))
+    assert_same_params(module, SimpleNamespace(policy=_with(module.policy, before)))
+
+
+def test_a_step_taken_resets_the_consecutive_count_and_a_gradient_cause_is_named(tiny_policy_dir):
+    module = make(tiny_policy_dir)
+    module.loop.max_consecutive_skips = 1
+    poison(module, {0, 6})  # loop step 1: mini 0 skipped (its micro 0), mini 1 steps; loop step 2: the same (micro 2)
+    module.update(synthetic_batch(LENS))
+    assert module.loop.accumulator.consecutive_skips == 0
+    module.update(synthetic_batch(LENS))
+    assert module.loop.accumulator.consecutive_skips == 0  # mini 1 stepped again
+    module.loop.forward_chunk = module.forward_chunk
+    real_norm = torch.nn.utils.clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_ = lambda params, max_norm: torch.tensor(float("inf"))
+    try:
+        with pytest.raises(NonFiniteRunError, match="non-finite gradient norm at the optimizer step of loop step 3, "
+                                                    "mini-batch 1"):
+            module.update(synthetic_batch(LENS))
+    finally:
+        torch.nn.utils.clip_grad_norm_ = real_norm
+
+
+def _with(model, params):
+    """A copy of ``model`` holding ``params``."""
+    import copy
+
+    other = copy.deepcopy(model)
+    other.load_state_dict({**other.state_dict(), **params})
+    return other

@@ -1,5 +1,7 @@
 """Roll-up: token-weighted loss, summed counts, mean/max per-step figures."""
 
+import math
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from helpers import synthetic_batch
 from lightning_grpo.accumulate import StepOutcome
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.loop import LoopResult
-from lightning_grpo.metrics import roll_up
+from lightning_grpo.metrics import CHUNK_COUNTS, CHUNK_FIGURES, STEP_FIGURES, combine_ranks, roll_up
 from lightning_grpo.objectives.grpo import GRPOObjective
 
 
@@ -53,4 +55,24 @@ def test_step_figures_are_mean_and_max_over_stepped_windows():
     m = roll_up(LoopResult(steps=steps, discarded_chunks=2))
     assert m["grpo/grad_norm"] == 2.0 and m["grpo/grad_norm_max"] == 3.0
     assert m["grpo/lr"] == pytest.approx(1.5e-3) and m["grpo/lr_max"] == 2e-3
-    assert (m["grpo/optimizer_steps"], m["grpo/skipped_steps"], m["grpo/discarded_chunks"]) == (2, 1, 2)
+    assert (m["grpo/optimizer_steps"], m["grpo/skipped_windows"], m["grpo/discarded_chunks"]) == (2, 1, 2)
+
+
+def test_a_fully_skipped_loop_step_logs_every_name_nan_or_zero_never_absent():
+    """Issue 20: a missing key made Lightning re-log the previous step's cached value (and a resumed run a blank)."""
+    clean = roll_up(LoopResult(chunks=chunk_stats(synthetic_batch([3, 5, 2, 4]), 2),
+                               steps=[StepOutcome(1.0, 1e-3, False)]))
+    skipped = roll_up(LoopResult(steps=[StepOutcome(math.nan, 1e-3, True, cause="loss")] * 2, discarded_chunks=4,
+                                 consecutive_skips=5))
+    assert skipped.keys() == clean.keys()
+    for name in CHUNK_FIGURES + STEP_FIGURES:
+        assert math.isnan(skipped[name]), name
+    assert all(skipped[name] == 0.0 for name in CHUNK_COUNTS)
+    assert (skipped["grpo/skipped_windows"], skipped["grpo/consecutive_skips"], skipped["grpo/optimizer_steps"]) == (
+        2.0, 5.0, 0.0)
+
+
+def test_combine_ranks_keeps_a_skipped_steps_token_weighted_figures_nan():
+    skipped = roll_up(LoopResult(steps=[StepOutcome(math.nan, 1e-3, True, cause="loss")]))
+    out = combine_ranks(skipped, lambda t, op: t * 2 if op == "sum" else t, world_size=2, rows=4)
+    assert math.isnan(out["grpo/clip_frac"]) and math.isnan(out["grpo/loss"]) and out["grpo/tokens"] == 0.0
