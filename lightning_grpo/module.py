@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from lightning_grpo.accumulate import DeferredAccumulator
 from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
-from lightning_grpo.checkpoint.state import LoopState
+from lightning_grpo.checkpoint.state import LoopState, NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
@@ -215,7 +215,15 @@ class GRPOModule(LightningModule):
         self._state.step_started()  # the last hook before training_step: a loaded RNG state is restored here
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Every checkpoint Lightning writes carries the state at the last batch boundary (checkpoint/state.py)."""
+        """Every checkpoint Lightning writes carries the state at the last batch boundary (checkpoint/state.py).
+
+        Refused when a parameter holds NaN/inf, whoever saves (``OnExceptionCheckpoint`` after a run stopped on
+        non-finite values included): no checkpoint of poisoned weights ever replaces a good one.
+        """
+        if (bad := nonfinite_parameter(self.trainer)) is not None:
+            raise NonFiniteParametersError(
+                f"refusing to write a checkpoint: parameter {bad!r} holds NaN/inf (the last finite weights are in "
+                "the newest earlier checkpoint; resume from it with a lower optim.lr)")
         self._state.write(self.trainer, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -231,7 +239,7 @@ class GRPOModule(LightningModule):
         acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.rl.n_micro,
                                   max_grad_norm=self.rl.max_grad_norm, backward=backward, scheduler=scheduler,
                                   grad_sync=self._grad_sync, all_finite=self._all_ranks_finite, step=step, clip=clip)
-        return CollectedBatchLoop(acc, self.forward_chunk)
+        return CollectedBatchLoop(acc, self.forward_chunk, max_consecutive_skips=self.rl.max_consecutive_skips)
 
     def training_step(self, records, batch_idx: int) -> None:
         # 1. rollout: this rank's prompts -> completions -> rewards -> group advantages

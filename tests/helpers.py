@@ -107,17 +107,21 @@ class StepRecorder(Callback):
         self.prompt_ids.append([r.id for r in batch])
 
 
-def fit_tiny(module, root, loop_steps: int, callbacks=(), ckpt_path=None):
-    """``Trainer.fit`` of ``module`` for ``loop_steps`` collected batches on CPU; returns the trainer."""
+def fit_tiny(module, root, loop_steps: int, callbacks=(), ckpt_path=None, val_size: int = 0, **trainer_kw):
+    """``Trainer.fit`` of ``module`` for ``loop_steps`` collected batches on CPU; returns the trainer.
+
+    ``trainer_kw`` overrides the Trainer's arguments (``logger``, ``val_check_interval``, ...).
+    """
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import Checkpoint
 
     from lightning_grpo.data.prompts import PromptDataModule
 
-    trainer = Trainer(max_steps=loop_steps * module.rl.n_mini, accelerator="cpu", devices=1, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                      enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks), callbacks=list(callbacks))
-    trainer.fit(module, datamodule=PromptDataModule("builtin:arith", val_size=0), ckpt_path=ckpt_path)
+    kw = dict(max_steps=loop_steps * module.rl.n_mini, accelerator="cpu", devices=1, logger=False,
+              enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+              enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks), callbacks=list(callbacks))
+    trainer = Trainer(**{**kw, **trainer_kw})
+    trainer.fit(module, datamodule=PromptDataModule("builtin:arith", val_size=val_size), ckpt_path=ckpt_path)
     return trainer
 
 

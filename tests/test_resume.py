@@ -25,6 +25,9 @@ from lightning_grpo.checkpoint import (
     complete_checkpoints,
     config_path,
     find_last_checkpoint,
+    loop_step_of,
+    manifest_path,
+    read_manifest,
     resolve_ckpt_path,
 )
 from lightning_grpo.checkpoint.state import LoopState, gather_rng_states, rng_state
@@ -126,6 +129,20 @@ def test_constructor_validation_lists_every_problem():
         GRPOCheckpoint(every_n_loop_steps=-1, keep_last=-2)
 
 
+class FakeTrainer(SimpleNamespace):
+    """Just what GRPOCheckpoint.save touches: one rank, a module with parameters, save_checkpoint."""
+
+    def __init__(self, save_checkpoint, module):
+        super().__init__(is_global_zero=True, world_size=1, global_step=0, callbacks=[], lightning_module=module,
+                         max_steps=0, save_checkpoint=save_checkpoint, strategy=SimpleNamespace(checkpoint_io=None))
+
+
+def fake_module(loop_step: int = 0) -> torch.nn.Module:
+    module = torch.nn.Linear(2, 2)
+    module.loop_step = loop_step
+    return module
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded-folder"])
 def test_cadence_counts_loop_steps_renames_finished_saves_and_keeps_the_last(tmp_path, sharded):
     saved = []
@@ -140,19 +157,21 @@ def test_cadence_counts_loop_steps_renames_finished_saves_and_keeps_the_last(tmp
         else:
             path.write_bytes(b"ckpt")
 
-    module = SimpleNamespace(loop_step=0)
-    trainer = SimpleNamespace(is_global_zero=True, callbacks=[], lightning_module=module, max_steps=0,
-                              save_checkpoint=save_checkpoint)
+    module = fake_module()
+    trainer = FakeTrainer(save_checkpoint, module)
     cb = GRPOCheckpoint(dirpath=str(tmp_path), every_n_loop_steps=3, keep_last=2)
+    cb.run_id = cb.lineage = "0123abcd"
     for step in range(1, 11):  # whatever n_mini is, the callback sees one call per loop step
         module.loop_step = step
         cb.on_train_batch_end(trainer, module, None, None, step - 1)
     cb.on_train_end(trainer, module)  # loop step 10 was not on the cadence: saved at the end
-    assert saved == [f".{checkpoint_name(s)}.staging" for s in (3, 6, 9, 10)]
+    assert saved == [f".{checkpoint_name(s, '0123abcd')}.staging" for s in (3, 6, 9, 10)]
     kept = complete_checkpoints(tmp_path)
-    assert [p.name for p in kept] == [checkpoint_name(9), checkpoint_name(10)] and kept[-1] == cb.last_path
-    assert all(p.is_dir() == sharded for p in kept)
-    assert sorted(tmp_path.iterdir()) == sorted([*kept, *map(config_path, kept)])  # nothing else left behind
+    assert [p.name for p in kept] == [checkpoint_name(9, "0123abcd"), checkpoint_name(10, "0123abcd")]
+    assert kept[-1] == cb.last_path and all(p.is_dir() == sharded for p in kept)
+    assert sorted(tmp_path.iterdir()) == sorted([*kept, *map(config_path, kept), *map(manifest_path, kept)])
+    manifest = read_manifest(kept[-1])
+    assert (manifest.lineage, manifest.loop_step, manifest.reason) == ("0123abcd", 10, "train_end")
 
 
 def test_last_is_the_newest_complete_checkpoint_across_run_versions(tmp_path):
@@ -162,7 +181,7 @@ def test_last_is_the_newest_complete_checkpoint_across_run_versions(tmp_path):
     for folder, steps in ((old, (4, 5)), (new, (6,))):
         folder.mkdir(parents=True)
         for s in steps:
-            (folder / checkpoint_name(s)).write_bytes(b"")
+            torch.save({"s": s}, folder / checkpoint_name(s))  # names of before run ownership: one lineage
             time.sleep(0.01)
     (new / f".{checkpoint_name(7)}.tmp-1").write_bytes(b"torn")
     assert resolve_ckpt_path("last", trainer) == str(new / checkpoint_name(6))
@@ -185,8 +204,9 @@ def test_a_save_failing_mid_write_keeps_the_previous_checkpoint_and_resume_repea
     with pytest.raises(OSError, match="injected"):
         fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path / "crashed", loop_steps=2, callbacks=[crashed, cb])
     monkeypatch.undo()
-    first = cb.dirpath / checkpoint_name(1)
-    assert sorted(p.name for p in cb.dirpath.iterdir()) == sorted([first.name, config_path(first).name])
+    first = cb.dirpath / checkpoint_name(1, cb.lineage)
+    assert sorted(p.name for p in cb.dirpath.iterdir()) == sorted(
+        [first.name, config_path(first).name, manifest_path(first).name, ".lock"])
     assert find_last_checkpoint([cb.dirpath]) == first
     saved = torch.load(first, weights_only=True)
     grpo = saved["grpo"]
@@ -326,6 +346,13 @@ def _rows(folder: Path, version: int) -> list[dict]:
         return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in csv.DictReader(f)]
 
 
+def step_file(folder: Path, loop_step: int) -> Path:
+    """The checkpoint of ``loop_step`` in ``folder`` (one lineage), or a path that does not exist."""
+    found = list(folder.glob(f"loop-step-{loop_step:06d}-*.ckpt"))
+    assert len(found) <= 1, found
+    return found[0] if found else folder / "missing"
+
+
 def _params(path: Path) -> dict:
     return torch.load(path, weights_only=True)["state_dict"]
 
@@ -343,13 +370,13 @@ def test_kill9_at_a_random_loop_step_then_resume_last_matches_the_uninterrupted_
         # kill -9 B at a random moment of a random loop step, once its checkpoint of loop step k exists
         k = rng.randint(1, LOOP_STEPS - 2)
         b_ckpts, deadline = b / "runs" / "tiny" / "version_0" / "checkpoints", time.time() + 300
-        while not (b_ckpts / checkpoint_name(k)).exists():
+        while not step_file(b_ckpts, k).exists():
             assert _alive(run_b) and time.time() < deadline, (b / "out.log").read_text()[-3000:]
             time.sleep(0.05)
         # A random moment of loop step k + 1, never past it: on an idle machine 2 s span several loop steps, and a
         # kill after the last checkpoint would leave nothing to resume.
         kill_at = time.time() + rng.uniform(0.0, 2.0)
-        while time.time() < kill_at and not (b_ckpts / checkpoint_name(k + 1)).exists():
+        while time.time() < kill_at and not step_file(b_ckpts, k + 1).exists():
             time.sleep(0.01)
         os.kill(run_b, signal.SIGKILL)
         while _alive(run_b):
@@ -363,7 +390,7 @@ def test_kill9_at_a_random_loop_step_then_resume_last_matches_the_uninterrupted_
     assert codes[run_a] == 0, (a / "out.log").read_text()[-3000:]
     assert codes[resumed] == 0, (b / "out.log").read_text()[-3000:]
 
-    resumed_from = int(survivors[-1].stem.split("-")[-1])
+    resumed_from = loop_step_of(survivors[-1])
     full, after = _rows(a, 0), _rows(b, 1)
     assert [int(r["step"]) for r in full] == list(range(1, LOOP_STEPS + 1))
     assert [int(r["step"]) for r in after] == list(range(resumed_from + 1, LOOP_STEPS + 1)), f"seed {seed}"
@@ -372,9 +399,9 @@ def test_kill9_at_a_random_loop_step_then_resume_last_matches_the_uninterrupted_
     # Parameters: equal where the two fresh runs overlap, and at the end of the resumed run.
     a_ckpts = a / "runs" / "tiny" / "version_0" / "checkpoints"
     for step, other in ((resumed_from, b_ckpts), (LOOP_STEPS, b / "runs" / "tiny" / "version_1" / "checkpoints")):
-        pa, pb = _params(a_ckpts / checkpoint_name(step)), _params(other / checkpoint_name(step))
+        pa, pb = _params(step_file(a_ckpts, step)), _params(step_file(other, step))
         assert pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa), f"step {step}, seed {seed}"
-    final = torch.load(a_ckpts / checkpoint_name(LOOP_STEPS), weights_only=True)
+    final = torch.load(step_file(a_ckpts, LOOP_STEPS), weights_only=True)
     assert {"state_dict", "optimizer_states", "lr_schedulers", "loops", "PromptDataModule", "grpo"} <= final.keys()
     assert final["global_step"] == 2 * LOOP_STEPS and final["grpo"]["data"]["next_prompt_id"] == 2 * LOOP_STEPS
     assert all(config_path(p).is_file() for p in complete_checkpoints(a_ckpts))

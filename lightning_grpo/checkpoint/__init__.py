@@ -1,33 +1,52 @@
-"""Complete, atomic checkpoints at the batch boundary, and exact resume (docs/checkpointing.md).
+"""Complete, atomic checkpoints at the batch boundary, owned by their run, and exact resume (docs/checkpointing.md).
 
 - ``state.py``: the module's own state (``checkpoint["grpo"]``), written by ``GRPOModule.on_save_checkpoint``
-  into every checkpoint Lightning writes, and the per-rank RNG streams.
-- ``callback.py``: ``GRPOCheckpoint``, the cadence in loop steps, keep-last and the config beside each file.
-- ``atomic.py``: ``AtomicCheckpointIO`` (same-folder temp file + ``os.replace``; ``weights_only=True`` loads).
-- ``paths.py``: checkpoint names, which files are complete, pruning, and ``--ckpt_path last``.
+  into every checkpoint Lightning writes, and the per-rank RNG streams; parameters with NaN/inf are never saved.
+- ``callback.py``: ``GRPOCheckpoint``, the cadence in loop steps, keep-last of the run's own files, the config
+  beside each file, the emergency save on SIGTERM / SIGUSR1.
+- ``atomic.py``: ``AtomicCheckpointIO`` (same-folder temp file + ``os.replace``; ``weights_only=True`` loads,
+  verified against the manifest; a full disk says so, naming the file).
+- ``paths.py``: checkpoint names, lineages (which run owns a file), pruning, and ``--ckpt_path last``.
+- ``integrity.py``: the manifest beside each checkpoint (run ids, SHA-256) and its verification.
+- ``lock.py``: one live run per checkpoint folder.
+- ``signals.py``: SIGTERM / SIGUSR1 recorded, acted on at the next safe point, Lightning's handlers kept.
 """
 
 from lightning_grpo.checkpoint.atomic import AtomicCheckpointIO, atomic_write
 from lightning_grpo.checkpoint.callback import GRPOCheckpoint, resolved_config
+from lightning_grpo.checkpoint.integrity import DamagedCheckpointError, Manifest, manifest_path, read_manifest
+from lightning_grpo.checkpoint.lock import FolderInUseError
 from lightning_grpo.checkpoint.paths import (
     checkpoint_name,
     complete_checkpoints,
     config_path,
     find_last_checkpoint,
+    lineage_entries,
+    loop_step_of,
     resolve_ckpt_path,
 )
-from lightning_grpo.checkpoint.state import STATE_KEY, LoopState
+from lightning_grpo.checkpoint.signals import Preempted
+from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError
 
 __all__ = [
     "STATE_KEY",
     "AtomicCheckpointIO",
+    "DamagedCheckpointError",
+    "FolderInUseError",
     "GRPOCheckpoint",
     "LoopState",
+    "Manifest",
+    "NonFiniteParametersError",
+    "Preempted",
     "atomic_write",
     "checkpoint_name",
     "complete_checkpoints",
     "config_path",
     "find_last_checkpoint",
+    "lineage_entries",
+    "loop_step_of",
+    "manifest_path",
+    "read_manifest",
     "resolve_ckpt_path",
     "resolved_config",
 ]

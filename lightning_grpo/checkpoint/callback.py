@@ -1,31 +1,42 @@
-"""GRPOCheckpoint: complete, atomic checkpoints every N collected batches, beside the resolved config.
+"""GRPOCheckpoint: complete, atomic checkpoints every N collected batches, owned by their run, beside the config.
 
 What the update depends on travels in every checkpoint whoever writes it (``GRPOModule``'s own
 ``on_save_checkpoint``, see ``checkpoint/state.py``); this callback only adds what is ours to add:
-the cadence in loop steps, atomic IO, keep-last pruning and the config beside each file.
+the cadence in loop steps, atomic IO, the run's ownership of its files (lineage ids, a manifest
+with a content hash, a folder lock, pruning of its own files only), the config beside each file,
+and the emergency save on SIGTERM / SIGUSR1 (``signals.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_grpo.checkpoint.atomic import AtomicCheckpointIO, atomic_write
+from lightning_grpo.checkpoint.atomic import DISK_FULL, AtomicCheckpointIO, atomic_write, disk_full
+from lightning_grpo.checkpoint.integrity import Manifest, digest, write_manifest
+from lightning_grpo.checkpoint.lock import FolderInUseError, FolderLock
 from lightning_grpo.checkpoint.paths import (
     checkpoint_name,
-    complete_checkpoints,
     config_path,
+    entries,
+    find_last_checkpoint,
     prune,
     publish,
     staging_path,
 )
+from lightning_grpo.checkpoint.signals import Preempted, SignalWatch
+from lightning_grpo.checkpoint.state import nonfinite_parameter
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +48,23 @@ class GRPOCheckpoint(Checkpoint):
     ``global_step`` counts ``optimizer.step()`` calls: loop steps x n_mini, less every window
     skipped for a non-finite loss, so a ``global_step`` cadence would drift off the batch
     boundary. While attached it also installs ``AtomicCheckpointIO`` (if the strategy uses the
-    stock ``TorchCheckpointIO``), so every checkpoint of the run is written atomically.
+    stock ``TorchCheckpointIO``), so every checkpoint of the run is written atomically and verified
+    against its manifest when loaded.
+
+    Each fit gets a run id and belongs to a lineage (a resumed fit continues the lineage of its
+    checkpoint): names carry the lineage (``loop-step-000020-1a2b3c4d.ckpt``), a manifest beside each
+    file records both ids and a SHA-256, ``keep_last`` prunes only this lineage's files, and a lock
+    keeps a second live run out of the folder. Parameters holding NaN/inf are never saved.
 
     Args:
         dirpath: folder of the checkpoints; None = ``<trainer.log_dir>/checkpoints`` (one folder per
             run version; ``--ckpt_path last`` searches the versions of the experiment).
         every_n_loop_steps: save after every n-th loop step; 0 = no scheduled saves.
-        keep_last: complete checkpoints kept in ``dirpath`` (older ones deleted after a save); 0 = all.
+        keep_last: checkpoints of this run's lineage kept in ``dirpath`` (older ones deleted after a
+            save); 0 = all. Other runs' files are never deleted.
         save_on_train_end: also save when fit ends, unless that loop step was just saved.
+        save_on_signal: on SIGTERM / SIGUSR1 (preemption, SLURM), save at the next batch boundary (or
+            validation batch) and exit with ``128 + signal number`` (see ``signals.py``).
 
     Raises:
         ValueError: a knob out of range (all problems listed at once).
@@ -58,7 +78,7 @@ class GRPOCheckpoint(Checkpoint):
     """
 
     def __init__(self, dirpath: str | None = None, every_n_loop_steps: int = 10, keep_last: int = 2,
-                 save_on_train_end: bool = True) -> None:
+                 save_on_train_end: bool = True, save_on_signal: bool = True) -> None:
         problems = []
         if not isinstance(every_n_loop_steps, int) or every_n_loop_steps < 0:
             problems.append(f"every_n_loop_steps={every_n_loop_steps!r}: must be an integer >= 0 (0 = no schedule)")
@@ -67,13 +87,21 @@ class GRPOCheckpoint(Checkpoint):
         if problems:
             raise ValueError("GRPOCheckpoint(" + "; ".join(problems) + ")")
         self.every_n_loop_steps, self.keep_last = every_n_loop_steps, keep_last
-        self.save_on_train_end = save_on_train_end
+        self.save_on_train_end, self.save_on_signal = save_on_train_end, save_on_signal
         self.explicit_dirpath = dirpath is not None
         """Whether ``dirpath`` was given (then ``--ckpt_path last`` searches only there)."""
         self.dirpath: Path | None = Path(dirpath) if dirpath else None
+        self.run_id: str | None = None
+        """This fit's id (8 hex digits)."""
+        self.lineage: str | None = None
+        """The lineage this fit writes: its own run id, or the resumed checkpoint's lineage."""
+        self._loaded_lineage: str | None = None
+        self._parent: str | None = None
         self._last_saved: int | None = None
         self.last_path: Path | None = None
         """The newest checkpoint this callback wrote."""
+        self._lock: FolderLock | None = None
+        self._signals = SignalWatch()
 
     # -- hooks -------------------------------------------------------------------------------------------------------
     @override
@@ -82,12 +110,25 @@ class GRPOCheckpoint(Checkpoint):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if not self.explicit_dirpath:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
+        self.run_id = trainer.strategy.broadcast(secrets.token_hex(4))  # one id for every rank
+        self._loaded_lineage = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"lineage": self.lineage, "run": self.run_id}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded_lineage = state_dict.get("lineage")  # a resume continues this lineage (on_train_start)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.ckpt_path is None and trainer.is_global_zero and complete_checkpoints(self.dirpath):
-            log.warning("%s already holds checkpoints of another run; they are pruned and overwritten by this one "
-                        "(resume with --ckpt_path last to continue them)", self.dirpath)
+        resumed = trainer.ckpt_path is not None
+        self.lineage = self._loaded_lineage if resumed and self._loaded_lineage else self.run_id
+        self._parent = str(trainer.ckpt_path) if resumed else None
+        self._take_folder(trainer)
+        if self.save_on_signal:
+            self._signals.install(trainer)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -95,37 +136,112 @@ class GRPOCheckpoint(Checkpoint):
         step = _loop_step(pl_module)
         if self.every_n_loop_steps and step % self.every_n_loop_steps == 0:
             self.save(trainer, step)
+        self._stop_if_signalled(trainer, step)
+
+    @override
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._signals.active:  # a validation inside fit (the final one too): stop at the batch, save the boundary
+            self._stop_if_signalled(trainer, _loop_step(pl_module))
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step = _loop_step(pl_module)
         if self.save_on_train_end and step > 0 and step != self._last_saved:
-            self.save(trainer, step)
+            self.save(trainer, step, reason="train_end")
+        self._let_go()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._let_go()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._let_go()
 
     # -- saving ------------------------------------------------------------------------------------------------------
-    def save(self, trainer: Trainer, loop_step: int) -> Path:
-        """Config beside it first, then the checkpoint under a staging name renamed into place, then prune.
+    def save(self, trainer: Trainer, loop_step: int, reason: str = "scheduled") -> Path | None:
+        """Config beside it first, then the checkpoint under a staging name, its manifest, the rename, then prune.
 
         The staging rename covers strategies that bypass ``CheckpointIO`` too (FSDP2's sharded
-        folder): a checkpoint name only ever points at a finished save, file or folder.
+        folder): a checkpoint name only ever points at a finished save, file or folder, whose
+        manifest is already there. Returns None, saving nothing, when a parameter is non-finite.
         """
-        path = self.dirpath / checkpoint_name(loop_step)
+        bad = nonfinite_parameter(trainer)  # a collective under DP
+        if bad is not None:
+            log.error("not saving loop step %d: parameter %r holds NaN/inf; the newest checkpoint of run %s, %s, "
+                      "holds the last good batch boundary", loop_step, bad, self.lineage,
+                      find_last_checkpoint([self.dirpath], self.lineage))
+            return None
+        path = self.dirpath / checkpoint_name(loop_step, self.lineage)
         staging = staging_path(path)
         if trainer.is_global_zero:
             text = resolved_config(trainer).encode()
             atomic_write(config_path(path), lambda f: f.write(text))
         try:
             trainer.save_checkpoint(staging, weights_only=False)  # every rank (collectives), then a barrier
-        except BaseException:
+            if trainer.is_global_zero:
+                sha, size = _written(trainer, staging)
+                write_manifest(path, Manifest(
+                    lineage=self.lineage, run=self.run_id, loop_step=loop_step, global_step=trainer.global_step,
+                    saved_at=time.time_ns(), sha256=sha, bytes=size, reason=reason, parent=self._parent))
+        except BaseException as err:
             if trainer.is_global_zero and not path.exists():
                 config_path(path).unlink(missing_ok=True)  # no checkpoint, no config beside it
+            if isinstance(err, OSError) and err.errno in DISK_FULL:
+                raise disk_full(err, path) from err  # the last line names the checkpoint, not its staging name
             raise
         if trainer.is_global_zero:
             publish(staging, path)
         self._last_saved, self.last_path = loop_step, path
         if trainer.is_global_zero:
-            prune(self.dirpath, self.keep_last)
+            prune(self.dirpath, self.keep_last, self.lineage)
         return path
+
+    # -- ownership and signals ----------------------------------------------------------------------------------------
+    def _take_folder(self, trainer: Trainer) -> None:
+        """Lock the folder for this run (rank 0; every rank raises if another live run holds it)."""
+        refused = None
+        if trainer.is_global_zero:
+            self._lock = FolderLock(self.dirpath)
+            try:
+                self._lock.acquire(self.run_id, self.lineage)
+            except FolderInUseError as err:
+                refused = str(err)
+            others = sorted({e.lineage or "(no id)" for e in entries([self.dirpath])} - {self.lineage})
+            if refused is None and others:
+                rank_zero_info(f"{self.dirpath} also holds checkpoints of run(s) {', '.join(others)}: this run "
+                               f"({self.lineage}) prunes only its own; --ckpt_path last resumes the run saved last")
+        refused = trainer.strategy.broadcast(refused)
+        if refused:
+            raise FolderInUseError(refused)
+
+    def _stop_if_signalled(self, trainer: Trainer, loop_step: int) -> None:
+        """A safe point: on a pending SIGTERM / SIGUSR1 (any rank), save, run Lightning's handler, exit non-zero."""
+        if not self._signals.active:
+            return
+        signum = self._signals.pending(trainer)
+        if signum is None:
+            return
+        name = signal.Signals(signum).name
+        path = self.last_path if self._last_saved == loop_step else self.save(trainer, loop_step, f"signal:{name}")
+        self._signals.forward(signum)  # Lightning's own handler, now at the boundary (SLURM: hpc save + requeue)
+        stop = Preempted(signum, path or "(none: non-finite parameters)", loop_step)
+        if trainer.is_global_zero:
+            log.warning("%s", stop)
+        raise stop
+
+    def _let_go(self) -> None:
+        self._signals.restore()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+def _written(trainer: Trainer, staging: Path) -> tuple[str, int]:
+    """SHA-256 and size of a finished save: recorded by ``AtomicCheckpointIO`` while writing, else read back."""
+    recorded = getattr(trainer.strategy.checkpoint_io, "written", {}).pop(str(staging), None)
+    return recorded if recorded is not None else digest(staging)
 
 
 def _loop_step(module: LightningModule) -> int:

@@ -1,8 +1,14 @@
-"""Checkpoint files on disk: their names, which are complete, where ``last`` looks, and pruning.
+"""Checkpoint files on disk: their names, which are complete, which run owns them, where ``last`` looks, pruning.
 
-Every rule about which files a run reads or deletes lives here, so ownership rules (which run
-wrote a file) have one place to go. A name only ever points at a finished save: torn writes and
-staging saves start with a dot and never match ``loop-step-<N>.ckpt``.
+Every rule about which files a run reads or deletes lives here. A name only ever points at a
+finished save: torn writes and staging saves start with a dot and never match ``loop-step-<N>...``.
+
+Ownership: each fit has a run id, and each chain of fits a **lineage** id (the first fit's run id,
+inherited by every resume). A checkpoint's name carries its lineage
+(``loop-step-000020-1a2b3c4d.ckpt``) and its manifest (``integrity.py``) both ids. A run prunes only
+its own lineage's files, and ``last`` resumes the latest lineage of the folder (or the run's own),
+falling back past damaged files. Names without a lineage (``loop-step-000020.ckpt``) are from before
+ownership existed: they form one lineage of their own, never pruned by a newer run.
 """
 
 from __future__ import annotations
@@ -11,19 +17,30 @@ import logging
 import os
 import re
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_grpo.checkpoint.atomic import fsync_dir
+from lightning_grpo.checkpoint.integrity import DamagedCheckpointError, Manifest, manifest_path, problem, read_manifest
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^loop-step-(\d+)\.ckpt$")
+_NAME = re.compile(r"^loop-step-(\d+)(?:-([0-9a-f]{8}))?\.ckpt$")
+LATEST = "latest"
+"""``lineage=LATEST``: the lineage whose checkpoint was saved last (lineage ids are 8 hex digits, never this)."""
 
 
-def checkpoint_name(loop_step: int) -> str:
-    return f"loop-step-{loop_step:06d}.ckpt"
+def checkpoint_name(loop_step: int, lineage: str | None = None) -> str:
+    """``loop-step-000020-<lineage>.ckpt`` (without a lineage: the name written before run ownership existed)."""
+    return f"loop-step-{loop_step:06d}" + (f"-{lineage}" if lineage else "") + ".ckpt"
+
+
+def loop_step_of(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
 
 
 def staging_path(path: Path) -> Path:
@@ -32,7 +49,7 @@ def staging_path(path: Path) -> Path:
 
 
 def config_path(ckpt: Path) -> Path:
-    """The resolved config saved beside ``ckpt`` (``loop-step-000004.config.yaml``)."""
+    """The resolved config saved beside ``ckpt`` (``loop-step-000004-<lineage>.config.yaml``)."""
     return ckpt.with_name(ckpt.stem + ".config.yaml")
 
 
@@ -45,29 +62,103 @@ def publish(staging: Path, path: Path) -> None:
 
 
 def complete_checkpoints(dirpath: str | os.PathLike | None) -> list[Path]:
-    """Complete checkpoints (files, or sharded folders) in ``dirpath``, oldest loop step first."""
+    """Complete checkpoints (files, or sharded folders) in ``dirpath``, of every lineage, oldest loop step first."""
     if dirpath is None or not Path(dirpath).is_dir():
         return []
     found = [(int(m.group(1)), p) for p in Path(dirpath).iterdir() if (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found)]
 
 
-def prune(dirpath: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints of ``dirpath`` (and their configs)."""
-    old = complete_checkpoints(dirpath)[:-keep_last] if keep_last else []
+@dataclass(frozen=True)
+class Entry:
+    """One complete checkpoint and who wrote it."""
+
+    path: Path
+    loop_step: int
+    lineage: str | None
+    """None: written before run ownership existed (no id in its name)."""
+    saved_at: int
+    """The manifest's save time (ns); the file's modification time without one."""
+    manifest: Manifest | None
+
+
+def entries(dirs: list[str | os.PathLike]) -> list[Entry]:
+    """Every complete checkpoint in ``dirs``, oldest save first."""
+    out = []
+    for path in (p for d in dirs for p in complete_checkpoints(d)):
+        try:
+            manifest = read_manifest(path)
+        except DamagedCheckpointError:
+            manifest = None  # a torn manifest: ``problem`` reports it when the file is chosen
+        m = _NAME.match(path.name)
+        saved_at = manifest.saved_at if manifest is not None else path.stat().st_mtime_ns
+        out.append(Entry(path, int(m.group(1)), m.group(2), saved_at, manifest))
+    return sorted(out, key=lambda e: (e.saved_at, e.loop_step))
+
+
+def lineage_entries(dirs: list[str | os.PathLike], lineage: str | None = LATEST) -> list[Entry]:
+    """The checkpoints of ``lineage`` (None: those without an id), newest save first."""
+    found = entries(dirs)
+    if not found:
+        return []
+    if lineage == LATEST:
+        lineage = found[-1].lineage
+    return [e for e in reversed(found) if e.lineage == lineage]
+
+
+def prune(dirpath: Path, keep_last: int, lineage: str) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints of ``lineage`` in ``dirpath`` (with config and manifest).
+
+    Files of other lineages are never touched: another run's checkpoints are not this run's to delete.
+    """
+    if not keep_last:
+        return []
+    old = [e.path for e in lineage_entries([dirpath], lineage)[keep_last:]]
     for path in old:
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
         config_path(path).unlink(missing_ok=True)
+        manifest_path(path).unlink(missing_ok=True)
     return old
 
 
-def find_last_checkpoint(dirs: list[str | os.PathLike]) -> Path | None:
-    """Newest complete checkpoint (modification time, then loop step) in ``dirs``."""
-    found = [p for d in dirs for p in complete_checkpoints(d)]
-    return max(found, key=lambda p: (p.stat().st_mtime_ns, int(_NAME.match(p.name).group(1))), default=None)
+def previous_checkpoint(ckpt: Path) -> Path | None:
+    """The checkpoint of the same lineage in the same folder saved before ``ckpt`` (what to use when it is damaged)."""
+    m = _NAME.match(ckpt.name)
+    if m is None:
+        return None
+    chain = [e.path for e in lineage_entries([ckpt.parent], m.group(2))]
+    later = chain.index(ckpt) + 1 if ckpt in chain else 0
+    return chain[later] if later < len(chain) else None
+
+
+def find_last_checkpoint(dirs: list[str | os.PathLike], lineage: str | None = LATEST) -> Path | None:
+    """Newest checkpoint of ``lineage`` (default: the latest lineage) in ``dirs``, without checking its bytes."""
+    chain = lineage_entries(dirs, lineage)
+    return chain[0].path if chain else None
+
+
+def resolve_last(dirs: list[str | os.PathLike], lineage: str | None = LATEST) -> Entry | None:
+    """The newest intact checkpoint of ``lineage`` (default: the latest lineage), falling back past damaged ones.
+
+    Each fallback is logged with the reason. Raises ``DamagedCheckpointError`` when every checkpoint of the
+    lineage is damaged: resuming another run's checkpoint instead would be the wrong run.
+    """
+    chain = lineage_entries(dirs, lineage)
+    damaged = []
+    for entry in chain:
+        why = problem(entry.path)
+        if why is None:
+            return entry
+        damaged.append(f"{entry.path} {why}")
+        log.warning("ckpt_path='last': checkpoint %s %s; falling back to the previous checkpoint of run %s",
+                    entry.path, why, entry.lineage or "(no id)")
+    if damaged:
+        raise DamagedCheckpointError("ckpt_path='last': every checkpoint of the latest run is damaged:\n  "
+                                     + "\n  ".join(damaged) + "\npass --ckpt_path <file> to resume another one")
+    return None
 
 
 def search_dirs(trainer: Trainer) -> list[Path]:
@@ -83,14 +174,25 @@ def search_dirs(trainer: Trainer) -> list[Path]:
 
 
 def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, trainer: Trainer) -> str | os.PathLike | None:
-    """``"last"`` -> the newest complete checkpoint (None, with a warning, when there is none); else unchanged."""
+    """``"last"`` -> the newest intact checkpoint of the latest lineage (None, with a warning, when there is none).
+
+    A trainer whose ``GRPOCheckpoint`` already belongs to a lineage (a second ``fit``) resumes that lineage.
+    Any other value is returned unchanged.
+    """
     if ckpt_path != "last":
         return ckpt_path
+    from lightning_grpo.checkpoint.callback import GRPOCheckpoint
+
     dirs = search_dirs(trainer)
-    found = find_last_checkpoint(dirs)
+    own = next((cb.lineage for cb in trainer.callbacks if isinstance(cb, GRPOCheckpoint) and cb.lineage), LATEST)
+    found = resolve_last(dirs, own)
     if found is None:  # like Lightning: "last" may be set before the first run of a job
         log.warning("ckpt_path='last': no complete checkpoint under %s; starting from scratch",
                     ", ".join(str(d) for d in dirs))
         return None
-    log.info("ckpt_path='last' resolved to %s", found)
-    return str(found)
+    others = sorted({e.lineage or "(no id)" for e in entries(dirs)} - {found.lineage or "(no id)"})
+    saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(found.saved_at / 1e9))
+    rank_zero_info(f"ckpt_path='last': resuming run {found.lineage or '(no id)'} from {found.path} (loop step "
+                   f"{found.loop_step}, saved {saved})"
+                   + (f"; the folder also holds run(s) {', '.join(others)}" if others else ""))
+    return str(found.path)

@@ -97,6 +97,27 @@ def _all_gather(tensor: Tensor, world_size: int) -> list[Tensor]:
     return parts
 
 
+# -- parameters fit to save ---------------------------------------------------------------------------------------
+class NonFiniteParametersError(RuntimeError):
+    """A checkpoint would hold parameters with NaN/inf: nothing resumes from those."""
+
+
+def nonfinite_parameter(trainer: Trainer) -> str | None:
+    """Name of a parameter holding NaN/inf on any rank (FSDP2 shards differ: a collective under DP), else None."""
+    named = list(trainer.lightning_module.named_parameters())
+    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]
+    bad = 0  # 1-based index of the first non-finite parameter; one host sync for all of them
+    if local:
+        device = local[0].device
+        finite = torch.stack([torch.isfinite(t.detach()).all().to(device) for t in local])
+        bad = 0 if bool(finite.all()) else int((~finite).nonzero()[0]) + 1
+    if trainer.world_size > 1:
+        flag = torch.tensor(float(bad or len(named) + 1), device=trainer.strategy.root_device)
+        bad = int(trainer.strategy.reduce(flag, reduce_op="min"))
+        bad = 0 if bad == len(named) + 1 else bad
+    return named[bad - 1][0] if bad else None
+
+
 # -- the module's state at the batch boundary ---------------------------------------------------------------------
 class LoopState:
     """Keeps the module's state at the last batch boundary, writes it into checkpoints, and puts a loaded one back.
