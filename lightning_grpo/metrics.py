@@ -23,7 +23,6 @@ import torch
 
 from lightning_grpo.loop import LoopResult
 
-
 CHUNK_FIGURES = ("grpo/loss", "grpo/clip_frac", "grpo/ratio_mean", "grpo/ratio_max", "grpo/kl")
 """Figures of the chunks that stepped: NaN on a loop step where none did."""
 CHUNK_COUNTS = ("grpo/denom", "grpo/tokens", "grpo/n")

@@ -24,12 +24,13 @@ from collections.abc import Sequence
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor, nn
 
 from lightning_grpo.accumulate import DeferredAccumulator
 from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
-from lightning_grpo.checkpoint.state import LoopState, NonFiniteParametersError, nonfinite_parameter
+from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
@@ -217,16 +218,26 @@ class GRPOModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Every checkpoint Lightning writes carries the state at the last batch boundary (checkpoint/state.py).
 
-        Refused when a parameter holds NaN/inf, whoever saves (``OnExceptionCheckpoint`` after a run stopped on
-        non-finite values included): no checkpoint of poisoned weights ever replaces a good one.
+        Parameters holding NaN/inf are never written, whoever saves: a save is refused
+        (``NonFiniteParametersError``). On the way out of a failure (``OnExceptionCheckpoint``) raising would
+        replace that failure and skip Lightning's teardown, so the file is written without weights or optimizer
+        state instead, saying why, and loading it refuses with that reason.
         """
-        if (bad := nonfinite_parameter(self.trainer)) is not None:
-            raise NonFiniteParametersError(
-                f"refusing to write a checkpoint: parameter {bad!r} holds NaN/inf (the last finite weights are in "
-                "the newest earlier checkpoint; resume from it with a lower optim.lr)")
+        if (bad := nonfinite_parameter(self.trainer)) is not None:  # a collective under DP: every rank refuses
+            refused = NonFiniteParametersError(bad)
+            if self.trainer.state.status != TrainerStatus.INTERRUPTED:
+                raise refused
+            log.error("%s: the checkpoint written while handling the failure holds no weights", refused)
+            for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+                checkpoint.pop(key, None)
+            checkpoint[STATE_KEY] = {"refused": str(refused)}
+            return
         self._state.write(self.trainer, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
+        if refused:  # written without weights on the way out of a failure: nothing to resume
+            raise NonFiniteParametersError.loading(refused)
         self._state.load(checkpoint)  # put back at on_train_start, once the loop exists
 
     def on_before_optimizer_step(self, optimizer) -> None:

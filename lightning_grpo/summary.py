@@ -53,6 +53,15 @@ class RunSummary(Callback):
         if trainer.is_global_zero:
             print(report + self._curves(trainer), flush=True)
 
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        from lightning_grpo.checkpoint.signals import Preempted
+
+        if isinstance(exception, Preempted):  # a preempted run still says what it did and where it resumes from
+            report = self.report(trainer)
+            if trainer.is_global_zero:
+                print(f"{report}\n  stopped          {exception}", flush=True)
+
     def report(self, trainer: Trainer) -> str:
         seconds = time.perf_counter() - self._start
         w, r = self.window, self._rewards

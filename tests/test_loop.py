@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import params_of, synthetic_batch
+
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.loop import NonFiniteRunError
 from lightning_grpo.module import GRPOModule

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import synthetic_batch
+
 from lightning_grpo.accumulate import StepOutcome
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.loop import LoopResult

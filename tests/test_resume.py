@@ -15,12 +15,14 @@ import pytest
 import torch
 import yaml
 from helpers import TINY_JOB, StepRecorder, fit_tiny, global_determinism_restored, tiny_grpo_module
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 import lightning_grpo.checkpoint.atomic as atomic_mod
 from lightning_grpo.checkpoint import (
     AtomicCheckpointIO,
     GRPOCheckpoint,
+    Preempted,
     checkpoint_name,
     complete_checkpoints,
     config_path,
@@ -283,6 +285,90 @@ def test_resume_from_an_exception_checkpoint_redraws_the_failed_step(uninterrupt
     assert_continues(uninterrupted, resumed, module, from_loop_step=2)
 
 
+# -- preemption: SIGTERM / SIGUSR1 save at the next batch boundary, then exit non-zero ------------------------------
+class SignalAt(Callback):
+    """Sends ``signum`` to this very process early in loop step ``at`` (logged number), or in the validation after it."""
+
+    def __init__(self, signum: int, at: int, during: str = "train") -> None:
+        self.signum, self.at, self.during = signum, at, during
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.during == "train" and pl_module.loop_step + 1 == self.at:
+            os.kill(os.getpid(), self.signum)  # a real signal: the handler runs while the loop step goes on
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if self.during == "validation" and pl_module.loop_step == self.at and not trainer.sanity_checking:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_sigterm_inside_a_loop_step_saves_its_boundary_exits_143_and_resumes_exactly(uninterrupted, tiny_policy_dir,
+                                                                                   tmp_path):
+    """Issue 20: SIGTERM exited 0 with no checkpoint (Lightning's SIGTERMException)."""
+    cb = GRPOCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_loop_steps=0)  # no schedule: only the emergency save
+    with pytest.raises(Preempted) as stop:
+        fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path, loop_steps=LOOP_STEPS,
+                 callbacks=[SignalAt(signal.SIGTERM, at=3), cb])
+    assert stop.value.code == 128 + signal.SIGTERM == 143 and stop.value.loop_step == 3
+    saved = cb.dirpath / checkpoint_name(3, cb.lineage)
+    assert stop.value.path == saved and read_manifest(saved).reason == "signal:SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)  # fit ended: handlers put back
+
+    resumed, module = StepRecorder(), tiny_grpo_module(tiny_policy_dir)
+    last = resolve_ckpt_path("last", SimpleNamespace(callbacks=[GRPOCheckpoint(dirpath=str(cb.dirpath))]))
+    fit_tiny(module, tmp_path / "b", loop_steps=LOOP_STEPS, callbacks=[resumed], ckpt_path=last)
+    assert_continues(uninterrupted, resumed, module, from_loop_step=3)
+
+
+def test_sigterm_during_the_final_validation_saves_through_the_handoff_window_and_prints_the_summary(
+        tiny_policy_dir, tmp_path, capsys):
+    """Issue 20: SIGTERM during the final validation lost the summary and the train-end checkpoint (exit 0)."""
+    from lightning_grpo.handoff import HandoffCallback
+    from lightning_grpo.summary import RunSummary
+
+    handoff, cb = HandoffCallback(), GRPOCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_loop_steps=0)
+    with pytest.raises(Preempted) as stop:
+        fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path, loop_steps=2, val_size=4, val_check_interval=2,
+                 check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                 callbacks=[SignalAt(signal.SIGTERM, at=2, during="validation"), RunSummary(plot=False), handoff, cb])
+    assert stop.value.code == 143 and stop.value.loop_step == 2
+    saved = torch.load(cb.dirpath / checkpoint_name(2, cb.lineage), weights_only=True)
+    assert (saved["grpo"]["loop_step"], saved["global_step"]) == (2, 4)  # the final boundary
+    # The save read the module inside the hand-off's window: validation had published (generate), the window put
+    # the engine to sleep and the trainer back before the state was read.
+    events = handoff.events
+    last_generate = max(i for i, e in enumerate(events) if e == "generate")
+    assert events[last_generate + 1:last_generate + 3] == ["engine.sleep", "trainer.onload"]
+    out = capsys.readouterr().out
+    assert "lightning-grpo run summary" in out and "loop steps       2" in out
+    assert f"stopped          stopped by SIGTERM after loop step 2: emergency checkpoint {stop.value.path}" in out
+
+
+def test_sigusr1_under_slurm_auto_requeue_runs_lightnings_requeue_at_the_boundary(tiny_policy_dir, tmp_path,
+                                                                                 monkeypatch):
+    """SLURM's requeue signal: Lightning's handler (hpc checkpoint + scontrol requeue) still runs, at the batch
+    boundary instead of in the middle of a loop step, after our emergency save; the run exits 138."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NAME": "grpo",
+                       "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    cb = GRPOCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_loop_steps=0)
+    with pytest.raises(Preempted) as stop:
+        fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path / "root", loop_steps=LOOP_STEPS,
+                 callbacks=[SignalAt(signal.SIGUSR1, at=2), cb], plugins=[SLURMEnvironment(auto_requeue=True)])
+    assert stop.value.code == 128 + signal.SIGUSR1 and stop.value.loop_step == 2
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    hpc = torch.load(tmp_path / "root" / "hpc_ckpt_1.ckpt", weights_only=True)
+    ours = torch.load(cb.dirpath / checkpoint_name(2, cb.lineage), weights_only=True)
+    assert (hpc["grpo"]["loop_step"], hpc["global_step"]) == (ours["grpo"]["loop_step"], ours["global_step"]) == (2, 4)
+    assert all(torch.equal(hpc["state_dict"][k], v) for k, v in ours["state_dict"].items())
+
+
 def _without_timings(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in rows]
 
@@ -358,49 +444,66 @@ def _params(path: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_kill9_at_a_random_loop_step_then_resume_last_matches_the_uninterrupted_run(tiny_policy_dir, tmp_path):
+def test_kill9_or_sigterm_at_a_random_loop_step_then_resume_last_matches_the_uninterrupted_run(tiny_policy_dir,
+                                                                                               tmp_path):
+    """Three CLI runs side by side: A uninterrupted, B killed with SIGKILL, C sent SIGTERM (a real signal to a child
+    process: C saves at the next batch boundary and exits 143); B and C resume with --ckpt_path last."""
     rng = random.Random()
     seed = rng.randrange(10**6)
     rng.seed(seed)
-    a, b = tmp_path / "uninterrupted", tmp_path / "killed"
-    _write_config(a, tiny_policy_dir), _write_config(b, tiny_policy_dir)
+    a, b, c = tmp_path / "uninterrupted", tmp_path / "killed", tmp_path / "terminated"
+    for folder in (a, b, c):
+        _write_config(folder, tiny_policy_dir)
     forker = Forker()
     try:
-        run_a, run_b = forker.fit(a), forker.fit(b)  # two independent fresh runs, same seed, side by side
-        # kill -9 B at a random moment of a random loop step, once its checkpoint of loop step k exists
+        run_a, run_b, run_c = forker.fit(a), forker.fit(b), forker.fit(c)  # independent fresh runs, same seed
+        # Signal B and C at a random moment of a random loop step, once their checkpoint of loop step k exists.
         k = rng.randint(1, LOOP_STEPS - 2)
-        b_ckpts, deadline = b / "runs" / "tiny" / "version_0" / "checkpoints", time.time() + 300
-        while not step_file(b_ckpts, k).exists():
-            assert _alive(run_b) and time.time() < deadline, (b / "out.log").read_text()[-3000:]
-            time.sleep(0.05)
-        # A random moment of loop step k + 1, never past it: on an idle machine 2 s span several loop steps, and a
-        # kill after the last checkpoint would leave nothing to resume.
-        kill_at = time.time() + rng.uniform(0.0, 2.0)
-        while time.time() < kill_at and not step_file(b_ckpts, k + 1).exists():
-            time.sleep(0.01)
-        os.kill(run_b, signal.SIGKILL)
-        while _alive(run_b):
-            time.sleep(0.05)
-        survivors = complete_checkpoints(b_ckpts)
-        resumed = forker.fit(b, "--ckpt_path", "last")
-        codes = forker.exit_codes(timeout=400)
+        for run, folder, signum in ((run_b, b, signal.SIGKILL), (run_c, c, signal.SIGTERM)):
+            ckpts, deadline = folder / "runs" / "tiny" / "version_0" / "checkpoints", time.time() + 300
+            while not step_file(ckpts, k).exists():
+                assert _alive(run) and time.time() < deadline, (folder / "out.log").read_text()[-3000:]
+                time.sleep(0.05)
+            # A random moment of loop step k + 1, never past it: on an idle machine 2 s span several loop steps, and
+            # a kill after the last checkpoint would leave nothing to resume.
+            kill_at = time.time() + rng.uniform(0.0, 2.0)
+            while time.time() < kill_at and not step_file(ckpts, k + 1).exists():
+                time.sleep(0.01)
+            os.kill(run, signum)
+        for run in (run_b, run_c):
+            while _alive(run):
+                time.sleep(0.05)
+        survivors = {folder: complete_checkpoints(folder / "runs" / "tiny" / "version_0" / "checkpoints")
+                     for folder in (b, c)}
+        resumed = {folder: forker.fit(folder, "--ckpt_path", "last") for folder in (b, c)}
+        codes = forker.exit_codes(timeout=600)
     finally:
         forker.proc.kill()
     assert codes[run_b] == -signal.SIGKILL, f"run B ended before the kill (seed {seed})"
+    assert codes[run_c] == 128 + signal.SIGTERM, (c / "out.log").read_text()[-3000:]
     assert codes[run_a] == 0, (a / "out.log").read_text()[-3000:]
-    assert codes[resumed] == 0, (b / "out.log").read_text()[-3000:]
+    for folder in (b, c):
+        assert codes[resumed[folder]] == 0, (folder / "out.log").read_text()[-3000:]
+    c_log = (c / "out.log").read_text()
+    c_saved = survivors[c][-1]
+    assert read_manifest(c_saved).reason in ("signal:SIGTERM", "scheduled")  # scheduled: the signal came at its save
+    named = c_saved.relative_to(c)  # the config's folders are relative to the run's working directory
+    assert f"stopped by SIGTERM after loop step {loop_step_of(c_saved)}: emergency checkpoint {named}" in c_log
+    assert f"ckpt_path='last': resuming run {read_manifest(c_saved).lineage} from {named}" in c_log
 
-    resumed_from = loop_step_of(survivors[-1])
-    full, after = _rows(a, 0), _rows(b, 1)
+    full = _rows(a, 0)
     assert [int(r["step"]) for r in full] == list(range(1, LOOP_STEPS + 1))
-    assert [int(r["step"]) for r in after] == list(range(resumed_from + 1, LOOP_STEPS + 1)), f"seed {seed}"
-    assert after == full[resumed_from:], f"seed {seed}: resumed metrics differ from the uninterrupted run"
-    assert float(after[-1]["grpo/grad_norm"]) > 0
-    # Parameters: equal where the two fresh runs overlap, and at the end of the resumed run.
+    assert float(full[-1]["grpo/grad_norm"]) > 0
     a_ckpts = a / "runs" / "tiny" / "version_0" / "checkpoints"
-    for step, other in ((resumed_from, b_ckpts), (LOOP_STEPS, b / "runs" / "tiny" / "version_1" / "checkpoints")):
-        pa, pb = _params(step_file(a_ckpts, step)), _params(step_file(other, step))
-        assert pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa), f"step {step}, seed {seed}"
+    for folder in (b, c):
+        resumed_from, after = loop_step_of(survivors[folder][-1]), _rows(folder, 1)
+        assert [int(r["step"]) for r in after] == list(range(resumed_from + 1, LOOP_STEPS + 1)), f"seed {seed}"
+        assert after == full[resumed_from:], f"seed {seed}: {folder.name}'s resumed metrics differ from the full run"
+        # Parameters: equal where the fresh runs overlap, and at the end of the resumed run.
+        for step, other in ((resumed_from, folder / "runs" / "tiny" / "version_0" / "checkpoints"),
+                            (LOOP_STEPS, folder / "runs" / "tiny" / "version_1" / "checkpoints")):
+            pa, pb = _params(step_file(a_ckpts, step)), _params(step_file(other, step))
+            assert pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa), f"step {step}, seed {seed}"
     final = torch.load(step_file(a_ckpts, LOOP_STEPS), weights_only=True)
     assert {"state_dict", "optimizer_states", "lr_schedulers", "loops", "PromptDataModule", "grpo"} <= final.keys()
     assert final["global_step"] == 2 * LOOP_STEPS and final["grpo"]["data"]["next_prompt_id"] == 2 * LOOP_STEPS

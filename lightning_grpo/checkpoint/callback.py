@@ -36,7 +36,7 @@ from lightning_grpo.checkpoint.paths import (
     staging_path,
 )
 from lightning_grpo.checkpoint.signals import Preempted, SignalWatch
-from lightning_grpo.checkpoint.state import nonfinite_parameter
+from lightning_grpo.checkpoint.state import NonFiniteParametersError
 
 log = logging.getLogger(__name__)
 
@@ -165,21 +165,17 @@ class GRPOCheckpoint(Checkpoint):
 
         The staging rename covers strategies that bypass ``CheckpointIO`` too (FSDP2's sharded
         folder): a checkpoint name only ever points at a finished save, file or folder, whose
-        manifest is already there. Returns None, saving nothing, when a parameter is non-finite.
+        manifest is already there. Returns None, saving nothing, when a parameter holds NaN/inf.
         """
-        bad = nonfinite_parameter(trainer)  # a collective under DP
-        if bad is not None:
-            log.error("not saving loop step %d: parameter %r holds NaN/inf; the newest checkpoint of run %s, %s, "
-                      "holds the last good batch boundary", loop_step, bad, self.lineage,
-                      find_last_checkpoint([self.dirpath], self.lineage))
-            return None
         path = self.dirpath / checkpoint_name(loop_step, self.lineage)
         staging = staging_path(path)
         if trainer.is_global_zero:
             text = resolved_config(trainer).encode()
             atomic_write(config_path(path), lambda f: f.write(text))
         try:
-            trainer.save_checkpoint(staging, weights_only=False)  # every rank (collectives), then a barrier
+            # Every rank (collectives), then a barrier. The module refuses NaN/inf parameters: checked there, inside
+            # the hand-off's window, where parameters are resident (torch_memory_saver may have paused them before).
+            trainer.save_checkpoint(staging, weights_only=False)
             if trainer.is_global_zero:
                 sha, size = _written(trainer, staging)
                 write_manifest(path, Manifest(
@@ -188,6 +184,11 @@ class GRPOCheckpoint(Checkpoint):
         except BaseException as err:
             if trainer.is_global_zero and not path.exists():
                 config_path(path).unlink(missing_ok=True)  # no checkpoint, no config beside it
+            if isinstance(err, NonFiniteParametersError):  # every rank alike: the check is a collective
+                log.error("not saving loop step %d: parameter %r holds NaN/inf; the newest checkpoint of run %s, %s, "
+                          "holds the last good batch boundary", loop_step, err.parameter, self.lineage,
+                          find_last_checkpoint([self.dirpath], self.lineage))
+                return None
             if isinstance(err, OSError) and err.errno in DISK_FULL:
                 raise disk_full(err, path) from err  # the last line names the checkpoint, not its staging name
             raise

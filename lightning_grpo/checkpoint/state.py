@@ -101,6 +101,17 @@ def _all_gather(tensor: Tensor, world_size: int) -> list[Tensor]:
 class NonFiniteParametersError(RuntimeError):
     """A checkpoint would hold parameters with NaN/inf: nothing resumes from those."""
 
+    def __init__(self, parameter: str, message: str | None = None) -> None:
+        super().__init__(message or f"refusing to write a checkpoint: parameter {parameter!r} holds NaN/inf (the "
+                         "last finite weights are in the newest earlier checkpoint; resume from it with a lower "
+                         "optim.lr)")
+        self.parameter = parameter
+
+    @classmethod
+    def loading(cls, refused: str) -> NonFiniteParametersError:
+        """Loading a checkpoint that was written without its weights because they held NaN/inf."""
+        return cls("", f"this checkpoint holds no weights, they were refused when it was written: {refused}")
+
 
 def nonfinite_parameter(trainer: Trainer) -> str | None:
     """Name of a parameter holding NaN/inf on any rank (FSDP2 shards differ: a collective under DP), else None."""
