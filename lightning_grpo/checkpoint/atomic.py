@@ -115,7 +115,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         if weights_only is False:
             log.warning("AtomicCheckpointIO loads with weights_only=True only (nothing in a checkpoint may run code)")
-        if "://" not in str(path):
+        if "://" not in str(path) and Path(path).exists():  # a missing file: Lightning's own "not found" error
             from lightning_grpo.checkpoint.integrity import check_intact
             from lightning_grpo.checkpoint.paths import previous_checkpoint
 

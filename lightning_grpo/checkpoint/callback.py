@@ -111,7 +111,7 @@ class GRPOCheckpoint(Checkpoint):
         if not self.explicit_dirpath:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
         self.run_id = trainer.strategy.broadcast(secrets.token_hex(4))  # one id for every rank
-        self._loaded_lineage = None
+        self._loaded_lineage, self._last_saved = None, None
 
     @override
     def state_dict(self) -> dict[str, Any]:
