@@ -118,7 +118,7 @@ def test_fp16_overflowed_window_is_stepped_through_and_lowers_the_scale(tiny_pol
     acc = module.loop.accumulator
     assert acc.skipped_steps == 3 and module.grads == []  # every window overflowed: no update landed
     assert scaler.get_scale() == 2.0**37  # halved once per skipped window
-    assert module.last_metrics["grpo/skipped_steps"] == 1
+    assert module.last_metrics["grpo/skipped_windows"] == 1
 
 
 def test_fp16_scale_recovers_and_the_update_lands(tiny_policy_dir, fp32_unchunked):
