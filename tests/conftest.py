@@ -45,6 +45,17 @@ def tiny_chat_policy_dir(tmp_path_factory):
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-chat-policy"), SMALL_CHAT)
 
 
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory):
+    """An OPD teacher: the student's tokenizer and shape, other weights (seed 1)."""
+    from dataclasses import replace
+
+    from helpers import SMALL
+    from lightning_grpo.policy import build_tiny_policy
+
+    return build_tiny_policy(tmp_path_factory.mktemp("tiny-teacher"), replace(SMALL, seed=1))
+
+
 @dataclass(frozen=True)
 class QuickstartRun:
     argv: list[str]

@@ -26,6 +26,11 @@ CHUNK_BYTES = 64 << 20
 """Float32 logits of one chunk of positions (about 100 tokens at a 150k vocabulary, 2048 at 8k)."""
 
 
+def at_least_float32(t: Tensor) -> Tensor:
+    """``t`` in float32, or wider if it already is (float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def chunk_tokens(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Positions per chunk so one ``[chunk, V]`` float32 buffer takes ``chunk_bytes``."""
     return max(1, chunk_bytes // (4 * vocab_size))
@@ -42,7 +47,7 @@ def completion_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tenso
 
 def _chunk(head: nn.Module, hidden: Tensor, targets: Tensor, teacher: Tensor, temperature: float) -> Tensor:
     """``[3, c]``: KL(p_s || p_t), the student's and the teacher's log-probability of the target, per position."""
-    logits = head(hidden).float()  # [c, V]; float32 at least: a half-precision logsumexp loses the KL
+    logits = at_least_float32(head(hidden))  # [c, V]: a half-precision logsumexp loses the KL
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)  # [c, V]
@@ -55,8 +60,7 @@ def _chunk_with_teacher(head: nn.Module, hidden: Tensor, targets: Tensor, teache
                         end: int, temperature: float) -> Tensor:
     with torch.no_grad():
         t = teacher(start, end)  # [c, V], recomputed in backward too: never kept across chunks
-    return _chunk(head, hidden, targets, t.to(hidden.device, torch.promote_types(t.dtype, torch.float32)),
-                  temperature)
+    return _chunk(head, hidden, targets, at_least_float32(t.to(hidden.device)), temperature)
 
 
 def reverse_kl(hidden: Tensor, head: nn.Module, targets: Tensor, teacher: TeacherLogprobs, *,

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.logprobs import token_logprobs
-from lightning_grpo.objectives.kl import completion_hidden
+from lightning_grpo.objectives.kl import at_least_float32, completion_hidden
 from lightning_grpo.policy import PolicyConfig, load_policy, resolve_path
 
 
@@ -100,9 +100,8 @@ class HFTeacher:
 
     @torch.no_grad()
     def distribution(self, hidden: Tensor) -> Tensor:
-        """``[c, V]`` float32 log-probabilities from ``[c, H]`` hidden states (one chunk of positions)."""
-        logits = self.model.get_output_embeddings()(hidden).float()
-        return torch.log_softmax(logits, dim=-1)
+        """``[c, V]`` float32 (or wider) log-probabilities from ``[c, H]`` hidden states (one chunk of positions)."""
+        return torch.log_softmax(at_least_float32(self.model.get_output_embeddings()(hidden)), dim=-1)
 
 
 class VLLMTeacher:
