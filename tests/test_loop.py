@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import params_of, synthetic_batch
+
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig

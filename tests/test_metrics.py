@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import synthetic_batch
+
 from lightning_grpo.accumulate import StepOutcome
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.loop import LoopResult
