@@ -97,6 +97,7 @@ class DPOConfig:
                 len(p), "s" * (len(p) > 1), "\n".join(f"  - {x}" for x in p)))
 
     def pairs_per_rank(self, dp_size: int) -> int:
+        """Pairs of one optimizer step on each of ``dp_size`` data-parallel ranks (batch_size / dp_size)."""
         self.validate(dp_size)
         return self.batch_size // dp_size
 
@@ -182,7 +183,7 @@ class DPOModule(LightningModule):
         self._state.load(checkpoint)
 
     def make_loop(self, optimizer, scheduler=None, backward=None) -> CollectedBatchLoop:
-        """The loop over this module's policy, stepping every ``dpo.grad_accum`` train calls (also without a Trainer)."""
+        """The loop over this module's policy, stepping every ``dpo.grad_accum`` train calls (also without Trainer)."""
         acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.dpo.grad_accum,
                                   max_grad_norm=self.dpo.max_grad_norm, backward=backward, scheduler=scheduler,
                                   grad_sync=self._grad_sync, all_finite=self._all_ranks_finite)

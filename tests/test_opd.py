@@ -31,7 +31,7 @@ def opd_module(policy_dir, teacher_dir, dtype="float64", micro=0, mini=0, **opd)
     return module
 
 
-# -- the full-vocabulary KL ----------------------------------------------------------------------------------------
+# -- the full-vocabulary KL --------------------------------------------------------------------------------------------
 def test_reverse_kl_equals_the_dense_formula_in_value_and_gradient():
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
@@ -64,7 +64,7 @@ def test_reverse_kl_is_zero_against_itself():
     assert float(kl.abs().max()) < 1e-14
 
 
-# -- the objective on hand-computed values ---------------------------------------------------------------------------
+# -- the objective on hand-computed values -----------------------------------------------------------------------------
 class _Fixed:
     """A teacher with fixed per-token logprobs (sampled form)."""
 
@@ -136,7 +136,7 @@ def test_reward_form_is_grpo_plus_beta_times_the_kl_each_over_the_global_token_c
     assert max_rel_delta(before, params_of(both.policy), summed) <= 1e-6
 
 
-# -- the ahead pass gate ------------------------------------------------------------------------------------------------
+# -- the ahead pass gate -----------------------------------------------------------------------------------------------
 def test_direct_form_runs_no_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teacher_dir, monkeypatch):
     module = opd_module(tiny_policy_dir, tiny_teacher_dir, dtype="float32", mini=2)
     assert module.rl.n_mini == 4
@@ -158,7 +158,7 @@ def test_reward_form_runs_the_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teach
     assert calls == [1] and module.ahead_seconds > 0
 
 
-# -- refusals ------------------------------------------------------------------------------------------------------------
+# -- refusals ----------------------------------------------------------------------------------------------------------
 def test_teacher_with_another_tokenizer_is_refused_at_setup_naming_both_sizes(tiny_policy_dir, tmp_path):
     from transformers import AutoTokenizer
 
