@@ -374,7 +374,9 @@ class GRPOModule(LightningModule):
     def _dp_mean(self, t: Tensor) -> Tensor:
         if self._world_size() == 1:
             return t
-        return self.trainer.strategy.reduce(t, reduce_op="mean")
+        # A copy: Lightning's reduce all-reduces in place, and ``t`` is often a view of this rank's count (the
+        # objective's ``tokens.detach()``), which would then read as the DP mean in the chunk's stats.
+        return self.trainer.strategy.reduce(t.clone(), reduce_op="mean")
 
     def _all_reduce(self, t: Tensor, op: str) -> Tensor:
         return self.trainer.strategy.reduce(t.to(self.device), reduce_op=op).cpu()
