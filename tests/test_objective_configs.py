@@ -69,3 +69,28 @@ def test_dpo_held_out_preference_accuracy_rises_from_chance(tmp_path, monkeypatc
     print(f"held-out preference accuracy {before:.3f} -> {after}")
     assert 0.3 <= before <= 0.7
     assert after[-1] >= before + 0.2 and after[-1] >= 0.75
+
+
+def test_the_same_classes_in_a_plain_lightning_project(tmp_path, tiny_policy_dir, tiny_teacher_dir):
+    """No CLI: the project's own Trainer, logger and ModelCheckpoint drive DPOModule and GRPOModule(objective=opd)."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_grpo import (DPOConfig, DPOModule, GRPOConfig, GRPOModule, OPDConfig, PolicyConfig,
+                                PreferenceDataModule, PromptDataModule)
+
+    def trainer(name):
+        return Trainer(max_steps=2, accelerator="cpu", logger=CSVLogger(tmp_path, name=name), num_sanity_val_steps=0,
+                       callbacks=[ModelCheckpoint(dirpath=tmp_path / name / "ckpt")], enable_progress_bar=False,
+                       limit_val_batches=0)
+
+    dpo = DPOModule(PolicyConfig(path=str(tiny_policy_dir)), DPOConfig(batch_size=8, grad_accum=2))
+    trainer("dpo").fit(dpo, datamodule=PreferenceDataModule("builtin:arith_small", val_size=0))
+    opd = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir)), objective="opd",
+                     rl=GRPOConfig(batch_per_replica=8, group_size=2, micro_batch_per_replica=4),
+                     opd=OPDConfig(teacher=PolicyConfig(path=str(tiny_teacher_dir))))
+    trainer("opd").fit(opd, datamodule=PromptDataModule("builtin:arith", val_size=0))
+    assert dpo.global_step == opd.global_step == 2
+    assert dpo.last_metrics["dpo/pairs"] == 8.0 and opd.last_metrics["opd/kl"] > 0
+    assert list((tmp_path / "dpo" / "ckpt").glob("*.ckpt")) and list((tmp_path / "opd" / "ckpt").glob("*.ckpt"))
