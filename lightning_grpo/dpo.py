@@ -28,6 +28,7 @@ from lightning_grpo.checkpoint.state import LoopState
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import ConfigError, OptimConfig
 from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
+from lightning_grpo.determinism import run_seed
 from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.loop import CollectedBatchLoop, LoopResult
@@ -35,7 +36,7 @@ from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.objectives.dpo import DPOObjective, DPOStats
 from lightning_grpo.old_logprobs import eval_mode
-from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.policy import PolicyConfig, load_policy, with_seed
 from lightning_grpo.validation import ValidationMeans
 
 
@@ -120,6 +121,10 @@ class _NoProbe:
         pass
 
 
+# The sections' defaults: instances, so `--help` and `--print_config` show every field (copied, never mutated).
+_POLICY, _OPTIM = PolicyConfig(), OptimConfig()
+
+
 class DPOModule(LightningModule):
     """DPO (sigmoid, IPO, length-normalized, reference-free) with exact gradient accumulation.
 
@@ -127,6 +132,7 @@ class DPOModule(LightningModule):
         policy: which model to train (a Hugging Face folder, or ``tiny:<name>``); the reference is its copy.
         dpo: batch, accumulation and loss (``DPOConfig``).
         optim: AdamW and its schedule, stepped once per optimizer step.
+        seed: seed of a ``tiny:`` policy's init; None = the seed ``seed_everything`` applied, else 0.
 
     Example::
 
@@ -143,11 +149,14 @@ class DPOModule(LightningModule):
     _all_ranks_finite = GRPOModule._all_ranks_finite
     _grad_sync = GRPOModule._grad_sync
 
-    def __init__(self, policy: PolicyConfig | None = None, dpo: DPOConfig | None = None,
-                 optim: OptimConfig | None = None) -> None:
+    def __init__(self, policy: PolicyConfig = _POLICY, dpo: DPOConfig | None = None, optim: OptimConfig = _OPTIM,
+                 seed: int | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False  # the loop steps the optimizer itself
-        self.policy_cfg, self.dpo, self.optim_cfg = policy or PolicyConfig(), dpo or DPOConfig(), optim or OptimConfig()
+        resolved = run_seed(seed)
+        self.seed, self.seed_source = resolved.value, resolved.source
+        self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)
+        self.dpo, self.optim_cfg = copy.deepcopy(dpo or DPOConfig()), copy.deepcopy(optim or OptimConfig())
         self.objective = DPOObjective(self.dpo.beta, self.dpo.loss_type, self.dpo.label_smoothing, self._dp_mean)
         self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer and the reference
         self.tokenizer = None

@@ -123,6 +123,8 @@ class GRPOModule(LightningModule):
                              "set model.objective=opd or drop model.opd")
         if section == "opd" and self.opd_cfg is None:
             self.opd_cfg = OPDConfig()  # refused by the objective: a teacher is required
+        if section == "opd" and self.opd_cfg.teacher is not None:  # a tiny: teacher is seeded like the policy
+            self.opd_cfg.teacher = with_seed(self.opd_cfg.teacher, self.seed)
         return build_objective(objective, self)
 
     def configure_policy(self):

@@ -77,8 +77,16 @@ def test_the_same_classes_in_a_plain_lightning_project(tmp_path, tiny_policy_dir
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_grpo import (DPOConfig, DPOModule, GRPOConfig, GRPOModule, OPDConfig, PolicyConfig,
-                                PreferenceDataModule, PromptDataModule)
+    from lightning_grpo import (
+        DPOConfig,
+        DPOModule,
+        GRPOConfig,
+        GRPOModule,
+        OPDConfig,
+        PolicyConfig,
+        PreferenceDataModule,
+        PromptDataModule,
+    )
 
     def trainer(name):
         return Trainer(max_steps=2, accelerator="cpu", logger=CSVLogger(tmp_path, name=name), num_sanity_val_steps=0,
