@@ -165,12 +165,24 @@ class GRPOCLI(LightningCLI):
                                           help=OPTIMIZER_REFUSED, **common)
 
     def parse_arguments(self, parser, args) -> None:
+        args = self._default_help_class(sys.argv[1:] if args is None else args)
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as err:
             if not self.auto_configure_optimizers and re.search(r'key "(optimizer|lr_scheduler)"', str(err)):
                 config_error(f"--optimizer/--lr_scheduler: {OPTIMIZER_REFUSED}")
             config_error(err)
+
+    def _default_help_class(self, args):
+        """``--model.help`` / ``--data.help`` without a class describe the default one, not the LightningModule base."""
+        if not isinstance(args, (list, tuple)):
+            return args
+        args = list(args)
+        for key, cls in self.default_classes.items():
+            flag = f"--{key}.help"
+            if flag in args and (args.index(flag) + 1 == len(args) or args[args.index(flag) + 1].startswith("-")):
+                args.insert(args.index(flag) + 1, f"{cls.__module__}.{cls.__qualname__}")
+        return args
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
