@@ -37,6 +37,8 @@ from lightning_grpo.module import GRPOModule
 from lightning_grpo.objectives.dpo import DPOObjective, DPOStats
 from lightning_grpo.old_logprobs import eval_mode
 from lightning_grpo.policy import PolicyConfig, load_policy, with_seed
+from lightning_grpo.precision import PluginStep, check_precision
+from lightning_grpo.schedule import check_horizon, run_length
 from lightning_grpo.validation import ValidationMeans
 
 
@@ -140,9 +142,12 @@ class DPOModule(LightningModule):
         Trainer(max_steps=500).fit(module, datamodule=PreferenceDataModule("pairs.jsonl"))
     """
 
-    # The update machinery is GRPOModule's, shared as is: AdamW and its schedule, the DP reductions, the gradient
-    # sync skip of non-final train calls and the collective non-finite decision.
+    # The update machinery is GRPOModule's, shared as is: AdamW and its schedule, the precision plugin's step
+    # (unscale -> 1/sum -> clip -> step), the DP reductions, the gradient sync skip of non-final train calls and
+    # the collective non-finite decision.
     configure_optimizers = GRPOModule.configure_optimizers
+    on_before_optimizer_step = GRPOModule.on_before_optimizer_step
+    _scaler = GRPOModule._scaler
     _world_size = GRPOModule._world_size
     _dp_mean = GRPOModule._dp_mean
     _all_reduce = GRPOModule._all_reduce
@@ -165,10 +170,15 @@ class DPOModule(LightningModule):
         self.val_means = ValidationMeans()
         self.last_metrics: dict[str, float] = {}
         self._state, self._probe = LoopState(), _NoProbe()
+        self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.dpo.validate(self._world_size())
+        if stage == "fit":  # one optimizer step per batch; a decaying LR schedule needs a horizon
+            run = run_length(self.trainer, 1)
+            self.schedule_horizon = self.optim_cfg.total_steps or run
+            check_horizon(self.optim_cfg, self.schedule_horizon, run)
 
     def configure_model(self) -> None:
         """Policy, tokenizer and (unless reference-free) the frozen reference. Idempotent."""
@@ -177,8 +187,14 @@ class DPOModule(LightningModule):
             self.policy = policy.train()
             self.ref = None if self.dpo.reference_free else copy.deepcopy(self.policy).requires_grad_(False)
 
+    def on_fit_start(self) -> None:
+        check_precision(str(self.trainer.precision), self.policy, self.device.type == "cpu", self._scaler())
+
     def on_train_start(self) -> None:
-        self.loop = self.make_loop(self.optimizers(), self.lr_schedulers(), self.manual_backward)
+        opt = self.optimizers()
+        plugin_step = PluginStep(self.trainer, self.policy, opt)  # unscale -> 1/sum -> clip -> step via the plugin
+        self.loop = self.make_loop(opt, self.lr_schedulers(), self.manual_backward, step=plugin_step,
+                                   clip=plugin_step.clip)
         self._state.resume(self.trainer, self.loop, self._probe, self.trainer.datamodule)
         self._state.boundary(self.loop, self._probe, self.global_step, self.trainer.datamodule)
 
@@ -191,11 +207,11 @@ class DPOModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._state.load(checkpoint)
 
-    def make_loop(self, optimizer, scheduler=None, backward=None) -> CollectedBatchLoop:
+    def make_loop(self, optimizer, scheduler=None, backward=None, step=None, clip=None) -> CollectedBatchLoop:
         """The loop over this module's policy, stepping every ``dpo.grad_accum`` train calls (also without Trainer)."""
         acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.dpo.grad_accum,
                                   max_grad_norm=self.dpo.max_grad_norm, backward=backward, scheduler=scheduler,
-                                  grad_sync=self._grad_sync, all_finite=self._all_ranks_finite)
+                                  grad_sync=self._grad_sync, all_finite=self._all_ranks_finite, step=step, clip=clip)
         return CollectedBatchLoop(acc, self.forward_chunk)
 
     def training_step(self, pairs: Sequence[PreferencePair], batch_idx: int) -> None:
