@@ -46,6 +46,13 @@ _EXPORTS = {
     "ReplayEngine": "lightning_grpo.rollout.replay",
     "VLLMEngine": "lightning_grpo.rollout.vllm",
     "VLLMConfig": "lightning_grpo.config",
+    # objectives: on-policy distillation (model.objective: opd) and DPO on the same accumulation
+    "OPDConfig": "lightning_grpo.objectives.opd",
+    "Objective": "lightning_grpo.objectives.base",
+    "register_objective": "lightning_grpo.objectives",
+    "DPOModule": "lightning_grpo.dpo",
+    "DPOConfig": "lightning_grpo.dpo",
+    "PreferenceDataModule": "lightning_grpo.data.preference_module",
     # entry points
     "GRPOCLI": "lightning_grpo.cli",
     "plot_curves": "lightning_grpo.plot",
@@ -54,6 +61,8 @@ _EXPORTS = {
 __all__ = [
     "GRPOCLI",
     "ConfigError",
+    "DPOConfig",
+    "DPOModule",
     "GRPOCheckpoint",
     "GRPOConfig",
     "GRPOModule",
@@ -61,8 +70,11 @@ __all__ = [
     "GRPORichProgressBar",
     "HFEngine",
     "HandoffCallback",
+    "OPDConfig",
+    "Objective",
     "OptimConfig",
     "PolicyConfig",
+    "PreferenceDataModule",
     "Prompt",
     "PromptDataModule",
     "PromptRecord",
@@ -80,6 +92,7 @@ __all__ = [
     "build_engine",
     "load_policy",
     "plot_curves",
+    "register_objective",
     "score",
 ]
 """The supported names (tests/test_public_api.py checks each imports)."""
@@ -102,10 +115,15 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.checkpoint import GRPOCheckpoint
     from lightning_grpo.cli import GRPOCLI
     from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
+    from lightning_grpo.data.preference_module import PreferenceDataModule
     from lightning_grpo.data.prompts import PromptDataModule, PromptRecord
     from lightning_grpo.data.rewards import RewardError, RewardSpec, score
+    from lightning_grpo.dpo import DPOConfig, DPOModule
     from lightning_grpo.handoff import HandoffCallback
     from lightning_grpo.module import GRPOModule
+    from lightning_grpo.objectives import register_objective
+    from lightning_grpo.objectives.base import Objective
+    from lightning_grpo.objectives.opd import OPDConfig
     from lightning_grpo.plot import plot_curves
     from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, load_policy
     from lightning_grpo.progress import GRPOProgressBar, GRPORichProgressBar

@@ -2,8 +2,9 @@
 
 Every knob is a dotted key (``--model.rl.micro_batch_per_replica=8``), so YAML configs and
 ``wandb sweep`` drive the same surface. ``--model.class_path my_pkg.MyModule`` swaps in a
-``GRPOModule`` subclass. A config error is reported in a few lines (``LIGHTNING_GRPO_DEBUG=1``
-shows the traceback), before any model is built where the error allows.
+``GRPOModule`` subclass, or another module: ``lightning_grpo.DPOModule`` with ``--data.class_path
+lightning_grpo.PreferenceDataModule`` runs DPO (configs/dpo-arith.yaml). A config error is reported in a few
+lines (``LIGHTNING_GRPO_DEBUG=1`` shows the traceback), before any model is built where the error allows.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import NoReturn
 import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfigCallback
 from torch.optim import Optimizer
@@ -29,8 +31,10 @@ from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.data.sources import PromptDataError
 from lightning_grpo.determinism import DeterminismError
+from lightning_grpo.dpo import DPOConfig
 from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
 from lightning_grpo.plot import build_parser as plot_parser
 from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
@@ -52,6 +56,9 @@ SECTIONS = {
     "model.rollout": RolloutConfig,
     "model.rollout.vllm": VLLMConfig,
     "model.rewards": RewardSpec,
+    "model.opd": OPDConfig,
+    "model.opd.teacher": PolicyConfig,
+    "model.dpo": DPOConfig,
 }
 """``--<key>.help`` prints the fields of that section with their descriptions (``--model.help`` shows them all)."""
 DEBUG_ENV = "LIGHTNING_GRPO_DEBUG"
@@ -93,8 +100,9 @@ class GRPOCLI(LightningCLI):
     Differences from a stock LightningCLI, each for a reason:
 
     - ``fit`` and ``validate`` only (``test``/``predict`` have nothing to run); ``plot`` is listed too.
-    - The model is chosen by ``--model.class_path`` (default ``GRPOModule``); ``--model.help [CLASS]``
-      and ``--model.rl.help`` (one per section) list the knobs with their descriptions.
+    - The model is chosen by ``--model.class_path`` (default ``GRPOModule``; any LightningModule, e.g.
+      ``DPOModule``), the data module by ``--data.class_path`` (default ``PromptDataModule``);
+      ``--model.help [CLASS]`` and ``--model.rl.help`` (one per section) list the knobs with their descriptions.
     - ``--optimizer`` / ``--lr_scheduler`` are refused: ``model.optim`` is the one optimizer source.
     - Config errors are reported in a few lines, not a usage dump or chained tracebacks.
 
@@ -103,13 +111,20 @@ class GRPOCLI(LightningCLI):
         GRPOCLI(MyGRPOModule)  # `python train.py fit --config my.yaml`
     """
 
-    def __init__(self, model_class: type[GRPOModule] = GRPOModule, datamodule_class=PromptDataModule, *,
-                 subclass_mode_model: bool = True, auto_configure_optimizers: bool = False,
+    def __init__(self, model_class: type[LightningModule] = GRPOModule,
+                 datamodule_class: type[LightningDataModule] = PromptDataModule, *,
+                 subclass_mode_model: bool = True, subclass_mode_data: bool = True,
+                 auto_configure_optimizers: bool = False,
                  seed_everything_default: bool | int = 0, trainer_defaults: dict | None = None,
                  save_config_callback: type[SaveConfigCallback] | None = LoggedConfig,
                  save_config_kwargs: dict | None = None, **kwargs) -> None:
+        # In subclass mode the given classes are the defaults (a config without class_path builds them) and any
+        # LightningModule / LightningDataModule may be named instead.
+        self.default_classes = {"model": model_class, "data": datamodule_class}
         super().__init__(
-            model_class, datamodule_class, subclass_mode_model=subclass_mode_model,
+            LightningModule if subclass_mode_model else model_class,
+            LightningDataModule if subclass_mode_data else datamodule_class,
+            subclass_mode_model=subclass_mode_model, subclass_mode_data=subclass_mode_data,
             auto_configure_optimizers=auto_configure_optimizers, seed_everything_default=seed_everything_default,
             trainer_defaults=TRAINER_DEFAULTS if trainer_defaults is None else trainer_defaults,
             save_config_callback=save_config_callback,
@@ -136,9 +151,10 @@ class GRPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # Complete, atomic checkpoints once per loop step: `--checkpoint.every_n_loop_steps` (docs/checkpointing.md).
         parser.add_lightning_class_args(GRPOCheckpoint, "checkpoint")
-        if self.subclass_mode_model:  # a config without class_path builds the CLI's model class with its defaults
-            cls = self.model_class
-            parser.set_defaults({"model": {"class_path": f"{cls.__module__}.{cls.__qualname__}"}})
+        modes = {"model": self.subclass_mode_model, "data": self.subclass_mode_data}
+        for key, cls in self.default_classes.items():  # a config without class_path builds the CLI's default class
+            if modes[key]:
+                parser.set_defaults({key: {"class_path": f"{cls.__module__}.{cls.__qualname__}"}})
         group = parser.add_argument_group("The model's sections, each field with its description")
         for key, section in SECTIONS.items():
             group.add_argument(f"--{key}.help", action=_SectionHelp, section=section)
@@ -149,12 +165,24 @@ class GRPOCLI(LightningCLI):
                                           help=OPTIMIZER_REFUSED, **common)
 
     def parse_arguments(self, parser, args) -> None:
+        args = self._default_help_class(sys.argv[1:] if args is None else args)
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as err:
             if not self.auto_configure_optimizers and re.search(r'key "(optimizer|lr_scheduler)"', str(err)):
                 config_error(f"--optimizer/--lr_scheduler: {OPTIMIZER_REFUSED}")
             config_error(err)
+
+    def _default_help_class(self, args):
+        """``--model.help`` / ``--data.help`` without a class describe the default one, not the LightningModule base."""
+        if not isinstance(args, (list, tuple)):
+            return args
+        args = list(args)
+        for key, cls in self.default_classes.items():
+            flag = f"--{key}.help"
+            if flag in args and (args.index(flag) + 1 == len(args) or args[args.index(flag) + 1].startswith("-")):
+                args.insert(args.index(flag) + 1, f"{cls.__module__}.{cls.__qualname__}")
+        return args
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -174,7 +202,8 @@ class GRPOCLI(LightningCLI):
     def before_fit(self) -> None:
         if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
             self.trainer.callbacks.append(RunSummary())
-        if not any(isinstance(cb, HandoffCallback) for cb in self.trainer.callbacks):
+        callbacks = self.trainer.callbacks
+        if isinstance(self.model, GRPOModule) and not any(isinstance(cb, HandoffCallback) for cb in callbacks):
             # The colocated hand-off (engine sleep/wake, trainer offload, weight sync once per collected batch).
             # Without one the module would attach a sync-only publisher. Configure it under trainer.callbacks.
             self.trainer.callbacks.append(HandoffCallback())

@@ -22,10 +22,13 @@ from collections.abc import Iterator
 from lightning_grpo.checkpoint import GRPOCheckpoint
 from lightning_grpo.cli import TRAINER_DEFAULTS
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
+from lightning_grpo.data.preference_module import PreferenceDataModule
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
+from lightning_grpo.dpo import DPOConfig, DPOModule
 from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
 from lightning_grpo.summary import RunSummary
 
@@ -37,11 +40,16 @@ DATACLASS_SECTIONS = (
     ("model.policy", PolicyConfig),
     ("model.policy.tiny", TinyPolicySpec),
     ("model.rewards[i]", RewardSpec),
+    ("model.opd", OPDConfig),
+    ("model.dpo", DPOConfig),
 )
 """(key prefix, dataclass): one table each, in this order."""
 CLASS_SECTIONS = (
     ("model", GRPOModule, "the module; its other arguments are the sections above"),
     ("data", PromptDataModule, "the prompt stream and the held-out validation prompts"),
+    ("model", DPOModule, "DPO (`model.class_path: lightning_grpo.DPOModule`): its sections are `model.policy`, "
+                         "`model.dpo` and `model.optim`"),
+    ("data", PreferenceDataModule, "preference pairs for DPO (`data.class_path: lightning_grpo.PreferenceDataModule`)"),
     ("checkpoint", GRPOCheckpoint, "complete, atomic checkpoints per loop step (the CLI adds it)"),
     ("trainer.callbacks", HandoffCallback, "the colocated hand-off; the CLI adds one unless the config lists it"),
     ("trainer.callbacks", RunSummary, "the end-of-run report; the CLI adds one with these defaults"),
@@ -81,6 +89,9 @@ def generate() -> str:
         "`--model.rl.micro_batch_per_replica=8` on the command line (the form a `wandb sweep` passes).",
         "`lightning-grpo fit --print_config` prints the resolved configuration; `lightning-grpo fit --help` shows",
         "the same descriptions. Derived counts are computed from the knobs and can never be set.",
+        "`model.class_path` (default `lightning_grpo.GRPOModule`) and `data.class_path` (default",
+        "`lightning_grpo.PromptDataModule`) pick the classes; a config for another (DPO: `lightning_grpo.DPOModule`",
+        "with `lightning_grpo.PreferenceDataModule`) nests its keys under `init_args`, as configs/dpo-arith.yaml does.",
         "See also: [getting started](getting-started.md), [metrics](metrics.md), [OOM](oom.md).",
         "",
     ]

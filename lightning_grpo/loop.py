@@ -16,13 +16,13 @@ from torch import Tensor
 from lightning_grpo.accumulate import DeferredAccumulator, StepOutcome
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.chunks import ChunkPlan
-from lightning_grpo.objectives.grpo import ChunkStats
+from lightning_grpo.objectives.base import Stats
 from lightning_grpo.old_logprobs import paired
 
 log = logging.getLogger(__name__)
 
-# (chunk, pi_old for it or None) -> (normalized loss, divisor, stats)
-ForwardChunk = Callable[[RolloutBatch, Tensor | None], tuple[Tensor, Tensor, ChunkStats]]
+# (chunk, pi_old for it or None) -> (normalized loss, divisor, stats); any objective (objectives/base.py)
+ForwardChunk = Callable[[RolloutBatch, Tensor | None], tuple[Tensor, Tensor, Stats]]
 
 
 @dataclass
@@ -48,7 +48,7 @@ class LoopProgress:
 class LoopResult:
     """What one collected batch produced: stats of the chunks that stepped, and one outcome per window."""
 
-    chunks: list[ChunkStats] = field(default_factory=list)
+    chunks: list[Stats] = field(default_factory=list)
     steps: list[StepOutcome] = field(default_factory=list)
     discarded_chunks: int = 0
     consecutive_skips: int = 0
@@ -88,7 +88,7 @@ class CollectedBatchLoop:
         acc, result, k = self.accumulator, LoopResult(), 0  # k: chunk number in walk order (pi_old pairs by it)
         discarded_before = acc.discarded_chunks
         for mini in range(plan.n_mini):  # one optimizer step each
-            window: list[ChunkStats] = []
+            window: list[Stats] = []
             for micro in range(plan.n_micro):  # one forward/backward each; the last one steps
                 self.progress.mini, self.progress.micro = mini, micro
                 if acc.discarding():  # rest of a poisoned window: skip the forward too
@@ -116,7 +116,7 @@ class CollectedBatchLoop:
             self.last_nonfinite = (f"non-finite gradient norm at the optimizer step of loop step {step}, "
                                    f"mini-batch {mini} (closed by micro-batch {micro})")
 
-    def _close(self, result: LoopResult, window: list[ChunkStats], outcome: StepOutcome | None, mini: int) -> None:
+    def _close(self, result: LoopResult, window: list[Stats], outcome: StepOutcome | None, mini: int) -> None:
         if outcome is None:  # the accumulator steps every n_micro calls, from an empty window at each batch start
             raise RuntimeError(f"mini-batch {mini} ended without closing its accumulation window")
         self.progress.optimizer_steps += 1

@@ -1,5 +1,6 @@
 """Roll-up: one set of metrics per collected batch, each with the reduction its meaning needs.
 
+* Each objective's stats class lists its reductions (``REDUCE``); GRPO's are below.
 * ``grpo/loss`` is token-weighted: ``sum(loss_i * denom_i) / sum(denom_i)``. Each chunk's loss
   is already a mean over its own tokens, so a plain mean of chunk losses is a mean of means
   (wrong on unequal lengths); weighting by the divisor telescopes back to the batch loss.
@@ -23,39 +24,41 @@ import torch
 
 from lightning_grpo.loop import LoopResult
 
-CHUNK_FIGURES = ("grpo/loss", "grpo/clip_frac", "grpo/ratio_mean", "grpo/ratio_max", "grpo/kl")
-"""Figures of the chunks that stepped: NaN on a loop step where none did."""
-CHUNK_COUNTS = ("grpo/denom", "grpo/tokens", "grpo/n")
-"""Counts of what was trained: 0 on a loop step where nothing was."""
-STEP_FIGURES = ("grpo/grad_norm", "grpo/grad_norm_max", "grpo/lr", "grpo/lr_max")
-"""Figures of the optimizer steps taken: NaN on a loop step where none was."""
+def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None) -> dict[str, float]:
+    """Metrics of one collected batch from the chunks that stepped and each window's outcome (always every name).
 
-
-def roll_up(result: LoopResult) -> dict[str, float]:
-    """Metrics of one collected batch from the chunks that stepped and each window's outcome (always every name)."""
-    out: dict[str, float] = dict.fromkeys(CHUNK_FIGURES + STEP_FIGURES, math.nan) | dict.fromkeys(CHUNK_COUNTS, 0.0)
+    Each chunk's figures roll up as its stats class says (``REDUCE``: field -> metric name and ``sum``, ``max``
+    or the field that weighs a mean), so any objective's stats work here unchanged. ``prefix`` names the
+    per-optimizer-step figures (``grpo/grad_norm``, ``dpo/grad_norm``, ...). On a loop step where no chunk
+    stepped, ``stats`` (the objective's stats class) still names every figure: counts 0, the rest NaN, so a
+    logger never shows a stale cached value.
+    """
+    stats = type(result.chunks[0]) if result.chunks else stats
+    table_names = getattr(stats, "REDUCE", {}).values()
+    out: dict[str, float] = {metric: 0.0 if how == "sum" else math.nan for metric, how in table_names}
+    out |= {f"{prefix}/{name}": math.nan for name in ("grad_norm", "grad_norm_max", "lr", "lr_max")}
     if result.chunks:
-        # [K, 8] on the host in one transfer (one CPU-GPU sync per collected batch).
-        names = ("loss", "denom", "tokens", "n", "clip_frac", "ratio_mean", "ratio_max", "kl")
+        reduce = type(result.chunks[0]).REDUCE
+        names = tuple(reduce)
+        # [K, F] on the host in one transfer (one CPU-GPU sync per collected batch).
         table = torch.stack([torch.stack([getattr(c, f).double().cpu() for f in names]) for c in result.chunks])
         col = dict(zip(names, table.unbind(-1)))
-        denom, tokens = col["denom"].sum(), col["tokens"].sum()
-        out["grpo/loss"] = _ratio((col["loss"] * col["denom"]).sum(), denom)
-        out["grpo/denom"] = float(denom)
-        out["grpo/tokens"] = float(tokens)
-        out["grpo/n"] = float(col["n"].sum())
-        for name in ("clip_frac", "ratio_mean", "kl"):
-            out[f"grpo/{name}"] = _ratio((col[name] * col["tokens"]).sum(), tokens)
-        out["grpo/ratio_max"] = float(col["ratio_max"].max())
+        for name, (metric, how) in reduce.items():
+            if how == "sum":
+                out[metric] = float(col[name].sum())
+            elif how == "max":
+                out[metric] = float(col[name].max())
+            else:  # a mean weighted by another field: telescopes to the unchunked batch's figure
+                out[metric] = _ratio((col[name] * col[how]).sum(), col[how].sum())
     stepped = [s for s in result.steps if not s.skipped]
     if stepped:
         norms, lrs = [s.grad_norm for s in stepped], [s.lr for s in stepped]
-        out["grpo/grad_norm"], out["grpo/grad_norm_max"] = sum(norms) / len(norms), max(norms)
-        out["grpo/lr"], out["grpo/lr_max"] = sum(lrs) / len(lrs), max(lrs)
-    out["grpo/optimizer_steps"] = float(len(stepped))
-    out["grpo/skipped_windows"] = float(len(result.steps) - len(stepped))
-    out["grpo/consecutive_skips"] = float(result.consecutive_skips)
-    out["grpo/discarded_chunks"] = float(result.discarded_chunks)
+        out[f"{prefix}/grad_norm"], out[f"{prefix}/grad_norm_max"] = sum(norms) / len(norms), max(norms)
+        out[f"{prefix}/lr"], out[f"{prefix}/lr_max"] = sum(lrs) / len(lrs), max(lrs)
+    out[f"{prefix}/optimizer_steps"] = float(len(stepped))
+    out[f"{prefix}/skipped_windows"] = float(len(result.steps) - len(stepped))
+    out[f"{prefix}/consecutive_skips"] = float(result.consecutive_skips)
+    out[f"{prefix}/discarded_chunks"] = float(result.discarded_chunks)
     return out
 
 
@@ -69,15 +72,16 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
 # Unlisted names (reward/<name>, rates, shares) are means over ranks, exact because every rank holds the same
 # number of trajectories and groups. grpo/loss is one of them: rank r reports S_r / N_bar (its loss sum over the
 # DP-mean divisor N_bar), so the mean over ranks is sum(S_r) / sum(N_r), the whole batch's token mean.
-RANK_SUM = frozenset({"grpo/tokens", "grpo/n"})
+RANK_SUM = frozenset({"grpo/tokens", "grpo/n", "dpo/pairs"})
 """Counts of this rank's share: summed, they count the whole collected batch."""
-RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/ratio_mean", "grpo/kl"})
+RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/ratio_mean", "grpo/kl", "opd/kl", "opd/teacher_logprob"})
 """Per-token figures of this rank's tokens: weighted by ``grpo/tokens`` (ranks hold unequal token counts)."""
 RANK_MAX = frozenset({"grpo/ratio_max", "reward/max", "completion/len_max", "grpo/ahead_seconds"})
 RANK_MIN = frozenset({"reward/min"})
-RANK_SAME = frozenset({
-    "step", "loop_step", "global_step", "grpo/denom", "grpo/grad_norm", "grpo/grad_norm_max", "grpo/lr",
-    "grpo/lr_max", "grpo/optimizer_steps", "grpo/skipped_windows", "grpo/consecutive_skips", "grpo/discarded_chunks",
+RANK_SAME = frozenset({"step", "loop_step", "global_step"} | {
+    f"{prefix}/{name}" for prefix in ("grpo", "dpo") for name in (
+        "denom", "grad_norm", "grad_norm_max", "lr", "lr_max", "optimizer_steps", "skipped_windows",
+        "consecutive_skips", "discarded_chunks")
 })
 """Equal on every rank by construction (the divisor is already a DP mean, the norm is taken after the gradient
 sync, skip decisions are collective); reduced with max, so a disagreement could only show the worse value."""

@@ -39,7 +39,8 @@ from lightning_grpo.distributed import data_parallel_mesh, gradient_sync, root_c
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.loop import CollectedBatchLoop, LoopResult
 from lightning_grpo.metrics import combine_ranks, roll_up
-from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
+from lightning_grpo.objectives import OBJECTIVES, Objective, PolicyView, Stats, build_objective
+from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_pass, warn_if_unfrozen
 from lightning_grpo.policy import PolicyConfig, load_policy, with_seed
 from lightning_grpo.precision import PluginStep, adamw_kernel, check_precision
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 # The sections' defaults: instances rather than None, so `--help` and `--print_config` show every field.
 # Shared between modules, hence copied by GRPOModule.__init__ and never mutated.
-_POLICY, _RL, _OPTIM, _ROLLOUT = PolicyConfig(), GRPOConfig(), OptimConfig(), RolloutConfig()
+_POLICY, _RL, _OPTIM, _ROLLOUT, _OPD = PolicyConfig(), GRPOConfig(), OptimConfig(), RolloutConfig(), OPDConfig()
 
 
 class GRPOModule(LightningModule):
@@ -64,10 +65,13 @@ class GRPOModule(LightningModule):
         rl: batch sizes, clipping, KL, gradient clipping (see ``GRPOConfig``).
         optim: AdamW and its schedule, stepped once per optimizer step.
         rollout: the engine and how it samples.
-        rewards: reward functions and weights (None = the built-in task's reward).
+        rewards: reward functions and weights (None = the built-in task's reward; [] = none, all rewards 0).
         seed: base seed of the module's random streams: rollout sampling (per rank and loop step streams derive
             from it) and a ``tiny:`` policy's init and warm start. None = the seed ``seed_everything`` applied
             (the CLI's ``--seed_everything``), else 0; set it to override that one source.
+        objective: the loss, by name: ``grpo`` (clipped surrogate) or ``opd`` (on-policy distillation to a
+            teacher, section ``opd``); see docs/objectives.md. From Python an ``Objective`` instance works too.
+        opd: the teacher and distillation knobs, used when ``objective`` is ``opd``.
 
     Example::
 
@@ -85,7 +89,7 @@ class GRPOModule(LightningModule):
 
     def __init__(self, policy: PolicyConfig = _POLICY, rl: GRPOConfig = _RL, optim: OptimConfig = _OPTIM,
                  rollout: RolloutConfig = _ROLLOUT, rewards: list[RewardSpec] | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, objective: str | Objective = "grpo", opd: OPDConfig = _OPD) -> None:
         super().__init__()
         self.automatic_optimization = False  # the loop steps the optimizer itself
         resolved = run_seed(seed)  # one source of truth: model.seed, else seed_everything's
@@ -94,7 +98,8 @@ class GRPOModule(LightningModule):
         self.rl, self.optim_cfg = copy.deepcopy(rl or GRPOConfig()), copy.deepcopy(optim or OptimConfig())
         self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
         warn_if_unfrozen(self.rl)
-        self.objective = GRPOObjective(self.rl.epsilon, self.rl.epsilon_high, self.rl.beta, dp_mean=self._dp_mean)
+        self.opd_cfg = copy.deepcopy(opd)
+        self.objective = self.configure_objective(objective)
         self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer, reference, pi_old cache
         self.tokenizer = None
         self.ref: nn.Module | None = None
@@ -108,6 +113,21 @@ class GRPOModule(LightningModule):
         self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
+    def configure_objective(self, objective: str | Objective) -> Objective:
+        """The loss: a registered name (``objectives.OBJECTIVES``) built for this module, or an instance as is."""
+        if not isinstance(objective, str):
+            return objective
+        section = OBJECTIVES[objective].section if objective in OBJECTIVES else None
+        if section != "opd" and self.opd_cfg is not None and self.opd_cfg != OPDConfig():
+            # a sweep that sets opd.* but not the objective would otherwise silently train something else
+            raise ValueError(f"objective={objective!r} but the opd section is set, which configures objective='opd': "
+                             "set model.objective=opd or drop model.opd")
+        if section == "opd" and self.opd_cfg is None:
+            self.opd_cfg = OPDConfig()  # refused by the objective: a teacher is required
+        if section == "opd" and self.opd_cfg.teacher is not None:  # a tiny: teacher is seeded like the policy
+            self.opd_cfg.teacher = with_seed(self.opd_cfg.teacher, self.seed)
+        return build_objective(objective, self)
+
     def configure_policy(self):
         """(model, tokenizer). Default: ``load_policy(self.policy_cfg)``."""
         return load_policy(self.policy_cfg)
@@ -122,6 +142,8 @@ class GRPOModule(LightningModule):
         """One reward per rollout. Recorded rewards (replay) are used as they are."""
         if all(r.reward is not None for r in rollouts):
             return torch.tensor([r.reward for r in rollouts], dtype=torch.float32), {}
+        if self.reward_specs == []:  # no rewards at all (distillation alone on prompts without answers)
+            return torch.zeros(len(rollouts), dtype=torch.float32), {}
         # Default: the built-in task reward. A SIGTERM (Lightning's flag) abandons a reward call still running.
         stop = (lambda: self.trainer.received_sigterm) if self._trainer is not None else None
         total, parts = score(rollouts, self.reward_specs or [RewardSpec()], should_stop=stop)
@@ -170,7 +192,8 @@ class GRPOModule(LightningModule):
             self.policy = policy.train()  # from_pretrained returns eval(); Lightning trains (and checks) in train mode
             # k3 KL needs the initial policy, frozen; with beta == 0 none is built (no memory spent). It stays in
             # train mode like every module Lightning holds, and is scored under eval_mode (no dropout).
-            self.ref = copy.deepcopy(self.policy).requires_grad_(False) if self.rl.beta > 0 else None
+            self.ref = copy.deepcopy(self.policy).requires_grad_(False) if self.objective.needs_reference() else None
+            self.objective.setup(self.policy, self.tokenizer)  # OPD: loads the teacher, refuses another vocabulary
             # Frozen pi_old across the window (the ahead pass); also holds the one-shot probe's state.
             self.old_logprobs = OldLogprobCache(self.policy, lambda c: self.logprobs(self.policy, c.to(self.device)),
                                                 dp_sum=lambda t: self._dp_mean(t) * self._world_size())
@@ -300,19 +323,25 @@ class GRPOModule(LightningModule):
         self.update_seconds = time.perf_counter() - start
         return result
 
-    def forward_chunk(self, chunk: RolloutBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, ChunkStats]:
-        """Score one chunk: current logprobs, pi_old, optional reference, then the objective."""
+    def forward_chunk(self, chunk: RolloutBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, Stats]:
+        """Score one chunk with the objective: it asks the policy (and reference, teacher) for what it needs."""
         chunk = chunk.to(self.device)
-        logprobs = self.logprobs(self.policy, chunk)
         if old_logprobs is None and self.rl.use_rollout_logprobs_for_loss:
             if chunk.rollout_logprobs is None:
                 raise ValueError("rl.use_rollout_logprobs_for_loss=true but the engine returned no sampler logprobs")
             old_logprobs = chunk.rollout_logprobs[:, 1:]
-        ref = None
-        if self.ref is not None:
-            with torch.no_grad(), eval_mode(self.ref):
-                ref = self.logprobs(self.ref, chunk)
-        return self.objective(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref)
+        return self.objective.chunk_loss(chunk, self.policy_view(), old_logprobs)
+
+    def policy_view(self) -> PolicyView:
+        """What an objective may ask of the policy (``objectives/base.py``)."""
+        return PolicyView(model=self.policy, temperature=self.rollout_cfg.temperature,
+                          logprobs=lambda c: self.logprobs(self.policy, c),
+                          reference=self._reference_logprobs if self.ref is not None else None,
+                          call=lambda fn, *args: root_call(self.policy, fn, *args))
+
+    def _reference_logprobs(self, chunk: RolloutBatch) -> Tensor:
+        with torch.no_grad(), eval_mode(self.ref):
+            return self.logprobs(self.ref, chunk)
 
     def logprobs(self, model, chunk: RolloutBatch) -> Tensor:
         """``[B, T-1]`` logprobs at the sampling temperature (so ratios compare like with like)."""
@@ -321,7 +350,7 @@ class GRPOModule(LightningModule):
                          temperature=self.rollout_cfg.temperature)
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
-        metrics = {**rollout_metrics, **roll_up(result)}
+        metrics = {**rollout_metrics, **roll_up(result, stats=getattr(self.objective, "stats", None))}
         metrics["loop_step"] = float(self.loop_step)
         metrics["global_step"] = float(self.global_step)
         metrics["step"] = metrics["loop_step"]  # the logger's x-axis: collected batches
@@ -366,7 +395,9 @@ class GRPOModule(LightningModule):
     def _dp_mean(self, t: Tensor) -> Tensor:
         if self._world_size() == 1:
             return t
-        return self.trainer.strategy.reduce(t, reduce_op="mean")
+        # A copy: Lightning's reduce all-reduces in place, and ``t`` is often a view of this rank's count (the
+        # objective's ``tokens.detach()``), which would then read as the DP mean in the chunk's stats.
+        return self.trainer.strategy.reduce(t.clone(), reduce_op="mean")
 
     def _all_reduce(self, t: Tensor, op: str) -> Tensor:
         return self.trainer.strategy.reduce(t.to(self.device), reduce_op=op).cpu()

@@ -31,6 +31,7 @@ def _global_seed_restored(monkeypatch):
 def tiny_policy_dir(tmp_path_factory):
     """A small Qwen2 policy folder (hidden 64, head_dim 32) with the char tokenizer."""
     from helpers import SMALL
+
     from lightning_grpo.policy import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-policy"), SMALL)
@@ -45,6 +46,18 @@ def tiny_chat_policy_dir(tmp_path_factory):
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-chat-policy"), SMALL_CHAT)
 
 
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory):
+    """An OPD teacher: the student's tokenizer and shape, other weights (seed 1)."""
+    from dataclasses import replace
+
+    from helpers import SMALL
+
+    from lightning_grpo.policy import build_tiny_policy
+
+    return build_tiny_policy(tmp_path_factory.mktemp("tiny-teacher"), replace(SMALL, seed=1))
+
+
 @dataclass(frozen=True)
 class QuickstartRun:
     argv: list[str]
@@ -57,6 +70,7 @@ class QuickstartRun:
 def quickstart_run(tmp_path_factory) -> QuickstartRun:
     """A real quickstart fit through ``lightning-grpo fit`` (in-process), run once per session."""
     from helpers import QUICKSTART_ARGS
+
     from lightning_grpo.cli import main
 
     cwd, old = tmp_path_factory.mktemp("quickstart"), os.getcwd()

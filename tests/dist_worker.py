@@ -170,7 +170,64 @@ def _strategy(case: str):
     return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if case.startswith("fsdp2") else "ddp"
 
 
-def run_case(case: str, policy: str, out: Path, rank: int) -> None:
+def objective_lr(case: str) -> float:
+    """SGD step size of an objective case: updates of ~0.15 (measured on one rank), far above float32 rounding."""
+    if case.startswith("dpo"):
+        return 0.1
+    return 1.0 if "rewards" in case else 30.0 if "full" in case else 4.0
+
+
+def run_objective_case(case: str, policy: str, teacher: str, out: Path, rank: int) -> None:
+    """``opd-<kl>-m<n>`` / ``dpo-m<n>``: one step on this rank's share of the fixed batch, as ``one_rank_objective``."""
+    module = objective_module(case, policy, teacher)
+    if case.startswith("opd"):
+        module.collect = lambda records: (_share(synthetic_batch(LENGTHS, seed=BATCH_SEED), module), {})
+    else:
+        module.encode = lambda pairs, real=module.encode: _share(real(dpo_pairs()), module)
+    module.configure_optimizers = lambda: torch.optim.SGD(module.policy.parameters(), lr=objective_lr(case))
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, limit_train_batches=1,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(module, train_dataloaders=DataLoader([[0]], batch_size=None))
+    torch.save({"case": case, "params": full_params(module.policy), "metrics": dict(module.last_metrics)},
+               out / f"{case}.rank{rank}.pt")
+
+
+def objective_module(case: str, policy: str, teacher: str):
+    """The module of an objective case (also the 1-rank reference): 8 trajectories or pairs, n_micro chunks."""
+    from lightning_grpo.dpo import DPOConfig, DPOModule
+    from lightning_grpo.objectives.opd import OPDConfig
+
+    n_micro = int(case.split("-")[-1][1:])
+    if case.startswith("dpo"):
+        return DPOModule(PolicyConfig(path=policy, dtype="float32"),
+                         DPOConfig(batch_size=len(LENGTHS), grad_accum=n_micro, max_grad_norm=0.0, beta=0.5))
+    rl = GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, micro_batch_per_replica=len(LENGTHS) // n_micro,
+                    max_grad_norm=0.0)
+    opd = OPDConfig(teacher=PolicyConfig(path=teacher, dtype="float32"), kl=case.split("-")[1],
+                    use_rewards="rewards" in case)
+    return GRPOModule(policy=PolicyConfig(path=policy, dtype="float32"), rl=rl, rollout=RolloutConfig(),
+                      objective="opd", opd=opd)
+
+
+def dpo_pairs():
+    """8 pairs whose answers differ in length (rank 0 gets the long ones)."""
+    from lightning_grpo.data.preferences import PreferencePair, builtin_pairs
+
+    base = builtin_pairs("arith_small", "train", len(LENGTHS), seed=3)
+    return [PreferencePair(p.id, p.prompt, p.chosen * (1 + n % 7), p.rejected) for p, n in zip(base, LENGTHS)]
+
+
+def _share(batch, module):
+    """This rank's contiguous share of a batch (the whole batch outside a distributed run)."""
+    world = module.trainer.world_size if module._trainer is not None else 1
+    rank, size = (module.global_rank if world > 1 else 0), len(batch) // world
+    return batch.select(slice(rank * size, (rank + 1) * size))
+
+
+def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None = None) -> None:
+    if case.startswith(("opd-", "dpo-")):
+        return run_objective_case(case, policy, teacher, out, rank)
     if case == "ddp-vllm-fit":
         return run_vllm_fit(case, policy, out, rank)
     if case.endswith("-fit"):
@@ -211,12 +268,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--policy", required=True)
     parser.add_argument("--cases", required=True)
+    parser.add_argument("--teacher", default=None, help="OPD teacher folder (opd-* cases)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # two ranks share the machine's cores
     rank, out = int(os.environ["LOCAL_RANK"]), Path(args.out)
     for case in args.cases.split(","):
         try:
-            run_case(case, args.policy, out, rank)
+            run_case(case, args.policy, out, rank, args.teacher)
         except Exception:
             (out / f"{case}.rank{rank}.err").write_text(traceback.format_exc())
             raise

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import max_rel_delta, params_of, synthetic_batch
+
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule

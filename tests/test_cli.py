@@ -148,8 +148,9 @@ def test_model_help_and_fit_help_show_descriptions(capsys):
     assert _words(docgen.field_docs(GRPOConfig)["micro_batch_per_replica"]) in _words(out)
     assert "None = the seed ``seed_everything`` applied" in _words(out)  # model.seed, from the Args: section
     code, out, _ = _run(["fit", "--help"], capsys)
-    assert code == 0 and "--model.help" in out and "--model.rl.help" in out
-    assert "held-out prompts to use" in _words(out)  # data.val_size, from PromptDataModule's Args:
+    assert code == 0 and "--model.help" in out and "--model.rl.help" in out and "--data.help" in out
+    code, out, _ = _run(["fit", "--data.help"], capsys)  # the data module is picked by class_path too (DPO's)
+    assert code == 0 and "held-out prompts to use" in _words(out)  # data.val_size, from PromptDataModule's Args:
 
 
 def test_a_bad_rl_config_is_reported_in_a_few_lines(capsys, monkeypatch):

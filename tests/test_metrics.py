@@ -9,7 +9,8 @@ from helpers import synthetic_batch
 from lightning_grpo.accumulate import StepOutcome
 from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.loop import LoopResult
-from lightning_grpo.metrics import CHUNK_COUNTS, CHUNK_FIGURES, STEP_FIGURES, combine_ranks, roll_up
+from lightning_grpo.metrics import combine_ranks, roll_up
+from lightning_grpo.objectives.grpo import ChunkStats
 from lightning_grpo.objectives.grpo import GRPOObjective
 
 
@@ -63,11 +64,12 @@ def test_a_fully_skipped_loop_step_logs_every_name_nan_or_zero_never_absent():
     clean = roll_up(LoopResult(chunks=chunk_stats(synthetic_batch([3, 5, 2, 4]), 2),
                                steps=[StepOutcome(1.0, 1e-3, False)]))
     skipped = roll_up(LoopResult(steps=[StepOutcome(math.nan, 1e-3, True, cause="loss")] * 2, discarded_chunks=4,
-                                 consecutive_skips=5))
+                                 consecutive_skips=5), stats=ChunkStats)  # no chunk: the objective's stats name them
     assert skipped.keys() == clean.keys()
-    for name in CHUNK_FIGURES + STEP_FIGURES:
+    for name in ("grpo/loss", "grpo/clip_frac", "grpo/ratio_mean", "grpo/ratio_max", "grpo/kl", "grpo/grad_norm",
+                 "grpo/grad_norm_max", "grpo/lr", "grpo/lr_max"):
         assert math.isnan(skipped[name]), name
-    assert all(skipped[name] == 0.0 for name in CHUNK_COUNTS)
+    assert all(skipped[name] == 0.0 for name in ("grpo/denom", "grpo/tokens", "grpo/n"))
     assert (skipped["grpo/skipped_windows"], skipped["grpo/consecutive_skips"], skipped["grpo/optimizer_steps"]) == (
         2.0, 5.0, 0.0)
 

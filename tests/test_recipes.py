@@ -19,7 +19,11 @@ def test_config_starts_with_launch_comment_and_parses(config, capsys):
         main(["fit", "--config", str(config), "--print_config"])
     assert done.value.code in (0, None)
     printed = flatten(yaml.safe_load(capsys.readouterr().out))  # model: {class_path, init_args: {rl: ...}}
-    assert printed["model.rl.batch_per_replica"] % printed["model.rl.group_size"] == 0
+    if printed["model.class_path"].endswith("DPOModule"):
+        assert printed["model.dpo.batch_size"] % printed["model.dpo.grad_accum"] == 0
+        assert printed["data.class_path"].endswith("PreferenceDataModule")
+    else:
+        assert printed["model.rl.batch_per_replica"] % printed["model.rl.group_size"] == 0
 
 
 RECIPE = Path(__file__).parent.parent / "configs" / "qwen2.5-0.5b-gsm8k.yaml"

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.distributed import single_process
+from lightning_grpo.objectives.base import PolicyView, Reduction
 
 # Reduces a scalar tensor to its mean over data-parallel ranks (identity on one device).
 DPMean = Callable[[Tensor], Tensor]
@@ -23,6 +26,13 @@ DPMean = Callable[[Tensor], Tensor]
 @dataclass(frozen=True)
 class ChunkStats:
     """What one chunk reports, as 0-d tensors: the roll-up moves them to the host in one sync."""
+
+    REDUCE: ClassVar[dict[str, Reduction]] = {
+        "loss": ("grpo/loss", "denom"), "denom": ("grpo/denom", "sum"), "tokens": ("grpo/tokens", "sum"),
+        "n": ("grpo/n", "sum"), "clip_frac": ("grpo/clip_frac", "tokens"), "ratio_mean": ("grpo/ratio_mean", "tokens"),
+        "ratio_max": ("grpo/ratio_max", "max"), "kl": ("grpo/kl", "tokens"),
+    }
+    """Field -> (metric, reduction): the loss weighted by the divisor, per-token figures by this rank's tokens."""
 
     loss: Tensor
     denom: Tensor
@@ -52,6 +62,7 @@ class GRPOObjective:
     """
 
     name = "grpo"
+    stats = ChunkStats  # names every grpo/* figure of a loop step where no chunk stepped
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                  dp_mean: DPMean = single_process) -> None:
@@ -63,6 +74,20 @@ class GRPOObjective:
     def needs_old_logprobs(self) -> bool:
         """The ratio consumes pi_old, so mini-batching needs it frozen (the ahead pass)."""
         return True
+
+    def needs_reference(self) -> bool:
+        """The k3 KL needs the frozen initial policy; beta == 0 builds none."""
+        return self.beta > 0
+
+    def setup(self, policy: nn.Module, tokenizer) -> None:
+        """Nothing to build."""
+
+    def chunk_loss(self, chunk: RolloutBatch, policy: PolicyView,
+                   old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, ChunkStats]:
+        """Score ``chunk`` with the policy (and the reference when beta > 0), then the loss below."""
+        logprobs = policy.logprobs(chunk)
+        ref = policy.reference(chunk) if self.beta > 0 and policy.reference is not None else None
+        return self(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref)
 
     def __call__(
         self,

@@ -1,0 +1,218 @@
+"""On-policy distillation (OPD): the student samples, a frozen teacher scores the same tokens, and the loss is
+the per-token reverse KL ``KL(student || teacher)``, token-mean normalized with the deferred divisor.
+
+Two forms of the per-token KL (``opd.kl``):
+
+* ``full``: the exact KL over the whole vocabulary at every completion position, differentiated directly
+  (``kl.reverse_kl``, chunked over tokens: no ``[B, T, V]`` float32 tensor). Needs a Hugging Face teacher
+  with the student's vocabulary.
+* ``sampled``: the one-sample estimate ``k = log p_s(y_t) - log p_t(y_t)`` at the sampled token, used as a
+  per-token cost in a score-function gradient: the surrogate ``k + sg(k) * (log p_s - sg(log p_s))`` has
+  value ``k`` and gradient ``k * grad log p_s`` (discount 0: each token answers for its own KL). Reads only
+  the teacher's logprob of the sampled token, so a vLLM teacher (prompt logprobs) serves it.
+
+The direct form (``use_rewards=false``) has no ratio: it consumes no pi_old, ``needs_old_logprobs()`` is
+false, and mini-batching runs no ahead pass. With ``use_rewards=true`` the loss is the GRPO clipped
+surrogate plus ``beta_opd`` times the KL term; both terms are sums over the same completion tokens divided
+by the same global (DP-mean) token count, so the sum is exactly the token mean of the combined per-token
+loss and chunking stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.config import ConfigError, GRPOConfig, VLLMConfig
+from lightning_grpo.distributed import single_process
+from lightning_grpo.objectives.base import PolicyView, Reduction, nonzero
+from lightning_grpo.objectives.grpo import ChunkStats, DPMean, GRPOObjective
+from lightning_grpo.objectives.kl import CHUNK_BYTES, chunk_tokens, completion_hidden, reverse_kl
+from lightning_grpo.objectives.teacher import HFTeacher, VLLMTeacher, check_same_vocab, model_vocab_size
+from lightning_grpo.policy import PolicyConfig
+
+
+@dataclass
+class OPDConfig:
+    """The ``opd`` section: the teacher and the distillation loss (used when ``model.objective: opd``)."""
+
+    teacher: PolicyConfig | None = None
+    """The teacher model (same fields as ``policy``: a Hugging Face folder or ``tiny:<name>``, dtype, ...). Required.
+    It must share the student's tokenizer."""
+    teacher_engine: Literal["hf", "vllm"] = "hf"
+    """hf: a frozen transformers model (both KL forms); vllm: an in-process vLLM engine returning prompt logprobs of
+    the student's tokens (kl=sampled only)."""
+    teacher_device: str | None = None
+    """Device of an hf teacher (e.g. ``cuda:1``); null = the policy's device."""
+    teacher_vllm: VLLMConfig | None = None
+    """How the vLLM teacher engine is built (null = VLLMConfig defaults)."""
+    kl: Literal["full", "sampled"] = "full"
+    """full: exact reverse KL over the vocabulary at every completion token (chunked over tokens); sampled: the
+    one-sample estimate at the sampled token (score-function gradient, cheaper, noisier)."""
+    beta_opd: float = 1.0
+    """Weight of the KL term."""
+    use_rewards: bool = False
+    """false: distillation alone (no ratio, no pi_old, no ahead pass). true: GRPO's clipped surrogate on the reward
+    advantages plus beta_opd x KL, both normalized by the same global token count."""
+    kl_chunk_mb: float = CHUNK_BYTES / 2**20
+    """Float32 logits of one chunk of positions in the full KL, in MiB (memory only: the result is unchanged)."""
+
+    def __post_init__(self) -> None:
+        p = []
+        if self.teacher is not None and not isinstance(self.teacher, PolicyConfig):
+            self.teacher = PolicyConfig(**self.teacher) if isinstance(self.teacher, dict) else self.teacher
+        if self.kl == "full" and self.teacher_engine == "vllm":
+            p.append("kl='full' with teacher_engine='vllm': vLLM returns the sampled token's logprob only; use "
+                     "kl=sampled, or teacher_engine=hf for the full-vocabulary KL")
+        if self.teacher_engine == "vllm" and self.teacher_device is not None:
+            p.append(f"teacher_device={self.teacher_device!r}: applies to an hf teacher; place a vLLM teacher through "
+                     "teacher_vllm (e.g. CUDA_VISIBLE_DEVICES)")
+        if not (isinstance(self.beta_opd, (int, float)) and math.isfinite(self.beta_opd) and self.beta_opd >= 0):
+            p.append(f"beta_opd={self.beta_opd}: must be a finite number >= 0")
+        if not (math.isfinite(self.kl_chunk_mb) and self.kl_chunk_mb > 0):
+            p.append(f"kl_chunk_mb={self.kl_chunk_mb}: must be > 0")
+        if p:
+            raise ConfigError("invalid opd config ({} problem{}):\n{}".format(
+                len(p), "s" * (len(p) > 1), "\n".join(f"  - {x}" for x in p)))
+
+    def validate_with(self, rl: GRPOConfig) -> None:
+        """Rules that need the ``rl`` section too (checked when the module is built)."""
+        p = []
+        if self.teacher is None:
+            p.append("opd.teacher=None: objective=opd needs a teacher (opd.teacher.path: a Hugging Face folder or "
+                     "tiny:<name>)")
+        if not self.use_rewards and rl.beta > 0:
+            p.append(f"rl.beta={rl.beta}: the k3 KL to the initial policy belongs to the GRPO term, which "
+                     "opd.use_rewards=false leaves out; set rl.beta=0 (the teacher is the anchor) or use_rewards=true")
+        if not self.use_rewards and rl.use_rollout_logprobs_for_loss:
+            p.append("rl.use_rollout_logprobs_for_loss=true: distillation alone has no ratio, so pi_old is never used")
+        if p:
+            raise ConfigError("invalid opd config ({} problem{}):\n{}".format(
+                len(p), "s" * (len(p) > 1), "\n".join(f"  - {x}" for x in p)))
+
+
+@dataclass(frozen=True)
+class OPDStats(ChunkStats):
+    """GRPO's figures (neutral when the reward term is off: no ratio, nothing clipped) plus the distillation's."""
+
+    REDUCE: ClassVar[dict[str, Reduction]] = {
+        **ChunkStats.REDUCE, "opd_kl": ("opd/kl", "tokens"), "teacher_logprob": ("opd/teacher_logprob", "tokens"),
+    }
+    opd_kl: Tensor = field(default=None)
+    """Token mean of the per-token reverse KL (the full KL, or the sampled estimate) over this rank's tokens."""
+    teacher_logprob: Tensor = field(default=None)
+    """Token mean of the teacher's logprob of the sampled tokens (rises as the student samples what it likes)."""
+
+
+class OPDObjective:
+    """Reverse KL to a teacher on the student's own samples, optionally added to GRPO's surrogate.
+
+    Args:
+        config: the ``opd`` section.
+        rl: the ``rl`` section (clip range and k3 KL of the GRPO term when ``use_rewards``).
+        dp_mean: all-reduce mean over data-parallel ranks for the divisor.
+    """
+
+    name = "opd"
+    stats = OPDStats  # names every figure of a loop step where no chunk stepped
+
+    def __init__(self, config: OPDConfig | None, rl: GRPOConfig | None = None, dp_mean: DPMean = single_process):
+        self.config = config or OPDConfig()
+        rl = rl or GRPOConfig()
+        self.config.validate_with(rl)
+        self.grpo = GRPOObjective(rl.epsilon, rl.epsilon_high, rl.beta, dp_mean=dp_mean)
+        self.teacher: HFTeacher | VLLMTeacher | None = None  # built by setup()
+        self._dp_mean = dp_mean
+
+    @property
+    def dp_mean(self) -> DPMean:
+        return self._dp_mean
+
+    @dp_mean.setter
+    def dp_mean(self, fn: DPMean) -> None:  # one divisor reduction for both terms
+        self._dp_mean = self.grpo.dp_mean = fn
+
+    def needs_old_logprobs(self) -> bool:
+        """Only the GRPO term has a ratio; distillation alone reads no pi_old (no ahead pass at n_mini > 1)."""
+        return self.config.use_rewards
+
+    def needs_reference(self) -> bool:
+        return self.config.use_rewards and self.grpo.beta > 0
+
+    def setup(self, policy: nn.Module, tokenizer) -> None:
+        """Load the teacher once and refuse one that reads token ids differently (both vocab sizes named)."""
+        if self.teacher is not None:
+            return
+        c = self.config
+        teacher = (VLLMTeacher(c.teacher, c.teacher_vllm) if c.teacher_engine == "vllm"
+                   else HFTeacher(c.teacher, c.teacher_device))
+        try:
+            check_same_vocab(model_vocab_size(policy), tokenizer, teacher.vocab_size, teacher.tokenizer,
+                             need_same_size=c.kl == "full")
+        except ValueError:
+            if isinstance(teacher, VLLMTeacher):
+                teacher.close()
+            raise
+        self.teacher = teacher
+
+    def chunk_loss(self, chunk: RolloutBatch, policy: PolicyView,
+                   old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, OPDStats]:
+        if self.teacher is None:
+            raise RuntimeError("OPDObjective.setup(policy, tokenizer) was not called: the teacher is not loaded")
+        mask = chunk.completion_mask[:, 1:]  # [B, T-1]
+        if self.config.kl == "full":
+            logprobs, kl, teacher_lp = self._full(chunk, mask, policy)
+        else:
+            logprobs = policy.logprobs(chunk)
+            teacher_lp = self.teacher.token_logprobs(chunk).to(logprobs.dtype)
+            k = (logprobs - teacher_lp).detach()
+            kl = k + k * (logprobs - logprobs.detach())  # value k, gradient k * grad log p_s
+        m = mask.to(kl.dtype)
+        if self.config.use_rewards:
+            ref = policy.reference(chunk) if self.needs_reference() and policy.reference is not None else None
+            g_loss, denom, g = self.grpo(logprobs, mask, chunk.advantages, old_logprobs, ref)
+            loss = g_loss + self.config.beta_opd * (kl * m).sum() / nonzero(denom)
+        else:
+            tokens = m.sum()
+            denom = self._dp_mean(tokens.detach())
+            loss = self.config.beta_opd * (kl * m).sum() / nonzero(denom)
+            g = _neutral(loss, denom, tokens, mask.shape[0])
+        with torch.no_grad():
+            local = m.sum().clamp(min=1)
+            stats = OPDStats(**{**g.__dict__, "loss": loss.detach()}, opd_kl=(kl.detach() * m).sum() / local,
+                             teacher_logprob=(teacher_lp.detach() * m).sum() / local)
+        return loss, denom, stats
+
+    def _full(self, chunk: RolloutBatch, mask: Tensor, policy: PolicyView) -> tuple[Tensor, Tensor, Tensor]:
+        """Exact per-token KL and the student's token logprobs from one pass of each head (``[B, T-1]`` each)."""
+        teacher = self.teacher
+        t_hidden = teacher.completion_hidden(chunk)  # [N, H_t], no grad
+        targets = chunk.input_ids[:, 1:][mask]  # [N]
+
+        def student(model: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+            hidden = completion_hidden(model, chunk.input_ids, chunk.attention_mask, mask)  # [N, H]
+            head = model.get_output_embeddings()
+            step = chunk_tokens(head.weight.shape[0], int(self.config.kl_chunk_mb * 2**20))
+            return reverse_kl(hidden, head, targets, lambda a, b: teacher.distribution(t_hidden[a:b]),
+                              temperature=policy.temperature, chunk=step)
+
+        kl, logprob, teacher_lp = policy.call(student, policy.model)
+        return _scatter(logprob, mask), _scatter(kl, mask), _scatter(teacher_lp, mask)
+
+
+def _scatter(values: Tensor, mask: Tensor) -> Tensor:
+    """``[N]`` values at the True positions of ``mask`` -> ``[B, T-1]`` with zeros elsewhere (differentiable)."""
+    out = values.new_zeros(mask.shape)
+    return out.masked_scatter(mask, values)
+
+
+def _neutral(loss: Tensor, denom: Tensor, tokens: Tensor, rows: int) -> ChunkStats:
+    """GRPO's figures when there is no GRPO term: ratio 1, nothing clipped, no k3 KL."""
+    zero = tokens.new_zeros(())
+    return ChunkStats(loss=loss.detach(), denom=denom, tokens=tokens, n=torch.tensor(float(rows), dtype=torch.float32),
+                      clip_frac=zero, ratio_mean=zero + 1, ratio_max=zero + 1, kl=zero)
