@@ -75,6 +75,6 @@ def test_a_fully_skipped_loop_step_logs_every_name_nan_or_zero_never_absent():
 
 
 def test_combine_ranks_keeps_a_skipped_steps_token_weighted_figures_nan():
-    skipped = roll_up(LoopResult(steps=[StepOutcome(math.nan, 1e-3, True, cause="loss")]))
+    skipped = roll_up(LoopResult(steps=[StepOutcome(math.nan, 1e-3, True, cause="loss")]), stats=ChunkStats)
     out = combine_ranks(skipped, lambda t, op: t * 2 if op == "sum" else t, world_size=2, rows=4)
     assert math.isnan(out["grpo/clip_frac"]) and math.isnan(out["grpo/loss"]) and out["grpo/tokens"] == 0.0
