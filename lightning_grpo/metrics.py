@@ -26,17 +26,18 @@ def roll_up(result: LoopResult) -> dict[str, float]:
     out: dict[str, float] = {}
     if result.chunks:
         # [K, 8] on the host in one transfer (one CPU-GPU sync per collected batch).
-        names = ("loss", "denom", "tokens", "n", "clip_frac", "ratio_mean", "ratio_max", "kl")
-        table = torch.stack([torch.stack([getattr(c, f).double().cpu() for f in names]) for c in result.chunks])
+        names = ("loss", "denom", "tokens", "n", "clip_frac", "ratio_mean", "ratio_max", "kl", "kl_old")
+        table = torch.stack([torch.stack([_stat(c, f) for f in names]) for c in result.chunks])
         col = dict(zip(names, table.unbind(-1)))
         denom, tokens = col["denom"].sum(), col["tokens"].sum()
         out["grpo/loss"] = _ratio((col["loss"] * col["denom"]).sum(), denom)
         out["grpo/denom"] = float(denom)
         out["grpo/tokens"] = float(tokens)
         out["grpo/n"] = float(col["n"].sum())
-        for name in ("clip_frac", "ratio_mean", "kl"):
+        for name in ("clip_frac", "ratio_mean", "kl", "kl_old"):
             out[f"grpo/{name}"] = _ratio((col[name] * col["tokens"]).sum(), tokens)
         out["grpo/ratio_max"] = float(col["ratio_max"].max())
+        out.update(_per_epoch(result, col))
     stepped = [s for s in result.steps if not s.skipped]
     if stepped:
         norms, lrs = [s.grad_norm for s in stepped], [s.lr for s in stepped]
@@ -46,6 +47,32 @@ def roll_up(result: LoopResult) -> dict[str, float]:
     out["grpo/skipped_steps"] = float(len(result.steps) - len(stepped))
     out["grpo/discarded_chunks"] = float(result.discarded_chunks)
     return out
+
+
+def _stat(chunk, name: str) -> torch.Tensor:
+    value = getattr(chunk, name)
+    return torch.zeros((), dtype=torch.float64) if value is None else value.double().cpu()
+
+
+def _per_epoch(result: LoopResult, col: dict[str, torch.Tensor]) -> dict[str, float]:
+    """At ``mu_iterations > 1``: clip fraction and KL to pi_old of each inner epoch (token-weighted), 1-based."""
+    epochs = torch.tensor(result.chunk_epochs, dtype=torch.long)
+    if not len(epochs) or int(epochs.max()) == 0:
+        return {}
+    out = {}
+    for e in range(int(epochs.max()) + 1):
+        tokens = col["tokens"][epochs == e]
+        for name in ("clip_frac", "kl_old"):
+            out[f"grpo/epoch{e + 1}/{name}"] = _ratio((col[name][epochs == e] * tokens).sum(), tokens.sum())
+    return out
+
+
+def plan_metrics(plan) -> dict[str, float]:
+    """How the last collected batch was cut (this rank, one epoch): real chunks, DP fillers, rows over the budget."""
+    if plan is None:
+        return {}
+    return {"grpo/chunks": float(plan.real_chunks), "grpo/empty_chunks": float(plan.empty_chunks),
+            "grpo/oversized_rows": float(plan.oversized)}
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
@@ -58,9 +85,9 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
 # Unlisted names (reward/<name>, rates, shares) are means over ranks, exact because every rank holds the same
 # number of trajectories and groups. grpo/loss is one of them: rank r reports S_r / N_bar (its loss sum over the
 # DP-mean divisor N_bar), so the mean over ranks is sum(S_r) / sum(N_r), the whole batch's token mean.
-RANK_SUM = frozenset({"grpo/tokens", "grpo/n"})
+RANK_SUM = frozenset({"grpo/tokens", "grpo/n", "grpo/chunks", "grpo/empty_chunks", "grpo/oversized_rows"})
 """Counts of this rank's share: summed, they count the whole collected batch."""
-RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/ratio_mean", "grpo/kl"})
+RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/ratio_mean", "grpo/kl", "grpo/kl_old"})
 """Per-token figures of this rank's tokens: weighted by ``grpo/tokens`` (ranks hold unequal token counts)."""
 RANK_MAX = frozenset({"grpo/ratio_max", "reward/max", "completion/len_max", "grpo/ahead_seconds"})
 RANK_MIN = frozenset({"reward/min"})
@@ -79,6 +106,8 @@ AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
 
 def rank_reduction(name: str) -> str:
     """How metric ``name`` combines over ranks: sum, token, max, min, same, std or mean."""
+    if name.startswith("grpo/epoch"):  # per inner epoch: each epoch trains the same rows, so the rank's tokens weigh
+        return "token"
     for kind, names in (("sum", RANK_SUM), ("token", RANK_TOKEN_WEIGHTED), ("max", RANK_MAX), ("min", RANK_MIN),
                         ("same", RANK_SAME), ("std", RANK_POOLED_STD)):
         if name in names:

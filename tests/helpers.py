@@ -114,7 +114,7 @@ def fit_tiny(module, root, loop_steps: int, callbacks=(), ckpt_path=None):
 
     from lightning_grpo.data.prompts import PromptDataModule
 
-    trainer = Trainer(max_steps=loop_steps * module.rl.n_mini, accelerator="cpu", devices=1, logger=False,
+    trainer = Trainer(max_steps=loop_steps * module.rl.steps_per_loop_step, accelerator="cpu", devices=1, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
                       enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks), callbacks=list(callbacks))
     trainer.fit(module, datamodule=PromptDataModule("builtin:arith", val_size=0), ckpt_path=ckpt_path)

@@ -220,6 +220,8 @@ class _Ratio:
     ({"mini_batch_per_replica": 4, "use_rollout_logprobs_for_loss": True}, _Ratio(), False),  # sampler pi_old
     ({"mini_batch_per_replica": 4}, _NoRatio(), False),  # e.g. distillation: no ratio to clip
     ({"mini_batch_per_replica": 4, "freeze_pi_old": False}, _Ratio(), False),  # the diagnostic switch
+    ({"mini_batch_per_replica": 0, "mu_iterations": 2}, _Ratio(), True),  # inner epochs: several steps per batch
+    ({"mini_batch_per_replica": 0, "mu_iterations": 2, "use_rollout_logprobs_for_loss": True}, _Ratio(), False),
 ])
 def test_ahead_pass_gate(rl, objective, expected):
     assert needs_ahead_pass(GRPOConfig(batch_per_replica=16, group_size=2, **rl), objective) is expected
