@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_grpo.accumulate import DeferredAccumulator, StepOutcome
 from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.chunks import EMPTY, ChunkPlan
 from lightning_grpo.objectives.grpo import ChunkStats
 from lightning_grpo.old_logprobs import paired
 
@@ -89,7 +89,8 @@ class CollectedBatchLoop:
                 else:
                     chunk = plan.chunk(batch, mini, micro)
                     loss, denom, stats = self.forward_chunk(chunk, paired(pi_old, k, chunk))
-                    window.append(stats)
+                    if plan.rows[mini][micro] != EMPTY:  # a DP filler trains nothing: it reports nothing either
+                        window.append(stats)
                     outcome = acc.train(loss, denom)
                 k += 1
             self._close(result, window, outcome, mini, epoch)

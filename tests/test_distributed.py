@@ -115,6 +115,7 @@ def test_token_budget_with_uneven_chunk_counts_per_rank_equals_one_rank(two_rank
     else:
         assert [present for present, _ in t0] == [False, True]
     assert r0["metrics"]["grpo/chunks"] == 3.0 and r0["metrics"]["grpo/empty_chunks"] == 1.0
+    assert r0["metrics"]["grpo/n"] == 8.0 and r0["metrics"]["grpo/tokens"] == sum(W.LENGTHS)  # fillers count nothing
 
 
 def test_weight_sync_from_fsdp2_shards_sends_the_full_weights(two_ranks):
