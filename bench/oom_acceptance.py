@@ -129,7 +129,7 @@ def main() -> None:
     if a.n_micro is None:  # the fixed count sized for the mean length: a short step's chunk holds ~budget tokens
         mean_width = PROMPT + sum(a.short) / 2
         a.n_micro = next(n for n in range(1, a.rows + 1) if a.rows % n == 0 and a.rows / n * mean_width <= a.budget)
-    a.headroom_mb = a.headroom_mb or (700 if a.quick else 1400)
+    a.headroom_mb = a.headroom_mb or (700 if a.quick else 1700)
     if a.child:
         print(json.dumps(child(a.child, a)))
         return
@@ -179,7 +179,7 @@ def plot(results: list[dict], a: argparse.Namespace, path) -> None:
         for s in r["steps"]:
             if s["outcome"] == "OOM":
                 ax.plot([s["step"]], [a.headroom_mb], "x", color=line.get_color(), ms=12, mew=2)
-    ax.axhline(a.headroom_mb, color="grey", lw=0.8, ls=":", label=f"cap: resident + {a.headroom_mb:.0f} MB")
+    ax.axhline(a.headroom_mb, color="grey", lw=0.8, ls=":", label=f"address-space cap: resident + {a.headroom_mb:.0f} MB")
     ax.set_xticks([1, 2, 3, 4], ["1 short", "2 short", "3 short", "4 long"])
     ax.set_xlabel("loop step (completions)")
     ax.set_ylabel("update peak MB (x = out of memory)")

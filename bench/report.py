@@ -453,7 +453,8 @@ def budget_section(oom: dict | None, speed: dict | None) -> str:
              f"plus **{oom['headroom_mb']:.0f} MB**: *unchunked* (one chunk), *fixed* (`n_micro = {oom['n_micro']}`, "
              f"sized so a short step's chunk holds about the budget), *token* (`max_tokens_per_micro = "
              f"{oom['budget']}`). *update peak* = peak RSS during the step (high-water mark reset before it) minus "
-             f"the RSS before it.{_load_range(oom)}"),
+             f"the RSS before it; *s* = wall seconds of the step, informative only (the machine is shared)."
+             f"{_load_range(oom)}"),
             "",
             "**" + "; ".join(f"{arm}: {v}" for arm, v in oom["verdict"].items()) + ".**",
             "",
