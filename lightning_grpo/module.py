@@ -364,10 +364,12 @@ class GRPOModule(LightningModule):
     def _dp_mean(self, t: Tensor) -> Tensor:
         if self._world_size() == 1:
             return t
-        return self.trainer.strategy.reduce(t, reduce_op="mean")
+        # A copy: Lightning's reduce all-reduces in place, and the caller's tensor (the objective's own token count,
+        # shared through detach()) must keep this rank's value.
+        return self.trainer.strategy.reduce(t.clone(), reduce_op="mean")
 
     def _all_reduce(self, t: Tensor, op: str) -> Tensor:
-        return self.trainer.strategy.reduce(t.to(self.device), reduce_op=op).cpu()
+        return self.trainer.strategy.reduce(t.to(self.device, copy=True), reduce_op=op).cpu()  # in place: a copy
 
     def _dp_batch_std(self, rewards: Tensor) -> Tensor | None:
         """``scale_rewards="batch"`` under DP: the unbiased std of every rank's rewards (None: the local one)."""
