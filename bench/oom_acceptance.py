@@ -179,7 +179,8 @@ def plot(results: list[dict], a: argparse.Namespace, path) -> None:
         for s in r["steps"]:
             if s["outcome"] == "OOM":
                 ax.plot([s["step"]], [a.headroom_mb], "x", color=line.get_color(), ms=12, mew=2)
-    ax.axhline(a.headroom_mb, color="grey", lw=0.8, ls=":", label=f"address-space cap: resident + {a.headroom_mb:.0f} MB")
+    ax.axhline(a.headroom_mb, color="grey", lw=0.8, ls=":",
+               label=f"address-space cap: resident + {a.headroom_mb:.0f} MB")
     ax.set_xticks([1, 2, 3, 4], ["1 short", "2 short", "3 short", "4 long"])
     ax.set_xlabel("loop step (completions)")
     ax.set_ylabel("update peak MB (x = out of memory)")

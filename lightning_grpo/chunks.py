@@ -99,14 +99,6 @@ class ChunkPlan:
         return len(self.rows[mini])
 
     @property
-    def n_micro(self) -> int:
-        """Chunks per window when every window has the same count (the fixed plan)."""
-        counts = {len(r) for r in self.rows}
-        if len(counts) != 1:
-            raise ValueError(f"windows of this plan hold different chunk counts {sorted(counts)}: use n_chunks(mini)")
-        return counts.pop()
-
-    @property
     def real_chunks(self) -> int:
         """Non-empty chunks of one epoch."""
         return sum(r != EMPTY for chunks in self.rows for r in chunks)
