@@ -73,7 +73,7 @@ def _load_range(d: dict | None) -> str:
 
 def render(results: Path) -> str:
     r = {n: load(results, n) for n in ("suite", "update_memory", "speed_vs_trl", "engine_throughput", "ahead_pass",
-                                       "lightning_overhead", "weight_sync")}
+                                       "lightning_overhead", "weight_sync", "oom_acceptance", "budget_speed")}
     targets: list[dict] = []
     sections = [
         _memory(r["update_memory"], targets),
@@ -82,6 +82,7 @@ def render(results: Path) -> str:
         _overhead(r["lightning_overhead"], targets),
         _weight_sync(r["weight_sync"]),
         _throughput(r["engine_throughput"]),
+        budget_section(r["oom_acceptance"], r["budget_speed"]),
     ]
     return "\n\n".join([_header(r["suite"], r), _targets(targets), *sections, _reproduce()]) + "\n"
 
@@ -434,6 +435,58 @@ def _throughput(d: dict | None) -> str:
          "neither wall nor CPU figures would be trustworthy. The issue's reference (vLLM's CPU build generating in "
          "about 2.7 s what transformers generates in about 6 s, 2.2x) presumably used both cores of an idle machine."),
     ])
+
+
+def budget_section(oom: dict | None, speed: dict | None) -> str:
+    """Section 5 (issue 15): the OOM acceptance run under a memory cap, and the speed of the balanced plan."""
+    lines = ["## 5. Token-budgeted micro-batching (`rl.max_tokens_per_micro`)", ""]
+    if not oom:
+        lines += ["OOM acceptance: not run.", ""]
+    else:
+        lines += [
+            (f"`{oom['command']}`: the design's data-dependent OOM (256 x 2048 tokens, \"steps 1-3 fit, step 4 did "
+             f"not\") scaled to this machine: {oom['rows']} sequences a loop step, prompt {oom['prompt']} tokens, "
+             f"completions of {oom['short'][0]}-{oom['short'][1]} tokens on steps 1-3 and {oom['long'][0]}-"
+             f"{oom['long'][1]} on step 4, vocabulary {oom['vocab']}, a policy of hidden {oom['hidden']} x "
+             f"{oom['layers']} layers. Each arm trains the same four collected batches in a child process whose "
+             f"address space is capped (`RLIMIT_AS`) at what it holds with policy, AdamW state and threads resident "
+             f"plus **{oom['headroom_mb']:.0f} MB**: *unchunked* (one chunk), *fixed* (`n_micro = {oom['n_micro']}`, "
+             f"sized so a short step's chunk holds about the budget), *token* (`max_tokens_per_micro = "
+             f"{oom['budget']}`). *update peak* = peak RSS during the step (high-water mark reset before it) minus "
+             f"the RSS before it; *s* = wall seconds of the step, informative only (the machine is shared)."
+             f"{_load_range(oom)}"),
+            "",
+            "**" + "; ".join(f"{arm}: {v}" for arm, v in oom["verdict"].items()) + ".**",
+            "",
+            md_table([{"arm": r["arm"], **s} for r in oom["results"] for s in r["steps"]],
+                     [("arm", "arm"), ("step", "loop step"), ("completion_mean", "mean completion"),
+                      ("completion_max", "longest"), ("outcome", "outcome"), ("chunks", "chunks"),
+                      ("update_peak_mb", "update peak MB"), ("seconds", "s")]),
+            "",
+            "![OOM acceptance](../bench/results/oom_acceptance.png)",
+            "",
+        ]
+    if not speed:
+        return "\n".join([*lines, "Balancing speed: not run."])
+    fixed, token = (next(r for r in speed["results"] if r["arm"] == a) for a in ("fixed", "token"))
+    ratio = speed["ratio"]
+    lines += [
+        (f"`{speed['command']}`: the cost (here: the gain) of balancing. {speed['rows']} sequences whose completions "
+         f"are {speed['short'][0]}-{speed['short'][1]} tokens, {speed['tail_share']:.1%} of them "
+         f"{speed['tail'][0]}-{speed['tail'][1]} (a long tail, shuffled across the batch), vocabulary "
+         f"{speed['vocab']}, one loop step's update (n_mini = 1) with fixed `n_micro = {speed['n_micro']}` vs "
+         f"`max_tokens_per_micro = {speed['budget']}`, the fixed plan's largest chunk (so neither builds a bigger "
+         f"chunk than the other). Median of {speed['repeats']} loop steps alternating in one process, 1 thread."
+         f"{_load_range(speed)}"),
+        "",
+        md_table(speed["results"], [("arm", "plan"), ("chunks", "chunks"), ("padded_tokens", "padded tokens"),
+                                    ("wall_s", "wall s"), ("cpu_s", "CPU s")]),
+        "",
+        (f"fixed / token budget = **{ratio['cpu']:.2f}x** CPU time ({ratio['wall']:.2f}x wall) per loop step; "
+         f"the budgeted plan pads {ratio['padded_tokens']:.2f}x fewer tokens ({speed['real_tokens']} real tokens "
+         "a batch)."),
+    ]
+    return "\n".join(lines)
 
 
 def _reproduce() -> str:

@@ -33,6 +33,8 @@ SUITE: list[tuple[str, list[str]]] = [
     ("ahead_pass", []),
     ("lightning_overhead", []),
     ("weight_sync", ["--repeats", "3"]),
+    ("oom_acceptance", []),
+    ("budget_speed", []),
 ]
 
 

@@ -1,6 +1,7 @@
 """Deferred-divisor gradient accumulation with the poisoned-window countdown.
 
-One optimizer step consumes ``grad_accum`` (= ``n_micro``) ``train`` calls, its *window*.
+One optimizer step consumes ``grad_accum`` (= ``n_micro``) ``train`` calls, its *window*. A token-budgeted
+plan sets each window's count before it opens (``open_window``).
 
 * ``grad_accum == 1``: backprop the chunk's normalized loss as is. This is the unchunked
   expression, kept on purpose: ``(sum a_i) * s`` and ``sum (a_i * s)`` differ in the last bits.
@@ -151,6 +152,19 @@ class DeferredAccumulator:
         self._calls = 0
         self._denom_sum, self._ref = 0.0, 1.0
 
+    def open_window(self, n_chunks: int) -> None:
+        """The next window takes ``n_chunks`` calls (a token-budgeted plan's count is data-dependent).
+
+        Only between windows: the countdown of a poisoned window counts the calls of *that* window, so it discards
+        exactly its rest and the next window starts clean at the count given here.
+        """
+        if n_chunks < 1:
+            raise ValueError(f"open_window(n_chunks={n_chunks}): a window takes at least one call")
+        if self._calls or self._discard:
+            raise RuntimeError(f"open_window({n_chunks}) inside a window ({self._calls} calls taken, "
+                               f"{self._discard} to discard): windows change length only at a boundary")
+        self.grad_accum = n_chunks
+
     # -- one call ----------------------------------------------------------------------------------------------
     @property
     def closes_window(self) -> bool:
@@ -214,12 +228,13 @@ class DeferredAccumulator:
 
     # -- resume ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"calls": self._calls, "denom_sum": float(self._denom_sum), "ref": float(self._ref),
-                "discard": self._discard, "skipped_steps": self.skipped_steps,
+        return {"window": self.grad_accum, "calls": self._calls, "denom_sum": float(self._denom_sum),
+                "ref": float(self._ref), "discard": self._discard, "skipped_steps": self.skipped_steps,
                 "discarded_chunks": self.discarded_chunks, "consecutive_skips": self.consecutive_skips}
 
     def load_state_dict(self, state: dict) -> None:
         self._calls, self._denom_sum, self._discard = state["calls"], state["denom_sum"], state["discard"]
         self._ref = state.get("ref", 1.0)
+        self.grad_accum = state.get("window", self.grad_accum)
         self.skipped_steps, self.discarded_chunks = state["skipped_steps"], state["discarded_chunks"]
         self.consecutive_skips = state.get("consecutive_skips", 0)  # absent in checkpoints before 0.x

@@ -1,39 +1,72 @@
-"""ChunkPlan: which rows of this rank's share make up chunk ``(mini, micro)``.
+"""ChunkPlan: which rows of this rank's share make up chunk ``(mini, micro)``, epoch after epoch.
 
 The plan is computed once per collected batch and then only indexed, so the ahead pass
-and the training walk see the very same chunks in the very same order. The fixed plan
-cuts contiguous, equal row counts; a token-budgeted plan (unequal row counts chosen by
-token cost) fits the same shape, and the deferred divisor keeps any chunking exact.
+and the training walk see the very same chunks in the very same order. Two ways to cut a
+mini-batch into chunks:
+
+* fixed (``rl.micro_batch_per_replica``): contiguous, equal row counts;
+* token-budgeted (``rl.max_tokens_per_micro``): the fewest chunks whose padded cost (rows x
+  the chunk's longest prompt + completion, what the forward pays once a chunk is trimmed to its
+  own longest row) stays under the budget, balanced by cost. A hard cap: only a sequence that
+  alone exceeds the budget makes a chunk over it, and it then sits alone (counted in ``oversized``).
+
+Chunk counts then depend on the data, so under data parallelism every rank takes, per window,
+the max count over ranks (one small all-reduce per collected batch) and runs the missing ones as
+*empty* chunks: one row with no counted token, which adds zero to loss and divisor but runs the
+same forward/backward collectives (DDP's gradient all-reduce, FSDP2's all-gathers). The deferred
+divisor makes any chunking exact. At ``rl.mu_iterations > 1`` the plan holds every epoch's window
+order over the same chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
+from torch import Tensor
 
 from lightning_grpo.batch import RolloutBatch
+
+Rows = tuple[int, ...]
+EMPTY: Rows = ()
+"""The rows of an empty chunk (a DP filler: one masked-out row, zero loss, zero divisor)."""
+# Max over data-parallel ranks of an int64 vector (identity on one device).
+DPMax = Callable[[Tensor], Tensor]
 
 
 class BatchSizeError(ValueError):
     """The collected batch does not have the size the config promises."""
 
 
+class TokenBudgetError(ValueError):
+    """A token budget cannot hold the batch (a prompt alone is longer than it)."""
+
+
+def _one_rank(t: Tensor) -> Tensor:
+    return t
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
-    """Row indices of every chunk: ``rows[mini][micro]`` is a tuple of row numbers."""
+    """Row indices of every chunk: ``rows[mini][micro]`` is a tuple of row numbers (``EMPTY``: a DP filler).
 
-    rows: tuple[tuple[tuple[int, ...], ...], ...]
+    ``order[e]`` is the mini-batch order of epoch ``e`` (``rl.mu_iterations`` epochs over the same chunks;
+    one epoch in mini-batch order by default). ``oversized`` counts rows alone in a chunk over the budget.
+    """
+
+    rows: tuple[tuple[Rows, ...], ...]
+    order: tuple[tuple[int, ...], ...] = ()
+    oversized: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.order:
+            object.__setattr__(self, "order", (tuple(range(len(self.rows))),))
 
     @classmethod
     def fixed(cls, n_rows: int, n_mini: int, n_micro: int, expected_rows: int | None = None) -> ChunkPlan:
         """Contiguous equal chunks; refuses a batch whose size disagrees with the config."""
-        if expected_rows is not None and n_rows != expected_rows:
-            raise BatchSizeError(
-                f"collected batch has {n_rows} trajectories on this rank but the config expects {expected_rows} "
-                "(rl.batch_per_replica / DP size); check the engine returned group_size completions per prompt"
-            )
+        check_rows(n_rows, expected_rows)
         if n_rows % (n_mini * n_micro):
             raise BatchSizeError(
                 f"collected batch of {n_rows} trajectories does not split into n_mini={n_mini} x n_micro={n_micro} "
@@ -45,23 +78,163 @@ class ChunkPlan:
             for mi in range(n_mini)
         ))
 
+    def with_epochs(self, epochs: int, seed: int) -> ChunkPlan:
+        """``epochs`` passes over the same chunks: epoch 0 in mini-batch order, each later one in an order drawn from
+        ``seed`` (the same on every rank, so the ranks' windows stay aligned)."""
+        gen = torch.Generator().manual_seed(seed)
+        later = [tuple(torch.randperm(self.n_mini, generator=gen).tolist()) for _ in range(epochs - 1)]
+        return replace(self, order=(tuple(range(self.n_mini)), *later))
+
+    # -- shape ---------------------------------------------------------------------------------------------------
     @property
     def n_mini(self) -> int:
         return len(self.rows)
 
     @property
-    def n_micro(self) -> int:
-        return len(self.rows[0])
+    def n_epochs(self) -> int:
+        return len(self.order)
+
+    def n_chunks(self, mini: int) -> int:
+        """Chunks (forward/backward calls) of mini-batch ``mini``'s window, empty ones included."""
+        return len(self.rows[mini])
+
+    @property
+    def real_chunks(self) -> int:
+        """Non-empty chunks of one epoch."""
+        return sum(r != EMPTY for chunks in self.rows for r in chunks)
+
+    @property
+    def empty_chunks(self) -> int:
+        """DP fillers of one epoch."""
+        return sum(r == EMPTY for chunks in self.rows for r in chunks)
+
+    def windows(self) -> Iterator[tuple[int, int]]:
+        """Every ``(epoch, mini)`` in training order: one optimizer step each."""
+        for epoch, order in enumerate(self.order):
+            for mini in order:
+                yield epoch, mini
 
     def walk(self) -> Iterator[tuple[int, int]]:
-        """Every ``(mini, micro)`` in training order."""
+        """Every ``(mini, micro)`` of one epoch in mini-batch order (the ahead pass records these)."""
         for mini in range(self.n_mini):
-            for micro in range(self.n_micro):
+            for micro in range(self.n_chunks(mini)):
                 yield mini, micro
+
+    def training_walk(self) -> Iterator[tuple[int, int, int]]:
+        """Every ``(epoch, mini, micro)`` in training order (what the loop and pi_old pair by)."""
+        for epoch, mini in self.windows():
+            for micro in range(self.n_chunks(mini)):
+                yield epoch, mini, micro
 
     def chunk(self, batch: RolloutBatch, mini: int, micro: int) -> RolloutBatch:
         """Materialize exactly chunk ``(mini, micro)`` of ``batch``, trimmed to its longest sequence."""
-        rows = self.rows[mini][micro]
-        if len(rows) == rows[-1] - rows[0] + 1:  # contiguous: a view, no gather
-            return batch.select(slice(rows[0], rows[-1] + 1))
-        return batch.select(torch.tensor(rows, dtype=torch.long))
+        return take(batch, self.rows[mini][micro])
+
+
+def take(batch: RolloutBatch, rows: Rows) -> RolloutBatch:
+    """Rows ``rows`` of ``batch`` trimmed to their longest sequence; ``EMPTY``: a one-row, no-token filler."""
+    if rows == EMPTY:
+        return empty_chunk(batch)
+    if len(rows) == rows[-1] - rows[0] + 1:  # contiguous: a view, no gather
+        return batch.select(slice(rows[0], rows[-1] + 1))
+    return batch.select(torch.tensor(rows, dtype=torch.long))
+
+
+def empty_chunk(batch: RolloutBatch) -> RolloutBatch:
+    """Row 0 cut to 2 tokens with nothing counted: the forward/backward runs (same collectives), adds zero."""
+    one = batch.select(slice(0, 1))
+    cut = {name: getattr(one, name)[:, :2] for name in ("input_ids", "attention_mask")}
+    lp = one.rollout_logprobs
+    return replace(one, **cut, completion_mask=torch.zeros_like(cut["attention_mask"]),
+                   advantages=torch.zeros_like(one.advantages), rewards=torch.zeros_like(one.rewards),
+                   rollout_logprobs=None if lp is None else torch.zeros_like(lp[:, :2]))
+
+
+def plan_update(batch: RolloutBatch, n_mini: int, n_micro: int, budget: int = 0, ahead_rows: list[int] | None = None,
+                ahead_budget: int = 0, dp_max: DPMax = _one_rank,
+                expected_rows: int | None = None) -> tuple[ChunkPlan, ChunkPlan | None]:
+    """The training plan of one collected batch, and the ahead pass's own plan when it has a budget of its own.
+
+    ``budget`` 0: fixed ``n_micro`` chunks per mini-batch. Otherwise each of the ``n_mini`` contiguous mini-batches
+    is cut by ``token_chunks``. ``ahead_rows`` (the rows the ahead pass must score) with ``ahead_budget`` > 0 are cut
+    the same way into one flat walk; else the ahead pass walks the training chunks. Budgeted counts are the max over
+    ranks, the missing chunks ``EMPTY``: one all-reduce for both plans, after which every rank refuses together a
+    prompt longer than a budget (nobody is left waiting in a collective).
+    """
+    check_rows(len(batch), expected_rows)
+    if not budget:
+        plan = ChunkPlan.fixed(len(batch), n_mini, n_micro)
+        groups = []
+    else:
+        if len(batch) % n_mini:
+            raise BatchSizeError(f"collected batch of {len(batch)} trajectories does not split into n_mini={n_mini}")
+        size = len(batch) // n_mini
+        groups = [(range(m * size, (m + 1) * size), budget) for m in range(n_mini)]
+    if ahead_rows is not None and ahead_budget:
+        groups.append((ahead_rows, ahead_budget))
+    if not groups:
+        return plan, None
+    lengths, prompts = sequence_lengths(batch)
+    cut = [token_chunks(lengths, rows, b) for rows, b in groups]
+    counts = dp_max(torch.tensor([len(c) for c in cut] + [max(prompts, default=0)], dtype=torch.int64)).tolist()
+    if budget:
+        check_prompts(counts[-1], budget, "rl.max_tokens_per_micro")
+    if ahead_rows is not None and ahead_budget:
+        check_prompts(counts[-1], ahead_budget, "rl.max_tokens_per_ahead_micro")
+    padded = [tuple(c) + (EMPTY,) * (n - len(c)) for c, n in zip(cut, counts[:-1])]
+    if budget:
+        oversized = sum(len(c) == 1 and lengths[c[0]] > budget for chunks in cut[:n_mini] for c in chunks)
+        plan = ChunkPlan(tuple(padded[:n_mini]), oversized=oversized)
+    ahead = ChunkPlan((padded[-1],)) if ahead_rows is not None and ahead_budget else None
+    return plan, ahead
+
+
+def check_rows(n_rows: int, expected_rows: int | None) -> None:
+    if expected_rows is not None and n_rows != expected_rows:
+        raise BatchSizeError(
+            f"collected batch has {n_rows} trajectories on this rank but the config expects {expected_rows} "
+            "(rl.batch_per_replica / DP size); check the engine returned group_size completions per prompt"
+        )
+
+
+def check_prompts(longest_prompt: int, budget: int, field: str) -> None:
+    if longest_prompt > budget:
+        raise TokenBudgetError(
+            f"{field}={budget} is smaller than the longest prompt in this collected batch ({longest_prompt} tokens): "
+            f"no chunk could hold it with any completion. Raise {field} to at least {longest_prompt} plus the "
+            "completion length (rollout.max_new_tokens), or cap prompts with rollout.max_prompt_tokens"
+        )
+
+
+def sequence_lengths(batch: RolloutBatch) -> tuple[list[int], list[int]]:
+    """(prompt + completion tokens, prompt tokens) per row: a chunk's forward pays rows x its longest of the first."""
+    total = batch.attention_mask.sum(-1)
+    return total.tolist(), (total - batch.completion_mask.sum(-1)).tolist()
+
+
+def token_chunks(lengths: list[int], rows, budget: int) -> list[Rows]:
+    """The fewest chunks of ``rows`` whose padded cost (rows x longest, at least 2 tokens) stays <= ``budget``,
+    balanced: among those, the smallest largest chunk cost. Deterministic.
+
+    Sorting rows by length and cutting the sorted order into runs is what keeps padding small: a chunk pads to its
+    own longest row, so rows of similar length belong together. Greedy runs give the fewest chunks; a bisection on
+    the cost cap then finds the most balanced cut with that many. A row longer than the budget is a chunk alone.
+    """
+    ordered = sorted(rows, key=lambda r: (-lengths[r], r))  # longest first, ties by row: deterministic
+    cost = [max(lengths[r], 2) for r in ordered]
+    fewest = len(_runs(cost, budget))
+    lo, hi = 1, budget  # the smallest cap that still needs no more than `fewest` runs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(_runs(cost, mid)) <= fewest else (mid + 1, hi)
+    return [tuple(sorted(ordered[a:b])) for a, b in _runs(cost, lo)]
+
+
+def _runs(cost: list[int], cap: int) -> list[tuple[int, int]]:
+    """Greedy runs ``[a, b)`` of a longest-first cost list with (b - a) x cost[a] <= cap (a single row always fits)."""
+    runs, a = [], 0
+    while a < len(cost):
+        b = a + max(cap // cost[a], 1)
+        runs.append((a, min(b, len(cost))))
+        a = b
+    return runs

@@ -42,6 +42,16 @@ class GRPOConfig:
     """Trajectories per optimizer step; 0 = the whole batch (one step). n_mini = batch / mini."""
     micro_batch_per_replica: int = 0
     """Trajectories per forward/backward chunk; 0 = one chunk. Memory only: the step result is unchanged."""
+    max_tokens_per_micro: int = 0
+    """Token budget of one forward/backward chunk (rows x the chunk's longest prompt + completion); 0 = off. Each
+    mini-batch is cut into the fewest balanced chunks under it, per collected batch (a hard cap: only a sequence
+    longer than the budget exceeds it, alone). Replaces micro_batch_per_replica; the step result is unchanged."""
+    max_tokens_per_ahead_micro: int = 0
+    """Token budget of one chunk of the no-grad ahead pass (frozen pi_old); 0 = 2 x max_tokens_per_micro, or the
+    training chunks when that is off."""
+    mu_iterations: int = 1
+    """Inner epochs: passes over each collected batch, every optimizer step against the one frozen pi_old of the
+    rollout policy. Optimizer steps per loop step = mu_iterations x n_mini."""
     group_size: int = 8
     """Completions drawn per prompt (the GRPO group)."""
     epsilon: float = 0.2
@@ -93,9 +103,21 @@ class GRPOConfig:
         return self.mini_batch // self.micro_batch
 
     @property
+    def steps_per_loop_step(self) -> int:
+        """Optimizer steps per collected batch: mu_iterations x n_mini (trainer.max_steps counts these)."""
+        return self.mu_iterations * self.n_mini
+
+    @property
+    def ahead_budget(self) -> int:
+        """Token budget of an ahead-pass chunk: max_tokens_per_ahead_micro, else 2 x max_tokens_per_micro (0: the
+        ahead pass walks the training chunks)."""
+        return self.max_tokens_per_ahead_micro or 2 * self.max_tokens_per_micro
+
+    @property
     def needs_cached_old_logprobs(self) -> bool:
         """Several optimizer steps per batch and pi_old not from the sampler: the ahead pass must freeze pi_old."""
-        return self.n_mini > 1 and not self.use_rollout_logprobs_for_loss and self.freeze_pi_old
+        several = self.n_mini > 1 or self.mu_iterations > 1
+        return several and not self.use_rollout_logprobs_for_loss and self.freeze_pi_old
 
     @property
     def prompts_per_batch(self) -> int:
@@ -153,6 +175,15 @@ class GRPOConfig:
                                                        or self.max_consecutive_skips < 0):
             p.append(f"max_consecutive_skips={self.max_consecutive_skips!r}: must be an integer >= 0 "
                      "(0 = stop at the first skipped step) or null (never stop)")
+        for name in ("max_tokens_per_micro", "max_tokens_per_ahead_micro"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                p.append(f"{name}={value}: must be an integer >= 0 (tokens per chunk; 0 = off)")
+        if self.max_tokens_per_micro and self.micro_batch_per_replica:
+            p.append(f"max_tokens_per_micro={self.max_tokens_per_micro} with micro_batch_per_replica="
+                     f"{self.micro_batch_per_replica}: two ways to cut a mini-batch into chunks; set one, the other 0")
+        if not _is_int(self.mu_iterations) or self.mu_iterations < 1:
+            p.append(f"mu_iterations={self.mu_iterations}: must be an integer >= 1 (passes over each collected batch)")
         if self.grad_accum != 1:
             p.append(
                 f"grad_accum={self.grad_accum}: rl.grad_accum is retired for GRPO; the accumulation count is derived. "
@@ -171,7 +202,7 @@ class GRPOConfig:
             )
         if self.mini_batch % dp:
             p.append(f"mini_batch_per_replica={self.mini_batch}: must divide by DP size {dp}")
-        if self.micro_batch % dp:
+        if self.micro_batch % dp and not self.max_tokens_per_micro:
             p.append(f"micro_batch_per_replica={self.micro_batch}: must divide by DP size {dp}")
         return p
 

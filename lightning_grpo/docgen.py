@@ -62,11 +62,12 @@ TRAINER_NOTES = {
     "devices": "data-parallel replicas (one policy replica each: `batch_per_replica` is per replica)",
     "logger": "one row per loop step, x-axis `step` = loop step; `lightning-grpo plot <log dir>` draws the CSV; "
               "`--trainer.logger=WandbLogger` for W&B (docs/wandb.md)",
-    "max_steps": "in **optimizer steps** (Lightning's `global_step` under manual optimization) = loop steps x n_mini",
+    "max_steps": "in **optimizer steps** (Lightning's `global_step` under manual optimization) = loop steps x mu_iterations x n_mini",
     "log_every_n_steps": "in training batches = **loop steps**; keep 1 (one row of metrics per collected batch)",
     "val_check_interval": "an integer counts training batches = **loop steps**: validate every N loop steps",
     "limit_train_batches": "with `max_epochs: 1` and `max_steps: -1`, a run of exactly N loop steps whatever n_mini "
-                           "is (the sweep config uses this); a decaying LR schedule then spans N x n_mini steps",
+                           "is (the sweep config uses this); a decaying LR schedule then spans N x mu_iterations x "
+                           "n_mini steps",
     "precision": "`bf16-mixed`: fp32 master weights, bf16 autocast (GPUs; the fast mode on CPUs with AVX512-BF16/AMX); "
                  "`16-mixed` steps through the GradScaler; `bf16-true`/`16-true` train half-precision weights and "
                  "warn (docs/precision.md)",

@@ -1,8 +1,10 @@
-"""The collected-batch loop: one collected batch -> ``n_mini`` optimizer steps of ``n_micro`` chunks.
+"""The collected-batch loop: one collected batch -> ``mu x n_mini`` optimizer steps of their windows' chunks.
 
 This is our "custom Loop": Lightning's loop classes are private, so the nesting lives here,
 called from one manual-optimization ``training_step``. The loop passes indices only; the
-``ChunkPlan`` materializes each chunk when the loop reaches it.
+``ChunkPlan`` materializes each chunk when the loop reaches it. A window's chunk count comes from the
+plan (fixed, or data-dependent under a token budget) and is handed to the accumulator before it opens;
+``rl.mu_iterations`` epochs walk the same chunks again in the plan's per-epoch mini-batch order.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch import Tensor
 
 from lightning_grpo.accumulate import DeferredAccumulator, StepOutcome
 from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.chunks import EMPTY, ChunkPlan
 from lightning_grpo.objectives.base import Stats
 from lightning_grpo.old_logprobs import paired
 
@@ -33,6 +35,8 @@ class LoopProgress:
     """Collected batches consumed (Lightning ``training_step`` calls)."""
     optimizer_steps: int = 0
     """Windows closed, stepped or skipped."""
+    epoch: int = 0
+    """Inner epoch over the current collected batch (``rl.mu_iterations``)."""
     mini: int = 0
     micro: int = 0
 
@@ -49,6 +53,8 @@ class LoopResult:
     """What one collected batch produced: stats of the chunks that stepped, and one outcome per window."""
 
     chunks: list[Stats] = field(default_factory=list)
+    chunk_epochs: list[int] = field(default_factory=list)
+    """The inner epoch (``rl.mu_iterations``) each entry of ``chunks`` trained in."""
     steps: list[StepOutcome] = field(default_factory=list)
     discarded_chunks: int = 0
     consecutive_skips: int = 0
@@ -80,29 +86,29 @@ class CollectedBatchLoop:
 
     def run(self, batch: RolloutBatch, plan: ChunkPlan, pi_old: Sequence[Tensor | None] | None = None) -> LoopResult:
         """Consume ``batch``. ``pi_old[k]`` is the frozen pi_old of the k-th chunk in walk order (None = detach)."""
-        if plan.n_micro != self.accumulator.grad_accum:
-            raise ValueError(f"plan has n_micro={plan.n_micro} but the accumulator steps every "
-                             f"{self.accumulator.grad_accum} calls")
-        if pi_old is not None and len(pi_old) != plan.n_mini * plan.n_micro:
-            raise ValueError(f"pi_old has {len(pi_old)} entries for a plan of {plan.n_mini * plan.n_micro} chunks")
+        n_calls = sum(1 for _ in plan.training_walk())
+        if pi_old is not None and len(pi_old) != n_calls:
+            raise ValueError(f"pi_old has {len(pi_old)} entries for a plan of {n_calls} chunks")
         acc, result, k = self.accumulator, LoopResult(), 0  # k: chunk number in walk order (pi_old pairs by it)
         discarded_before = acc.discarded_chunks
-        for mini in range(plan.n_mini):  # one optimizer step each
+        for epoch, mini in plan.windows():  # one optimizer step each; epochs replay the same chunks
             window: list[Stats] = []
-            for micro in range(plan.n_micro):  # one forward/backward each; the last one steps
-                self.progress.mini, self.progress.micro = mini, micro
+            acc.open_window(plan.n_chunks(mini))  # data-dependent under a token budget
+            for micro in range(plan.n_chunks(mini)):  # one forward/backward each; the last one steps
+                self.progress.epoch, self.progress.mini, self.progress.micro = epoch, mini, micro
                 if acc.discarding():  # rest of a poisoned window: skip the forward too
                     outcome = acc.discard()
                 else:
                     chunk = plan.chunk(batch, mini, micro)
                     loss, denom, stats = self.forward_chunk(chunk, paired(pi_old, k, chunk))
-                    window.append(stats)
+                    if plan.rows[mini][micro] != EMPTY:  # a DP filler trains nothing: it reports nothing either
+                        window.append(stats)
                     skipped_before = acc.skipped_steps
                     outcome = acc.train(loss, denom)
                     if acc.skipped_steps != skipped_before:  # this call poisoned the window, or its step was skipped
                         self._note_nonfinite(acc, mini, micro)
                 k += 1
-            self._close(result, window, outcome, mini)
+            self._close(result, window, outcome, mini, epoch)
         result.discarded_chunks = acc.discarded_chunks - discarded_before  # dropped + the non-finite ones
         result.consecutive_skips = acc.consecutive_skips
         self.progress.loop_step += 1
@@ -116,13 +122,15 @@ class CollectedBatchLoop:
             self.last_nonfinite = (f"non-finite gradient norm at the optimizer step of loop step {step}, "
                                    f"mini-batch {mini} (closed by micro-batch {micro})")
 
-    def _close(self, result: LoopResult, window: list[Stats], outcome: StepOutcome | None, mini: int) -> None:
-        if outcome is None:  # the accumulator steps every n_micro calls, from an empty window at each batch start
+    def _close(self, result: LoopResult, window: list[Stats], outcome: StepOutcome | None, mini: int,
+               epoch: int) -> None:
+        if outcome is None:  # the accumulator steps after the window's calls, from an empty window at each start
             raise RuntimeError(f"mini-batch {mini} ended without closing its accumulation window")
         self.progress.optimizer_steps += 1
         result.steps.append(outcome)
         if not outcome.skipped:
             result.chunks.extend(window)
+            result.chunk_epochs.extend([epoch] * len(window))
             return
         log.warning("%s: skipped that optimizer step", self.last_nonfinite)
         limit, run = self.max_consecutive_skips, self.accumulator.consecutive_skips

@@ -41,7 +41,7 @@ def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None)
         reduce = type(result.chunks[0]).REDUCE
         names = tuple(reduce)
         # [K, F] on the host in one transfer (one CPU-GPU sync per collected batch).
-        table = torch.stack([torch.stack([getattr(c, f).double().cpu() for f in names]) for c in result.chunks])
+        table = torch.stack([torch.stack([_stat(c, f) for f in names]) for c in result.chunks])
         col = dict(zip(names, table.unbind(-1)))
         for name, (metric, how) in reduce.items():
             if how == "sum":
@@ -50,6 +50,7 @@ def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None)
                 out[metric] = float(col[name].max())
             else:  # a mean weighted by another field: telescopes to the unchunked batch's figure
                 out[metric] = _ratio((col[name] * col[how]).sum(), col[how].sum())
+        out.update(_per_epoch(result, col))
     stepped = [s for s in result.steps if not s.skipped]
     if stepped:
         norms, lrs = [s.grad_norm for s in stepped], [s.lr for s in stepped]
@@ -62,6 +63,32 @@ def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None)
     return out
 
 
+def _stat(chunk, name: str) -> torch.Tensor:
+    value = getattr(chunk, name)
+    return torch.zeros((), dtype=torch.float64) if value is None else value.double().cpu()
+
+
+def _per_epoch(result: LoopResult, col: dict[str, torch.Tensor]) -> dict[str, float]:
+    """At ``mu_iterations > 1``: clip fraction and KL to pi_old of each inner epoch (token-weighted), 1-based."""
+    epochs = torch.tensor(result.chunk_epochs, dtype=torch.long)
+    if not {"tokens", "clip_frac", "kl_old"} <= col.keys() or not len(epochs) or int(epochs.max()) == 0:
+        return {}
+    out = {}
+    for e in range(int(epochs.max()) + 1):
+        tokens = col["tokens"][epochs == e]
+        for name in ("clip_frac", "kl_old"):
+            out[f"grpo/epoch{e + 1}/{name}"] = _ratio((col[name][epochs == e] * tokens).sum(), tokens.sum())
+    return out
+
+
+def plan_metrics(plan) -> dict[str, float]:
+    """How the last collected batch was cut (this rank, one epoch): real chunks, DP fillers, rows over the budget."""
+    if plan is None:
+        return {}
+    return {"grpo/chunks": float(plan.real_chunks), "grpo/empty_chunks": float(plan.empty_chunks),
+            "grpo/oversized_rows": float(plan.oversized)}
+
+
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
     return float(num / den) if float(den) > 0 else 0.0
 
@@ -72,9 +99,11 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
 # Unlisted names (reward/<name>, rates, shares) are means over ranks, exact because every rank holds the same
 # number of trajectories and groups. grpo/loss is one of them: rank r reports S_r / N_bar (its loss sum over the
 # DP-mean divisor N_bar), so the mean over ranks is sum(S_r) / sum(N_r), the whole batch's token mean.
-RANK_SUM = frozenset({"grpo/tokens", "grpo/n", "dpo/pairs"})
+RANK_SUM = frozenset({"grpo/tokens", "grpo/n", "grpo/chunks", "grpo/empty_chunks", "grpo/oversized_rows",
+                      "dpo/pairs"})
 """Counts of this rank's share: summed, they count the whole collected batch."""
-RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/ratio_mean", "grpo/kl", "opd/kl", "opd/teacher_logprob"})
+RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/ratio_mean", "grpo/kl", "grpo/kl_old", "opd/kl",
+                                 "opd/teacher_logprob"})
 """Per-token figures of this rank's tokens: weighted by ``grpo/tokens`` (ranks hold unequal token counts)."""
 RANK_MAX = frozenset({"grpo/ratio_max", "reward/max", "completion/len_max", "grpo/ahead_seconds"})
 RANK_MIN = frozenset({"reward/min"})
@@ -94,6 +123,8 @@ AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
 
 def rank_reduction(name: str) -> str:
     """How metric ``name`` combines over ranks: sum, token, max, min, same, std or mean."""
+    if name.startswith("grpo/epoch"):  # per inner epoch: each epoch trains the same rows, so the rank's tokens weigh
+        return "token"
     for kind, names in (("sum", RANK_SUM), ("token", RANK_TOKEN_WEIGHTED), ("max", RANK_MAX), ("min", RANK_MIN),
                         ("same", RANK_SAME), ("std", RANK_POOLED_STD)):
         if name in names:

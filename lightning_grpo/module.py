@@ -1,9 +1,9 @@
 """GRPOModule: a manual-optimization LightningModule whose ``training_step`` is one loop step.
 
 One ``training_step`` consumes one collected batch: rollout -> rewards -> advantages ->
-``n_mini`` optimizer steps of ``n_micro`` chunks -> one roll-up of metrics. Counters:
-``trainer.global_step`` counts optimizer steps (Lightning's meaning under manual
-optimization, so ``trainer.max_steps`` is in optimizer steps = loop steps x n_mini);
+``mu_iterations x n_mini`` optimizer steps of their chunks -> one roll-up of metrics. Counters:
+``trainer.global_step`` counts optimizer steps (Lightning's meaning under manual optimization,
+so ``trainer.max_steps`` is in optimizer steps = loop steps x mu_iterations x n_mini);
 ``loop_step`` counts collected batches and is the logged x-axis (``step``).
 
 The module owns its state: ``on_save_checkpoint`` writes loop progress, accumulator, probe, data
@@ -31,14 +31,14 @@ from lightning_grpo.accumulate import DeferredAccumulator
 from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError, nonfinite_parameter
-from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.chunks import ChunkPlan, plan_update
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
 from lightning_grpo.determinism import enable_determinism, run_seed
 from lightning_grpo.distributed import data_parallel_mesh, gradient_sync, root_call, shard_fsdp2
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.loop import CollectedBatchLoop, LoopResult
-from lightning_grpo.metrics import combine_ranks, roll_up
+from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
 from lightning_grpo.objectives import OBJECTIVES, Objective, PolicyView, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_pass, warn_if_unfrozen
@@ -107,6 +107,7 @@ class GRPOModule(LightningModule):
         self.engine: RolloutEngine | None = None
         self.loop: CollectedBatchLoop | None = None
         self.ahead_seconds = self.update_seconds = 0.0  # wall time of the last ahead pass / whole update
+        self.last_plan: ChunkPlan | None = None  # the ChunkPlan of the last collected batch (metrics, tests)
         self._publisher: WeightPublisher = NoPublisher()  # found (or attached) when the engine is built
         self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
         self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
@@ -158,7 +159,7 @@ class GRPOModule(LightningModule):
         if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
             count_loop_steps(self.trainer)
         if stage == "fit":  # a decaying LR schedule needs a horizon: refused here, before the model is set up
-            run = run_length(self.trainer, self.rl.n_mini)  # x mu_iterations once inner epochs exist
+            run = run_length(self.trainer, self.rl.steps_per_loop_step)
             self.schedule_horizon = self.optim_cfg.total_steps or run
             check_horizon(self.optim_cfg, self.schedule_horizon, run)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
@@ -312,16 +313,32 @@ class GRPOModule(LightningModule):
         return batch, metrics
 
     def update(self, batch: RolloutBatch) -> LoopResult:
-        """Consume one collected batch (this rank's share) as n_mini optimizer steps."""
-        expected = self.rl.rank_sizes(self._world_size()).batch
-        plan = ChunkPlan.fixed(len(batch), self.rl.n_mini, self.rl.n_micro, expected_rows=expected)
+        """Consume one collected batch (this rank's share) as mu_iterations x n_mini optimizer steps."""
         start = time.perf_counter()
+        plan, ahead = self.plan(batch)
+        self.last_plan = plan
         # pi_old per chunk in walk order, frozen before the first step; None = no ahead pass (n_mini == 1, ...).
-        pi_old = self.old_logprobs.compute(batch, plan) if needs_ahead_pass(self.rl, self.objective) else None
+        pi_old = self.old_logprobs.compute(batch, plan, ahead) if needs_ahead_pass(self.rl, self.objective) else None
         self.ahead_seconds = self.old_logprobs.last_seconds if pi_old is not None else 0.0
         result = self.loop.run(batch, plan, pi_old)
         self.update_seconds = time.perf_counter() - start
         return result
+
+    def plan(self, batch: RolloutBatch) -> tuple[ChunkPlan, ChunkPlan | None]:
+        """The ChunkPlan of this collected batch (every epoch) and the ahead pass's own, computed once and shared by
+        the ahead pass and the training walk. Token-budgeted counts are agreed over ranks in one all-reduce."""
+        rl, world = self.rl, self._world_size()
+        ahead_rows = None
+        if needs_ahead_pass(rl, self.objective) and rl.ahead_budget:
+            size = len(batch) // rl.n_mini
+            first = size if self.old_logprobs.skips_first_mini(rl.mu_iterations) else 0
+            ahead_rows = list(range(first, len(batch)))
+        dp_max = (lambda t: self._all_reduce(t, "max")) if world > 1 else (lambda t: t)
+        plan, ahead = plan_update(batch, rl.n_mini, rl.n_micro, rl.max_tokens_per_micro, ahead_rows,
+                                  rl.ahead_budget, dp_max, expected_rows=rl.rank_sizes(world).batch)
+        if rl.mu_iterations > 1:  # the later epochs' mini-batch order: the same on every rank, new every loop step
+            plan = plan.with_epochs(rl.mu_iterations, seed=self.seed * 1_000_003 + self.loop_step)
+        return plan, ahead
 
     def forward_chunk(self, chunk: RolloutBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, Stats]:
         """Score one chunk with the objective: it asks the policy (and reference, teacher) for what it needs."""
@@ -350,7 +367,8 @@ class GRPOModule(LightningModule):
                          temperature=self.rollout_cfg.temperature)
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
-        metrics = {**rollout_metrics, **roll_up(result, stats=getattr(self.objective, "stats", None))}
+        metrics = {**rollout_metrics, **roll_up(result, stats=getattr(self.objective, "stats", None)),
+                   **plan_metrics(self.last_plan)}
         metrics["loop_step"] = float(self.loop_step)
         metrics["global_step"] = float(self.global_step)
         metrics["step"] = metrics["loop_step"]  # the logger's x-axis: collected batches
@@ -400,7 +418,7 @@ class GRPOModule(LightningModule):
         return self.trainer.strategy.reduce(t.clone(), reduce_op="mean")
 
     def _all_reduce(self, t: Tensor, op: str) -> Tensor:
-        return self.trainer.strategy.reduce(t.to(self.device), reduce_op=op).cpu()
+        return self.trainer.strategy.reduce(t.to(self.device, copy=True), reduce_op=op).cpu()  # in place: a copy
 
     def _dp_batch_std(self, rewards: Tensor) -> Tensor | None:
         """``scale_rewards="batch"`` under DP: the unbiased std of every rank's rewards (None: the local one)."""

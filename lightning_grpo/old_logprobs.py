@@ -10,7 +10,10 @@ records pi_old per chunk; training chunk ``k`` then scores against record ``k``.
 Cheaper than one full extra forward: mini-batch 0 trains before any update, so its pi_old
 *is* its current logprobs detached. Once the probe has shown that train-mode and eval-mode
 forwards agree, the walk skips mini-batch 0 (entries ``None``), saving ``1 / n_mini`` of
-the pass.
+the pass. Not at ``mu_iterations > 1``: later epochs train mini-batch 0 again after updates, so
+every chunk is recorded once and each epoch replays the same records (pi_old stays the rollout
+policy's; it is never recomputed per epoch). With ``rl.max_tokens_per_ahead_micro`` the pass
+walks bigger chunks of its own and lays its per-row records out as the training chunks.
 
 The probe is a one-shot screen, not a monitor: on the first ahead chunk of a run it
 re-scores that chunk in ``train()`` mode at unchanged weights and compares with the
@@ -30,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.chunks import EMPTY, ChunkPlan, sequence_lengths, take
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.distributed import single_process
 
@@ -84,7 +87,8 @@ class PairingError(RuntimeError):
 
 
 def needs_ahead_pass(rl: GRPOConfig, objective) -> bool:
-    """The gate: several steps per batch, pi_old not taken from the sampler, and an objective that has a ratio."""
+    """The gate: several steps per batch (``n_mini > 1`` or ``mu_iterations > 1``), pi_old not taken from the sampler,
+    and an objective that has a ratio. With ``OldLogprobCache.skips_first_mini`` the one place the pass is decided."""
     return rl.needs_cached_old_logprobs and objective.needs_old_logprobs()
 
 
@@ -145,27 +149,71 @@ class OldLogprobCache:
     def probe_passed(self) -> bool:
         return self._probe is not None and self._probe.passed
 
-    def compute(self, batch: RolloutBatch, plan: ChunkPlan) -> list[Tensor | None]:
-        """pi_old of every chunk of ``plan`` in walk order; ``None`` = current logprobs detached (mini-batch 0)."""
+    def compute(self, batch: RolloutBatch, plan: ChunkPlan, ahead: ChunkPlan | None = None) -> list[Tensor | None]:
+        """pi_old of every chunk of ``plan`` in training-walk order, every epoch; ``None`` = current logprobs
+        detached (mini-batch 0 of a single epoch, see ``skips_first_mini``).
+
+        ``ahead``: the pass's own plan over the rows it scores (``rl.max_tokens_per_ahead_micro``; a no-grad forward
+        can take bigger chunks); its per-row records are then laid out as ``plan``'s chunks. Without it the pass
+        walks ``plan``'s chunks themselves. Either way each chunk is scored once, however many epochs reuse it.
+        """
         start = time.perf_counter()
-        out: list[Tensor | None] = []
         with eval_mode(self.model), torch.no_grad():
-            for mini, micro in plan.walk():
-                if mini == 0 and self._skips_first_mini():
-                    out.append(None)  # trained before any update: pi_old == current, exactly
-                    continue
-                chunk = plan.chunk(batch, mini, micro)
-                out.append(self.score(chunk))
-                if self._probe is None:
-                    self._run_probe(chunk, out[-1])
-                    if mini == 0 and self._skips_first_mini():
-                        out[-1] = None  # same rule as the rest of mini-batch 0 from now on
+            if ahead is None:
+                records = self._walk(batch, plan)
+            else:
+                records = self._by_rows(batch, plan, ahead)
+        if self.skips_first_mini(plan.n_epochs):  # also when the probe passed during this pass
+            records.update({(0, micro): None for micro in range(plan.n_chunks(0))})
+        out = [records[mini, micro] for _, mini, micro in plan.training_walk()]
         _sync(out)
         self.last_seconds = time.perf_counter() - start
         return out
 
-    def _skips_first_mini(self) -> bool:
-        return self.skip_first_mini and self.probe_passed
+    def skips_first_mini(self, epochs: int = 1) -> bool:
+        """Whether mini-batch 0 goes unrecorded. The one place this is decided (routing replay hooks here too).
+
+        It trains before any update, so its pi_old *is* its current logprobs detached; once the probe has shown
+        train- and eval-mode forwards agree, recording it is wasted. Not with inner epochs: epoch 2 trains it again
+        after updates, against the rollout policy, so every mini-batch must be recorded.
+        """
+        return self.skip_first_mini and self.probe_passed and epochs == 1
+
+    def _score(self, chunk: RolloutBatch) -> Tensor:
+        logprobs = self.score(chunk)
+        if self._probe is None:
+            self._run_probe(chunk, logprobs)
+        return logprobs
+
+    def _walk(self, batch: RolloutBatch, plan: ChunkPlan) -> dict[tuple[int, int], Tensor | None]:
+        records = {}
+        for mini, micro in plan.walk():  # asked per chunk: once the probe passes, the rest of mini-batch 0 is skipped
+            skip = mini == 0 and self.skips_first_mini(plan.n_epochs)
+            records[mini, micro] = None if skip else self._score(plan.chunk(batch, mini, micro))
+        return records
+
+    def _by_rows(self, batch: RolloutBatch, plan: ChunkPlan, ahead: ChunkPlan) -> dict[tuple[int, int], Tensor | None]:
+        per_row: dict[int, Tensor] = {}
+        for _, micro in ahead.walk():  # empty chunks run too: every rank takes the same number of forwards
+            rows = ahead.rows[0][micro]
+            logprobs = self._score(take(batch, rows))  # [B, T_ahead-1]
+            per_row.update(zip(rows, logprobs))
+        lengths, _ = sequence_lengths(batch)
+        records = {}
+        for mini, micro in plan.walk():
+            rows = plan.rows[mini][micro]
+            if rows == EMPTY:
+                records[mini, micro] = next(iter(per_row.values())).new_zeros(1, 1)  # [1, 1]: a filler's shape
+            elif all(r in per_row for r in rows):
+                width = max(max(lengths[r] for r in rows), 2) - 1  # the training chunk's [B, T-1]
+                record = per_row[rows[0]].new_zeros(len(rows), width)
+                for i, r in enumerate(rows):
+                    n = min(width, per_row[r].shape[0])
+                    record[i, :n] = per_row[r][:n]  # past a row's own length nothing is counted
+                records[mini, micro] = record
+            else:
+                records[mini, micro] = None  # mini-batch 0, skipped
+        return records
 
     # -- the probe ---------------------------------------------------------------------------------------------
     def _run_probe(self, chunk: RolloutBatch, eval_logprobs: Tensor) -> None:
@@ -251,6 +299,7 @@ def _sync(out: list[Tensor | None]) -> None:
 
 def warn_if_unfrozen(rl: GRPOConfig) -> None:
     """The diagnostic switch is off-label: say so once, when the module is built."""
-    if rl.n_mini > 1 and not rl.freeze_pi_old and not rl.use_rollout_logprobs_for_loss:
-        log.warning("rl.freeze_pi_old=false at n_mini=%d: pi_old follows the drifting policy, the ratio returns to 1 "
-                    "on every mini-batch and the clip never binds. Diagnostic only; keep it true to train.", rl.n_mini)
+    if rl.steps_per_loop_step > 1 and not rl.freeze_pi_old and not rl.use_rollout_logprobs_for_loss:
+        log.warning("rl.freeze_pi_old=false at n_mini=%d, mu_iterations=%d: pi_old follows the drifting policy, the "
+                    "ratio returns to 1 on every mini-batch and the clip never binds. Diagnostic only; keep it true to "
+                    "train.", rl.n_mini, rl.mu_iterations)

@@ -2,7 +2,7 @@
 
 Under manual optimization Lightning's stock bars mix units. They count training batches (= loop
 steps here) but take their total from ``max_steps``, which counts optimizer steps (loop steps x
-``n_mini``): a 3-loop-step run at ``n_mini = 2`` ends on "3/6". A resumed run keeps counting from the
+``mu_iterations x n_mini``): a 3-loop-step run at ``n_mini = 2`` ends on "3/6". A resumed run keeps counting from the
 restored batch while the total shrinks to the optimizer steps left ("40/29"), and the rich bar
 titles itself "Epoch 0/-2" because ``max_steps`` sets ``max_epochs = -1``. The two bars below keep
 every argument and look of Lightning's and fix only the numbers; ``GRPOModule.setup`` swaps a stock
@@ -20,8 +20,9 @@ from typing_extensions import override
 
 
 def optimizer_steps_per_loop_step(module: LightningModule) -> int:
-    """Optimizer steps one collected batch takes when no window is skipped (``rl.n_mini``; 1 without ``rl``)."""
-    return int(getattr(getattr(module, "rl", None), "n_mini", 1))
+    """Optimizer steps one collected batch takes when no window is skipped (``mu_iterations x n_mini``; 1 without
+    ``rl``)."""
+    return int(getattr(getattr(module, "rl", None), "steps_per_loop_step", 1))
 
 
 def loop_steps_total(trainer: Trainer, done: int) -> int | float:

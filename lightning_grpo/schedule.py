@@ -7,7 +7,7 @@ manual optimization), so the horizon is in optimizer steps. It is resolved once,
 2. ``trainer.max_steps`` (optimizer steps already), capped by what the epochs allow;
 3. the epochs: Lightning's ``estimated_stepping_batches`` counts training batches = loop steps
    (``max_epochs`` x ``limit_train_batches``, the sweep's setup), times the optimizer steps per loop
-   step (``n_mini``; x ``mu_iterations`` once inner epochs exist).
+   step (``mu_iterations x n_mini``, ``GRPOConfig.steps_per_loop_step``).
 
 A decaying schedule without a horizon (an endless run) is refused, naming ``optim.total_steps``:
 guessing one is how a cosine collapses to 0 after one step.
@@ -29,7 +29,7 @@ def run_length(trainer, steps_per_loop_step: int) -> int | None:
 
     Args:
         trainer: the Lightning Trainer, or None (a module used without one).
-        steps_per_loop_step: optimizer steps per collected batch (``n_mini``).
+        steps_per_loop_step: optimizer steps per collected batch (``mu_iterations x n_mini``).
     """
     if trainer is None:
         return None

@@ -46,9 +46,15 @@ def lr_of(case: str) -> float:
 
 
 
+BUDGET = 48  # tokens per chunk: rank 0's long rows (24 22 19 16 tokens) need 2 chunks, rank 1's short ones 1
+
+
 def case_config(case: str) -> GRPOConfig:
-    """``<strategy>-m<n_micro>[-clip|-rankmean|-refuse]`` -> the rl config of that case (8 trajectories)."""
+    """``<strategy>-m<n_micro>[-clip|-rankmean|-refuse]`` or ``<strategy>-budget`` -> the rl config of that case
+    (8 trajectories)."""
     parts = case.split("-")
+    if parts[1] == "budget":  # token-budgeted chunks: unequal chunk counts on the two ranks
+        return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, max_tokens_per_micro=BUDGET, max_grad_norm=0.0)
     n_micro = int(parts[1][1:])
     if "refuse" in parts:  # mini-batch of 3 trajectories cannot split over 2 ranks
         return GRPOConfig(batch_per_replica=6, group_size=2, mini_batch_per_replica=3, max_grad_norm=0.0)
@@ -256,6 +262,7 @@ def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None =
         record["metrics"] = dict(module.last_metrics)
         record["sharded"] = any(hasattr(p, "full_tensor") for p in module.policy.parameters())
         record["grad_trace"] = module.grad_trace
+        record["chunks"] = module.last_plan.rows
         if record["sharded"]:  # weight sync from FSDP2 shards: full tensors, gathered bucket by bucket
             engine = RecordingEngine()
             record["sync_buckets"] = push_weights(module.policy, engine, bucket_bytes=64 << 10).n_buckets

@@ -117,7 +117,7 @@ def fit_tiny(module, root, loop_steps: int, callbacks=(), ckpt_path=None, val_si
 
     from lightning_grpo.data.prompts import PromptDataModule
 
-    kw = {"max_steps": loop_steps * module.rl.n_mini, "accelerator": "cpu", "devices": 1, "logger": False,
+    kw = {"max_steps": loop_steps * module.rl.steps_per_loop_step, "accelerator": "cpu", "devices": 1, "logger": False,
           "enable_progress_bar": False, "enable_model_summary": False, "default_root_dir": root,
           "enable_checkpointing": any(isinstance(c, Checkpoint) for c in callbacks), "callbacks": list(callbacks)}
     trainer = Trainer(**{**kw, **trainer_kw})

@@ -139,3 +139,23 @@ def test_fractional_dp_divisor_below_one_gives_the_exact_token_mean(tiny_policy_
     (per_token[mask].sum() / (mask.sum() / 8)).backward()
     torch.optim.SGD(ref.policy.parameters(), lr=0.1).step()
     assert max_rel_delta(before, params_of(ref.policy), params_of(module.policy)) <= 5e-8
+
+
+def test_window_length_changes_only_between_windows():
+    """A token-budgeted plan tells the accumulator each window's chunk count; never inside a window."""
+    from lightning_grpo.accumulate import DeferredAccumulator
+
+    w = torch.nn.Parameter(torch.ones(3))
+    acc = DeferredAccumulator([w], torch.optim.SGD([w], lr=0.1), grad_accum=1)
+    acc.open_window(3)
+    assert acc.train((w * 2).sum(), torch.tensor(3.0)) is None and acc.closes_window is False
+    with pytest.raises(RuntimeError, match="windows change length only at a boundary"):
+        acc.open_window(2)
+    acc.train(w.sum() * float("nan"), torch.tensor(3.0))  # poisons: 1 call of this window left to discard
+    with pytest.raises(RuntimeError, match="1 to discard"):
+        acc.open_window(2)
+    assert acc.discard().skipped and not acc.discarding()
+    acc.open_window(2)
+    assert acc.state_dict()["window"] == 2
+    with pytest.raises(ValueError, match="at least one call"):
+        acc.open_window(0)

@@ -31,6 +31,11 @@ BAD_RL = [
     (dict(batch_per_replica=True), "batch_per_replica=True"),
     (dict(max_consecutive_skips=-1), "max_consecutive_skips=-1: must be an integer >= 0"),
     (dict(max_consecutive_skips=2.5), "max_consecutive_skips=2.5"),
+    (dict(max_tokens_per_micro=512, micro_batch_per_replica=8), "max_tokens_per_micro=512 with micro_batch_per_repl"),
+    (dict(max_tokens_per_micro=-1), "max_tokens_per_micro=-1: must be an integer >= 0"),
+    (dict(max_tokens_per_ahead_micro=-5), "max_tokens_per_ahead_micro=-5"),
+    (dict(mu_iterations=0), "mu_iterations=0: must be an integer >= 1"),
+    (dict(mu_iterations=1.5), "mu_iterations=1.5"),
 ]
 
 

@@ -28,7 +28,7 @@ from lightning_grpo.policy import PolicyConfig
 TOL = 1e-6
 WORKER = Path(__file__).with_name("dist_worker.py")
 CASES = ["ddp-m1", "ddp-m4", "ddp-m4-clip", "ddp-m1-rankmean", "ddp-m4-nan", "ddp-m4-steps2",
-         "fsdp2-m1", "fsdp2-m4", "fsdp2-m4-clip", "ddp-m1-refuse"]
+         "fsdp2-m1", "fsdp2-m4", "fsdp2-m4-clip", "ddp-m1-refuse", "ddp-budget", "fsdp2-budget"]
 
 
 def launch_two_ranks(out: Path, policy: Path, cases: list[str], timeout: float = 300, teacher: Path | None = None,
@@ -98,6 +98,26 @@ def test_two_ranks_equal_one_rank(two_ranks, tiny_policy_dir, strategy, n_micro)
     assert r0["sharded"] == (strategy == "fsdp2")  # FSDP2 really sharded the policy (DTensor parameters)
     assert max_rel_delta(before, ref, r0["params"]) <= TOL
     assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in ref)  # the ranks hold one model
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_token_budget_with_uneven_chunk_counts_per_rank_equals_one_rank(two_ranks, tiny_policy_dir, strategy):
+    """Rank 0 needs 2 chunks, rank 1 one: rank 1 runs an empty filler, both take 2 backward calls (sync on the last
+    only), and the step equals the 1-rank step (which cuts the whole batch into 3 chunks). Finishing is no hang."""
+    case = f"{strategy}-budget"
+    before, ref, _ = one_rank(tiny_policy_dir, case)
+    r0, r1 = two_ranks(case, 0), two_ranks(case, 1)
+    assert [len(c) for c in r0["chunks"]] == [2] and r1["chunks"] == (((0, 1, 2, 3), ()),)  # () = the empty filler
+    assert max_rel_delta(before, ref, r0["params"]) <= TOL
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in ref)
+    t0, t1 = r0["grad_trace"], r1["grad_trace"]
+    assert len(t0) == len(t1) == 2
+    if strategy == "ddp":  # no_sync on the first call, one all-reduce on the second (rank 1's filler): no double sync
+        assert t0[0][1] != t1[0][1] and t0[1][1] == t1[1][1]
+    else:
+        assert [present for present, _ in t0] == [False, True]
+    assert r0["metrics"]["grpo/chunks"] == 3.0 and r0["metrics"]["grpo/empty_chunks"] == 1.0
+    assert r0["metrics"]["grpo/n"] == 8.0 and r0["metrics"]["grpo/tokens"] == sum(W.LENGTHS)  # fillers count nothing
 
 
 def test_weight_sync_from_fsdp2_shards_sends_the_full_weights(two_ranks):

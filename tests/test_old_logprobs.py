@@ -220,6 +220,8 @@ class _Ratio:
     ({"mini_batch_per_replica": 4, "use_rollout_logprobs_for_loss": True}, _Ratio(), False),  # sampler pi_old
     ({"mini_batch_per_replica": 4}, _NoRatio(), False),  # e.g. distillation: no ratio to clip
     ({"mini_batch_per_replica": 4, "freeze_pi_old": False}, _Ratio(), False),  # the diagnostic switch
+    ({"mini_batch_per_replica": 0, "mu_iterations": 2}, _Ratio(), True),  # inner epochs: several steps per batch
+    ({"mini_batch_per_replica": 0, "mu_iterations": 2, "use_rollout_logprobs_for_loss": True}, _Ratio(), False),
 ])
 def test_ahead_pass_gate(rl, objective, expected):
     assert needs_ahead_pass(GRPOConfig(batch_per_replica=16, group_size=2, **rl), objective) is expected
@@ -301,3 +303,50 @@ def test_regression_n_mini_8_on_arith_learns_with_frozen_pi_old_and_never_clips_
     assert after >= before > 0, (before, after)  # keeps learning (measured: 0.26 -> 0.33)
     assert sum(c > 0 for c in clip) >= 5, clip  # the trust region is active
     assert clip_unfrozen == [0.0] * len(clip_unfrozen)  # pi_old follows the policy: the clip never binds
+
+
+# -- token budgets: one cached plan, the ahead pass's own bigger chunks ------------------------------------------------
+def budget_make(policy_dir, budget=40, ahead=0, mu=1):
+    return make(policy_dir, micro=0, max_tokens_per_micro=budget, max_tokens_per_ahead_micro=ahead, mu_iterations=mu)
+
+
+def test_ahead_pass_with_its_own_budget_records_what_the_training_chunks_would(tiny_policy_dir):
+    """Bigger no-grad chunks (default 2x the budget), laid out per row as the training chunks: the same pi_old."""
+    module = budget_make(tiny_policy_dir, mu=2)  # mu = 2: every chunk is recorded
+    assert module.rl.ahead_budget == 80
+    batch = synthetic_batch(LENS, seed=5)
+    plan, ahead = module.plan(batch)
+    assert ahead is not None and ahead.n_chunks(0) < plan.real_chunks  # fewer, bigger forwards
+    widths = count_scores(module)
+    by_rows = module.old_logprobs.compute(batch, plan, ahead)
+    assert len(widths) == ahead.n_chunks(0) + 1  # + the probe's train-mode re-score, once
+    walked = module.old_logprobs.compute(batch, plan)  # the training chunks themselves
+    assert len(by_rows) == len(walked) == 2 * plan.real_chunks
+    for (_, mini, micro), a, b in zip(plan.training_walk(), by_rows, walked):
+        mask = plan.chunk(batch, mini, micro).completion_mask[:, 1:]
+        assert a.shape == b.shape
+        torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=0)
+
+
+def test_training_walk_on_a_shuffled_plan_is_caught_by_the_shape_check(tiny_policy_dir):
+    module = budget_make(tiny_policy_dir, budget=40)
+    module.old_logprobs.skip_first_mini = False
+    batch = synthetic_batch(LENS, seed=5)
+    plan, ahead = module.plan(batch)
+    pi_old = module.old_logprobs.compute(batch, plan, ahead)
+    assert plan.n_chunks(1) > 1
+    shuffled = ChunkPlan(tuple(chunks[::-1] for chunks in plan.rows))  # same chunks, another call order
+    with pytest.raises(PairingError, match="both walks must use the same ChunkPlan"):
+        module.loop.run(batch, shuffled, pi_old)
+
+
+def test_update_computes_one_plan_per_collected_batch_for_both_walks(tiny_policy_dir):
+    module = budget_make(tiny_policy_dir, budget=40, mu=2)
+    ahead, train = record_walks(module)
+    plans, real_plan = [], module.plan
+    module.plan = lambda batch: plans.append(real_plan(batch)) or plans[-1]
+    module.update(synthetic_batch(LENS, seed=6))
+    assert len(plans) == 1 and module.last_plan is plans[0][0]
+    assert module.last_plan.real_chunks > module.rl.n_mini  # data-dependent chunking really happened
+    rows = lambda walk: sorted(i for ids, _ in walk for i in ids)  # noqa: E731
+    assert rows(ahead) == rows(train)[::2] == list(range(16))  # each row scored once, trained twice (mu=2)

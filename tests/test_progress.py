@@ -11,6 +11,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from lightning_grpo.checkpoint import GRPOCheckpoint, complete_checkpoints
+from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.progress import GRPOProgressBar, GRPORichProgressBar, loop_steps_total
 
@@ -83,8 +84,9 @@ def test_a_users_own_bar_subclass_is_left_alone(tiny_policy_dir, tmp_path):
     assert type(bar) is OwnBar
 
 
-def _trainer(max_steps: int, global_step: int, n_mini: int, batches: float = math.inf):
-    module = SimpleNamespace(rl=SimpleNamespace(n_mini=n_mini))
+def _trainer(max_steps: int, global_step: int, n_mini: int, batches: float = math.inf, mu: int = 1):
+    module = SimpleNamespace(rl=GRPOConfig(batch_per_replica=2 * n_mini, group_size=2, mini_batch_per_replica=2,
+                                           mu_iterations=mu))
     return SimpleNamespace(num_training_batches=batches, max_steps=max_steps, global_step=global_step,
                            lightning_module=module)
 
@@ -97,4 +99,5 @@ def test_total_in_loop_steps_follows_skipped_windows_and_epoch_limits():
     assert loop_steps_total(_trainer(max_steps=5, global_step=0, n_mini=2), done=0) == 3  # Lightning stops at >= 5
     assert loop_steps_total(_trainer(max_steps=-1, global_step=8, n_mini=2, batches=20), done=4) == 20  # sweep form
     assert loop_steps_total(_trainer(max_steps=100, global_step=0, n_mini=1, batches=20), done=0) == 20
+    assert loop_steps_total(_trainer(max_steps=12, global_step=0, n_mini=2, mu=3), done=0) == 2  # mu x n_mini a step
     assert loop_steps_total(_trainer(max_steps=-1, global_step=0, n_mini=1), done=0) == math.inf

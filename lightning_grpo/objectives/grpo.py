@@ -30,7 +30,7 @@ class ChunkStats:
     REDUCE: ClassVar[dict[str, Reduction]] = {
         "loss": ("grpo/loss", "denom"), "denom": ("grpo/denom", "sum"), "tokens": ("grpo/tokens", "sum"),
         "n": ("grpo/n", "sum"), "clip_frac": ("grpo/clip_frac", "tokens"), "ratio_mean": ("grpo/ratio_mean", "tokens"),
-        "ratio_max": ("grpo/ratio_max", "max"), "kl": ("grpo/kl", "tokens"),
+        "ratio_max": ("grpo/ratio_max", "max"), "kl": ("grpo/kl", "tokens"), "kl_old": ("grpo/kl_old", "tokens"),
     }
     """Field -> (metric, reduction): the loss weighted by the divisor, per-token figures by this rank's tokens."""
 
@@ -49,6 +49,8 @@ class ChunkStats:
     """Largest ratio on a counted token (-inf on an empty chunk)."""
     kl: Tensor
     """Token mean of the k3 KL (0 when beta == 0)."""
+    kl_old: Tensor | None = None
+    """Token mean of the k3 estimate of KL(pi_old || pi): how far the policy moved from the one that sampled."""
 
 
 class GRPOObjective:
@@ -136,5 +138,6 @@ class GRPOObjective:
                 ratio_mean=(ratio * m).sum() / local,
                 ratio_max=ratio.detach().masked_fill(~mask, float("-inf")).amax() if mask.numel() else tokens * 0,
                 kl=(kl * m).sum() / local,
+                kl_old=((ratio - 1 - (logprobs - old)) * m).sum() / local,  # k3, r = pi / pi_old
             )
         return loss, denom, stats
