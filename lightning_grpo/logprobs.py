@@ -1,26 +1,39 @@
-"""Per-token logprobs of a causal LM, without a full ``[B, T, V]`` float32 tensor alive.
+"""Per-token logprobs of a causal LM at the positions that count, fused and memory-bounded.
 
-The LM head runs over slices of the sequence; under autograd each slice is checkpointed,
-so backward keeps only the hidden states ``[B, T, H]`` and recomputes one slice of logits
-at a time. With a 32k+ vocabulary and long completions the logits dominate update memory,
-so this is what lets micro-batching (and long completions) fit.
+The decoder runs over the whole sequence, but only the hidden states at the scored positions
+(the completion tokens; prompt positions get no logits) go through the LM head, in chunks of
+tokens, inside one autograd function:
+
+* forward: per chunk, ``logits = h @ W.T`` (float32 or wider), the target's logit minus the
+  logsumexp. No ``[B, T, V]`` tensor exists at any point, for long completions too.
+* backward: the softmax gradient ``(onehot - softmax) * g / T`` is formed *in place* in the
+  chunk's logits buffer from the saved logsumexp, then two matmuls give the hidden-state and
+  head-weight gradients. Chunks whose logits were kept from forward (up to ``keep_bytes`` in
+  all) skip the head matmul; the rest recompute it. So memory decides, by size, where the head
+  is recomputed: a 64-token GRPO batch on a 32k vocabulary keeps everything (no recompute),
+  2048-token completions keep a bounded slice.
+
+Equal to the plain path (``log_softmax(model(x).logits / T)`` gathered) in value and gradient,
+including the head weight's gradient when it is tied to the input embedding (autograd sums both
+uses). Models that transform logits after the head (softcapping, a logit scale) are scored
+through their own forward instead (full logits), so their logprobs stay right.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
+CHUNK_BYTES = 64 << 20
+"""Float32 logits of one head chunk (512 tokens at a 32k vocabulary): the working set of forward and backward."""
+KEEP_BYTES = 256 << 20
+"""Float32 logits kept from forward for backward, in all (2048 tokens at 32k). Beyond: the head is recomputed."""
 
-def _slice_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    logits = head(hidden)  # [B, S, V]
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # logsumexp in half precision loses the ratio's precision
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, S]
-    return picked - logits.logsumexp(-1)
+# Config fields of models that change the logits after the LM head (Gemma 2/3, Cohere, Granite, Falcon-H1, ...).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
+                     "output_multiplier_scale")
 
 
 def token_logprobs(
@@ -28,33 +41,166 @@ def token_logprobs(
     input_ids: Tensor,
     attention_mask: Tensor | None = None,
     *,
+    positions: Tensor | None = None,
     temperature: float = 1.0,
-    slice_tokens: int = 128,
+    chunk_bytes: int = CHUNK_BYTES,
+    keep_bytes: int = KEEP_BYTES,
 ) -> Tensor:
-    """``log p(input_ids[:, t+1] | input_ids[:, :t+1])`` for every position: ``[B, T-1]`` (fp32 or wider).
+    """``log p(input_ids[:, t+1] | input_ids[:, :t+1])`` at the scored positions: ``[B, T-1]``, zeros elsewhere.
 
     Args:
-        model: a Hugging Face causal LM (``get_decoder()`` + ``get_output_embeddings()``), or any
-            module whose call returns ``.logits`` (then the full logits are materialized).
+        model: a Hugging Face causal LM (``get_decoder()`` + a linear ``get_output_embeddings()``); any other
+            module whose call returns ``.logits`` is scored from its full logits.
         input_ids: ``[B, T]`` right-padded sequences.
-        attention_mask: ``[B, T]``; padding sits after the real tokens, so it only matters for models
-            with non-causal parts. Passed through when given.
-        temperature: divide logits by this (match the sampler's temperature for rollout logprobs).
-        slice_tokens: sequence positions per LM-head slice; smaller = less peak memory.
+        attention_mask: ``[B, T]``, passed to the model when given.
+        positions: ``[B, T-1]`` bool, True where the target ``input_ids[:, t+1]`` counts (the completion mask
+            shifted by one); None = every position. Unscored positions get no logits and read 0.
+        temperature: divide the logits by this (the sampler's temperature, so ratios compare like with like).
+        chunk_bytes: float32 logits per head chunk (sets the chunk's token count from the vocabulary size).
+        keep_bytes: float32 logits kept from forward to backward in all; chunks past it recompute the head.
+
+    Returns:
+        float32 logprobs (float64 for a float64 model); differentiable w.r.t. the model's parameters.
     """
     targets = input_ids[:, 1:]  # [B, T-1]
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if decoder is None or head is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-        return _slice_logprobs(nn.Identity(), logits, targets, temperature)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]  # [B, T-1, H]
-    out = []
-    for start in range(0, hidden.shape[1], slice_tokens):
-        h, t = hidden[:, start : start + slice_tokens], targets[:, start : start + slice_tokens]
-        if torch.is_grad_enabled():
-            # Recompute this slice's logits in backward instead of keeping [B, S, V] per slice alive.
-            out.append(checkpoint(_slice_logprobs, head, h, t, temperature, use_reentrant=False))
-        else:
-            out.append(_slice_logprobs(head, h, t, temperature))
-    return torch.cat(out, dim=1)
+    if positions is None:
+        positions = torch.ones_like(targets, dtype=torch.bool)
+    head = _linear_head(model)
+    if head is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1][positions]  # [N, V]
+        picked = _plain_logprobs(logits, targets[positions], temperature)
+        return _scatter(picked, positions)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    h = hidden[:, :-1][positions]  # [N, H]: only the scored positions meet the head
+    picked = head_logprobs(h, head.weight, head.bias, targets[positions], temperature=temperature,
+                           chunk_bytes=chunk_bytes, keep_bytes=keep_bytes)
+    return _scatter(picked, positions)
+
+
+def head_logprobs(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, temperature: float = 1.0,
+                  chunk_bytes: int = CHUNK_BYTES, keep_bytes: int = KEEP_BYTES) -> Tensor:
+    """``log_softmax((h @ weight.T + bias) / temperature)[n, targets[n]]``: ``[N]``, chunked, fused backward.
+
+    Under autocast the head matmuls run in the autocast dtype (as ``nn.Linear`` would), the softmax in float32.
+    """
+    plan = _Plan.of(h, weight, chunk_bytes, keep_bytes)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
+    if needs_grad:
+        return _FusedHeadLogprobs.apply(h, weight, bias, targets, temperature, plan)
+    with torch.no_grad():  # scoring only (ahead pass, reference model): nothing to keep
+        return torch.cat([_chunk_forward(h[s:e], weight, bias, targets[s:e], temperature, plan)[0]
+                          for s, e in plan.bounds]) if plan.bounds else h.new_zeros(0, dtype=plan.out_dtype)
+
+
+class _Plan:
+    """Chunk bounds, which chunks keep their logits, and the dtypes, fixed once per call."""
+
+    def __init__(self, n: int, chunk: int, keep_chunks: int, compute_dtype: torch.dtype, device_type: str) -> None:
+        self.bounds = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+        self.keep_chunks = keep_chunks
+        self.compute_dtype = compute_dtype  # the head matmul's dtype (the autocast dtype under autocast)
+        self.out_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        self.device_type = device_type
+
+    @classmethod
+    def of(cls, h: Tensor, weight: Tensor, chunk_bytes: int, keep_bytes: int) -> _Plan:
+        vocab, device_type = weight.shape[0], h.device.type
+        compute = weight.dtype
+        if torch.is_autocast_enabled(device_type) and weight.dtype in (torch.float32, torch.float64):
+            compute = torch.get_autocast_dtype(device_type)
+        row_bytes = vocab * (8 if compute == torch.float64 else 4)
+        chunk = max(1, chunk_bytes // row_bytes)
+        # Whole chunks only: a chunk is kept when every kept chunk so far plus it fits the budget.
+        keep_chunks = keep_bytes // (chunk * row_bytes)
+        return cls(h.shape[0], chunk, keep_chunks, compute, device_type)
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, plan: _Plan) -> Tensor:
+    """``(h @ W.T + b) / T`` as a fresh float32 (or float64) buffer; forward and backward share this exact code."""
+    dt = plan.compute_dtype
+    with torch.autocast(plan.device_type, enabled=False):
+        logits = F.linear(h.to(dt), weight.to(dt), None if bias is None else bias.to(dt))  # [C, V]
+    logits = logits.to(plan.out_dtype)  # a copy for half types: the softmax runs in float32
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+def _chunk_forward(h, weight, bias, targets, temperature, plan) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprobs [C], logsumexp [C], logits [C, V]) of one chunk."""
+    logits = _chunk_logits(h, weight, bias, temperature, plan)
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits.gather(1, targets[:, None])[:, 0] - lse, lse, logits
+
+
+class _FusedHeadLogprobs(torch.autograd.Function):
+    """The LM head + log-softmax + gather of the scored tokens, with an in-place softmax gradient."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature, plan):
+        out, lses, kept = [], [], []
+        for i, (s, e) in enumerate(plan.bounds):
+            lp, lse, logits = _chunk_forward(h[s:e], weight, bias, targets[s:e], temperature, plan)
+            out.append(lp)
+            lses.append(lse)
+            kept.append(logits if i < plan.keep_chunks else None)  # the rest is recomputed in backward
+        ctx.save_for_backward(h, weight, bias, targets, torch.cat(lses) if lses else h.new_zeros(0))
+        ctx.temperature, ctx.plan, ctx.kept = temperature, plan, kept
+        return torch.cat(out) if out else h.new_zeros(0, dtype=plan.out_dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        plan, temperature = ctx.plan, ctx.temperature
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dt = plan.compute_dtype
+        w_c = weight.to(dt)  # one cast per backward, not per chunk (a no-op without autocast)
+        grad_h = torch.empty_like(h) if need_h else None
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        for i, (s, e) in enumerate(plan.bounds):
+            logits = ctx.kept[i]
+            ctx.kept[i] = None  # consumed in place below; a second backward (retain_graph) recomputes it
+            if logits is None:
+                logits = _chunk_logits(h[s:e], weight, bias, temperature, plan)
+            g = grad_out[s:e].to(logits.dtype) / temperature  # [C]: d logits_raw = (onehot - p) * g / T
+            d = logits.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])  # -p * g, in the logits buffer
+            d.scatter_add_(1, targets[s:e, None], g[:, None])  # + onehot * g
+            d_c = d.to(dt)
+            if grad_h is not None:
+                grad_h[s:e] = (d_c @ w_c).to(h.dtype)  # [C, H]
+            if grad_w is not None:
+                grad_w += (d_c.T @ h[s:e].to(dt)).to(acc)  # [V, H], accumulated in float32 or wider
+            if grad_b is not None:
+                grad_b += d.sum(0).to(acc)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def _plain_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # logsumexp in half precision loses the ratio's precision
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def _scatter(values: Tensor, positions: Tensor) -> Tensor:
+    """``[N]`` values back to their ``[B, T-1]`` positions (differentiable), zeros elsewhere."""
+    return values.new_zeros(positions.shape).masked_scatter(positions, values)
+
+
+def _linear_head(model: nn.Module) -> nn.Module | None:
+    """The model's LM head when the fused path reproduces its logits exactly (a plain linear layer), else None."""
+    if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
+        return None
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or model.get_decoder() is None:
+        return None
+    config = getattr(model, "config", None)
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None  # the model changes its logits after the head: score through its own forward
+    return head

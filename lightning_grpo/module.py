@@ -296,10 +296,10 @@ class GRPOModule(LightningModule):
         return self.objective(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref)
 
     def logprobs(self, model, chunk: RolloutBatch) -> Tensor:
-        """``[B, T-1]`` logprobs at the sampling temperature (so ratios compare like with like)."""
-        # root_call: under FSDP2 the root's hooks gather embeddings/head around the decoder + sliced head.
+        """``[B, T-1]`` logprobs of the completion tokens at the sampling temperature, 0 at prompt and padding."""
+        # root_call: under FSDP2 the root's hooks gather embeddings/head around the decoder + fused head.
         return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
-                         temperature=self.rollout_cfg.temperature)
+                         positions=chunk.completion_mask[:, 1:], temperature=self.rollout_cfg.temperature)
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
         metrics = {**rollout_metrics, **roll_up(result)}
@@ -326,10 +326,11 @@ class GRPOModule(LightningModule):
     def sampling(self) -> SamplingConfig:
         r = self.rollout_cfg
         step = self.loop_step
-        # A distinct, reproducible stream per (seed, loop step, rank).
+        # A distinct, reproducible seed per (seed, loop step, rank); the engines derive one stream per (prompt, sample).
         seed = (self.seed * 1_000_003 + step) * max(self._world_size(), 1) + self.global_rank
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed, stop=tuple(r.stop or ()))
+                              top_k=r.top_k, logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed,
+                              stop=tuple(r.stop or ()))
 
     def _datamodule(self):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
