@@ -271,6 +271,8 @@ class RolloutConfig:
     """Sampling temperature (also used to score logprobs in the update, so ratios compare like with like)."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0 = no top-k cut."""
     replay_path: str | None = None
     """JSONL of recorded rollouts when engine=replay."""
     vllm: VLLMConfig | None = None
@@ -301,6 +303,8 @@ class RolloutConfig:
             p.append(f"temperature={self.temperature}: must be > 0 for GRPO sampling (greedy groups have no spread)")
         if not 0 < self.top_p <= 1:
             p.append(f"top_p={self.top_p}: must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            p.append(f"top_k={self.top_k}: must be an integer >= 0 (0 = off)")
         if not _finite(self.sync_bucket_mb) or self.sync_bucket_mb <= 0:
             p.append(f"sync_bucket_mb={self.sync_bucket_mb}: must be > 0")
         if self.engine == "replay" and not self.replay_path:

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from lightning_grpo.config import ConfigError, VLLMConfig
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop
+from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.sleep import SleepState
 
 # Loggers that complain on every partial (bucketed) reload that the other layers were "not loaded".
@@ -76,17 +77,21 @@ class VLLMEngine:
 
     # -- generation ----------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
-        """``group_size`` completions per prompt (vLLM ``n``), prompt 0's group first."""
+        """``group_size`` completions per prompt, prompt 0's group first; each its own seeded request.
+
+        One request per (prompt, sample) rather than vLLM's ``n``: ``n`` seeds child ``j`` with
+        ``seed + j`` for every prompt alike, which couples the groups. vLLM fans ``n`` out into
+        separate requests anyway, and the prefix cache shares the prompt, so this costs nothing.
+        """
         self._sleep.require("weights", "kv_cache", call="VLLMEngine.generate()")
         self._refresh_derived()
-        requests = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
-        outputs = self.llm.generate(requests, _sampling_params(group_size, sampling), use_tqdm=False)
+        seeds = row_seeds([p.id for p in prompts], group_size, sampling.seed)
+        rows = [p for p in prompts for _ in range(group_size)]
+        requests = [{"prompt_token_ids": list(p.token_ids)} for p in rows]
+        params = [_sampling_params(sampling, s) for s in seeds]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         decode = self._decoder() if sampling.stop else None
-        return [
-            _rollout(prompt, completion, sampling.logprobs, sampling.stop, decode)
-            for prompt, out in zip(prompts, outputs)
-            for completion in sorted(out.outputs, key=lambda c: c.index)
-        ]
+        return [_rollout(p, out.outputs[0], sampling.logprobs, sampling.stop, decode) for p, out in zip(rows, outputs)]
 
     def _decoder(self):
         """Token ids -> text as HFEngine decodes them (special tokens skipped), for the shared stop-string cut."""
@@ -203,16 +208,17 @@ def _llm_kwargs(cfg: VLLMConfig, sleep_mode: bool) -> dict:
     return {**kwargs, **cfg.engine_kwargs}
 
 
-def _sampling_params(group_size: int, s: SamplingConfig):
+def _sampling_params(s: SamplingConfig, seed: int):
     from vllm import SamplingParams
 
     return SamplingParams(
-        n=group_size,
+        n=1,
         temperature=s.temperature,
         top_p=s.top_p if s.temperature > 0 else 1.0,
+        top_k=s.top_k if s.temperature > 0 else 0,  # 0 = off in vLLM too
         max_tokens=s.max_new_tokens,
         logprobs=0 if s.logprobs else None,  # 0 = only the sampled token's logprob
-        seed=s.seed,
+        seed=seed,
         stop=list(s.stop) or None,  # vLLM matches them in the completion text only, as HFEngine does
     )
 
