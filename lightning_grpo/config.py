@@ -241,8 +241,10 @@ class VLLMConfig:
     """KV cache size in bytes; None = sized from gpu_memory_utilization. On CPU this replaces VLLM_CPU_KVCACHE_SPACE."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of shared prompt prefixes (a weight sync resets them)."""
-    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
-    """processed: log-softmax after temperature/top-p (what was sampled, as HFEngine); raw: of the plain logits."""
+    logprobs_mode: Literal["auto", "processed_logprobs", "raw_logprobs"] = "auto"
+    """processed: log-softmax after temperature/top-k/top-p (what was sampled, as HFEngine); raw: of the plain
+    logits; auto: processed when the run consumes sampler logprobs (rl.use_rollout_logprobs_for_loss), else raw
+    (vLLM then skips a full-vocabulary log-softmax per decode step)."""
     engine_kwargs: dict = field(default_factory=dict)
     """Extra ``vllm.LLM`` keyword arguments, passed through unchanged."""
 

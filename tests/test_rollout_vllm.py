@@ -204,6 +204,20 @@ def test_sleep_and_wake_track_the_hand_off_order(engine, trainer):
     assert len(engine.generate(prompts_of(tok, ["1+1="]), 2, SamplingConfig(max_new_tokens=2))) == 2
 
 
+def test_auto_logprobs_mode_skips_the_sampler_log_softmax_when_the_run_needs_none(engine, tiny_policy_dir, trainer):
+    _, tok = trainer
+    assert engine.logprobs_mode == "processed_logprobs"  # built for a run that consumes sampler logprobs
+    lean = VLLMEngine(tiny_policy_dir, CONFIG, sampler_logprobs=False)
+    try:
+        assert lean.logprobs_mode == "raw_logprobs"
+        prompts = prompts_of(tok, ["7*8="])
+        assert len(lean.generate(prompts, 2, SamplingConfig(max_new_tokens=4, seed=0))) == 2
+        with pytest.raises(ValueError, match="rollout.vllm.logprobs_mode=processed_logprobs"):
+            lean.generate(prompts, 2, SamplingConfig(max_new_tokens=4, logprobs=True, seed=0))
+    finally:
+        lean.close()
+
+
 def test_config_errors_are_reported_together():
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5(.|\n)*tensor_parallel_size=0"):
         VLLMConfig(gpu_memory_utilization=1.5, tensor_parallel_size=0)
