@@ -62,7 +62,8 @@ def machine() -> dict:
     import torch
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "memory_gib": round(mem, 1), "torch": torch.__version__,
+    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "memory_gib": round(mem, 1),
+            "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": platform.python_version(),
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 
@@ -97,3 +98,17 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+"""The CPU flags that decide the GEMM kernels (float32 and bfloat16) torch picks."""
+
+
+def cpu_flags() -> dict:
+    """The SIMD flags of this CPU that matter for matmul speed (present / absent), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return {flag: flag in flags for flag in SIMD_FLAGS}

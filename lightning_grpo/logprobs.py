@@ -7,11 +7,13 @@ tokens, inside one autograd function:
 * forward: per chunk, ``logits = h @ W.T`` (float32 or wider), the target's logit minus the
   logsumexp. No ``[B, T, V]`` tensor exists at any point, for long completions too.
 * backward: the softmax gradient ``(onehot - softmax) * g / T`` is formed *in place* in the
-  chunk's logits buffer from the saved logsumexp, then two matmuls give the hidden-state and
-  head-weight gradients. Chunks whose logits were kept from forward (up to ``keep_bytes`` in
-  all) skip the head matmul; the rest recompute it. So memory decides, by size, where the head
-  is recomputed: a 64-token GRPO batch on a 32k vocabulary keeps everything (no recompute),
-  2048-token completions keep a bounded slice.
+  chunk's buffer, then two matmuls give the hidden-state and head-weight gradients. Chunks
+  whose ``exp(logits - max)`` was kept from forward (up to ``keep_bytes`` in all) skip the head
+  matmul and the exponential; the rest recompute the logits and form the softmax from the saved
+  logsumexp. So memory decides, by size, where the head is recomputed: a 64-token GRPO batch on
+  a 32k vocabulary keeps everything (no recompute), 2048-token completions keep a bounded slice.
+  Every vocabulary-wide step works in place on the chunk's one buffer: fresh buffers of that
+  size cost page faults on every call (CPU) or allocator traffic (GPU).
 
 Equal to the plain path (``log_softmax(model(x).logits / T)`` gathered) in value and gradient,
 including the head weight's gradient when it is tied to the input embedding (autograd sums both
@@ -126,11 +128,15 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: f
     return logits
 
 
-def _chunk_forward(h, weight, bias, targets, temperature, plan) -> tuple[Tensor, Tensor, Tensor]:
-    """(logprobs [C], logsumexp [C], logits [C, V]) of one chunk."""
+def _chunk_forward(h, weight, bias, targets, temperature, plan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logprobs [C], logsumexp [C], exp(logits - max) [C, V], its row sums [C]) of one chunk, in one buffer."""
     logits = _chunk_logits(h, weight, bias, temperature, plan)
-    lse = torch.logsumexp(logits, dim=-1)
-    return logits.gather(1, targets[:, None])[:, 0] - lse, lse, logits
+    picked = logits.gather(1, targets[:, None])[:, 0]
+    top = logits.amax(dim=-1, keepdim=True)  # [C, 1]
+    unnormalized = logits.sub_(top).exp_()  # in place: the logits are not needed again
+    total = unnormalized.sum(dim=-1)
+    lse = top[:, 0] + total.log()
+    return picked - lse, lse, unnormalized, total
 
 
 class _FusedHeadLogprobs(torch.autograd.Function):
@@ -140,10 +146,10 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     def forward(ctx, h, weight, bias, targets, temperature, plan):
         out, lses, kept = [], [], []
         for i, (s, e) in enumerate(plan.bounds):
-            lp, lse, logits = _chunk_forward(h[s:e], weight, bias, targets[s:e], temperature, plan)
+            lp, lse, unnormalized, total = _chunk_forward(h[s:e], weight, bias, targets[s:e], temperature, plan)
             out.append(lp)
             lses.append(lse)
-            kept.append(logits if i < plan.keep_chunks else None)  # the rest is recomputed in backward
+            kept.append((unnormalized, total) if i < plan.keep_chunks else None)  # the rest: recomputed in backward
         ctx.save_for_backward(h, weight, bias, targets, torch.cat(lses) if lses else h.new_zeros(0))
         ctx.temperature, ctx.plan, ctx.kept = temperature, plan, kept
         return torch.cat(out) if out else h.new_zeros(0, dtype=plan.out_dtype)
@@ -161,23 +167,37 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         for i, (s, e) in enumerate(plan.bounds):
-            logits = ctx.kept[i]
-            ctx.kept[i] = None  # consumed in place below; a second backward (retain_graph) recomputes it
-            if logits is None:
-                logits = _chunk_logits(h[s:e], weight, bias, temperature, plan)
-            g = grad_out[s:e].to(logits.dtype) / temperature  # [C]: d logits_raw = (onehot - p) * g / T
-            d = logits.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])  # -p * g, in the logits buffer
+            g = grad_out[s:e].to(plan.out_dtype) / temperature  # [C]: d logits_raw = (onehot - p) * g / T
+            if ctx.kept[i] is not None:  # softmax = exp(logits - max) / its row sum, kept from forward
+                d, total = ctx.kept[i]
+                ctx.kept[i] = None  # consumed in place below; a second backward (retain_graph) recomputes it
+                d.mul_((-g / total)[:, None])  # -p * g
+            else:
+                d = _chunk_logits(h[s:e], weight, bias, temperature, plan)
+                d.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])  # -p * g, from the saved logsumexp
             d.scatter_add_(1, targets[s:e, None], g[:, None])  # + onehot * g
-            d_c = d.to(dt)
-            if grad_h is not None:
-                grad_h[s:e] = (d_c @ w_c).to(h.dtype)  # [C, H]
-            if grad_w is not None:
-                grad_w += (d_c.T @ h[s:e].to(dt)).to(acc)  # [V, H], accumulated in float32 or wider
+            _backward_matmuls(d, h[s:e], w_c, grad_h[s:e] if grad_h is not None else None, grad_w, dt)
             if grad_b is not None:
                 grad_b += d.sum(0).to(acc)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None
+
+
+def _backward_matmuls(d: Tensor, h: Tensor, w_c: Tensor, grad_h: Tensor | None, grad_w: Tensor | None,
+                      dt: torch.dtype) -> None:
+    """``grad_h = d @ W`` ([C, H]) and ``grad_w += d.T @ h`` ([V, H]), into their buffers when the dtypes allow."""
+    d_c = d.to(dt)  # the head's compute dtype (bf16 under autocast); a no-op otherwise
+    if grad_h is not None:
+        if grad_h.dtype == dt:
+            torch.mm(d_c, w_c, out=grad_h)
+        else:
+            grad_h.copy_(d_c @ w_c)
+    if grad_w is not None:
+        if grad_w.dtype == dt:
+            grad_w.addmm_(d_c.T, h.to(dt))  # accumulated in place: no [V, H] temporary per chunk
+        else:
+            grad_w += (d_c.T @ h.to(dt)).to(grad_w.dtype)  # bf16 products, float32 accumulation
 
 
 def _plain_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
