@@ -39,7 +39,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.common import bench_env_python, clocks, cpu_flags, load_average, save, since, table
+from bench.common import bench_env_python, clocks, cpu_flags, load_average, save, since
 
 GROUP, PROMPTS_PER_STEP, MAX_NEW_TOKENS, LR = 8, 4, 64, 1e-5
 POLICY = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 1792,
@@ -259,7 +259,7 @@ def gemm_rate(precision: str) -> dict:
                     torch.randn(m, out, dtype=dtype))
         x @ w.T  # warm-up
         c0 = time.process_time()
-        x @ w.T, dy @ w, dy.T @ x  # noqa: B018 (the three GEMMs of one weight in forward + backward)
+        x @ w.T, dy @ w, dy.T @ x
         seconds += time.process_time() - c0
         flops += 6 * m * out * inp
     return {"precision": precision, "gflops": flops / seconds / 1e9, "seconds": seconds}
@@ -339,7 +339,7 @@ def main() -> None:
     if a.gemm:
         print(json.dumps(gemm_rate(a.gemm)))
         return
-    from bench.speed_report import combine, print_summary
+    from bench.speed_report import combine, plot, print_summary
 
     precisions = a.precisions.split(",")
     model = str(policy_dir())
@@ -366,6 +366,7 @@ def main() -> None:
         "trl_version": trl_version(), "results": results, "gemm": gemm, "trl_vllm": trl_vllm, **summary,
         "load_average": [x for r in results if "load" in r for x in r["load"]],
         "command": "python -m bench.speed_vs_trl " + " ".join(sys.argv[1:])})
+    plot(summary, path.with_suffix(".png"))
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -61,6 +61,9 @@ class GRPOConfig:
     freeze_pi_old: bool = True
     """Keep pi_old frozen across the window at n_mini > 1 (the ahead pass). Diagnostic only: false lets pi_old follow
     the drifting policy, so the ratio returns to 1 every mini-batch and the clip never binds (reproduces the collapse)."""
+    logits_keep_mb: float = 256.0
+    """Float32 LM-head logits (MiB, per chunk) kept from forward for backward; past it the head is recomputed in
+    backward. Memory only: the update is unchanged (logprobs.py). 0 = always recompute (least memory)."""
     grad_accum: int = 1
     """Retired for GRPO: the accumulation count is derived as n_micro. Set micro_batch_per_replica instead."""
 
@@ -141,6 +144,8 @@ class GRPOConfig:
             p.append(f"beta={self.beta}: must be a finite number >= 0 (0 = no KL, no reference model)")
         if not _finite(self.max_grad_norm) or self.max_grad_norm < 0:
             p.append(f"max_grad_norm={self.max_grad_norm}: must be a finite number >= 0 (0 = no clipping)")
+        if not _finite(self.logits_keep_mb) or self.logits_keep_mb < 0:
+            p.append(f"logits_keep_mb={self.logits_keep_mb}: must be a finite number >= 0 (0 = always recompute)")
         if self.scale_rewards not in ("group", "batch", "none"):
             p.append(f"scale_rewards={self.scale_rewards!r}: must be one of 'group', 'batch', 'none'")
         if not isinstance(self.freeze_pi_old, bool):

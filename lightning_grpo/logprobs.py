@@ -31,7 +31,8 @@ from torch.autograd.function import once_differentiable
 CHUNK_BYTES = 64 << 20
 """Float32 logits of one head chunk (512 tokens at a 32k vocabulary): the working set of forward and backward."""
 KEEP_BYTES = 256 << 20
-"""Float32 logits kept from forward for backward, in all (2048 tokens at 32k). Beyond: the head is recomputed."""
+"""Float32 logits kept from forward for backward, in all (2048 tokens at 32k). Beyond: the head is recomputed.
+The module passes ``rl.logits_keep_mb``."""
 
 # Config fields of models that change the logits after the LM head (Gemma 2/3, Cohere, Granite, Falcon-H1, ...).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",

@@ -299,7 +299,8 @@ class GRPOModule(LightningModule):
         """``[B, T-1]`` logprobs of the completion tokens at the sampling temperature, 0 at prompt and padding."""
         # root_call: under FSDP2 the root's hooks gather embeddings/head around the decoder + fused head.
         return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
-                         positions=chunk.completion_mask[:, 1:], temperature=self.rollout_cfg.temperature)
+                         positions=chunk.completion_mask[:, 1:], temperature=self.rollout_cfg.temperature,
+                         keep_bytes=int(self.rl.logits_keep_mb * 2**20))
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
         metrics = {**rollout_metrics, **roll_up(result)}

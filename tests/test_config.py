@@ -26,6 +26,7 @@ BAD_RL = [
     (dict(beta=-0.01), "beta=-0.01"),
     (dict(beta=math.inf), "beta=inf"),
     (dict(max_grad_norm=-1.0), "max_grad_norm=-1.0"),
+    (dict(logits_keep_mb=-1.0), "logits_keep_mb=-1.0: must be a finite number >= 0"),
     (dict(scale_rewards="median"), "scale_rewards='median'"),
     (dict(grad_accum=4), "Set micro_batch_per_replica"),
     (dict(batch_per_replica=True), "batch_per_replica=True"),
@@ -88,6 +89,7 @@ def test_per_rank_rules_name_the_dp_size(overrides, dp, fragment):
         (RolloutConfig, dict(max_new_tokens=0), "max_new_tokens=0"),
         (RolloutConfig, dict(temperature=0.0), "temperature=0.0"),
         (RolloutConfig, dict(top_p=0.0), "top_p=0.0"),
+        (RolloutConfig, dict(top_k=-1), "top_k=-1: must be an integer >= 0"),
         (RolloutConfig, dict(engine="replay"), "engine=replay needs a JSONL"),
     ],
 )

@@ -191,3 +191,25 @@ def test_models_that_transform_their_logits_are_scored_through_their_forward():
     ids, attn, positions = batch()
     torch.testing.assert_close(token_logprobs(model, ids, attn, positions=positions),
                                plain(model, ids, attn, positions, 1.0), rtol=0, atol=1e-6)
+
+
+def test_the_module_scores_completion_tokens_and_logits_keep_mb_changes_memory_only(tiny_policy_dir):
+    from helpers import synthetic_batch
+
+    from lightning_grpo.config import GRPOConfig
+    from lightning_grpo.module import GRPOModule
+    from lightning_grpo.policy import PolicyConfig
+
+    batch = synthetic_batch([3, 0, 5, 2], vocab=80)
+    runs = []
+    for keep_mb in (256.0, 0.0):
+        module = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir)),
+                            rl=GRPOConfig(batch_per_replica=4, group_size=2, logits_keep_mb=keep_mb))
+        lp = module.logprobs(module.policy, batch)
+        assert torch.equal(lp[~batch.completion_mask[:, 1:]], torch.zeros(int((~batch.completion_mask[:, 1:]).sum())))
+        lp.sum().backward()
+        runs.append((lp.detach(), {n: p.grad for n, p in module.policy.named_parameters()}))
+    (lp_a, g_a), (lp_b, g_b) = runs
+    assert torch.equal(lp_a, lp_b)
+    for name in g_a:
+        assert rel(g_b[name], g_a[name]) <= 1e-6, name

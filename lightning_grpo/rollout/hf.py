@@ -105,13 +105,12 @@ class HFEngine:
         from transformers import GenerationConfig
 
         # Greedy loop: our processors warp the scores and draw the token (InverseCDFSampler), generate's argmax
-        # then picks it. No warper of transformers' own runs (top_k=0 overrides its global default of 50).
+        # then picks it. transformers adds its own warpers (top_k=50 by default) only when do_sample is on.
         return GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
             pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_ids,
             do_sample=False,
-            top_k=0,
         )
 
     @contextlib.contextmanager
