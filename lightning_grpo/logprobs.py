@@ -100,7 +100,9 @@ class _Plan:
 
     def __init__(self, n: int, chunk: int, keep_chunks: int, compute_dtype: torch.dtype, device_type: str) -> None:
         self.bounds = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
-        self.keep_chunks = keep_chunks
+        # The last chunks are kept: forward computes the recomputed ones first (one transient buffer), backward
+        # walks back and frees the kept ones before it recomputes, so the peak is max(kept, one chunk), not both.
+        self.first_kept = max(len(self.bounds) - keep_chunks, 0)
         self.compute_dtype = compute_dtype  # the head matmul's dtype (the autocast dtype under autocast)
         self.out_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         self.device_type = device_type
@@ -113,7 +115,7 @@ class _Plan:
             compute = torch.get_autocast_dtype(device_type)
         row_bytes = vocab * (8 if compute == torch.float64 else 4)
         chunk = max(1, chunk_bytes // row_bytes)
-        # Whole chunks only: a chunk is kept when every kept chunk so far plus it fits the budget.
+        # Whole chunks only: as many chunks are kept as fit the budget together.
         keep_chunks = keep_bytes // (chunk * row_bytes)
         return cls(h.shape[0], chunk, keep_chunks, compute, device_type)
 
@@ -150,7 +152,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
             lp, lse, unnormalized, total = _chunk_forward(h[s:e], weight, bias, targets[s:e], temperature, plan)
             out.append(lp)
             lses.append(lse)
-            kept.append((unnormalized, total) if i < plan.keep_chunks else None)  # the rest: recomputed in backward
+            kept.append((unnormalized, total) if i >= plan.first_kept else None)  # the rest: recomputed in backward
         ctx.save_for_backward(h, weight, bias, targets, torch.cat(lses) if lses else h.new_zeros(0))
         ctx.temperature, ctx.plan, ctx.kept = temperature, plan, kept
         return torch.cat(out) if out else h.new_zeros(0, dtype=plan.out_dtype)
@@ -167,7 +169,8 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-        for i, (s, e) in enumerate(plan.bounds):
+        for i in reversed(range(len(plan.bounds))):  # kept chunks first: each is freed before any recompute
+            s, e = plan.bounds[i]
             g = grad_out[s:e].to(plan.out_dtype) / temperature  # [C]: d logits_raw = (onehot - p) * g / T
             if ctx.kept[i] is not None:  # softmax = exp(logits - max) / its row sum, kept from forward
                 d, total = ctx.kept[i]
@@ -180,6 +183,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
             _backward_matmuls(d, h[s:e], w_c, grad_h[s:e] if grad_h is not None else None, grad_w, dt)
             if grad_b is not None:
                 grad_b += d.sum(0).to(acc)
+            del d  # before the next chunk allocates its own
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None
