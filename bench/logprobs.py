@@ -1,18 +1,20 @@
 """Token logprobs of one forward+backward: the fused head vs the v1 sliced path vs plain full logits.
 
-    .venv/bin/python -m bench.logprobs            # both shapes: 32 x 64 and 2 x 2048 completion tokens
-    .venv/bin/python -m bench.logprobs --quick    # fewer repeats
+    .venv/bin/python -m bench.logprobs            # both shapes: 32 x 64 and 4 x 2048 completion tokens
+    .venv/bin/python -m bench.logprobs --rounds 1 # a quick look
 
-Three ways to get ``[B, T-1]`` logprobs of the completion tokens with gradients, then ``backward``:
+Four ways to get ``[B, T-1]`` logprobs of the completion tokens with gradients, then ``backward``:
 
 * ``plain``: ``log_softmax(model(x).logits / T)`` gathered: the textbook path (full ``[B, T, V]`` logits).
 * ``sliced``: lightning-grpo v1 (before issue 22): the LM head over every position in 128-token slices,
   each slice checkpointed (its logits recomputed in backward). Kept here verbatim as the baseline.
 * ``fused``: ``lightning_grpo.logprobs.token_logprobs``: the head only at completion positions, chunked,
-  the softmax gradient formed in place from the saved logsumexp (logits kept up to ``KEEP_BYTES``).
+  the softmax gradient formed in place (logits kept from forward up to ``KEEP_BYTES``, the default
+  ``rl.logits_keep_mb``; past it the head is recomputed in backward).
+* ``fused-keep0``: the same with ``rl.logits_keep_mb=0``: every chunk recomputed (the least memory).
 
 Shapes: ``64``: the speed bench's workload (32 completions x 64 tokens after a short prompt, the ~30M Qwen2
-policy, vocabulary 32768); ``2048``: long completions (2 x 2048 tokens after a 16-token prompt, the same head
+policy, vocabulary 32768); ``2048``: long completions (4 x 2048 tokens after a 16-token prompt, the same head
 on a 1-layer body so one repeat stays in seconds; the head is what differs between the paths).
 Time: CPU seconds of forward+backward, one thread, the three paths interleaved in one process (A/B/C rounds),
 median and range. Memory: in a fresh process per path, the peak RSS reached during one forward+backward minus
@@ -31,10 +33,10 @@ import time
 
 from bench.common import load_average, pyplot, run_child, save, table
 
-PATHS = ("plain", "sliced", "fused")
+PATHS = ("plain", "sliced", "fused", "fused-keep0")
 SHAPES = {
     "64": {"rows": 32, "prompt": 4, "completion": 64, "layers": 4},
-    "2048": {"rows": 2, "prompt": 16, "completion": 2048, "layers": 1},
+    "2048": {"rows": 4, "prompt": 16, "completion": 2048, "layers": 1},
 }
 POLICY = {"hidden_size": 512, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 1792, "vocab_size": 32768}
 
@@ -66,10 +68,11 @@ def sliced_v1(model, input_ids, attention_mask, temperature: float = 1.0, slice_
 def score(path: str, model, ids, attn, positions):
     import torch
 
-    from lightning_grpo.logprobs import token_logprobs
+    from lightning_grpo.logprobs import KEEP_BYTES, token_logprobs
 
-    if path == "fused":
-        return token_logprobs(model, ids, attn, positions=positions)
+    if path.startswith("fused"):
+        keep = 0 if path == "fused-keep0" else KEEP_BYTES
+        return token_logprobs(model, ids, attn, positions=positions, keep_bytes=keep)
     if path == "sliced":
         return sliced_v1(model, ids, attn) * positions
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # [B, T-1, V]
@@ -146,12 +149,11 @@ def _rel(a, b) -> float:
 # -- the parent ----------------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="3 timed rounds instead of 5")
     ap.add_argument("--shapes", default="64,2048")
     ap.add_argument("--child", choices=["time", "memory"], help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
-    ap.add_argument("--rounds", type=int, default=5, help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (each runs every path once)")
     a = ap.parse_args()
     if a.child == "memory":
         print(json.dumps(memory_child(a.shape, a.path)))
@@ -159,7 +161,7 @@ def main() -> None:
     if a.child == "time":
         print(json.dumps(time_child(a.shape, a.rounds)))
         return
-    rounds = 3 if a.quick else a.rounds
+    rounds = a.rounds
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     load, rows = [load_average()], []
     for shape in a.shapes.split(","):
@@ -194,17 +196,17 @@ def plot(rows: list[dict], path) -> None:
         return
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.3))
-    width = 0.8 / len(PATHS)
+    width = 0.8 / len(PATHS)  # one bar per path within each shape
     for i, p in enumerate(PATHS):
         xs = [j + i * width for j in range(len(shapes))]
         by = {r["shape"]: r for r in rows if r["path"] == p}
         axes[0].bar(xs, [by[s]["cpu_s"] for s in shapes], width, label=p)
         axes[1].bar(xs, [by[s]["peak_mb"] or 0 for s in shapes], width, label=p)
     for ax, label in zip(axes, ("CPU s per forward+backward", "peak MB above the pre-step RSS")):
-        ax.set_xticks([j + width for j in range(len(shapes))], [f"{s} tokens" for s in shapes])
+        ax.set_xticks([j + width * (len(PATHS) - 1) / 2 for j in range(len(shapes))], [f"{s} tokens" for s in shapes])
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
-    fig.suptitle("token logprobs with gradients: plain full logits, v1 sliced, fused", fontsize=9)
+    fig.suptitle("token logprobs with gradients: plain full logits, v1 sliced, fused (default, keep 0)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
