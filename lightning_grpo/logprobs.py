@@ -91,7 +91,8 @@ def head_logprobs(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tenso
     if needs_grad:
         return _FusedHeadLogprobs.apply(h, weight, bias, targets, temperature, plan)
     with torch.no_grad():  # scoring only (ahead pass, reference model): nothing to keep
-        return torch.cat([_chunk_forward(h[s:e], weight, bias, targets[s:e], temperature, plan)[0]
+        w_c, b_c = _cast(weight, bias, plan)
+        return torch.cat([_chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan)[0]
                           for s, e in plan.bounds]) if plan.bounds else h.new_zeros(0, dtype=plan.out_dtype)
 
 
@@ -111,7 +112,7 @@ class _Plan:
     def of(cls, h: Tensor, weight: Tensor, chunk_bytes: int, keep_bytes: int) -> _Plan:
         vocab, device_type = weight.shape[0], h.device.type
         compute = weight.dtype
-        if torch.is_autocast_enabled(device_type) and weight.dtype in (torch.float32, torch.float64):
+        if torch.is_autocast_enabled(device_type) and weight.dtype == torch.float32:  # what autocast would cast
             compute = torch.get_autocast_dtype(device_type)
         row_bytes = vocab * (8 if compute == torch.float64 else 4)
         chunk = max(1, chunk_bytes // row_bytes)
@@ -120,20 +121,25 @@ class _Plan:
         return cls(h.shape[0], chunk, keep_chunks, compute, device_type)
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, plan: _Plan) -> Tensor:
-    """``(h @ W.T + b) / T`` as a fresh float32 (or float64) buffer; forward and backward share this exact code."""
+def _cast(weight: Tensor, bias: Tensor | None, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """The head's weight and bias in its compute dtype, once per pass (no copy without autocast)."""
     dt = plan.compute_dtype
+    return weight.to(dt), None if bias is None else bias.to(dt)
+
+
+def _chunk_logits(h: Tensor, w_c: Tensor, b_c: Tensor | None, temperature: float, plan: _Plan) -> Tensor:
+    """``(h @ W.T + b) / T`` as a fresh float32 (or float64) buffer; forward and backward share this exact code."""
     with torch.autocast(plan.device_type, enabled=False):
-        logits = F.linear(h.to(dt), weight.to(dt), None if bias is None else bias.to(dt))  # [C, V]
+        logits = F.linear(h.to(plan.compute_dtype), w_c, b_c)  # [C, V]
     logits = logits.to(plan.out_dtype)  # a copy for half types: the softmax runs in float32
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
 
 
-def _chunk_forward(h, weight, bias, targets, temperature, plan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _chunk_forward(h, w_c, b_c, targets, temperature, plan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logprobs [C], logsumexp [C], exp(logits - max) [C, V], its row sums [C]) of one chunk, in one buffer."""
-    logits = _chunk_logits(h, weight, bias, temperature, plan)
+    logits = _chunk_logits(h, w_c, b_c, temperature, plan)
     picked = logits.gather(1, targets[:, None])[:, 0]
     top = logits.amax(dim=-1, keepdim=True)  # [C, 1]
     unnormalized = logits.sub_(top).exp_()  # in place: the logits are not needed again
@@ -148,8 +154,9 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, targets, temperature, plan):
         out, lses, kept = [], [], []
+        w_c, b_c = _cast(weight, bias, plan)
         for i, (s, e) in enumerate(plan.bounds):
-            lp, lse, unnormalized, total = _chunk_forward(h[s:e], weight, bias, targets[s:e], temperature, plan)
+            lp, lse, unnormalized, total = _chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan)
             out.append(lp)
             lses.append(lse)
             kept.append((unnormalized, total) if i >= plan.first_kept else None)  # the rest: recomputed in backward
@@ -164,7 +171,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         plan, temperature = ctx.plan, ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dt = plan.compute_dtype
-        w_c = weight.to(dt)  # one cast per backward, not per chunk (a no-op without autocast)
+        w_c, b_c = _cast(weight, bias, plan)
         grad_h = torch.empty_like(h) if need_h else None
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
@@ -177,7 +184,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                 ctx.kept[i] = None  # consumed in place below; a second backward (retain_graph) recomputes it
                 d.mul_((-g / total)[:, None])  # -p * g
             else:
-                d = _chunk_logits(h[s:e], weight, bias, temperature, plan)
+                d = _chunk_logits(h[s:e], w_c, b_c, temperature, plan)
                 d.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])  # -p * g, from the saved logsumexp
             d.scatter_add_(1, targets[s:e, None], g[:, None])  # + onehot * g
             _backward_matmuls(d, h[s:e], w_c, grad_h[s:e] if grad_h is not None else None, grad_w, dt)
