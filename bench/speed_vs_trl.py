@@ -152,7 +152,6 @@ def ours(engine: str, precision: str, model: str, rows: list[dict], steps: int) 
         rollout=RolloutConfig(engine=engine, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, vllm=vllm),
         rewards=[RewardSpec("bench.speed_vs_trl:ours_reward")],
     )
-    digest = weights_digest(module.policy)
     steps_log: list[dict] = []
     acc: dict[str, list] = {"generate": [], "update": [], "sync": [], "tokens": [], "prompts": []}
     peak, settings = PeakRSS(), {}
@@ -176,7 +175,7 @@ def ours(engine: str, precision: str, model: str, rows: list[dict], steps: int) 
         last_end = None
 
         def on_train_start(self, trainer, pl_module):
-            settings.update(_our_settings(trainer, pl_module, digest))
+            settings.update(_our_settings(trainer, pl_module, weights_digest(pl_module.policy)))  # before any step
             timed(pl_module.engine, "generate", "generate")
             timed(pl_module, "update", "update")
             if engine == "vllm":  # the weight push: one load_weights per bucket, then a prefix-cache reset
