@@ -75,6 +75,22 @@ def test_logprobs_match_a_rescore_at_the_sampling_temperature(engine, policy, te
         torch.testing.assert_close(torch.tensor(r.logprobs), rescore(model, r, temperature), atol=1e-5, rtol=0)
 
 
+def test_sampler_logprobs_equal_what_the_update_scores(engine, policy):
+    """The sampler's logprobs against the fused scorer the update uses, on the packed batch (right-padded, one
+    forward for all rows): equal at every completion token, so rollout logprobs can stand in for pi_old."""
+    from lightning_grpo.batch import pack_rollouts
+    from lightning_grpo.logprobs import token_logprobs
+
+    model, tok = policy
+    sampling = SamplingConfig(max_new_tokens=10, temperature=0.8, logprobs=True, seed=5)
+    out = engine.generate(prompts_of(tok, ["12+3=", "(1+2)*3-4=", "7*8="]), 4, sampling)
+    batch = pack_rollouts(out, torch.zeros(len(out)), torch.zeros(len(out)), tok.pad_token_id)
+    mask = batch.completion_mask[:, 1:]
+    with torch.no_grad():
+        scored = token_logprobs(model, batch.input_ids, batch.attention_mask, positions=mask, temperature=0.8)
+    torch.testing.assert_close(scored[mask], batch.rollout_logprobs[:, 1:][mask], atol=1e-5, rtol=0)
+
+
 def test_top_p_logprobs_are_renormalized_over_the_nucleus(engine, policy):
     model, tok = policy
     out = engine.generate(
