@@ -263,7 +263,23 @@ class VLLMConfig:
             p.append(f"max_model_len={self.max_model_len}: must be >= 1 or None (the model's)")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             p.append(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be >= 1 or None (auto)")
+        if self.logprobs_mode not in ("auto", "processed_logprobs", "raw_logprobs"):
+            p.append(f"logprobs_mode={self.logprobs_mode!r}: must be 'auto', 'processed_logprobs' or 'raw_logprobs'")
         _raise_if(p, "vllm config")
+
+
+def check_sampler_logprobs(rl: GRPOConfig, rollout: RolloutConfig) -> None:
+    """Refuse vLLM raw sampler logprobs as pi_old when sampling warps the logits: they are of the plain logits,
+    while the update scores at the sampling temperature, so the ratio would compare unlike quantities."""
+    mode = rollout.vllm.logprobs_mode if rollout.vllm is not None else "auto"
+    warped = rollout.temperature != 1.0 or rollout.top_p < 1.0 or rollout.top_k > 0
+    if rollout.engine == "vllm" and rl.use_rollout_logprobs_for_loss and mode == "raw_logprobs" and warped:
+        raise ConfigError(
+            "invalid rollout config (1 problem):\n  - vllm.logprobs_mode='raw_logprobs': with "
+            f"rl.use_rollout_logprobs_for_loss=true and temperature={rollout.temperature}, top_p={rollout.top_p}, "
+            f"top_k={rollout.top_k} the loss would take log-softmax of the unwarped logits as pi_old; set "
+            "vllm.logprobs_mode to 'auto' or 'processed_logprobs'"
+        )
 
 
 @dataclass

@@ -31,7 +31,7 @@ from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint.state import LoopState
 from lightning_grpo.chunks import ChunkPlan
-from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
+from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_sampler_logprobs
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
 from lightning_grpo.determinism import enable_determinism, run_seed
 from lightning_grpo.distributed import data_parallel_mesh, gradient_sync, root_call, shard_fsdp2
@@ -92,6 +92,7 @@ class GRPOModule(LightningModule):
         self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)  # the tiny build it used
         self.rl, self.optim_cfg = copy.deepcopy(rl or GRPOConfig()), copy.deepcopy(optim or OptimConfig())
         self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
+        check_sampler_logprobs(self.rl, self.rollout_cfg)  # a config error: before any model is built
         warn_if_unfrozen(self.rl)
         self.objective = GRPOObjective(self.rl.epsilon, self.rl.epsilon_high, self.rl.beta, dp_mean=self._dp_mean)
         self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer, reference, pi_old cache

@@ -88,6 +88,7 @@ def test_generate_returns_grouped_rollouts_with_eos_kept(engine, trainer):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_match_the_trainer(engine, trainer, temperature):
     model, tok = trainer
+    assert engine.logprobs_mode == "processed_logprobs"  # auto, built for a run that consumes sampler logprobs
     push_weights(model, engine)
     sampling = SamplingConfig(max_new_tokens=16, temperature=temperature, logprobs=True, seed=1)
     for r in engine.generate(prompts_of(tok, ["12+3=", "(1+2)*3="]), 3, sampling):
@@ -202,20 +203,6 @@ def test_sleep_and_wake_track_the_hand_off_order(engine, trainer):
     engine.wake_up(["kv_cache"])
     engine.wake_up()
     assert len(engine.generate(prompts_of(tok, ["1+1="]), 2, SamplingConfig(max_new_tokens=2))) == 2
-
-
-def test_auto_logprobs_mode_skips_the_sampler_log_softmax_when_the_run_needs_none(engine, tiny_policy_dir, trainer):
-    _, tok = trainer
-    assert engine.logprobs_mode == "processed_logprobs"  # built for a run that consumes sampler logprobs
-    lean = VLLMEngine(tiny_policy_dir, CONFIG, sampler_logprobs=False)
-    try:
-        assert lean.logprobs_mode == "raw_logprobs"
-        prompts = prompts_of(tok, ["7*8="])
-        assert len(lean.generate(prompts, 2, SamplingConfig(max_new_tokens=4, seed=0))) == 2
-        with pytest.raises(ValueError, match="rollout.vllm.logprobs_mode=processed_logprobs"):
-            lean.generate(prompts, 2, SamplingConfig(max_new_tokens=4, logprobs=True, seed=0))
-    finally:
-        lean.close()
 
 
 def test_config_errors_are_reported_together():
