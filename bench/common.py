@@ -48,14 +48,21 @@ def load_average() -> float:
 
 
 def cpu_model() -> str:
+    """The CPU's model name, with family/model/stepping (a VM may report only "AMD EPYC")."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first CPU's block is enough
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in info:
+        return platform.processor() or platform.machine()
+    ids = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model", "stepping") if k in info)
+    return f"{info['model name']} ({ids})" if ids else info["model name"]
 
 
 def machine() -> dict:

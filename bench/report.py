@@ -89,7 +89,10 @@ def render(results: Path) -> str:
 
 # -- sections --------------------------------------------------------------------------------------------------------
 def _header(suite: dict | None, r: dict) -> str:
-    m = (suite or next((v for v in r.values() if v), {}) or {}).get("machine", {})
+    m = dict((suite or next((v for v in r.values() if v), {}) or {}).get("machine", {}))
+    # An older suite record may predate the flags: take them from any result that has them (same machine).
+    m.setdefault("cpu_flags", next((v["machine"]["cpu_flags"] for v in r.values()
+                                    if v and v.get("machine", {}).get("cpu_flags")), {}))
     lines = [
         "# Benchmarks",
         "",
@@ -98,7 +101,9 @@ def _header(suite: dict | None, r: dict) -> str:
         "",
         ("lightning-grpo against the tool our users would pick instead (TRL's `GRPOTrainer`), and the cost of each of "
         "our mechanisms, measured by the scripts in `bench/` (each prints its table and writes JSON + PNG under "
-        "`bench/results/`). All figures below come from one `make bench` run; each section gives its exact command."),
+        "`bench/results/`). Each section gives its exact command and the load average during it; a section re-run on "
+        "its own (`python -m bench.run_all --only NAME`, or its script) replaces only its own figures, so the suite "
+        "table below lists the last full run."),
         "",
         "## Machine and how to read the numbers",
         "",
@@ -143,7 +148,9 @@ def _memory(d: dict | None, targets: list[dict]) -> str:
     row8 = next((x for x in d["results"] if x["n_micro"] == 8), None)
     targets.append({**t, "measured": f"{ratio:.2f}x update peak ({row8['ratio_process_peak']:.2f}x process peak)"
                     if ratio is not None else "-", "status": verdict(None if ratio is None else ratio <= MEMORY_RATIO),
-                    "note": "logits dominate and shrink with the chunk; the rest (hidden states, weights) does not"})
+                    "note": "since the fused head (issue 22) even n_micro = 1 holds no [B, T, V] logits (at most "
+                            "rl.logits_keep_mb of them per chunk), so the baseline is small and micro-batching has "
+                            "less to cut: what still shrinks with the chunk is the activations"})
     return "\n".join([
         "## 1. Update memory vs micro-batching",
         "",
