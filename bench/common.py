@@ -48,21 +48,29 @@ def load_average() -> float:
 
 
 def cpu_model() -> str:
+    """The CPU's model name, with family/model/stepping (a VM may report only "AMD EPYC")."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first CPU's block is enough
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in info:
+        return platform.processor() or platform.machine()
+    ids = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model", "stepping") if k in info)
+    return f"{info['model name']} ({ids})" if ids else info["model name"]
 
 
 def machine() -> dict:
     import torch
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "memory_gib": round(mem, 1), "torch": torch.__version__,
+    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "memory_gib": round(mem, 1),
+            "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": platform.python_version(),
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 
@@ -97,3 +105,17 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+"""The CPU flags that decide the GEMM kernels (float32 and bfloat16) torch picks."""
+
+
+def cpu_flags() -> dict:
+    """The SIMD flags of this CPU that matter for matmul speed (present / absent), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return {flag: flag in flags for flag in SIMD_FLAGS}

@@ -133,7 +133,7 @@ def run_bare(module, records, optimizer, steps: int) -> list[tuple[float, float]
         rewards, _ = module.compute_rewards(rollouts)
         adv, _ = group_advantages(rewards, GROUP, "group")
         b = pack_rollouts(rollouts, adv, rewards, module.tokenizer.pad_token_id)
-        logp = token_logprobs(policy, b.input_ids, b.attention_mask)  # [N, T-1]
+        logp = token_logprobs(policy, b.input_ids, b.attention_mask, positions=b.completion_mask[:, 1:])  # [N, T-1]
         mask = b.completion_mask[:, 1:].float()
         ratio = torch.exp(logp - logp.detach())  # pi_old = the sampling policy (one step per batch)
         a = b.advantages[:, None]

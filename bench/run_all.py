@@ -28,7 +28,9 @@ DOC = Path(__file__).parent.parent / "docs" / "benchmarks.md"
 SUITE: list[tuple[str, list[str]]] = [
     # (module name under bench/, its arguments): the order keeps the expensive memory run first.
     ("update_memory", []),
-    ("speed_vs_trl", []),
+    ("speed_vs_trl", ["--precisions", "fp32,bf16"]),
+    ("logprobs", []),
+    ("sampler", []),
     ("engine_throughput", []),
     ("ahead_pass", []),
     ("lightning_overhead", []),

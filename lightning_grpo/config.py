@@ -75,6 +75,9 @@ class GRPOConfig:
     """Stop the run with an error naming the last non-finite loss or gradient once more than this many optimizer steps
     in a row were skipped for non-finite values (global_step counts only steps taken, so an always-NaN run would
     never reach max_steps); null = never stop."""
+    logits_keep_mb: float = 256.0
+    """Float32 LM-head logits (MiB, per chunk) kept from forward for backward; past it the head is recomputed in
+    backward. Memory only: the update is unchanged (logprobs.py). 0 = always recompute (least memory)."""
     grad_accum: int = 1
     """Retired for GRPO: the accumulation count is derived as n_micro. Set micro_batch_per_replica instead."""
 
@@ -167,6 +170,8 @@ class GRPOConfig:
             p.append(f"beta={self.beta}: must be a finite number >= 0 (0 = no KL, no reference model)")
         if not _finite(self.max_grad_norm) or self.max_grad_norm < 0:
             p.append(f"max_grad_norm={self.max_grad_norm}: must be a finite number >= 0 (0 = no clipping)")
+        if not _finite(self.logits_keep_mb) or self.logits_keep_mb < 0:
+            p.append(f"logits_keep_mb={self.logits_keep_mb}: must be a finite number >= 0 (0 = always recompute)")
         if self.scale_rewards not in ("group", "batch", "none"):
             p.append(f"scale_rewards={self.scale_rewards!r}: must be one of 'group', 'batch', 'none'")
         if not isinstance(self.freeze_pi_old, bool):
@@ -280,8 +285,10 @@ class VLLMConfig:
     """KV cache size in bytes; None = sized from gpu_memory_utilization. On CPU this replaces VLLM_CPU_KVCACHE_SPACE."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of shared prompt prefixes (a weight sync resets them)."""
-    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
-    """processed: log-softmax after temperature/top-p (what was sampled, as HFEngine); raw: of the plain logits."""
+    logprobs_mode: Literal["auto", "processed_logprobs", "raw_logprobs"] = "auto"
+    """processed: log-softmax after temperature/top-k/top-p (what was sampled, as HFEngine); raw: of the plain
+    logits; auto: processed when the run consumes sampler logprobs (rl.use_rollout_logprobs_for_loss), else raw
+    (vLLM then skips a full-vocabulary log-softmax per decode step)."""
     engine_kwargs: dict = field(default_factory=dict)
     """Extra ``vllm.LLM`` keyword arguments, passed through unchanged."""
 
@@ -295,7 +302,23 @@ class VLLMConfig:
             p.append(f"max_model_len={self.max_model_len}: must be >= 1 or None (the model's)")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             p.append(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be >= 1 or None (auto)")
+        if self.logprobs_mode not in ("auto", "processed_logprobs", "raw_logprobs"):
+            p.append(f"logprobs_mode={self.logprobs_mode!r}: must be 'auto', 'processed_logprobs' or 'raw_logprobs'")
         _raise_if(p, "vllm config")
+
+
+def check_sampler_logprobs(rl: GRPOConfig, rollout: RolloutConfig) -> None:
+    """Refuse vLLM raw sampler logprobs as pi_old when sampling warps the logits: they are of the plain logits,
+    while the update scores at the sampling temperature, so the ratio would compare unlike quantities."""
+    mode = rollout.vllm.logprobs_mode if rollout.vllm is not None else "auto"
+    warped = rollout.temperature != 1.0 or rollout.top_p < 1.0 or rollout.top_k > 0
+    if rollout.engine == "vllm" and rl.use_rollout_logprobs_for_loss and mode == "raw_logprobs" and warped:
+        raise ConfigError(
+            "invalid rollout config (1 problem):\n  - vllm.logprobs_mode='raw_logprobs': with "
+            f"rl.use_rollout_logprobs_for_loss=true and temperature={rollout.temperature}, top_p={rollout.top_p}, "
+            f"top_k={rollout.top_k} the loss would take log-softmax of the unwarped logits as pi_old; set "
+            "vllm.logprobs_mode to 'auto' or 'processed_logprobs'"
+        )
 
 
 @dataclass
@@ -310,6 +333,8 @@ class RolloutConfig:
     """Sampling temperature (also used to score logprobs in the update, so ratios compare like with like)."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0 = no top-k cut."""
     replay_path: str | None = None
     """JSONL of recorded rollouts when engine=replay."""
     vllm: VLLMConfig | None = None
@@ -340,6 +365,8 @@ class RolloutConfig:
             p.append(f"temperature={self.temperature}: must be > 0 for GRPO sampling (greedy groups have no spread)")
         if not 0 < self.top_p <= 1:
             p.append(f"top_p={self.top_p}: must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            p.append(f"top_k={self.top_k}: must be an integer >= 0 (0 = off)")
         if not _finite(self.sync_bucket_mb) or self.sync_bucket_mb <= 0:
             p.append(f"sync_bucket_mb={self.sync_bucket_mb}: must be > 0")
         if self.engine == "replay" and not self.replay_path:

@@ -1,26 +1,42 @@
-"""Per-token logprobs of a causal LM, without a full ``[B, T, V]`` float32 tensor alive.
+"""Per-token logprobs of a causal LM at the positions that count, fused and memory-bounded.
 
-The LM head runs over slices of the sequence; under autograd each slice is checkpointed,
-so backward keeps only the hidden states ``[B, T, H]`` and recomputes one slice of logits
-at a time. With a 32k+ vocabulary and long completions the logits dominate update memory,
-so this is what lets micro-batching (and long completions) fit.
+The decoder runs over the whole sequence, but only the hidden states at the scored positions
+(the completion tokens; prompt positions get no logits) go through the LM head, in chunks of
+tokens, inside one autograd function:
+
+* forward: per chunk, ``logits = h @ W.T`` (float32 or wider), the target's logit minus the
+  logsumexp. No ``[B, T, V]`` tensor exists at any point, for long completions too.
+* backward: the softmax gradient ``(onehot - softmax) * g / T`` is formed *in place* in the
+  chunk's buffer, then two matmuls give the hidden-state and head-weight gradients. Chunks
+  whose ``exp(logits - max)`` was kept from forward (up to ``keep_bytes`` in all) skip the head
+  matmul and the exponential; the rest recompute the logits and form the softmax from the saved
+  logsumexp. So memory decides, by size, where the head is recomputed: a 64-token GRPO batch on
+  a 32k vocabulary keeps everything (no recompute), 2048-token completions keep a bounded slice.
+  Every vocabulary-wide step works in place on the chunk's one buffer: fresh buffers of that
+  size cost page faults on every call (CPU) or allocator traffic (GPU).
+
+Equal to the plain path (``log_softmax(model(x).logits / T)`` gathered) in value and gradient,
+including the head weight's gradient when it is tied to the input embedding (autograd sums both
+uses). Models that transform logits after the head (softcapping, a logit scale) are scored
+through their own forward instead (full logits), so their logprobs stay right.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
+CHUNK_BYTES = 64 << 20
+"""Float32 logits of one head chunk (512 tokens at a 32k vocabulary): the working set of forward and backward."""
+KEEP_BYTES = 256 << 20
+"""Float32 logits kept from forward for backward, in all (2048 tokens at 32k). Beyond: the head is recomputed.
+The module passes ``rl.logits_keep_mb``."""
 
-def _slice_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    logits = head(hidden)  # [B, S, V]
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # logsumexp in half precision loses the ratio's precision
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, S]
-    return picked - logits.logsumexp(-1)
+# Config fields of models that change the logits after the LM head (Gemma 2/3, Cohere, Granite, Falcon-H1, ...).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
+                     "output_multiplier_scale")
 
 
 def token_logprobs(
@@ -28,33 +44,195 @@ def token_logprobs(
     input_ids: Tensor,
     attention_mask: Tensor | None = None,
     *,
+    positions: Tensor | None = None,
     temperature: float = 1.0,
-    slice_tokens: int = 128,
+    chunk_bytes: int = CHUNK_BYTES,
+    keep_bytes: int = KEEP_BYTES,
 ) -> Tensor:
-    """``log p(input_ids[:, t+1] | input_ids[:, :t+1])`` for every position: ``[B, T-1]`` (fp32 or wider).
+    """``log p(input_ids[:, t+1] | input_ids[:, :t+1])`` at the scored positions: ``[B, T-1]``, zeros elsewhere.
 
     Args:
-        model: a Hugging Face causal LM (``get_decoder()`` + ``get_output_embeddings()``), or any
-            module whose call returns ``.logits`` (then the full logits are materialized).
+        model: a Hugging Face causal LM (``get_decoder()`` + a linear ``get_output_embeddings()``); any other
+            module whose call returns ``.logits`` is scored from its full logits.
         input_ids: ``[B, T]`` right-padded sequences.
-        attention_mask: ``[B, T]``; padding sits after the real tokens, so it only matters for models
-            with non-causal parts. Passed through when given.
-        temperature: divide logits by this (match the sampler's temperature for rollout logprobs).
-        slice_tokens: sequence positions per LM-head slice; smaller = less peak memory.
+        attention_mask: ``[B, T]``, passed to the model when given.
+        positions: ``[B, T-1]`` bool, True where the target ``input_ids[:, t+1]`` counts (the completion mask
+            shifted by one); None = every position. Unscored positions get no logits and read 0.
+        temperature: divide the logits by this (the sampler's temperature, so ratios compare like with like).
+        chunk_bytes: float32 logits per head chunk (sets the chunk's token count from the vocabulary size).
+        keep_bytes: float32 logits kept from forward to backward in all; chunks past it recompute the head.
+
+    Returns:
+        float32 logprobs (float64 for a float64 model); differentiable w.r.t. the model's parameters.
     """
     targets = input_ids[:, 1:]  # [B, T-1]
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if decoder is None or head is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-        return _slice_logprobs(nn.Identity(), logits, targets, temperature)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]  # [B, T-1, H]
-    out = []
-    for start in range(0, hidden.shape[1], slice_tokens):
-        h, t = hidden[:, start : start + slice_tokens], targets[:, start : start + slice_tokens]
-        if torch.is_grad_enabled():
-            # Recompute this slice's logits in backward instead of keeping [B, S, V] per slice alive.
-            out.append(checkpoint(_slice_logprobs, head, h, t, temperature, use_reentrant=False))
+    if positions is None:
+        positions = torch.ones_like(targets, dtype=torch.bool)
+    head = _linear_head(model)
+    if head is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1][positions]  # [N, V]
+        picked = _plain_logprobs(logits, targets[positions], temperature)
+        return _scatter(picked, positions)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    h = hidden[:, :-1][positions]  # [N, H]: only the scored positions meet the head
+    picked = head_logprobs(h, head.weight, head.bias, targets[positions], temperature=temperature,
+                           chunk_bytes=chunk_bytes, keep_bytes=keep_bytes)
+    return _scatter(picked, positions)
+
+
+def head_logprobs(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, temperature: float = 1.0,
+                  chunk_bytes: int = CHUNK_BYTES, keep_bytes: int = KEEP_BYTES) -> Tensor:
+    """``log_softmax((h @ weight.T + bias) / temperature)[n, targets[n]]``: ``[N]``, chunked, fused backward.
+
+    Under autocast the head matmuls run in the autocast dtype (as ``nn.Linear`` would), the softmax in float32.
+    """
+    plan = _Plan.of(h, weight, chunk_bytes, keep_bytes)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
+    if needs_grad:
+        return _FusedHeadLogprobs.apply(h, weight, bias, targets, temperature, plan)
+    with torch.no_grad():  # scoring only (ahead pass, reference model): nothing to keep
+        w_c, b_c = _cast(weight, bias, plan)
+        return torch.cat([_chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan)[0]
+                          for s, e in plan.bounds]) if plan.bounds else h.new_zeros(0, dtype=plan.out_dtype)
+
+
+class _Plan:
+    """Chunk bounds, which chunks keep their logits, and the dtypes, fixed once per call."""
+
+    def __init__(self, n: int, chunk: int, keep_chunks: int, compute_dtype: torch.dtype, device_type: str) -> None:
+        self.bounds = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+        # The last chunks are kept: forward computes the recomputed ones first (one transient buffer), backward
+        # walks back and frees the kept ones before it recomputes, so the peak is max(kept, one chunk), not both.
+        self.first_kept = max(len(self.bounds) - keep_chunks, 0)
+        self.compute_dtype = compute_dtype  # the head matmul's dtype (the autocast dtype under autocast)
+        self.out_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        self.device_type = device_type
+
+    @classmethod
+    def of(cls, h: Tensor, weight: Tensor, chunk_bytes: int, keep_bytes: int) -> _Plan:
+        vocab, device_type = weight.shape[0], h.device.type
+        compute = weight.dtype
+        if torch.is_autocast_enabled(device_type) and weight.dtype == torch.float32:  # what autocast would cast
+            compute = torch.get_autocast_dtype(device_type)
+        row_bytes = vocab * (8 if compute == torch.float64 else 4)
+        chunk = max(1, chunk_bytes // row_bytes)
+        # Whole chunks only: as many chunks are kept as fit the budget together.
+        keep_chunks = keep_bytes // (chunk * row_bytes)
+        return cls(h.shape[0], chunk, keep_chunks, compute, device_type)
+
+
+def _cast(weight: Tensor, bias: Tensor | None, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+    """The head's weight and bias in its compute dtype, once per pass (no copy without autocast)."""
+    dt = plan.compute_dtype
+    return weight.to(dt), None if bias is None else bias.to(dt)
+
+
+def _chunk_logits(h: Tensor, w_c: Tensor, b_c: Tensor | None, temperature: float, plan: _Plan) -> Tensor:
+    """``(h @ W.T + b) / T`` as a fresh float32 (or float64) buffer; forward and backward share this exact code."""
+    with torch.autocast(plan.device_type, enabled=False):
+        logits = F.linear(h.to(plan.compute_dtype), w_c, b_c)  # [C, V]
+    logits = logits.to(plan.out_dtype)  # a copy for half types: the softmax runs in float32
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+def _chunk_forward(h, w_c, b_c, targets, temperature, plan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logprobs [C], logsumexp [C], exp(logits - max) [C, V], its row sums [C]) of one chunk, in one buffer."""
+    logits = _chunk_logits(h, w_c, b_c, temperature, plan)
+    picked = logits.gather(1, targets[:, None])[:, 0]
+    top = logits.amax(dim=-1, keepdim=True)  # [C, 1]
+    unnormalized = logits.sub_(top).exp_()  # in place: the logits are not needed again
+    total = unnormalized.sum(dim=-1)
+    lse = top[:, 0] + total.log()
+    return picked - lse, lse, unnormalized, total
+
+
+class _FusedHeadLogprobs(torch.autograd.Function):
+    """The LM head + log-softmax + gather of the scored tokens, with an in-place softmax gradient."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature, plan):
+        out, lses, kept = [], [], []
+        w_c, b_c = _cast(weight, bias, plan)
+        for i, (s, e) in enumerate(plan.bounds):
+            lp, lse, unnormalized, total = _chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan)
+            out.append(lp)
+            lses.append(lse)
+            kept.append((unnormalized, total) if i >= plan.first_kept else None)  # the rest: recomputed in backward
+        ctx.save_for_backward(h, weight, bias, targets, torch.cat(lses) if lses else h.new_zeros(0))
+        ctx.temperature, ctx.plan, ctx.kept = temperature, plan, kept
+        return torch.cat(out) if out else h.new_zeros(0, dtype=plan.out_dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        plan, temperature = ctx.plan, ctx.temperature
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dt = plan.compute_dtype
+        w_c, b_c = _cast(weight, bias, plan)
+        grad_h = torch.empty_like(h) if need_h else None
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        for i in reversed(range(len(plan.bounds))):  # kept chunks first: each is freed before any recompute
+            s, e = plan.bounds[i]
+            g = grad_out[s:e].to(plan.out_dtype) / temperature  # [C]: d logits_raw = (onehot - p) * g / T
+            if ctx.kept[i] is not None:  # softmax = exp(logits - max) / its row sum, kept from forward
+                d, total = ctx.kept[i]
+                ctx.kept[i] = None  # consumed in place below; a second backward (retain_graph) recomputes it
+                d.mul_((-g / total)[:, None])  # -p * g
+            else:
+                d = _chunk_logits(h[s:e], w_c, b_c, temperature, plan)
+                d.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])  # -p * g, from the saved logsumexp
+            d.scatter_add_(1, targets[s:e, None], g[:, None])  # + onehot * g
+            _backward_matmuls(d, h[s:e], w_c, grad_h[s:e] if grad_h is not None else None, grad_w, dt)
+            if grad_b is not None:
+                grad_b += d.sum(0).to(acc)
+            del d  # before the next chunk allocates its own
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def _backward_matmuls(d: Tensor, h: Tensor, w_c: Tensor, grad_h: Tensor | None, grad_w: Tensor | None,
+                      dt: torch.dtype) -> None:
+    """``grad_h = d @ W`` ([C, H]) and ``grad_w += d.T @ h`` ([V, H]), into their buffers when the dtypes allow."""
+    d_c = d.to(dt)  # the head's compute dtype (bf16 under autocast); a no-op otherwise
+    if grad_h is not None:
+        if grad_h.dtype == dt:
+            torch.mm(d_c, w_c, out=grad_h)
         else:
-            out.append(_slice_logprobs(head, h, t, temperature))
-    return torch.cat(out, dim=1)
+            grad_h.copy_(d_c @ w_c)
+    if grad_w is not None:
+        if grad_w.dtype == dt:
+            grad_w.addmm_(d_c.T, h.to(dt))  # accumulated in place: no [V, H] temporary per chunk
+        else:
+            grad_w += (d_c.T @ h.to(dt)).to(grad_w.dtype)  # bf16 products, float32 accumulation
+
+
+def _plain_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # logsumexp in half precision loses the ratio's precision
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def _scatter(values: Tensor, positions: Tensor) -> Tensor:
+    """``[N]`` values back to their ``[B, T-1]`` positions (differentiable), zeros elsewhere."""
+    return values.new_zeros(positions.shape).masked_scatter(positions, values)
+
+
+def _linear_head(model: nn.Module) -> nn.Module | None:
+    """The model's LM head when the fused path reproduces its logits exactly (a plain linear layer), else None."""
+    if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
+        return None
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or model.get_decoder() is None:
+        return None
+    config = getattr(model, "config", None)
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None  # the model changes its logits after the head: score through its own forward
+    return head

@@ -32,7 +32,7 @@ from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.chunks import ChunkPlan, plan_update
-from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
+from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_sampler_logprobs
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
 from lightning_grpo.determinism import enable_determinism, run_seed
 from lightning_grpo.distributed import data_parallel_mesh, gradient_sync, root_call, shard_fsdp2
@@ -97,6 +97,7 @@ class GRPOModule(LightningModule):
         self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)  # the tiny build it used
         self.rl, self.optim_cfg = copy.deepcopy(rl or GRPOConfig()), copy.deepcopy(optim or OptimConfig())
         self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
+        check_sampler_logprobs(self.rl, self.rollout_cfg)  # a config error: before any model is built
         warn_if_unfrozen(self.rl)
         self.opd_cfg = copy.deepcopy(opd)
         self.objective = self.configure_objective(objective)
@@ -361,10 +362,11 @@ class GRPOModule(LightningModule):
             return self.logprobs(self.ref, chunk)
 
     def logprobs(self, model, chunk: RolloutBatch) -> Tensor:
-        """``[B, T-1]`` logprobs at the sampling temperature (so ratios compare like with like)."""
-        # root_call: under FSDP2 the root's hooks gather embeddings/head around the decoder + sliced head.
+        """``[B, T-1]`` logprobs of the completion tokens at the sampling temperature, 0 at prompt and padding."""
+        # root_call: under FSDP2 the root's hooks gather embeddings/head around the decoder + fused head.
         return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
-                         temperature=self.rollout_cfg.temperature)
+                         positions=chunk.completion_mask[:, 1:], temperature=self.rollout_cfg.temperature,
+                         keep_bytes=int(self.rl.logits_keep_mb * 2**20))
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
         metrics = {**rollout_metrics, **roll_up(result, stats=getattr(self.objective, "stats", None)),
@@ -392,10 +394,11 @@ class GRPOModule(LightningModule):
     def sampling(self) -> SamplingConfig:
         r = self.rollout_cfg
         step = self.loop_step
-        # A distinct, reproducible stream per (seed, loop step, rank).
+        # A distinct, reproducible seed per (seed, loop step, rank); the engines derive one stream per (prompt, sample).
         seed = (self.seed * 1_000_003 + step) * max(self._world_size(), 1) + self.global_rank
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed, stop=tuple(r.stop or ()))
+                              top_k=r.top_k, logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed,
+                              stop=tuple(r.stop or ()))
 
     def _datamodule(self):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None

@@ -131,7 +131,7 @@ class OldLogprobCache:
 
     Example::
 
-        cache = OldLogprobCache(policy, lambda c: token_logprobs(policy, c.input_ids, c.attention_mask))
+        cache = OldLogprobCache(policy, lambda c: token_logprobs(policy, c.input_ids, positions=c.completion_mask[:, 1:]))
         loop.run(batch, plan, cache.compute(batch, plan))
     """
 

@@ -168,3 +168,12 @@ def cache_hub_dataset(datasets_cache: Path, repo_id: str, subset: str, files: di
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(prepared), target)
     return target
+def first_token_spread(rollouts, n_prompts: int, group: int) -> tuple[float, float]:
+    """(across, within): mean count of distinct first tokens over the prompts at one sample index, and over the
+    samples of one prompt. For identical prompts with independent noise the two agree; an engine that seeds
+    sample j of every prompt alike gives across == 1."""
+    first = [r.token_ids[0] for r in rollouts]  # grouped: prompt 0's group first
+    grid = [first[p * group : (p + 1) * group] for p in range(n_prompts)]
+    across = sum(len({grid[p][j] for p in range(n_prompts)}) for j in range(group)) / group
+    within = sum(len(set(row)) for row in grid) / n_prompts
+    return across, within

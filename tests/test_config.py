@@ -3,7 +3,14 @@ import math
 import pytest
 import yaml
 
-from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig
+from lightning_grpo.config import (
+    ConfigError,
+    GRPOConfig,
+    OptimConfig,
+    RolloutConfig,
+    VLLMConfig,
+    check_sampler_logprobs,
+)
 
 # (overrides, a fragment the message must contain). Each row breaks exactly one rule.
 BAD_RL = [
@@ -26,6 +33,7 @@ BAD_RL = [
     (dict(beta=-0.01), "beta=-0.01"),
     (dict(beta=math.inf), "beta=inf"),
     (dict(max_grad_norm=-1.0), "max_grad_norm=-1.0"),
+    (dict(logits_keep_mb=-1.0), "logits_keep_mb=-1.0: must be a finite number >= 0"),
     (dict(scale_rewards="median"), "scale_rewards='median'"),
     (dict(grad_accum=4), "Set micro_batch_per_replica"),
     (dict(batch_per_replica=True), "batch_per_replica=True"),
@@ -95,13 +103,33 @@ def test_per_rank_rules_name_the_dp_size(overrides, dp, fragment):
         (RolloutConfig, dict(max_new_tokens=0), "max_new_tokens=0"),
         (RolloutConfig, dict(temperature=0.0), "temperature=0.0"),
         (RolloutConfig, dict(top_p=0.0), "top_p=0.0"),
+        (RolloutConfig, dict(top_k=-1), "top_k=-1: must be an integer >= 0"),
         (RolloutConfig, dict(engine="replay"), "engine=replay needs a JSONL"),
+        (VLLMConfig, dict(logprobs_mode="processed"), "logprobs_mode='processed': must be 'auto'"),
     ],
 )
 def test_other_sections_validate(cls, overrides, fragment):
     with pytest.raises(ConfigError) as err:
         cls(**overrides)
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=0.7), dict(top_p=0.9), dict(top_k=20)])
+def test_raw_vllm_logprobs_as_pi_old_under_a_warped_sampler_are_refused(warp):
+    rl = GRPOConfig(use_rollout_logprobs_for_loss=True)
+    raw = RolloutConfig(engine="vllm", vllm=VLLMConfig(logprobs_mode="raw_logprobs"), **warp)
+    with pytest.raises(ConfigError, match="vllm.logprobs_mode='raw_logprobs'.*set vllm.logprobs_mode to 'auto'"):
+        check_sampler_logprobs(rl, raw)
+    for ok_rl, ok_rollout in [
+        (rl, RolloutConfig(engine="vllm", vllm=VLLMConfig(logprobs_mode="auto"), **warp)),  # resolves to processed
+        (rl, RolloutConfig(engine="vllm", vllm=VLLMConfig(logprobs_mode="raw_logprobs"))),  # T=1, no cut: the same
+        (GRPOConfig(), raw),  # sampler logprobs unused
+    ]:
+        check_sampler_logprobs(ok_rl, ok_rollout)
+    from lightning_grpo.module import GRPOModule
+
+    with pytest.raises(ConfigError, match="raw_logprobs"):  # at construction, before any model is built
+        GRPOModule(rl=rl, rollout=raw)
 
 
 def test_rl_config_round_trips_through_yaml():

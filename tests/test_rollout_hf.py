@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import first_token_spread
 
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.rollout.base import Prompt, RolloutEngine, SamplingConfig
@@ -74,6 +75,22 @@ def test_logprobs_match_a_rescore_at_the_sampling_temperature(engine, policy, te
         torch.testing.assert_close(torch.tensor(r.logprobs), rescore(model, r, temperature), atol=1e-5, rtol=0)
 
 
+def test_sampler_logprobs_equal_what_the_update_scores(engine, policy):
+    """The sampler's logprobs against the fused scorer the update uses, on the packed batch (right-padded, one
+    forward for all rows): equal at every completion token, so rollout logprobs can stand in for pi_old."""
+    from lightning_grpo.batch import pack_rollouts
+    from lightning_grpo.logprobs import token_logprobs
+
+    model, tok = policy
+    sampling = SamplingConfig(max_new_tokens=10, temperature=0.8, logprobs=True, seed=5)
+    out = engine.generate(prompts_of(tok, ["12+3=", "(1+2)*3-4=", "7*8="]), 4, sampling)
+    batch = pack_rollouts(out, torch.zeros(len(out)), torch.zeros(len(out)), tok.pad_token_id)
+    mask = batch.completion_mask[:, 1:]
+    with torch.no_grad():
+        scored = token_logprobs(model, batch.input_ids, batch.attention_mask, positions=mask, temperature=0.8)
+    torch.testing.assert_close(scored[mask], batch.rollout_logprobs[:, 1:][mask], atol=1e-5, rtol=0)
+
+
 def test_top_p_logprobs_are_renormalized_over_the_nucleus(engine, policy):
     model, tok = policy
     out = engine.generate(
@@ -94,6 +111,40 @@ def test_seeded_draws_repeat_and_leave_the_global_rng_alone(engine, policy):
     assert torch.equal(torch.get_rng_state(), state)
     assert [r.token_ids for r in a] == [r.token_ids for r in b] and [r.logprobs for r in a] == [r.logprobs for r in b]
     assert [r.token_ids for r in a] != [r.token_ids for r in c]
+
+
+def test_top_k_logprobs_are_renormalized_over_the_k_kept_tokens(engine, policy):
+    model, tok = policy
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.9, top_k=3, logprobs=True, seed=0)
+    for r in engine.generate(prompts_of(tok, ["12+3="]), 4, sampling):
+        with torch.no_grad():
+            logits = model(torch.tensor([r.prompt.token_ids + r.token_ids])).logits[0].float() / 0.9
+        steps = logits[len(r.prompt.token_ids) - 1 : -1]  # [C, V]
+        kept = steps.topk(3, -1).indices
+        assert all(t in k for t, k in zip(r.token_ids, kept.tolist()))  # only the 3 most likely are ever drawn
+        cut = torch.full_like(steps, float("-inf")).scatter(1, kept, steps.gather(1, kept))
+        expected = torch.log_softmax(cut, -1).gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_prompts_do_not_share_noise(engine, policy):
+    """Eight copies of one prompt under eight ids: sample j of each copy draws from its own stream, so first tokens
+    differ across the copies as much as within a group (a per-sample-index seed would make them equal)."""
+    _, tok = policy
+    same = tok("12+3=")["input_ids"]
+    prompts = [Prompt(id=100 + i, token_ids=same) for i in range(8)]
+    out = engine.generate(prompts, 8, SamplingConfig(max_new_tokens=1, seed=0))
+    across, within = first_token_spread(out, 8, 8)
+    assert within > 6 and across > within - 1
+
+
+def test_a_completion_depends_on_its_prompt_id_and_seed_not_on_its_batch(engine, policy):
+    _, tok = policy
+    a, b = (Prompt(id=i, token_ids=tok(t)["input_ids"]) for i, t in ((3, "12+3="), (1, "45-6=")))
+    sampling = SamplingConfig(max_new_tokens=8, seed=4)
+    alone = engine.generate([a], 3, sampling)
+    beside = engine.generate([b, a], 3, sampling)[3:]
+    assert [r.token_ids for r in alone] == [r.token_ids for r in beside]
 
 
 def test_checkpoint_generation_config_does_not_leak_into_the_draw(engine, policy):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import first_token_spread
 
 pytest.importorskip("vllm")
 
@@ -87,6 +88,7 @@ def test_generate_returns_grouped_rollouts_with_eos_kept(engine, trainer):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_match_the_trainer(engine, trainer, temperature):
     model, tok = trainer
+    assert engine.logprobs_mode == "processed_logprobs"  # auto, built for a run that consumes sampler logprobs
     push_weights(model, engine)
     sampling = SamplingConfig(max_new_tokens=16, temperature=temperature, logprobs=True, seed=1)
     for r in engine.generate(prompts_of(tok, ["12+3=", "(1+2)*3="]), 3, sampling):
@@ -113,6 +115,40 @@ def test_seeded_generation_repeats(engine, trainer):
     prompts, sampling = prompts_of(tok, ["7*8="]), SamplingConfig(max_new_tokens=12, seed=42)
     first, again = engine.generate(prompts, 4, sampling), engine.generate(prompts, 4, sampling)
     assert [r.token_ids for r in first] == [r.token_ids for r in again]
+
+
+def test_prompts_do_not_share_noise(engine, trainer):
+    """vLLM's ``n`` seeds sample j of every prompt with seed + j: eight copies of one prompt would then draw the
+    same eight completions. One request per (prompt id, sample) gives every copy its own noise."""
+    _, tok = trainer
+    same = tok("12+3=")["input_ids"]
+    prompts = [Prompt(id=100 + i, token_ids=same) for i in range(8)]
+    out = engine.generate(prompts, 8, SamplingConfig(max_new_tokens=1, seed=0))
+    across, within = first_token_spread(out, 8, 8)
+    assert within > 6 and across > within - 1
+
+
+def test_a_completion_depends_on_its_prompt_id_and_seed_not_on_its_batch(engine, trainer):
+    _, tok = trainer
+    a, b = (Prompt(id=i, token_ids=tok(t)["input_ids"]) for i, t in ((3, "12+3="), (1, "45-6=")))
+    sampling = SamplingConfig(max_new_tokens=8, top_k=5, seed=4)
+    alone = engine.generate([a], 3, sampling)
+    beside = engine.generate([b, a], 3, sampling)[3:]
+    assert [r.token_ids for r in alone] == [r.token_ids for r in beside]
+
+
+def test_top_k_logprobs_are_renormalized_over_the_k_kept_tokens_as_in_hf_engine(engine, trainer):
+    model, tok = trainer
+    push_weights(model, engine)
+    sampling = SamplingConfig(max_new_tokens=10, temperature=0.9, top_k=3, logprobs=True, seed=2)
+    for r in engine.generate(prompts_of(tok, ["12+3="]), 4, sampling):
+        with torch.no_grad():
+            logits = model(torch.tensor([r.prompt.token_ids + r.token_ids])).logits[0].float() / 0.9
+        steps = logits[len(r.prompt.token_ids) - 1 : -1]  # [C, V]
+        kept = steps.topk(3, -1).indices
+        cut = torch.full_like(steps, float("-inf")).scatter(1, kept, steps.gather(1, kept))
+        expected = torch.log_softmax(cut, -1).gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), expected, atol=1e-4, rtol=0)
 
 
 def test_after_an_update_and_a_sync_engine_logprobs_equal_the_trainer(engine, trainer):

@@ -21,10 +21,13 @@ class SamplingConfig:
     """Sampling temperature; 0 means greedy."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 = off."""
     logprobs: bool = False
     """Return the sampler's per-token logprobs (needed by ``use_rollout_logprobs_for_loss``)."""
     seed: int | None = None
-    """Seed for this draw (engines derive per-rank, per-step streams from it)."""
+    """Seed of this draw: completion j of prompt p draws from a stream seeded by (seed, p.id, j)
+    (``rollout/sampler.py``). None = unseeded (the engines take one number from torch's global generator)."""
     stop: tuple[str, ...] = ()
     """Stop strings: the completion ends with the token that completes one (see ``cut_at_stop``)."""
 

@@ -4,13 +4,18 @@ The default engine on CPU. There is no second copy of the weights: the engine ho
 very module the optimizer updates, so a weight sync has nothing to move and sleep/wake
 have nothing to free (the state is still tracked, so the hand-off order is checkable).
 
+Sampling: ``generate`` runs its greedy loop and our last logits processor
+(``rollout/sampler.py``) draws each token by inverse CDF from the row's own stream, seeded
+per (prompt id, sample index); temperature, top-k and top-p are transformers' own warpers,
+applied before it. Same distribution as transformers' ``multinomial`` at a fraction of its
+cost, and reproducible row by row.
+
 Sampler logprobs (``SamplingConfig.logprobs``) are exactly what the sampler drew from:
-``log_softmax`` of the logits after temperature scaling and top-p masking, i.e.
-``log_softmax(top_p_mask(logits / T))`` gathered at the drawn token. With ``top_p=1``
-that is ``log_softmax(logits / T)``, the quantity the update scores at the same
-temperature; with ``top_p<1`` it is renormalized over the nucleus; greedy
-(``temperature=0``) gives ``log_softmax(logits)``. vLLM's ``processed_logprobs`` mode
-returns the same quantity (see ``rollout/vllm.py``).
+``log_softmax`` of the logits after temperature scaling and top-k/top-p masking, gathered
+at the drawn token. With ``top_p=1`` and ``top_k=0`` that is ``log_softmax(logits / T)``,
+the quantity the update scores at the same temperature; with a nucleus or top-k it is
+renormalized over the kept tokens; greedy (``temperature=0``) gives ``log_softmax(logits)``.
+vLLM's ``processed_logprobs`` mode returns the same quantity (see ``rollout/vllm.py``).
 """
 
 from __future__ import annotations
@@ -22,35 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop
+from lightning_grpo.rollout.sampler import InverseCDFSampler, RowStreams, row_seeds
 from lightning_grpo.rollout.sleep import SleepState
-
-
-class _SampledLogprobs:
-    """Last logits processor of the chain: records the drawn token's logprob, one ``[N, V]`` alive at a time.
-
-    Processors see step t's scores before the token is drawn; the drawn token shows up as
-    the last input id of step t+1 (and of the final sequences), so the gather lags a step.
-    Keeping generate's ``output_scores`` instead would hold ``[T, N, V]`` floats.
-    """
-
-    def __init__(self) -> None:
-        self._pending: Tensor | None = None  # [N, V] log-softmax of the last step's processed scores
-        self._steps: list[Tensor] = []  # T x [N]
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        self._collect(input_ids[:, -1])
-        self._pending = torch.log_softmax(scores.float(), dim=-1)
-        return scores
-
-    def _collect(self, drawn: Tensor) -> None:
-        if self._pending is not None:
-            self._steps.append(self._pending.gather(1, drawn[:, None])[:, 0])
-            self._pending = None
-
-    def finish(self, sequences: Tensor) -> Tensor:
-        """Per-token logprobs ``[N, T]`` of the ``T`` generated tokens."""
-        self._collect(sequences[:, -1])
-        return torch.stack(self._steps, dim=1)
 
 
 class HFEngine:
@@ -85,19 +63,20 @@ class HFEngine:
         self._check_prompts(prompts, sampling)
         rows = [p for p in prompts for _ in range(group_size)]
         input_ids, attention_mask = self._left_pad([p.token_ids for p in rows])  # [N, L]
-        recorder = _SampledLogprobs() if sampling.logprobs else None
-        with self._generation_mode(sampling.seed):
+        streams = RowStreams(row_seeds([p.id for p in prompts], group_size, sampling.seed))
+        sampler = InverseCDFSampler(streams if sampling.temperature > 0 else None, record=sampling.logprobs)
+        with self._generation_mode():
             sequences = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 generation_config=self._generation_config(sampling),
-                logits_processor=_processors(sampling, recorder),
+                logits_processor=_processors(sampling, sampler),
                 stopping_criteria=_stop_criteria(self.tokenizer, sampling.stop, input_ids.shape[1]),
                 # FSDP2: every forward is a collective, so ranks keep stepping until all have finished.
                 synced_gpus=_fsdp2_sharded(self.model) or None,
             )  # [N, L + T]
         completions = sequences[:, input_ids.shape[1] :].cpu()  # [N, T]
-        logprobs = recorder.finish(sequences).cpu() if recorder else None  # [N, T]
+        logprobs = sampler.logprobs().cpu() if sampling.logprobs else None  # [N, T]
         return [self._rollout(p, completions[i], None if logprobs is None else logprobs[i], sampling.stop)
                 for i, p in enumerate(rows)]
 
@@ -125,19 +104,18 @@ class HFEngine:
     def _generation_config(self, sampling: SamplingConfig):
         from transformers import GenerationConfig
 
-        # Temperature and top-p are applied by our own processors (before the logprob recorder), so the
-        # config keeps every warper neutral; top_k=0 overrides transformers' global default of 50.
-        sample = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0} if sampling.temperature > 0 else {}
+        # Greedy loop: our processors warp the scores and draw the token (InverseCDFSampler), generate's argmax
+        # then picks it. transformers adds its own warpers (top_k=50 by default) only when do_sample is on.
         return GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
             pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_ids,
-            **sample,
+            do_sample=False,
         )
 
     @contextlib.contextmanager
-    def _generation_mode(self, seed: int | None) -> Iterator[None]:
-        """eval + no_grad, a neutral generation_config, and (when seeded) a private RNG stream."""
+    def _generation_mode(self) -> Iterator[None]:
+        """eval + no_grad and a neutral generation_config (the draw's randomness is the sampler's own streams)."""
         from transformers import GenerationConfig
 
         model, was_training = self.model, self.model.training
@@ -146,11 +124,8 @@ class HFEngine:
         # field we leave unset: the draw must follow SamplingConfig and nothing else.
         model.generation_config = GenerationConfig()
         model.eval()
-        rng = torch.random.fork_rng(devices=_cuda_indices(model)) if seed is not None else contextlib.nullcontext()
         try:
-            with rng, torch.no_grad():
-                if seed is not None:
-                    torch.manual_seed(seed)
+            with torch.no_grad():
                 yield
         finally:
             model.train(was_training)
@@ -202,16 +177,18 @@ class HFEngine:
         return [name for name, _ in named_weights(self.model)]
 
 
-def _processors(sampling: SamplingConfig, recorder: _SampledLogprobs | None):
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+def _processors(sampling: SamplingConfig, sampler: InverseCDFSampler):
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     procs = LogitsProcessorList()
-    if sampling.temperature > 0 and sampling.temperature != 1.0:
-        procs.append(TemperatureLogitsWarper(sampling.temperature))
-    if sampling.temperature > 0 and sampling.top_p < 1.0:
-        procs.append(TopPLogitsWarper(sampling.top_p))
-    if recorder is not None:
-        procs.append(recorder)
+    if sampling.temperature > 0:  # vLLM's order: temperature, top-k, top-p
+        if sampling.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k > 0:
+            procs.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            procs.append(TopPLogitsWarper(sampling.top_p))
+    procs.append(sampler)  # last: draws from exactly what the warpers left
     return procs
 
 
@@ -254,11 +231,6 @@ def _fsdp2_sharded(model: nn.Module) -> bool:
 
 def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def _cuda_indices(model: nn.Module) -> list[int]:
-    device = _device_of(model)
-    return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
 
 
 def _named_tensor(model: nn.Module, name: str) -> Tensor:

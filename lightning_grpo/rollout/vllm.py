@@ -7,10 +7,18 @@ hands vLLM the trainer's tensors by reference: ``load_weights(bucket)`` is one
 reload, checkpoint-format names), never a reload from disk. Under DDP build one engine per
 rank with ``distributed_executor_backend="external_launcher"``.
 
-Sampler logprobs: ``logprobs_mode="processed_logprobs"`` (default here; vLLM's own default
-is ``raw_logprobs``) returns ``log_softmax`` of the logits after temperature and top-p, the
-same quantity as ``HFEngine`` (see ``rollout/hf.py``). ``prompt_logprobs`` requests skip
-the prefix cache in vLLM, so only sampled logprobs can observe a stale prefix.
+Sampler logprobs: ``logprobs_mode="processed_logprobs"`` returns ``log_softmax`` of the logits
+after temperature, top-k and top-p, the same quantity as ``HFEngine`` (see ``rollout/hf.py``).
+vLLM computes that log-softmax over the whole vocabulary at every decode step, asked for or not,
+so ``auto`` (the default) picks it only for a run that consumes sampler logprobs and vLLM's
+``raw_logprobs`` otherwise. ``prompt_logprobs`` requests skip the prefix cache in vLLM, so only
+sampled logprobs can observe a stale prefix.
+
+Sampling cost: vLLM's CPU sampler draws with a fused Gumbel-max kernel (one noise value per
+vocabulary entry, ~7 ms per decode step at 32 rows x 32k on one core, about a fifth of
+generation there); it is the cheapest exact sampler vLLM 0.32 exposes. Each (prompt, sample) is
+its own seeded request (``rollout/sampler.py``); on GPU, vLLM samples seeded requests one by
+one on its PyTorch path (no FlashInfer). A one-uniform-per-row draw would have to land upstream.
 
 Side effects of an in-process vLLM worth knowing (vLLM 0.32):
 - construction sets the global seeds (``seed``); this engine restores the caller's RNG states;
@@ -34,6 +42,7 @@ from torch import Tensor
 
 from lightning_grpo.config import ConfigError, VLLMConfig
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop
+from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.sleep import SleepState
 
 # Loggers that complain on every partial (bucketed) reload that the other layers were "not loaded".
@@ -49,6 +58,8 @@ class VLLMEngine:
     Args:
         model_path: the policy's Hugging Face folder (the engine's starting weights).
         config: engine knobs (``VLLMConfig``).
+        sampler_logprobs: whether generations will ask for sampler logprobs (``logprobs_mode="auto"``
+            resolves to processed logprobs when they will).
 
     Example::
 
@@ -57,9 +68,12 @@ class VLLMEngine:
         rollouts = engine.generate(prompts, group_size=8, sampling=SamplingConfig(seed=step))
     """
 
-    def __init__(self, model_path: str | os.PathLike, config: VLLMConfig | None = None) -> None:
+    def __init__(self, model_path: str | os.PathLike, config: VLLMConfig | None = None,
+                 sampler_logprobs: bool = True) -> None:
         self.config = cfg = config or VLLMConfig()
         _check_launch(cfg)
+        auto = "processed_logprobs" if sampler_logprobs else "raw_logprobs"
+        self.logprobs_mode = auto if cfg.logprobs_mode == "auto" else cfg.logprobs_mode
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -68,7 +82,7 @@ class VLLMEngine:
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.model_path = Path(model_path)
         with _caller_rng_kept():
-            self.llm = LLM(model=str(self.model_path), **_llm_kwargs(cfg, self.sleep_mode))
+            self.llm = LLM(model=str(self.model_path), **_llm_kwargs(cfg, self.sleep_mode, self.logprobs_mode))
         self.dtype: torch.dtype = self.llm.llm_engine.vllm_config.model_config.dtype
         """Weight dtype inside vLLM; ``push_weights`` casts to it."""
         self._sleep = SleepState()
@@ -76,17 +90,25 @@ class VLLMEngine:
 
     # -- generation ----------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
-        """``group_size`` completions per prompt (vLLM ``n``), prompt 0's group first."""
+        """``group_size`` completions per prompt, prompt 0's group first; each its own seeded request.
+
+        One request per (prompt, sample) rather than vLLM's ``n``: ``n`` seeds child ``j`` with
+        ``seed + j`` for every prompt alike, which couples the groups. vLLM fans ``n`` out into
+        separate requests anyway, and the prefix cache shares the prompt, so this costs nothing.
+        """
         self._sleep.require("weights", "kv_cache", call="VLLMEngine.generate()")
+        if sampling.logprobs and self.logprobs_mode == "raw_logprobs" and self.config.logprobs_mode == "auto":
+            raise ValueError("VLLMEngine.generate(logprobs=True): the engine was built for a run without sampler "
+                             "logprobs (logprobs_mode=auto resolved to raw_logprobs); build it with "
+                             "sampler_logprobs=True or set rollout.vllm.logprobs_mode=processed_logprobs")
         self._refresh_derived()
-        requests = [{"prompt_token_ids": list(p.token_ids)} for p in prompts]
-        outputs = self.llm.generate(requests, _sampling_params(group_size, sampling), use_tqdm=False)
+        seeds = row_seeds([p.id for p in prompts], group_size, sampling.seed)
+        rows = [p for p in prompts for _ in range(group_size)]
+        requests = [{"prompt_token_ids": list(p.token_ids)} for p in rows]
+        params = [_sampling_params(sampling, s) for s in seeds]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         decode = self._decoder() if sampling.stop else None
-        return [
-            _rollout(prompt, completion, sampling.logprobs, sampling.stop, decode)
-            for prompt, out in zip(prompts, outputs)
-            for completion in sorted(out.outputs, key=lambda c: c.index)
-        ]
+        return [_rollout(p, out.outputs[0], sampling.logprobs, sampling.stop, decode) for p, out in zip(rows, outputs)]
 
     def _decoder(self):
         """Token ids -> text as HFEngine decodes them (special tokens skipped), for the shared stop-string cut."""
@@ -185,7 +207,7 @@ def _check_launch(cfg: VLLMConfig) -> None:
         )
 
 
-def _llm_kwargs(cfg: VLLMConfig, sleep_mode: bool) -> dict:
+def _llm_kwargs(cfg: VLLMConfig, sleep_mode: bool, logprobs_mode: str) -> dict:
     kwargs = {
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "tensor_parallel_size": cfg.tensor_parallel_size,
@@ -196,23 +218,24 @@ def _llm_kwargs(cfg: VLLMConfig, sleep_mode: bool) -> dict:
         "seed": cfg.seed,
         "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
         "enable_prefix_caching": cfg.enable_prefix_caching,
-        "logprobs_mode": cfg.logprobs_mode,
+        "logprobs_mode": logprobs_mode,
     }
     if cfg.distributed_executor_backend is not None:
         kwargs["distributed_executor_backend"] = cfg.distributed_executor_backend
     return {**kwargs, **cfg.engine_kwargs}
 
 
-def _sampling_params(group_size: int, s: SamplingConfig):
+def _sampling_params(s: SamplingConfig, seed: int):
     from vllm import SamplingParams
 
     return SamplingParams(
-        n=group_size,
+        n=1,
         temperature=s.temperature,
         top_p=s.top_p if s.temperature > 0 else 1.0,
+        top_k=s.top_k if s.temperature > 0 else 0,  # 0 = off in vLLM too
         max_tokens=s.max_new_tokens,
         logprobs=0 if s.logprobs else None,  # 0 = only the sampled token's logprob
-        seed=s.seed,
+        seed=seed,
         stop=list(s.stop) or None,  # vLLM matches them in the completion text only, as HFEngine does
     )
 
