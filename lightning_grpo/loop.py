@@ -10,8 +10,10 @@ plan (fixed, or data-dependent under a token budget) and is handed to the accumu
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from torch import Tensor
 
@@ -25,6 +27,24 @@ log = logging.getLogger(__name__)
 
 # (chunk, pi_old for it or None) -> (normalized loss, divisor, stats); any objective (objectives/base.py)
 ForwardChunk = Callable[[RolloutBatch, Tensor | None], tuple[Tensor, Tensor, Stats]]
+
+
+class _Scope(Protocol):
+    def loss_with_aux(self, loss: Tensor, denom: Tensor) -> Tensor: ...
+
+
+# (walk index k, chunk) -> context around the chunk's forward + backward; yields what may add an aux loss term
+ChunkScope = Callable[[int, RolloutBatch], AbstractContextManager[_Scope]]
+
+
+class _Plain:
+    def loss_with_aux(self, loss: Tensor, denom: Tensor) -> Tensor:
+        return loss
+
+
+@contextmanager
+def _no_scope(k: int, chunk: RolloutBatch) -> Iterator[_Scope]:
+    yield _Plain()
 
 
 @dataclass
@@ -77,9 +97,11 @@ class CollectedBatchLoop:
     """
 
     def __init__(self, accumulator: DeferredAccumulator, forward_chunk: ForwardChunk,
-                 max_consecutive_skips: int | None = None) -> None:
+                 chunk_scope: ChunkScope | None = None, max_consecutive_skips: int | None = None) -> None:
         self.accumulator = accumulator
         self.forward_chunk = forward_chunk
+        self.chunk_scope = chunk_scope or _no_scope
+        """Entered around chunk k's forward and backward (MoE routing replay of record k; ``routing.py``)."""
         self.max_consecutive_skips = max_consecutive_skips
         self.progress = LoopProgress()
         self.last_nonfinite = ""  # where the last non-finite value came from, for the error
@@ -100,11 +122,12 @@ class CollectedBatchLoop:
                     outcome = acc.discard()
                 else:
                     chunk = plan.chunk(batch, mini, micro)
-                    loss, denom, stats = self.forward_chunk(chunk, paired(pi_old, k, chunk))
-                    if plan.rows[mini][micro] != EMPTY:  # a DP filler trains nothing: it reports nothing either
-                        window.append(stats)
-                    skipped_before = acc.skipped_steps
-                    outcome = acc.train(loss, denom)
+                    with self.chunk_scope(k, chunk) as scope:  # spans backward: a checkpointed recompute replays too
+                        loss, denom, stats = self.forward_chunk(chunk, paired(pi_old, k, chunk))
+                        if plan.rows[mini][micro] != EMPTY:  # a DP filler trains nothing: it reports nothing either
+                            window.append(stats)
+                        skipped_before = acc.skipped_steps
+                        outcome = acc.train(scope.loss_with_aux(loss, denom), denom)
                     if acc.skipped_steps != skipped_before:  # this call poisoned the window, or its step was skipped
                         self._note_nonfinite(acc, mini, micro)
                 k += 1

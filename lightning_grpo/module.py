@@ -47,6 +47,7 @@ from lightning_grpo.precision import PluginStep, adamw_kernel, check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
+from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
 from lightning_grpo.validation import ValidationMeans, greedy_scores
 
@@ -113,6 +114,7 @@ class GRPOModule(LightningModule):
         self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
         self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
         self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
+        self.routing: RoutingReplay | None = None  # MoE routing replay / aux loss: attached in configure_model
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
     def configure_objective(self, objective: str | Objective) -> Objective:
@@ -199,6 +201,7 @@ class GRPOModule(LightningModule):
             # Frozen pi_old across the window (the ahead pass); also holds the one-shot probe's state.
             self.old_logprobs = OldLogprobCache(self.policy, lambda c: self.logprobs(self.policy, c.to(self.device)),
                                                 dp_sum=lambda t: self._dp_mean(t) * self._world_size())
+            self.attach_routing()  # before FSDP2 shards the routers, and before an engine starts (refusals)
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
@@ -270,12 +273,20 @@ class GRPOModule(LightningModule):
         if isinstance(step, PluginStep):  # in a GradScaler step the plugin has unscaled: now the divisor and the clip
             step.before_optimizer_step()
 
+    def attach_routing(self) -> None:
+        """Hook the policy's MoE routers when ``rl.routing_replay`` or the model's aux loss asks (idempotent)."""
+        if self.routing is None:
+            self.routing = attach_routing(self.policy, self.rl, self.rollout_cfg.engine, self._dp_mean)
+            self.old_logprobs.routing = self.routing
+
     def make_loop(self, optimizer, scheduler=None, backward=None, step=None, clip=None) -> CollectedBatchLoop:
         """The collected-batch loop over this module's policy (also usable without a Trainer)."""
+        self.attach_routing()
         acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.rl.n_micro,
                                   max_grad_norm=self.rl.max_grad_norm, backward=backward, scheduler=scheduler,
                                   grad_sync=self._grad_sync, all_finite=self._all_ranks_finite, step=step, clip=clip)
-        return CollectedBatchLoop(acc, self.forward_chunk, max_consecutive_skips=self.rl.max_consecutive_skips)
+        return CollectedBatchLoop(acc, self.forward_chunk, self.routing.scope if self.routing is not None else None,
+                                  max_consecutive_skips=self.rl.max_consecutive_skips)
 
     def training_step(self, records, batch_idx: int) -> None:
         # 1. rollout: this rank's prompts -> completions -> rewards -> group advantages
@@ -319,9 +330,13 @@ class GRPOModule(LightningModule):
         plan, ahead = self.plan(batch)
         self.last_plan = plan
         # pi_old per chunk in walk order, frozen before the first step; None = no ahead pass (n_mini == 1, ...).
-        pi_old = self.old_logprobs.compute(batch, plan, ahead) if needs_ahead_pass(self.rl, self.objective) else None
-        self.ahead_seconds = self.old_logprobs.last_seconds if pi_old is not None else 0.0
-        result = self.loop.run(batch, plan, pi_old)
+        ahead_pass = needs_ahead_pass(self.rl, self.objective)
+        walk = ahead_pass or (self.routing is not None and self.routing.needs_walk(self.rl.n_micro))
+        pi_old = self.old_logprobs.compute(batch, plan, ahead) if walk else None
+        self.ahead_seconds = self.old_logprobs.last_seconds if walk else 0.0
+        if self.routing is not None:  # MoE: each chunk's recorded experts, replayed in training (routing.py)
+            self.routing.begin(batch, plan, self.old_logprobs.last_routes if walk else None)
+        result = self.loop.run(batch, plan, pi_old if ahead_pass else None)
         self.update_seconds = time.perf_counter() - start
         return result
 
@@ -377,6 +392,8 @@ class GRPOModule(LightningModule):
         metrics["grpo/ahead_seconds"] = self.ahead_seconds
         metrics["grpo/ahead_share"] = self.ahead_seconds / self.update_seconds if self.update_seconds > 0 else 0.0
         metrics["data/long_prompts_dropped"] = float(getattr(self._datamodule(), "long_prompts_dropped", 0))
+        if self.routing is not None:
+            metrics.update(self.routing.metrics())  # moe/route_flip_frac, moe/aux_loss
         world = self._world_size()
         if world > 1:  # one figure per metric for the whole job (reductions: docs/distributed.md)
             metrics = combine_ranks(metrics, self._all_reduce, world, self.rl.rank_sizes(world).batch)

@@ -23,11 +23,13 @@ fails the run with an explicit error instead of silently biasing every ratio.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +45,21 @@ log = logging.getLogger(__name__)
 Score = Callable[[RolloutBatch], Tensor]
 # Sums a 0-d tensor over data-parallel ranks (identity on one device): the probe gates mesh-wide.
 DPSum = Callable[[Tensor], Tensor]
+
+
+class RouteRecorder(Protocol):
+    """What the ahead pass needs from MoE routing replay (``routing.RoutingReplay``)."""
+
+    needs_every_record: bool
+
+    def record(self) -> contextlib.AbstractContextManager: ...
+
+    def replay(self, record) -> contextlib.AbstractContextManager: ...
+
+
+@dataclass
+class _NoRecord:
+    record: None = None
 
 
 @dataclass(frozen=True)
@@ -136,14 +153,18 @@ class OldLogprobCache:
     """
 
     def __init__(self, model: nn.Module, score: Score, dp_sum: DPSum = single_process,
-                 skip_first_mini: bool = True) -> None:
+                 skip_first_mini: bool = True, routing: RouteRecorder | None = None) -> None:
         self.model = model
         self.score = score
         self.dp_sum = dp_sum
         self.skip_first_mini = skip_first_mini
+        self.routing = routing
+        """MoE routing replay (``routing.py``): records each chunk's expert choice, replays it in the probe."""
         self._probe: ProbeResult | None = None  # set once per run; resumes from state_dict
         self.last_seconds = 0.0
         """Wall time of the latest ahead pass (device work included)."""
+        self.last_routes: list = []
+        """Routing record of every chunk of the latest ahead pass, walk order (None: not recorded)."""
 
     @property
     def probe_passed(self) -> bool:
@@ -158,14 +179,17 @@ class OldLogprobCache:
         walks ``plan``'s chunks themselves. Either way each chunk is scored once, however many epochs reuse it.
         """
         start = time.perf_counter()
+        self.last_routes: list | None = None  # MoE: each training chunk's recorded experts (routing replay)
         with eval_mode(self.model), torch.no_grad():
             if ahead is None:
-                records = self._walk(batch, plan)
-            else:
-                records = self._by_rows(batch, plan, ahead)
+                records, routes = self._walk(batch, plan)
+            else:  # routing replay is refused with token budgets (config): no routes to lay out per row
+                records, routes = self._by_rows(batch, plan, ahead), {}
         if self.skips_first_mini(plan.n_epochs):  # also when the probe passed during this pass
             records.update({(0, micro): None for micro in range(plan.n_chunks(0))})
+            routes.update({(0, micro): None for micro in range(plan.n_chunks(0))})
         out = [records[mini, micro] for _, mini, micro in plan.training_walk()]
+        self.last_routes = [routes.get((mini, micro)) for _, mini, micro in plan.training_walk()]
         _sync(out)
         self.last_seconds = time.perf_counter() - start
         return out
@@ -175,28 +199,37 @@ class OldLogprobCache:
 
         It trains before any update, so its pi_old *is* its current logprobs detached; once the probe has shown
         train- and eval-mode forwards agree, recording it is wasted. Not with inner epochs: epoch 2 trains it again
-        after updates, against the rollout policy, so every mini-batch must be recorded.
+        after updates, against the rollout policy, so every mini-batch must be recorded. Nor with an MoE aux loss:
+        it needs every chunk's routing record.
         """
-        return self.skip_first_mini and self.probe_passed and epochs == 1
+        every = self.routing is not None and self.routing.needs_every_record
+        return self.skip_first_mini and self.probe_passed and epochs == 1 and not every
 
-    def _score(self, chunk: RolloutBatch) -> Tensor:
-        logprobs = self.score(chunk)
+    def _score(self, chunk: RolloutBatch):
+        """(logprobs, routing record): the record is this chunk's expert choice, replayed in every later forward."""
+        with self._record() as rec:
+            logprobs = self.score(chunk)
         if self._probe is None:
-            self._run_probe(chunk, logprobs)
-        return logprobs
+            self._run_probe(chunk, logprobs, rec.record)
+        return logprobs, rec.record
 
-    def _walk(self, batch: RolloutBatch, plan: ChunkPlan) -> dict[tuple[int, int], Tensor | None]:
-        records = {}
+    def _record(self):
+        return self.routing.record() if self.routing is not None else contextlib.nullcontext(_NoRecord())
+
+    def _walk(self, batch: RolloutBatch, plan: ChunkPlan):
+        records, routes = {}, {}
         for mini, micro in plan.walk():  # asked per chunk: once the probe passes, the rest of mini-batch 0 is skipped
-            skip = mini == 0 and self.skips_first_mini(plan.n_epochs)
-            records[mini, micro] = None if skip else self._score(plan.chunk(batch, mini, micro))
-        return records
+            if mini == 0 and self.skips_first_mini(plan.n_epochs):
+                records[mini, micro] = routes[mini, micro] = None
+            else:
+                records[mini, micro], routes[mini, micro] = self._score(plan.chunk(batch, mini, micro))
+        return records, routes
 
     def _by_rows(self, batch: RolloutBatch, plan: ChunkPlan, ahead: ChunkPlan) -> dict[tuple[int, int], Tensor | None]:
         per_row: dict[int, Tensor] = {}
         for _, micro in ahead.walk():  # empty chunks run too: every rank takes the same number of forwards
             rows = ahead.rows[0][micro]
-            logprobs = self._score(take(batch, rows))  # [B, T_ahead-1]
+            logprobs, _ = self._score(take(batch, rows))  # [B, T_ahead-1]
             per_row.update(zip(rows, logprobs))
         lengths, _ = sequence_lengths(batch)
         records = {}
@@ -216,12 +249,14 @@ class OldLogprobCache:
         return records
 
     # -- the probe ---------------------------------------------------------------------------------------------
-    def _run_probe(self, chunk: RolloutBatch, eval_logprobs: Tensor) -> None:
+    def _run_probe(self, chunk: RolloutBatch, eval_logprobs: Tensor, route=None) -> None:
         """Re-score ``chunk`` in train() mode at unchanged weights; raise if it moved past the declared bound."""
         policy = noise_policy_of(self.model)
         # Still under no_grad: what differs between the two forwards is the mode (dropout, routing), and a forward
         # with grad but no backward would leave an autograd graph (and FSDP2/DDP hooks) waiting for nothing.
-        with train_mode(self.model):
+        # With routing replay the re-score forces the recorded experts, exactly as training will.
+        replay = self.routing.replay(route) if self.routing is not None else contextlib.nullcontext()
+        with train_mode(self.model), replay:
             train_logprobs = self.score(chunk)
         mask = chunk.completion_mask[:, 1:].to(eval_logprobs.device)  # [B, T-1]
         diff = (train_logprobs - eval_logprobs).abs().masked_fill(~mask, 0.0)

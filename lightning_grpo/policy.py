@@ -33,8 +33,8 @@ CHARS = list("0123456789+-*=()?:#, .abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQR
 class TinyPolicySpec:
     """Shape of a locally built policy. head_dim >= 32 so vLLM's CPU attention accepts it."""
 
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    """Transformers architecture of the built model."""
+    arch: Literal["qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"] = "qwen2"
+    """Transformers architecture of the built model; the ``*moe``/mixtral ones are sparse MoE (see docs/moe.md)."""
     hidden_size: int = 128
     """Model width."""
     num_layers: int = 2
@@ -51,6 +51,14 @@ class TinyPolicySpec:
     """None = the character tokenizer's size; larger pads the embedding (e.g. 32k for benchmarks)."""
     dropout: float = 0.0
     """Attention dropout; > 0 makes train() and eval() forwards differ (the determinism probe catches it)."""
+    num_experts: int = 4
+    """MoE architectures only: routed experts per MoE layer."""
+    experts_per_token: int = 2
+    """MoE architectures only: top-k experts each token is routed to."""
+    router_jitter: float = 0.0
+    """Mixtral only: ``router_jitter_noise``, a train()-mode multiplicative noise on the MoE input (routing churn)."""
+    init_std: float = 0.02
+    """Std of the random initialization (``initializer_range``); larger gives a sharper, routing-sensitive model."""
     seed: int | None = None
     """Seed of the random initialization and the warm start; None = the module's seed (``model.seed``, else
     ``seed_everything``), 0 outside a module. Part of the cache key, as every field here."""
@@ -120,15 +128,15 @@ TINY_CHAT_TEMPLATE = (
 
 def build_tiny_policy(out_dir: str | os.PathLike, spec: TinyPolicySpec | None = None) -> Path:
     """Build a random-init causal LM + char tokenizer and save both as a Hugging Face folder."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = spec or TinyPolicySpec()
     tok = make_char_tokenizer()
     if spec.chat_template:
         tok.chat_template = TINY_CHAT_TEMPLATE
     vocab = max(spec.vocab_size or 0, len(tok))
-    cls = Qwen2Config if spec.arch == "qwen2" else LlamaConfig
-    config = cls(
+    config = AutoConfig.for_model(
+        spec.arch,
         vocab_size=vocab,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -142,6 +150,8 @@ def build_tiny_policy(out_dir: str | os.PathLike, spec: TinyPolicySpec | None = 
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         torch_dtype="float32",
+        initializer_range=spec.init_std,
+        **_moe_fields(spec),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed or 0)
@@ -151,6 +161,23 @@ def build_tiny_policy(out_dir: str | os.PathLike, spec: TinyPolicySpec | None = 
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+def _moe_fields(spec: TinyPolicySpec) -> dict:
+    """Config fields of the sparse-MoE architectures (expert width = the MLP width / 2, head_dim explicit)."""
+    if spec.arch in ("qwen2", "llama"):
+        return {}
+    experts = "num_local_experts" if spec.arch == "mixtral" else "num_experts"
+    fields = {experts: spec.num_experts, "num_experts_per_tok": spec.experts_per_token}
+    if spec.arch in ("qwen3_moe", "qwen2_moe"):
+        fields["moe_intermediate_size"] = spec.intermediate_size // 2
+    if spec.arch == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = spec.intermediate_size // 2
+    if spec.arch in ("qwen3_moe", "mixtral"):
+        fields["head_dim"] = spec.hidden_size // spec.num_heads
+    if spec.arch == "mixtral":
+        fields["router_jitter_noise"] = float(spec.router_jitter)
+    return fields
 
 
 def tiny_cache_dir(name: str, spec: TinyPolicySpec, warm: str = "") -> Path:

@@ -81,3 +81,11 @@ def quickstart_run(tmp_path_factory) -> QuickstartRun:
     finally:
         os.chdir(old)
     return QuickstartRun(QUICKSTART_ARGS, cwd / "runs" / "quickstart" / "version_0", out.getvalue())
+
+
+@pytest.fixture(scope="session")
+def moe_policy_dir(tmp_path_factory):
+    """A routing-sensitive tiny Qwen3-MoE (8 experts, top-2, head_dim 32; see helpers.MOE)."""
+    from helpers import build_moe_policy
+
+    return build_moe_policy(tmp_path_factory.mktemp("moe-policy"))

