@@ -282,7 +282,7 @@ def aux_loss_spec(model: nn.Module) -> AuxLossSpec | None:
     coef = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
     if not getattr(cfg, "output_router_logits", False) or coef == 0.0:
         return None
-    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     return AuxLossSpec(coef, int(experts), int(cfg.num_experts_per_tok))
 
 

@@ -58,6 +58,9 @@ def case_config(case: str) -> GRPOConfig:
     n_micro = int(parts[1][1:])
     if "refuse" in parts:  # mini-batch of 3 trajectories cannot split over 2 ranks
         return GRPOConfig(batch_per_replica=6, group_size=2, mini_batch_per_replica=3, max_grad_norm=0.0)
+    if "moe" in parts:  # MoE routing replay: n_mini=2, so the ahead pass records and mini-batch 1 replays
+        return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, mini_batch_per_replica=4,
+                          micro_batch_per_replica=4 // n_micro, max_grad_norm=0.0, routing_replay="ahead")
     return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, micro_batch_per_replica=len(LENGTHS) // n_micro,
                       max_grad_norm=CLIP if "clip" in parts else 0.0)
 

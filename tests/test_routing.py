@@ -121,7 +121,7 @@ def test_replayed_combine_weights_are_the_router_probabilities_and_the_gate_gets
     ids = synthetic_batch([10, 10], vocab=60).input_ids
     with hooks.record() as rec, torch.no_grad():
         policy(input_ids=ids)
-    name, gate = hooks.routers[0]
+    _, gate = hooks.routers[0]
     with torch.no_grad():
         gate.weight.copy_(torch.randn_like(gate.weight))  # natural routing now differs from the record
     seen = []
@@ -248,3 +248,27 @@ def test_vllm_cpu_cannot_return_routed_experts(moe_policy_dir):
         engine.close()
     with pytest.raises(Exception, match="Model Runner V2"):
         VLLMEngine(moe_policy_dir, replace(cfg, engine_kwargs={"enable_return_routed_experts": True}))
+
+
+# -- data parallel: 2 gloo ranks (tests/dist_worker.py) ----------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_replay_under_two_ranks_equals_one_rank(tmp_path, moe_policy_dir, strategy):
+    import dist_worker as W
+    from test_distributed import launch_two_ranks
+
+    case = f"{strategy}-m2-moe"
+    launch_two_ranks(tmp_path, moe_policy_dir, [case])
+    # One rank, same chunks: 2-rank chunk (mini, micro) = row `mini*2 + micro` of each rank's half (rank 1 from row 4).
+    module = GRPOModule(policy=PolicyConfig(path=str(moe_policy_dir)), rl=W.case_config(case))
+    module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=W.lr_of(case)))
+    before, batch = params_of(module.policy), synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED)
+    plan = ChunkPlan((((0, 4), (1, 5)), ((2, 6), (3, 7))))
+    pi_old = module.old_logprobs.compute(batch, plan)
+    module.routing.begin(batch, plan, module.old_logprobs.last_routes)
+    module.loop.run(batch, plan, pi_old)
+    ref = params_of(module.policy)
+    r0, r1 = (torch.load(tmp_path / f"{case}.rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["sharded"] == (strategy == "fsdp2")
+    assert r0["metrics"]["moe/route_flip_frac"] > 0  # mini-batch 1 replayed routing that the first step had moved
+    assert max_rel_delta(before, ref, r0["params"]) <= 1e-5
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in ref)
