@@ -20,6 +20,7 @@ def make(policy_dir, mode="ahead", batch=16, mini=8, micro=0, lr=1e-3, opt=torch
     cfg = GRPOConfig(batch_per_replica=batch, group_size=2, mini_batch_per_replica=mini,
                      micro_batch_per_replica=micro, routing_replay=mode, **rl)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype=dtype), rl=cfg)
+    module.configure_model()  # builds the policy and hooks its routers
     if dtype == "float64":  # the default grouped_mm experts kernel takes no float64
         module.policy.config._experts_implementation = "eager"
     module.loop = module.make_loop(opt(module.policy.parameters(), lr=lr))
@@ -189,7 +190,7 @@ def test_replay_on_a_dense_model_is_refused_naming_the_knob(tiny_policy_dir):
     module = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir)),
                         rl=GRPOConfig(batch_per_replica=8, group_size=2, routing_replay="ahead"))
     with pytest.raises(RoutingReplayError, match=r"rl.routing_replay is on but Qwen2ForCausalLM has no MoE layers"):
-        module.setup("fit")
+        module.configure_model()
 
 
 def test_a_record_that_does_not_fit_the_chunk_names_layer_and_shapes(moe_policy_dir):
@@ -229,7 +230,7 @@ def test_rollout_replay_is_refused_with_the_reason(moe_policy_dir, engine):
                         rollout=RolloutConfig(engine=engine))
     why = "returns no per-token routing" if engine == "hf" else "Model Runner V2"
     with pytest.raises(RoutingReplayError, match=why):
-        module.setup("fit")
+        module.configure_model()
     assert module.engine is None  # refused before an engine was built
 
 
@@ -260,6 +261,7 @@ def test_replay_under_two_ranks_equals_one_rank(tmp_path, moe_policy_dir, strate
     launch_two_ranks(tmp_path, moe_policy_dir, [case])
     # One rank, same chunks: 2-rank chunk (mini, micro) = row `mini*2 + micro` of each rank's half (rank 1 from row 4).
     module = GRPOModule(policy=PolicyConfig(path=str(moe_policy_dir)), rl=W.case_config(case))
+    module.configure_model()
     module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=W.lr_of(case)))
     before, batch = params_of(module.policy), synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED)
     plan = ChunkPlan((((0, 4), (1, 5)), ((2, 6), (3, 7))))
