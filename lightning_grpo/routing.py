@@ -329,7 +329,7 @@ class RoutingReplay:
     # -- one collected batch ---------------------------------------------------------------------------------------
     def begin(self, batch, plan, records: Sequence[RoutingRecord | None] | None) -> None:
         """Take the ahead pass's records (walk order) and prepare each window's aux-loss constants."""
-        n = plan.n_mini * plan.n_micro
+        n = sum(plan.n_chunks(mini) for mini in range(plan.n_mini))  # one epoch, fixed chunks (refused otherwise)
         self._records = list(records) if records is not None and self.mode != "off" else [None] * n
         if len(self._records) != n:
             raise RoutingReplayError(f"{len(self._records)} routing records for a plan of {n} chunks")
@@ -337,7 +337,7 @@ class RoutingReplay:
         for k, (mini, micro) in enumerate(plan.walk()):
             self._chunk_window.append(mini)
             if self.aux is not None:
-                self._windows.setdefault(mini, _WindowAux(plan.n_micro)).add(
+                self._windows.setdefault(mini, _WindowAux(plan.n_chunks(mini))).add(
                     plan.chunk(batch, mini, micro).completion_mask, (records or [None] * n)[k], self.aux.num_experts)
         for w in self._windows.values():
             w.finish(self.dp_mean)
