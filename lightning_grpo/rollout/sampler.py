@@ -64,6 +64,9 @@ def inverse_cdf_sample(probs: Tensor, u: Tensor) -> Tensor:
     """
     cdf = probs.cumsum(-1, dtype=torch.float64)  # [N, V]; float64 so the interval widths are the float32 p_i
     total = cdf[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):  # as torch.multinomial refuses: else an index past V
+        raise RuntimeError("sampling: the probability tensor contains inf, nan or no positive entry (the policy's "
+                           "logits are not finite: look for NaN/inf weights, or a temperature of 0 with top_p/top_k)")
     # u < 1, but u * total can round up to total; one ulp below it still lands on the last non-zero token.
     target = torch.minimum(u.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)[:, 0]
