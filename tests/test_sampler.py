@@ -122,3 +122,31 @@ def test_a_rows_draws_do_not_depend_on_the_rows_beside_it():
     beside = RowStreams([sample_seed(1, 3, 0), sample_seed(1, 7, 2), sample_seed(1, 9, 0)])
     for _ in range(20):  # step after step, row 1 draws as if it were alone
         assert inverse_cdf_sample(probs[1:2], alone.uniforms())[0] == inverse_cdf_sample(probs, beside.uniforms())[1]
+
+
+@pytest.mark.parametrize("vocab,block", [(1000, 64), (1024, 256), (37, 8), (5, 256)])
+def test_the_two_level_search_draws_what_one_flat_cumulative_sum_draws(vocab, block):
+    """Blocks then tokens pick the token a single float64 cumulative sum over the whole row picks, for a vocabulary
+    that is and is not a multiple of the block, masked (zero) tokens and blocks, and uniforms at the ends."""
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(torch.randn(64, vocab, generator=gen) * 3, -1)
+    probs[probs < probs.quantile(0.6, dim=-1, keepdim=True)] = 0  # top-p-like masks: whole blocks go to zero
+    probs[0] = 0
+    probs[0, -1] = 1  # all mass on the last token
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    u[1], u[2] = 0.0, 1 - 2**-53
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    flat = torch.searchsorted(cdf, torch.minimum(u[:, None] * cdf[:, -1:], torch.nextafter(cdf[:, -1:],
+                              torch.zeros(1, dtype=torch.float64))), right=True)[:, 0]
+    drawn = inverse_cdf_sample(probs, u, block=block)
+    assert torch.equal(drawn, flat)
+    assert bool((probs.gather(1, drawn[:, None]) > 0).all())
+
+
+def test_a_target_past_a_blocks_rounded_end_takes_its_last_drawable_token():
+    """The block sum says the target is inside the block, the block's own cumulative sum ends an ulp short: the draw
+    is the block's last non-zero token, never a zero-width one after it."""
+    probs = torch.tensor([[0.1, 0.2, 0.0, 0.0, 0.3, 0.4, 0.0, 0.0]], dtype=torch.float64)
+    u = torch.tensor([1 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf_sample(probs, u, block=4).item() == 5
+    assert inverse_cdf_sample(probs[:, :4], u, block=4).item() == 1

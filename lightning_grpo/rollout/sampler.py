@@ -9,10 +9,10 @@ batch, so a run replays exactly from its seed.
 Sampler: transformers draws with ``torch.multinomial``, which spends most of a decode step
 making one exponential variate per vocabulary entry (~39 ms per step at 32 rows x 32k on one
 CPU core). Inverse-CDF sampling needs one uniform per row: a float64 cumulative sum of the
-row's probabilities and a binary search for ``u * total``. Token ``i`` is drawn exactly when
-``u`` falls in an interval of width ``p_i``, so the draw follows the same distribution as
-``multinomial`` (tokens masked by top-k/top-p have width 0 and are never drawn); it costs
-one pass over the row (~1.4 ms per step there).
+row's probabilities and a binary search for ``u * total`` (in two levels: blocks, then tokens).
+Token ``i`` is drawn exactly when ``u`` falls in an interval of width ``p_i``, so the draw follows
+the same distribution as ``multinomial`` (tokens masked by top-k/top-p have width 0 and are never
+drawn); it costs one vectorized pass over the row.
 """
 
 from __future__ import annotations
@@ -55,21 +55,39 @@ class RowStreams:
         return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in self._generators])
 
 
-def inverse_cdf_sample(probs: Tensor, u: Tensor) -> Tensor:
+BLOCK = 256
+"""Tokens per block of the two-level search: a float64 sum per block, then a cumulative sum of one block."""
+
+
+def inverse_cdf_sample(probs: Tensor, u: Tensor, block: int = BLOCK) -> Tensor:
     """Per row, the first token whose cumulative probability exceeds ``u * total``: ``[N]`` int64.
+
+    Two levels, so no float64 cumulative sum runs over the whole vocabulary (a sequential scan that cost
+    ~10 ms per decode step at 32 rows x 32k): block sums locate the block that holds ``u * total``, then a
+    cumulative sum inside that block alone locates the token. Token ``i``'s interval still has width ``p_i``.
 
     Args:
         probs: ``[N, V]`` non-negative, unnormalized is fine (zeros are never drawn).
         u: ``[N]`` uniforms in [0, 1).
     """
-    cdf = probs.cumsum(-1, dtype=torch.float64)  # [N, V]; float64 so the interval widths are the float32 p_i
+    n, v = probs.shape
+    pad = -v % block
+    blocks = torch.nn.functional.pad(probs, (0, pad)).view(n, -1, block)  # [N, B, block]; padding has width 0
+    cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [N, B]
     total = cdf[:, -1:]
     if not bool((torch.isfinite(total) & (total > 0)).all()):  # as torch.multinomial refuses: else an index past V
         raise RuntimeError("sampling: the probability tensor contains inf, nan or no positive entry (the policy's "
                            "logits are not finite: look for NaN/inf weights, or a temperature of 0 with top_p/top_k)")
-    # u < 1, but u * total can round up to total; one ulp below it still lands on the last non-zero token.
+    # u < 1, but u * total can round up to total; one ulp below it still lands on the last non-zero block.
     target = torch.minimum(u.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
+    b = torch.searchsorted(cdf, target, right=True)  # [N, 1]: first block whose end passes the target
+    before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, b[:, :, None].expand(-1, -1, block))[:, 0]  # [N, block]
+    within = torch.searchsorted(inner.cumsum(-1, dtype=torch.float64), target - before, right=True)[:, 0]
+    # A block's sum and its cumulative sum can round apart by an ulp: a target past the block's last token
+    # takes its last token that can be drawn (the block was chosen, so it has one).
+    last = block - 1 - (inner > 0).flip(-1).int().argmax(-1)
+    return b[:, 0] * block + torch.minimum(within, last)
 
 
 class InverseCDFSampler:
