@@ -28,6 +28,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_grpo import lora
 from lightning_grpo.offload import OffloadBackend, TrainerOffload, memory_saver_usable, select_offload
 from lightning_grpo.profiling import LoopProfile, profiling_requested
 from lightning_grpo.publisher import generates_with
@@ -245,8 +246,12 @@ class HandoffCallback(Callback):
         if self.engine_is_policy:
             return NO_SYNC  # HFEngine generates with this very module: its weights are already the policy's
         pushed: list[str] = []
-        stats = push_weights(_recorded(named_weights(self._policy), pushed), self._engine,
-                             bucket_bytes=self._bucket_bytes)
+        if lora.is_lora(self._policy):  # the adapter alone (engine with LoRA), else merged weights
+            stats = lora.push_policy(self._policy, self._engine, self._bucket_bytes, with_base=self._discarded,
+                                     record=lambda named: _recorded(named, pushed))
+        else:
+            stats = push_weights(_recorded(named_weights(self._policy), pushed), self._engine,
+                                 bucket_bytes=self._bucket_bytes)
         if self._discarded:
             self._check_complete(pushed)
         return stats
@@ -256,7 +261,8 @@ class HandoffCallback(Callback):
         declared = getattr(self._engine, "weight_names", None)
         names = declared() if declared is not None else None
         # An engine that cannot say what it holds is checked against the policy's own tensors.
-        expected = set(names) if names else {name for name, _ in named_weights(self._policy)}
+        own = lora.engine_weights(self._policy, merged=False) if lora.is_lora(self._policy) else named_weights(self._policy)
+        expected = set(names) if names else {name for name, _ in own}
         missing = sorted(expected - set(pushed))
         if missing:
             raise RuntimeError(

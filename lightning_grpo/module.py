@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor, nn
 
+from lightning_grpo import lora
 from lightning_grpo.accumulate import DeferredAccumulator
 from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
@@ -105,6 +106,7 @@ class GRPOModule(LightningModule):
         self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer, reference, pi_old cache
         self.tokenizer = None
         self.ref: nn.Module | None = None
+        self.lora_base: lora.BaseFingerprint | None = None  # the frozen base under policy.lora
         self.old_logprobs: OldLogprobCache | None = None
         self.engine: RolloutEngine | None = None
         self.loop: CollectedBatchLoop | None = None
@@ -193,10 +195,15 @@ class GRPOModule(LightningModule):
         """
         if self.policy is None:
             policy, self.tokenizer = self.configure_policy()
+            if self.policy_cfg.lora is not None:  # peft freezes the base: only the adapter trains
+                policy = lora.apply_lora(policy, self.policy_cfg.lora)
+                self.lora_base = lora.fingerprint(policy)  # checkpoints hold the adapter, and this to check the base
             self.policy = policy.train()  # from_pretrained returns eval(); Lightning trains (and checks) in train mode
-            # k3 KL needs the initial policy, frozen; with beta == 0 none is built (no memory spent). It stays in
-            # train mode like every module Lightning holds, and is scored under eval_mode (no dropout).
-            self.ref = copy.deepcopy(self.policy).requires_grad_(False) if self.objective.needs_reference() else None
+            # k3 KL needs the initial policy, frozen; with beta == 0 none is built (no memory spent), and under LoRA
+            # it is the base with the adapter disabled (no copy). It stays in train mode like every module Lightning
+            # holds, and is scored under eval_mode (no dropout).
+            copy_ref = self.objective.needs_reference() and self.policy_cfg.lora is None
+            self.ref = copy.deepcopy(self.policy).requires_grad_(False) if copy_ref else None
             self.objective.setup(self.policy, self.tokenizer)  # OPD: loads the teacher, refuses another vocabulary
             # Frozen pi_old across the window (the ahead pass); also holds the one-shot probe's state.
             self.old_logprobs = OldLogprobCache(self.policy, lambda c: self.logprobs(self.policy, c.to(self.device)),
@@ -261,12 +268,16 @@ class GRPOModule(LightningModule):
             checkpoint[STATE_KEY] = {"refused": str(refused)}
             return
         self._state.write(self.trainer, checkpoint)
+        if self._saves_adapter_only():  # the frozen base is rebuilt from policy.path: checkpoints hold the adapter
+            lora.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
         if refused:  # written without weights on the way out of a failure: nothing to resume
             raise NonFiniteParametersError.loading(refused)
         self._state.load(checkpoint)  # put back at on_train_start, once the loop exists
+        if self._saves_adapter_only():  # before Lightning loads the state dict: the base comes from this policy
+            lora.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
 
     def on_before_optimizer_step(self, optimizer) -> None:
         step = self.loop.accumulator.step if self.loop is not None else None
@@ -367,14 +378,19 @@ class GRPOModule(LightningModule):
 
     def policy_view(self) -> PolicyView:
         """What an objective may ask of the policy (``objectives/base.py``)."""
+        has_ref = self.ref is not None or (lora.is_lora(self.policy) and self.objective.needs_reference())
         return PolicyView(model=self.policy, temperature=self.rollout_cfg.temperature,
                           logprobs=lambda c: self.logprobs(self.policy, c),
-                          reference=self._reference_logprobs if self.ref is not None else None,
+                          reference=self.reference_logprobs if has_ref else None,
                           call=lambda fn, *args: root_call(self.policy, fn, *args))
 
-    def _reference_logprobs(self, chunk: RolloutBatch) -> Tensor:
-        with torch.no_grad(), eval_mode(self.ref):
-            return self.logprobs(self.ref, chunk)
+    def reference_logprobs(self, chunk: RolloutBatch) -> Tensor:
+        """``[B, T-1]`` logprobs of the frozen reference: the copy, or under LoRA the policy with its adapter off."""
+        if self.ref is not None:
+            with torch.no_grad(), eval_mode(self.ref):
+                return self.logprobs(self.ref, chunk)
+        with torch.no_grad(), eval_mode(self.policy), lora.reference_mode(self.policy):
+            return self.logprobs(self.policy, chunk)
 
     def logprobs(self, model, chunk: RolloutBatch) -> Tensor:
         """``[B, T-1]`` logprobs of the completion tokens at the sampling temperature, 0 at prompt and padding."""
@@ -416,6 +432,13 @@ class GRPOModule(LightningModule):
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed,
                               stop=tuple(r.stop or ()))
+
+    def _saves_adapter_only(self) -> bool:
+        """LoRA, and a strategy that writes one full state dict (FSDP2's sharded checkpoints keep every tensor)."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        sharded = self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy)
+        return lora.is_lora(self.policy) and not sharded
 
     def _datamodule(self):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None

@@ -20,6 +20,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_grpo.lora import LoraConfig
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 TOKENIZER_VERSION = 2
@@ -91,6 +93,9 @@ class PolicyConfig:
     """Built-in task to supervise a ``tiny:`` policy on once, at build time (teaches the answer format)."""
     warm_start_steps: int = 200
     """Optimizer steps of that warm start (seconds on CPU; the result is cached with the build)."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter (peft) on the frozen model instead of every weight; None = full fine-tuning. See
+    docs/lora.md."""
 
     def __post_init__(self) -> None:
         if not self.path:

@@ -38,6 +38,8 @@ def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
             # vLLM's torchrun-style launcher reads RANK and LOCAL_RANK; Lightning's own launcher and SLURM set neither
             os.environ.setdefault("RANK", str(module.global_rank))
             os.environ.setdefault("LOCAL_RANK", str(module.local_rank))
+        lora = module.policy_cfg.lora
+        rank = lora.rank if lora is not None and lora.sync == "adapter" else None  # merge: a plain engine
         return VLLMEngine(str(resolve_path(module.policy_cfg)), vllm,
-                          sampler_logprobs=module.rl.use_rollout_logprobs_for_loss)
+                          sampler_logprobs=module.rl.use_rollout_logprobs_for_loss, lora_rank=rank)
     raise ValueError(f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'replay'")

@@ -34,6 +34,8 @@ import contextlib
 import logging
 import os
 import random
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -69,7 +71,7 @@ class VLLMEngine:
     """
 
     def __init__(self, model_path: str | os.PathLike, config: VLLMConfig | None = None,
-                 sampler_logprobs: bool = True) -> None:
+                 sampler_logprobs: bool = True, lora_rank: int | None = None) -> None:
         self.config = cfg = config or VLLMConfig()
         _check_launch(cfg)
         auto = "processed_logprobs" if sampler_logprobs else "raw_logprobs"
@@ -81,8 +83,12 @@ class VLLMEngine:
         self.sleep_mode = auto_sleep if cfg.enable_sleep_mode is None else cfg.enable_sleep_mode
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.model_path = Path(model_path)
+        self.adapters = AdapterSlot(lora_rank) if lora_rank else None
+        """The policy's LoRA adapter, reloaded as a new request each sync (None: built without LoRA)."""
         with _caller_rng_kept():
-            self.llm = LLM(model=str(self.model_path), **_llm_kwargs(cfg, self.sleep_mode, self.logprobs_mode))
+            kwargs = _llm_kwargs(cfg, self.sleep_mode, self.logprobs_mode)
+            kwargs |= self.adapters.engine_kwargs() if self.adapters else {}
+            self.llm = LLM(model=str(self.model_path), **kwargs)
         self.dtype: torch.dtype = self.llm.llm_engine.vllm_config.model_config.dtype
         """Weight dtype inside vLLM; ``push_weights`` casts to it."""
         self._sleep = SleepState()
@@ -106,7 +112,8 @@ class VLLMEngine:
         rows = [p for p in prompts for _ in range(group_size)]
         requests = [{"prompt_token_ids": list(p.token_ids)} for p in rows]
         params = [_sampling_params(sampling, s) for s in seeds]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        lora = self.adapters.request if self.adapters else None  # None: the base (no adapter published yet)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         decode = self._decoder() if sampling.stop else None
         return [_rollout(p, out.outputs[0], sampling.logprobs, sampling.stop, decode) for p, out in zip(rows, outputs)]
 
@@ -139,6 +146,13 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
         self._derived_stale = True
 
+    def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None:
+        """Serve this LoRA adapter (peft format) from the next generation on: a new request id, loaded now."""
+        self._sleep.require("weights", call="VLLMEngine.load_adapter()")
+        if self.adapters is None:
+            raise RuntimeError("VLLMEngine.load_adapter(): the engine was built without LoRA (lora_rank=None)")
+        self.adapters.publish(self.llm.llm_engine, tensors, config_json)
+
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks (computed with the old weights). Call once after a weight sync."""
         self._refresh_derived()
@@ -161,6 +175,8 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut the engine down; tear down the process groups vLLM created (never a group that was there before)."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self.adapters is not None:
+            self.adapters.close()
         if self._owns_dist:
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -171,6 +187,46 @@ class VLLMEngine:
         if self._derived_stale:
             self.llm.collective_rpc(_repack_cpu_embeddings)
             self._derived_stale = False
+
+
+class AdapterSlot:
+    """The one LoRA adapter an engine serves: each publication is written to a folder in memory (tmpfs where
+    there is one) and added as a new ``LoRARequest`` id, then the previous one is removed. A new id per
+    collected batch also keeps prefix-cache blocks of an older adapter from being reused (vLLM keys them by id)."""
+
+    RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    """The values vLLM 0.32 accepts for ``max_lora_rank``."""
+
+    def __init__(self, rank: int) -> None:
+        if rank > self.RANKS[-1]:
+            raise ConfigError(f"policy.lora.rank={rank}: vLLM serves adapters up to rank {self.RANKS[-1]}; lower it "
+                              "or set policy.lora.sync=merge")
+        self.max_rank = next(r for r in self.RANKS if r >= rank)
+        shm = Path("/dev/shm")
+        self.root = Path(tempfile.mkdtemp(prefix="lightning-grpo-lora-", dir=shm if shm.is_dir() else None))
+        self.request = None  # the LoRARequest generation uses
+        self.published = 0
+
+    def engine_kwargs(self) -> dict:
+        return {"enable_lora": True, "max_lora_rank": self.max_rank, "max_loras": 1}
+
+    def publish(self, llm_engine, tensors: dict[str, Tensor], config_json: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        from lightning_grpo.lora import write_adapter_folder
+
+        self.published += 1
+        folder = write_adapter_folder(tensors, config_json, self.root / f"adapter-{self.published}")
+        request = LoRARequest(f"policy-{self.published}", self.published, str(folder))
+        if not llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM refused LoRA adapter {folder}")
+        old, self.request = self.request, request
+        if old is not None:
+            llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _repack_cpu_embeddings(worker) -> int:
