@@ -122,12 +122,29 @@ def check_targets(model: nn.Module, cfg: LoraConfig) -> None:
     elif not isinstance(targets, str):
         problems += [f"target_modules entry {t!r}" for t in targets if not _matches(t, names)]
     problems += [f"modules_to_save entry {m!r}" for m in cfg.modules_to_save or [] if not _matches(m, names)]
+    tied = _tied_embedding_names(model)
+    for entry in cfg.modules_to_save or []:
+        if any(n == entry or n.endswith("." + entry) for n in tied):
+            raise ValueError(
+                f"policy.lora.modules_to_save entry {entry!r} is one of the model's tied embeddings "
+                f"({', '.join(sorted(tied))}, tie_word_embeddings=true): a trained copy of one would untie them, and "
+                "an engine loading tied weights drops it. Fix: leave it out (the adapter's layers train), or use a "
+                "model with untied embeddings"
+            )
     if problems:
         raise ValueError(
             f"policy.lora: {'; '.join(problems)} matches no module of {type(model).__name__}. Module names available "
             f"(last component; a list entry matches names ending in it): {', '.join(adaptable_names(model))}. "
             f"Fix: use those names, or target_modules: {ALL_LINEAR}"
         )
+
+
+def _tied_embedding_names(model: nn.Module) -> set[str]:
+    """Module names of the input and output embeddings when the model ties them (else empty)."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return set()
+    tied = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    return {n for n, m in model.named_modules() if id(m) in tied}
 
 
 def _matches(entry: str, names: list[str]) -> bool:
@@ -155,11 +172,13 @@ def reference_mode(model: nn.Module) -> Iterator[None]:
 
 
 def fingerprint(model: nn.Module) -> BaseFingerprint:
-    """Of the frozen tensors (the base); computed once, when the policy is built."""
-    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    """Of every state-dict tensor that does not train (the base, tied aliases and buffers included); computed once,
+    when the policy is built."""
+    frozen = {n: t for n, t in model.state_dict(keep_vars=True).items() if not t.requires_grad}
+    unique = list({id(t): t for t in frozen.values()}.values())
     with torch.no_grad():
-        checksum = sum(float(p.detach().double().sum()) for p in frozen.values())
-    return BaseFingerprint(len(frozen), sum(p.numel() for p in frozen.values()), checksum, sorted(frozen))
+        checksum = sum(float(t.detach().double().sum()) for t in unique)
+    return BaseFingerprint(len(unique), sum(t.numel() for t in unique), checksum, sorted(frozen))
 
 
 # -- views of the weights ----------------------------------------------------------------------------------------------

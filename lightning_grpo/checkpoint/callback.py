@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from lightning_grpo.checkpoint.atomic import DISK_FULL, AtomicCheckpointIO, atom
 from lightning_grpo.checkpoint.integrity import Manifest, digest, write_manifest
 from lightning_grpo.checkpoint.lock import FolderInUseError, FolderLock
 from lightning_grpo.checkpoint.paths import (
+    adapter_path,
     checkpoint_name,
     config_path,
     entries,
@@ -37,6 +39,7 @@ from lightning_grpo.checkpoint.paths import (
 )
 from lightning_grpo.checkpoint.signals import Preempted, SignalWatch
 from lightning_grpo.checkpoint.state import NonFiniteParametersError
+from lightning_grpo.lora import is_lora, save_adapter
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +172,12 @@ class GRPOCheckpoint(Checkpoint):
         """
         path = self.dirpath / checkpoint_name(loop_step, self.lineage)
         staging = staging_path(path)
+        policy = getattr(trainer.lightning_module, "policy", None)
         if trainer.is_global_zero:
             text = resolved_config(trainer).encode()
             atomic_write(config_path(path), lambda f: f.write(text))
+            if is_lora(policy):  # the adapter in peft's format (PeftModel.from_pretrained), beside the checkpoint
+                save_adapter(policy, adapter_path(path))
         try:
             # Every rank (collectives), then a barrier. The module refuses NaN/inf parameters: checked there, inside
             # the hand-off's window, where parameters are resident (torch_memory_saver may have paused them before).
@@ -183,7 +189,8 @@ class GRPOCheckpoint(Checkpoint):
                     saved_at=time.time_ns(), sha256=sha, bytes=size, reason=reason, parent=self._parent))
         except BaseException as err:
             if trainer.is_global_zero and not path.exists():
-                config_path(path).unlink(missing_ok=True)  # no checkpoint, no config beside it
+                config_path(path).unlink(missing_ok=True)  # no checkpoint, no config or adapter beside it
+                shutil.rmtree(adapter_path(path), ignore_errors=True)
             if isinstance(err, NonFiniteParametersError):  # every rank alike: the check is a collective
                 log.error("not saving loop step %d: parameter %r holds NaN/inf; the newest checkpoint of run %s, %s, "
                           "holds the last good batch boundary", loop_step, err.parameter, self.lineage,

@@ -53,6 +53,11 @@ def config_path(ckpt: Path) -> Path:
     return ckpt.with_name(ckpt.stem + ".config.yaml")
 
 
+def adapter_path(ckpt: Path) -> Path:
+    """The LoRA adapter saved beside ``ckpt`` in peft's format (``loop-step-000004.adapter/``)."""
+    return ckpt.with_name(ckpt.stem + ".adapter")
+
+
 def publish(staging: Path, path: Path) -> None:
     """Rename a finished save (file or sharded folder) into place; the same loop step saved again replaces it."""
     if path.is_dir():
@@ -121,6 +126,7 @@ def prune(dirpath: Path, keep_last: int, lineage: str) -> list[Path]:
             path.unlink(missing_ok=True)
         config_path(path).unlink(missing_ok=True)
         manifest_path(path).unlink(missing_ok=True)
+        shutil.rmtree(adapter_path(path), ignore_errors=True)
     return old
 
 
