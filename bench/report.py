@@ -73,7 +73,7 @@ def _load_range(d: dict | None) -> str:
 def render(results: Path) -> str:
     r = {n: load(results, n) for n in ("suite", "update_memory", "speed_vs_trl", "logprobs", "sampler",
                                        "engine_throughput", "ahead_pass", "lightning_overhead", "weight_sync",
-                                       "oom_acceptance", "budget_speed")}
+                                       "oom_acceptance", "budget_speed", "lora")}
     targets: list[dict] = []
     sections = [
         _memory(r["update_memory"], targets),
@@ -83,6 +83,7 @@ def render(results: Path) -> str:
         _ahead(r["ahead_pass"], targets),
         _overhead(r["lightning_overhead"], targets),
         _weight_sync(r["weight_sync"]),
+        _lora(r["lora"]),
         _throughput(r["engine_throughput"]),
         budget_section(r["oom_acceptance"], r["budget_speed"]),
     ]
@@ -364,6 +365,12 @@ def _weight_sync(d: dict | None) -> str:
         "",
         f"Per-parameter / bucketed = **{d['per_parameter_over_bucketed']:.1f}x**.",
     ])
+
+
+def _lora(d: dict | None) -> str:
+    from bench.lora import section
+
+    return section(d, md_table, _load_range)
 
 
 def _throughput(d: dict | None) -> str:

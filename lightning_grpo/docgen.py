@@ -27,6 +27,7 @@ from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.dpo import DPOConfig, DPOModule
 from lightning_grpo.handoff import HandoffCallback
+from lightning_grpo.lora import LoraConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
@@ -39,6 +40,7 @@ DATACLASS_SECTIONS = (
     ("model.rollout.vllm", VLLMConfig),
     ("model.policy", PolicyConfig),
     ("model.policy.tiny", TinyPolicySpec),
+    ("model.policy.lora", LoraConfig),
     ("model.rewards[i]", RewardSpec),
     ("model.opd", OPDConfig),
     ("model.dpo", DPOConfig),

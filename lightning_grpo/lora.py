@@ -50,7 +50,8 @@ class LoraConfig:
     '.' + entry, e.g. q_proj), a regex matched against full module names, or 'all-linear' (every linear layer but
     the output head). Every list entry must match a module (refused at setup, listing the names available)."""
     modules_to_save: list[str] | None = None
-    """Modules trained in full beside the adapter (e.g. lm_head); saved with the adapter."""
+    """Modules trained in full beside the adapter (e.g. a final norm, an untied head); saved with the adapter, and
+    pushed to vLLM as plain weights beside it. An embedding tied to the output head is refused."""
     sync: Literal["adapter", "merge"] = "adapter"
     """How a vLLM engine gets the policy each collected batch: 'adapter' loads just the adapter as a new LoRA
     request (engine built with enable_lora); 'merge' pushes base + adapter merged, as a full weight sync (for
@@ -75,15 +76,6 @@ class LoraConfig:
             p.append(f"sync={self.sync!r}: must be 'adapter' or 'merge'")
         _raise_if(p, "policy.lora config")
 
-    def peft_config(self):
-        """The equivalent ``peft.LoraConfig``."""
-        import peft
-
-        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
-        return peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
-                               modules_to_save=list(self.modules_to_save) if self.modules_to_save else None,
-                               bias="none", task_type="CAUSAL_LM")
-
 
 @dataclass(frozen=True)
 class BaseFingerprint:
@@ -98,12 +90,22 @@ class BaseFingerprint:
 
 
 # -- building --------------------------------------------------------------------------------------------------------
+def to_peft(cfg: LoraConfig):
+    """The equivalent ``peft.LoraConfig``."""
+    import peft
+
+    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
+    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                           modules_to_save=list(cfg.modules_to_save) if cfg.modules_to_save else None,
+                           bias="none", task_type="CAUSAL_LM")
+
+
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """``model`` wrapped by peft with a fresh adapter (B = 0: the wrapped policy equals the base at step 0)."""
     import peft
 
     check_targets(model, cfg)
-    wrapped = peft.get_peft_model(model, cfg.peft_config(), adapter_name=ADAPTER_NAME)
+    wrapped = peft.get_peft_model(model, to_peft(cfg), adapter_name=ADAPTER_NAME)
     if not isinstance(cfg.target_modules, str):  # peft matched some entry; check_targets made sure all did
         return wrapped
     if not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in wrapped.modules()):
