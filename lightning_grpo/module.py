@@ -161,6 +161,7 @@ class GRPOModule(LightningModule):
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.rl.validate(self._world_size())  # per-rank divisibility needs the DP size
+        self._check_lora_strategy()
         if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
             count_loop_steps(self.trainer)
         if stage == "fit":  # a decaying LR schedule needs a horizon: refused here, before the model is set up
@@ -268,7 +269,7 @@ class GRPOModule(LightningModule):
             checkpoint[STATE_KEY] = {"refused": str(refused)}
             return
         self._state.write(self.trainer, checkpoint)
-        if self._saves_adapter_only():  # the frozen base is rebuilt from policy.path: checkpoints hold the adapter
+        if lora.is_lora(self.policy):  # the frozen base is rebuilt from policy.path: checkpoints hold the adapter
             lora.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -276,7 +277,7 @@ class GRPOModule(LightningModule):
         if refused:  # written without weights on the way out of a failure: nothing to resume
             raise NonFiniteParametersError.loading(refused)
         self._state.load(checkpoint)  # put back at on_train_start, once the loop exists
-        if self._saves_adapter_only():  # before Lightning loads the state dict: the base comes from this policy
+        if lora.is_lora(self.policy):  # before Lightning loads the state dict: the base comes from this policy
             lora.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -433,12 +434,14 @@ class GRPOModule(LightningModule):
                               top_k=r.top_k, logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed,
                               stop=tuple(r.stop or ()))
 
-    def _saves_adapter_only(self) -> bool:
-        """LoRA, and a strategy that writes one full state dict (FSDP2's sharded checkpoints keep every tensor)."""
+    def _check_lora_strategy(self) -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        sharded = self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy)
-        return lora.is_lora(self.policy) and not sharded
+        if self.policy_cfg.lora is not None and isinstance(getattr(self._trainer, "strategy", None),
+                                                           ModelParallelStrategy):
+            raise ValueError("policy.lora under ModelParallelStrategy (FSDP2) is not supported yet: adapter sync and "
+                             "adapter checkpoints read whole tensors. Use DDP (--trainer.strategy=ddp): the frozen "
+                             "base needs no optimizer state, so LoRA usually fits without sharding")
 
     def _datamodule(self):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None

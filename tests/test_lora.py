@@ -96,6 +96,17 @@ def test_lora_section_round_trips_through_the_cli_parser(tmp_path, capsys):
     assert printed["model.policy.lora.dropout"] == 0.0
 
 
+def test_fsdp2_with_lora_is_refused_at_setup_before_the_policy_is_built(tiny_policy_dir):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    module = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir), lora=ADAPTER))
+    module.trainer = Trainer(strategy=ModelParallelStrategy(), accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(ValueError, match="ModelParallelStrategy.*--trainer.strategy=ddp"):
+        module.setup("fit")
+    assert module.policy is None
+
+
 # -- what trains -----------------------------------------------------------------------------------------------------
 def test_only_the_adapter_gets_gradients_and_optimizer_state(tiny_policy_dir):
     module = lora_module(tiny_policy_dir)

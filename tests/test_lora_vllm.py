@@ -37,7 +37,10 @@ def engine(tiny_policy_dir):
     engine.close()
 
 
-def adapted_policy(policy_dir, seed: int, cfg=LoraConfig(rank=4, alpha=8)):
+ADAPTER = LoraConfig(rank=4, alpha=8)
+
+
+def adapted_policy(policy_dir, seed: int, cfg=ADAPTER):
     """The tiny policy with a LoRA adapter holding random (non-zero) values."""
     model, tok = load_policy(PolicyConfig(path=str(policy_dir)))
     model = lora.apply_lora(model, cfg)
@@ -162,3 +165,29 @@ def test_fit_through_the_hand_off_publishes_the_adapter(tmp_path, sync):
             assert module.engine.adapters.published == 3
     finally:
         module.engine.close()
+
+
+@pytest.mark.slow
+def test_lora_quickstart_learns_as_shipped(tmp_path, monkeypatch):
+    """`lightning-grpo fit --config configs/lora-quickstart.yaml`, as shipped: the reward rises, the engine served
+    the adapter, and the checkpoint's adapter folder loads with PeftModel.from_pretrained."""
+    import csv
+
+    from peft import PeftModel
+
+    from lightning_grpo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "lora-quickstart.yaml")])
+    run = tmp_path / "runs" / "lora-quickstart" / "version_0"
+    rows = [r for r in csv.DictReader((run / "metrics.csv").open()) if r.get("reward/mean")]
+    rewards = [float(r["reward/mean"]) for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, f"reward did not rise: first 5 {first:.3f}, last 5 {last:.3f} ({rewards})"
+    [ckpt] = sorted((run / "checkpoints").glob("*.ckpt"))[-1:]
+    saved = torch.load(ckpt, weights_only=True)
+    assert all(".lora_" in k for k in saved["state_dict"])  # the adapter, not the base
+    base, _ = load_policy(PolicyConfig(path="tiny:quickstart", warm_start="arith_small", warm_start_steps=30))
+    loaded = PeftModel.from_pretrained(base, str(ckpt.with_name(ckpt.stem + ".adapter")))
+    trained = {n: p for n, p in loaded.named_parameters() if "lora_B" in n}
+    assert trained and all(p.abs().max() > 0 for p in trained.values())  # the trained adapter, not a fresh one
