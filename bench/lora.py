@@ -5,7 +5,7 @@ and trained-parameter / gradient / optimizer-state memory with and without LoRA.
     .venv/bin/python -m bench.lora --quick      # 3 repeats
 
 Sync: two in-process vLLM engines (CPU build) on the same policy folder, float32: one built with
-``enable_lora`` that gets just the adapter each loop step (``lora.push_policy``: written to tmpfs, loaded
+``enable_lora`` that gets just the adapter each loop step (``adapter_sync.push_policy``: written to tmpfs, loaded
 as a new ``LoRARequest``), one without LoRA that gets every weight merged (``W + scale * B @ A``, computed
 on the fly) through the bucketed in-place reload, which is what a LoRA trainer without adapter-only sync
 (TRL) pushes. Before each repeat the adapter moves (a fresh update); the modes alternate within a repeat
@@ -82,7 +82,7 @@ def generate_seconds(engine, tok) -> float:
 
 
 def measure_sync(folder, repeats: int) -> tuple[list[dict], float]:
-    from lightning_grpo import lora
+    from lightning_grpo.rollout import adapter_sync
 
     model, tok = lora_policy(folder)
     ids = tok(TEXT)["input_ids"]
@@ -95,7 +95,7 @@ def measure_sync(folder, repeats: int) -> tuple[list[dict], float]:
         for i in range(repeats + 1):  # the first round warms both engines up and is not timed
             update_adapter(model, seed=i)
             for mode, engine in modes.items():
-                stats[mode] = lora.push_policy(model, engine, 256 << 20, with_base=False)
+                stats[mode] = adapter_sync.push_policy(model, engine, 256 << 20, with_base=False)
                 errors[mode] = max(errors[mode], logprob_error(model, engine, ids))
                 if i:
                     times[mode].append(stats[mode].seconds)

@@ -32,6 +32,7 @@ from lightning_grpo import lora
 from lightning_grpo.offload import OffloadBackend, TrainerOffload, memory_saver_usable, select_offload
 from lightning_grpo.profiling import LoopProfile, profiling_requested
 from lightning_grpo.publisher import generates_with
+from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import RolloutEngine
 from lightning_grpo.rollout.sleep import sleep_level_problem
 from lightning_grpo.rollout.weight_sync import SyncStats, named_weights, push_weights
@@ -247,7 +248,7 @@ class HandoffCallback(Callback):
             return NO_SYNC  # HFEngine generates with this very module: its weights are already the policy's
         pushed: list[str] = []
         if lora.is_lora(self._policy):  # the adapter alone (engine with LoRA), else merged weights
-            stats = lora.push_policy(self._policy, self._engine, self._bucket_bytes, with_base=self._discarded,
+            stats = adapter_sync.push_policy(self._policy, self._engine, self._bucket_bytes, with_base=self._discarded,
                                      record=lambda named: _recorded(named, pushed))
         else:
             stats = push_weights(_recorded(named_weights(self._policy), pushed), self._engine,
@@ -261,7 +262,7 @@ class HandoffCallback(Callback):
         declared = getattr(self._engine, "weight_names", None)
         names = declared() if declared is not None else None
         # An engine that cannot say what it holds is checked against the policy's own tensors.
-        own = lora.engine_weights(self._policy, merged=False) if lora.is_lora(self._policy) else named_weights(self._policy)
+        own = adapter_sync.engine_weights(self._policy, merged=False) if lora.is_lora(self._policy) else named_weights(self._policy)
         expected = set(names) if names else {name for name, _ in own}
         missing = sorted(expected - set(pushed))
         if missing:

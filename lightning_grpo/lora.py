@@ -1,22 +1,18 @@
-"""LoRA policies through ``peft``: the ``policy.lora`` section, wrapping, and the weight views sync and checkpoints use.
+"""LoRA policies through ``peft``: the ``policy.lora`` section, wrapping, and the adapter in peft's format.
 
 ``apply_lora`` wraps the loaded causal LM with ``peft.get_peft_model``: the base is frozen, so only the
 adapter (and ``modules_to_save``) gets gradients and optimizer state. The KL reference is the same module
 with its adapters disabled (``reference_mode``), never a second copy. Target modules are checked before
 peft sees them: an entry that matches no module is refused with the names that exist.
 
-Names: peft prefixes every tensor (``base_model.model.``), moves a wrapped layer's weight under
-``base_layer`` and adds ``lora_A``/``lora_B``. ``engine_weights`` turns that back into the checkpoint
-names an engine loaded (``model.layers.0.self_attn.q_proj.weight``): the base as it is (to re-sync an
-engine that discarded its weights), or merged (``W + scale * B @ A``, computed on the fly, so the
-trainer's base weights are never merged and unmerged in place and never drift).
+Publishing to an engine: ``rollout/adapter_sync.py``; checkpoints without the frozen base:
+``checkpoint/adapter.py``; docs/lora.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -161,6 +157,16 @@ def adaptable_names(model: nn.Module) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, kinds)})
 
 
+def check_strategy(cfg: LoraConfig | None, strategy) -> None:
+    """Refuse LoRA under FSDP2 (before the policy is built): adapter sync and export read whole tensors."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if cfg is not None and isinstance(strategy, ModelParallelStrategy):
+        raise ValueError("policy.lora under ModelParallelStrategy (FSDP2) is not supported yet: adapter sync and "
+                         "adapter checkpoints read whole tensors. Use DDP (--trainer.strategy=ddp): the frozen "
+                         "base needs no optimizer state, so LoRA usually fits without sharding")
+
+
 def is_lora(model: nn.Module | None) -> bool:
     """The policy carries a peft adapter."""
     return model is not None and hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
@@ -219,106 +225,10 @@ def write_adapter_folder(state: dict[str, Tensor], config_json: str, folder: str
     return folder
 
 
-def engine_weights(model: nn.Module, merged: bool, modules_to_save_only: bool = False) -> Iterator[tuple[str, Tensor]]:
-    """The policy under the checkpoint names an engine loaded, each tensor computed when the sync reaches it.
-
-    ``merged``: every adapted weight is ``W + scale * B @ A`` (for an engine without adapters); else the base ``W``
-    (an engine that serves the adapter itself). Modules in ``modules_to_save`` come as trained either way;
-    ``modules_to_save_only`` yields just those.
-    """
-    from lightning_grpo.rollout.weight_sync import named_weights
-
-    base = model.get_base_model()
-    layers = {name: module for name, module in base.named_modules() if _has_adapter(module)}
-    for name, tensor in named_weights(base):
-        engine_name = _engine_name(name)
-        if engine_name is None or (modules_to_save_only and _TRAINED not in name):
-            continue
-        owner, _, leaf = name.rpartition(".")
-        layer = layers.get(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
-        if merged and layer is not None and leaf == "weight":
-            with torch.no_grad():
-                tensor = tensor.detach() + layer.get_delta_weight(ADAPTER_NAME).to(tensor.dtype)
-        yield engine_name, tensor
-
-
-def _has_adapter(module: nn.Module) -> bool:
-    from peft.tuners.lora import LoraLayer
-
-    return isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A
-
-
-_ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
-_TRAINED = f".modules_to_save.{ADAPTER_NAME}."
-
-
-def _engine_name(name: str) -> str | None:
-    """peft's parameter name -> the checkpoint name (None: adapter tensors, and the base copy of a module trained
-    in full, which only the KL reference uses)."""
-    if any(part in name for part in _ADAPTER_PARTS) or ".original_module." in name:
-        return None
-    return name.replace(_TRAINED, ".").replace(".base_layer.", ".")
-
-
-def served_adapter(model: nn.Module) -> tuple[dict[str, Tensor], str]:
-    """(tensors, adapter_config.json) of the adapter as an engine serves it: LoRA matrices only. vLLM 0.32 takes no
-    ``modules_to_save`` (but classifier heads): those are pushed as plain weights beside it."""
-    tensors = {k: v for k, v in adapter_state_dict(model).items() if any(p in k for p in _ADAPTER_PARTS)}
-    config = json.loads(adapter_config_json(model))
-    config["modules_to_save"] = None
-    return tensors, json.dumps(config, indent=2, sort_keys=True)
-
-
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """Trainable and total parameter counts."""
     params = list(model.parameters())
     return {"trainable": sum(p.numel() for p in params if p.requires_grad), "total": sum(p.numel() for p in params)}
-
-
-# -- checkpoints: the adapter, not the frozen base -----------------------------------------------------------------------
-CHECKPOINT_KEY = "grpo_lora"
-
-
-def drop_base(checkpoint: dict, base: BaseFingerprint, prefix: str, model: nn.Module) -> None:
-    """Take the frozen base out of ``checkpoint["state_dict"]`` (it is rebuilt from ``policy.path``) and record what
-    it was, plus the adapter config, so the adapter can be exported from the checkpoint alone."""
-    state = checkpoint["state_dict"]
-    for name in base.names:
-        state.pop(prefix + name, None)
-    checkpoint[CHECKPOINT_KEY] = {"base_tensors": base.tensors, "base_elements": base.elements,
-                                  "base_checksum": base.checksum, "prefix": prefix,
-                                  "adapter_config": adapter_config_json(model), "adapter_names": adapter_names(model)}
-
-
-def restore_base(checkpoint: dict, own_state: dict[str, Tensor], base: BaseFingerprint, prefix: str) -> None:
-    """Put this policy's frozen base back into a checkpoint written by ``drop_base``, after checking it is the
-    base the adapter was trained on."""
-    saved = checkpoint.get(CHECKPOINT_KEY)
-    if saved is None:
-        return  # a full checkpoint (written without LoRA, or by another tool): loaded as it is
-    same = (saved["base_tensors"], saved["base_elements"]) == (base.tensors, base.elements)
-    if not same or not math.isclose(saved["base_checksum"], base.checksum, rel_tol=1e-9, abs_tol=1e-6):
-        raise ValueError(
-            "this checkpoint's LoRA adapter was trained on another base model: its base had "
-            f"{saved['base_tensors']} frozen tensors ({saved['base_elements']} elements, checksum "
-            f"{saved['base_checksum']:.6g}), this policy's has {base.tensors} ({base.elements}, {base.checksum:.6g}). "
-            "Fix: set policy.path (and revision, dtype) to the base the run was started with"
-        )
-    state = checkpoint["state_dict"]
-    for name in base.names:
-        state.setdefault(prefix + name, own_state[prefix + name])
-
-
-def export_adapter(checkpoint_path: str | os.PathLike, folder: str | os.PathLike) -> Path:
-    """Write the adapter held by a LoRA run's Lightning checkpoint (any writer) as a peft folder
-    (``PeftModel.from_pretrained(base, folder)``). Loads with ``weights_only=True``."""
-    ckpt = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
-    saved = ckpt.get(CHECKPOINT_KEY)
-    if saved is None:
-        raise ValueError(f"{checkpoint_path}: not a checkpoint of a LoRA run (no {CHECKPOINT_KEY!r} entry)")
-    prefix, state = saved["prefix"], ckpt["state_dict"]
-    adapter = {key: state[prefix + name].contiguous() for name, key in saved["adapter_names"].items()}
-    return write_adapter_folder(adapter, saved["adapter_config"], folder)
 
 
 def adapter_names(model: nn.Module) -> dict[str, str]:
@@ -327,32 +237,3 @@ def adapter_names(model: nn.Module) -> dict[str, str]:
 
     saved = {t.data_ptr(): key for key, t in get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME).items()}
     return {n: saved[p.data_ptr()] for n, p in model.named_parameters() if p.data_ptr() in saved}
-
-
-# -- publishing to an engine -------------------------------------------------------------------------------------------
-def serves_adapters(engine: object) -> bool:
-    """The engine takes a LoRA adapter itself (``VLLMEngine`` built with ``lora_rank``)."""
-    return getattr(engine, "adapters", None) is not None and hasattr(engine, "load_adapter")
-
-
-def push_policy(model: nn.Module, engine, bucket_bytes: int, with_base: bool, record=None):
-    """Publish a LoRA policy: the adapter alone to an engine that serves adapters (plus modules_to_save as plain
-    weights, and the base weights when ``with_base``: after a level-2 sleep discarded them), else every weight
-    merged. ``record(named)`` wraps the pushed (name, tensor) stream. Returns the sync's ``SyncStats``."""
-    import time
-
-    from lightning_grpo.rollout.weight_sync import SyncStats, push_weights
-
-    record = record or (lambda named: named)
-    if not serves_adapters(engine):
-        return push_weights(record(engine_weights(model, merged=True)), engine, bucket_bytes=bucket_bytes)
-    start = time.perf_counter()
-    named = list(engine_weights(model, merged=False, modules_to_save_only=not with_base))
-    pushed = push_weights(record(named), engine, bucket_bytes=bucket_bytes) if named else None
-    tensors, config = served_adapter(model)
-    engine.load_adapter(tensors, config)
-    engine.reset_prefix_cache()
-    adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return SyncStats(n_buckets=(pushed.n_buckets if pushed else 0) + 1,
-                     n_tensors=(pushed.n_tensors if pushed else 0) + len(tensors),
-                     bytes=(pushed.bytes if pushed else 0) + adapter_bytes, seconds=time.perf_counter() - start)

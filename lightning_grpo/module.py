@@ -31,6 +31,7 @@ from lightning_grpo import lora
 from lightning_grpo.accumulate import DeferredAccumulator
 from lightning_grpo.advantages import group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
+from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.chunks import ChunkPlan, plan_update
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_sampler_logprobs
@@ -161,7 +162,7 @@ class GRPOModule(LightningModule):
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.rl.validate(self._world_size())  # per-rank divisibility needs the DP size
-        self._check_lora_strategy()
+        lora.check_strategy(self.policy_cfg.lora, getattr(self._trainer, "strategy", None))
         if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
             count_loop_steps(self.trainer)
         if stage == "fit":  # a decaying LR schedule needs a horizon: refused here, before the model is set up
@@ -270,7 +271,7 @@ class GRPOModule(LightningModule):
             return
         self._state.write(self.trainer, checkpoint)
         if lora.is_lora(self.policy):  # the frozen base is rebuilt from policy.path: checkpoints hold the adapter
-            lora.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
+            adapter_checkpoint.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
@@ -278,7 +279,7 @@ class GRPOModule(LightningModule):
             raise NonFiniteParametersError.loading(refused)
         self._state.load(checkpoint)  # put back at on_train_start, once the loop exists
         if lora.is_lora(self.policy):  # before Lightning loads the state dict: the base comes from this policy
-            lora.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
+            adapter_checkpoint.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
 
     def on_before_optimizer_step(self, optimizer) -> None:
         step = self.loop.accumulator.step if self.loop is not None else None
@@ -433,15 +434,6 @@ class GRPOModule(LightningModule):
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed,
                               stop=tuple(r.stop or ()))
-
-    def _check_lora_strategy(self) -> None:
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        if self.policy_cfg.lora is not None and isinstance(getattr(self._trainer, "strategy", None),
-                                                           ModelParallelStrategy):
-            raise ValueError("policy.lora under ModelParallelStrategy (FSDP2) is not supported yet: adapter sync and "
-                             "adapter checkpoints read whole tensors. Use DDP (--trainer.strategy=ddp): the frozen "
-                             "base needs no optimizer state, so LoRA usually fits without sharding")
 
     def _datamodule(self):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None

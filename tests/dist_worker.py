@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
+from lightning_grpo.lora import LoraConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.weight_sync import push_weights
@@ -63,6 +64,12 @@ def case_config(case: str) -> GRPOConfig:
                           micro_batch_per_replica=4 // n_micro, max_grad_norm=0.0, routing_replay="ahead")
     return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, micro_batch_per_replica=len(LENGTHS) // n_micro,
                       max_grad_norm=CLIP if "clip" in parts else 0.0)
+
+
+def policy_config(case: str, policy: str) -> PolicyConfig:
+    """``...-lora``: the policy trains a rank-4 LoRA adapter on the frozen tiny policy."""
+    adapter = LoraConfig(rank=4, alpha=8) if "lora" in case.split("-") else None
+    return PolicyConfig(path=policy, dtype="float32", lora=adapter)
 
 
 class FixedBatchModule(GRPOModule):
@@ -242,7 +249,7 @@ def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None =
     if case.endswith("-fit"):
         return run_fit(case, policy, out, rank)
     strategy = _strategy(case)
-    module = FixedBatchModule(policy=PolicyConfig(path=policy, dtype="float32"), rl=case_config(case),
+    module = FixedBatchModule(policy=policy_config(case, policy), rl=case_config(case),
                               rollout=RolloutConfig())
     module.grad_trace, module.lr = [], lr_of(case)
     if "rankmean" in case:  # the wrong reduction: each rank divides by its own token count

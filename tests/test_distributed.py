@@ -28,7 +28,7 @@ from lightning_grpo.policy import PolicyConfig
 TOL = 1e-6
 WORKER = Path(__file__).with_name("dist_worker.py")
 CASES = ["ddp-m1", "ddp-m4", "ddp-m4-clip", "ddp-m1-rankmean", "ddp-m4-nan", "ddp-m4-steps2",
-         "fsdp2-m1", "fsdp2-m4", "fsdp2-m4-clip", "ddp-m1-refuse", "ddp-budget", "fsdp2-budget"]
+         "fsdp2-m1", "fsdp2-m4", "fsdp2-m4-clip", "ddp-m1-refuse", "ddp-budget", "fsdp2-budget", "ddp-m4-lora"]
 
 
 def launch_two_ranks(out: Path, policy: Path, cases: list[str], timeout: float = 300, teacher: Path | None = None,
@@ -73,7 +73,7 @@ def one_rank(policy_dir, case: str, steps: int = 1):
     """(params before, params after, LoopResult of the last step): the same loop step(s) in one process."""
     key = (str(policy_dir), case, steps)
     if key not in _REFERENCE:
-        module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype="float32"), rl=W.case_config(case),
+        module = GRPOModule(policy=W.policy_config(case, str(policy_dir)), rl=W.case_config(case),
                             rollout=RolloutConfig())
         module.configure_model()
         before = params_of(module.policy)
@@ -118,6 +118,15 @@ def test_token_budget_with_uneven_chunk_counts_per_rank_equals_one_rank(two_rank
         assert [present for present, _ in t0] == [False, True]
     assert r0["metrics"]["grpo/chunks"] == 3.0 and r0["metrics"]["grpo/empty_chunks"] == 1.0
     assert r0["metrics"]["grpo/n"] == 8.0 and r0["metrics"]["grpo/tokens"] == sum(W.LENGTHS)  # fillers count nothing
+
+
+def test_two_ranks_train_a_lora_adapter_as_one_rank(two_ranks, tiny_policy_dir):
+    before, ref, _ = one_rank(tiny_policy_dir, "ddp-m4-lora")
+    r0, r1 = two_ranks("ddp-m4-lora", 0), two_ranks("ddp-m4-lora", 1)
+    assert max_rel_delta(before, ref, r0["params"]) <= TOL
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in ref)
+    moved = {k for k in ref if not torch.equal(before[k], r0["params"][k])}
+    assert moved and all(".lora_B." in k for k in moved)  # the frozen base never moves (A: zero gradient at B = 0)
 
 
 def test_weight_sync_from_fsdp2_shards_sends_the_full_weights(two_ranks):

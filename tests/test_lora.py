@@ -11,12 +11,14 @@ from helpers import StepRecorder, fit_tiny, global_determinism_restored, max_rel
 
 from lightning_grpo import lora
 from lightning_grpo.checkpoint import GRPOCheckpoint
+from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.checkpoint.paths import adapter_path, checkpoint_name
 from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.lora import LoraConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.rollout import adapter_sync
 
 UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]
 LENS = [3, 9, 1, 6, 12, 2, 5, 8, 4, 10, 7, 11, 6, 2, 9, 3]
@@ -191,7 +193,7 @@ def test_merged_weights_reproduce_the_adapted_policy_and_leave_the_base_untouche
     module = lora_module(tiny_policy_dir, LoraConfig(rank=4, alpha=8, modules_to_save=["model.norm"]))
     moved_adapter(module)
     base_before = {n: p.clone() for n, p in module.policy.named_parameters() if not p.requires_grad}
-    merged = dict(lora.engine_weights(module.policy, merged=True))
+    merged = dict(adapter_sync.engine_weights(module.policy, merged=True))
     plain, _ = load_policy(PolicyConfig(path=str(tiny_policy_dir)))
     assert set(merged) == {n for n, _ in plain.named_parameters()}  # checkpoint names, each once
     loaded = plain.load_state_dict(merged, strict=False)
@@ -199,11 +201,11 @@ def test_merged_weights_reproduce_the_adapted_policy_and_leave_the_base_untouche
     batch = synthetic_batch(UNEQUAL, seed=5)
     torch.testing.assert_close(logprobs_of(plain, batch), logprobs_of(module.policy, batch), atol=2e-5, rtol=0)
     assert all(torch.equal(p, base_before[n]) for n, p in module.policy.named_parameters() if not p.requires_grad)
-    unmerged = dict(lora.engine_weights(module.policy, merged=False))  # what an adapter-serving engine holds
+    unmerged = dict(adapter_sync.engine_weights(module.policy, merged=False))  # what an adapter-serving engine holds
     q = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(unmerged[q], base_before[f"base_model.model.{q.replace('.weight', '.base_layer.weight')}"])
     assert torch.equal(unmerged["model.norm.weight"], merged["model.norm.weight"])  # trained in full: as trained
-    only = dict(lora.engine_weights(module.policy, merged=False, modules_to_save_only=True))
+    only = dict(adapter_sync.engine_weights(module.policy, merged=False, modules_to_save_only=True))
     assert list(only) == ["model.norm.weight"]
 
 
@@ -250,7 +252,7 @@ def test_checkpoints_hold_the_adapter_in_peft_format_and_resume_exactly(tmp_path
     assert sum(t.numel() for t in saved["state_dict"].values()) == trained
 
     # The folder beside it (and one exported from the checkpoint alone) loads with PeftModel.from_pretrained.
-    exported = lora.export_adapter(ckpt, tmp_path / "exported")
+    exported = adapter_checkpoint.export_adapter(ckpt, tmp_path / "exported")
     batch = synthetic_batch(UNEQUAL, seed=6)
     expected = logprobs_of(module.policy, batch)  # fit ended at loop step 2: the policy the checkpoint holds
     for folder in (adapter_path(ckpt), exported):

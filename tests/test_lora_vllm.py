@@ -20,6 +20,7 @@ from lightning_grpo.handoff import WEIGHT_SYNC, HandoffCallback
 from lightning_grpo.lora import LoraConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
 from lightning_grpo.rollout.vllm import VLLMConfig, VLLMEngine
 
@@ -71,7 +72,7 @@ def engine_prompt_logprobs(engine: VLLMEngine, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_after_an_adapter_sync_sampler_logprobs_match_the_trainer(engine, tiny_policy_dir, temperature):
     model, tok = adapted_policy(tiny_policy_dir, seed=0)
-    stats = lora.push_policy(model, engine, 1 << 28, with_base=False)
+    stats = adapter_sync.push_policy(model, engine, 1 << 28, with_base=False)
     adapter_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     assert stats.bytes == adapter_bytes and stats.n_buckets == 1  # the adapter alone: no base weight moved
     ids = tok(TEXT)["input_ids"]
@@ -88,7 +89,7 @@ def test_each_sync_is_a_new_request_and_the_old_one_is_dropped(engine, tiny_poli
     seen = []
     for seed in (1, 2):
         model, tok = adapted_policy(tiny_policy_dir, seed=seed)
-        lora.push_policy(model, engine, 1 << 28, with_base=False)
+        adapter_sync.push_policy(model, engine, 1 << 28, with_base=False)
         request = engine.adapters.request
         seen.append((request.lora_int_id, Path(request.lora_path)))
         ids = tok(TEXT)["input_ids"]
@@ -109,7 +110,7 @@ def test_base_resync_then_adapter_after_weights_were_discarded(engine, tiny_poli
             pushed.append(name)
             yield name, tensor
 
-    lora.push_policy(model, engine, 1 << 28, with_base=True, record=record)
+    adapter_sync.push_policy(model, engine, 1 << 28, with_base=True, record=record)
     assert set(pushed) == set(engine.weight_names())
     ids = tok(TEXT)["input_ids"]
     torch.testing.assert_close(engine_prompt_logprobs(engine, ids), trainer_logprobs(model, ids), atol=TOL, rtol=0)
@@ -119,8 +120,8 @@ def test_merge_sync_into_an_engine_without_lora(tiny_policy_dir):
     model, tok = adapted_policy(tiny_policy_dir, seed=5)
     plain = VLLMEngine(tiny_policy_dir, CONFIG)
     try:
-        assert not lora.serves_adapters(plain)
-        stats = lora.push_policy(model, plain, 1 << 28, with_base=False)
+        assert not adapter_sync.serves_adapters(plain)
+        stats = adapter_sync.push_policy(model, plain, 1 << 28, with_base=False)
         assert stats.n_tensors == len(plain.weight_names())  # every weight, merged
         ids = tok(TEXT)["input_ids"]
         torch.testing.assert_close(engine_prompt_logprobs(plain, ids), trainer_logprobs(model, ids), atol=TOL,
