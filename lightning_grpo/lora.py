@@ -96,12 +96,20 @@ def to_peft(cfg: LoraConfig):
                            bias="none", task_type="CAUSAL_LM")
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
-    """``model`` wrapped by peft with a fresh adapter (B = 0: the wrapped policy equals the base at step 0)."""
+def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
+    """``model`` wrapped by peft with a fresh adapter (B = 0: the wrapped policy equals the base at step 0).
+
+    A's random init is drawn from ``seed`` (the global RNG is left as it was): every rank and every rerun of a
+    seeded run starts from the same adapter, whatever drew from the global RNG before.
+    """
     import peft
 
     check_targets(model, cfg)
-    wrapped = peft.get_peft_model(model, to_peft(cfg), adapter_name=ADAPTER_NAME)
+    device = getattr(model, "device", torch.device("cpu"))
+    devices = [device.index or 0] if device.type == "cuda" else []  # fork only the RNG the init may draw from
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        wrapped = peft.get_peft_model(model, to_peft(cfg), adapter_name=ADAPTER_NAME)
     if not isinstance(cfg.target_modules, str):  # peft matched some entry; check_targets made sure all did
         return wrapped
     if not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in wrapped.modules()):

@@ -198,7 +198,7 @@ class GRPOModule(LightningModule):
         if self.policy is None:
             policy, self.tokenizer = self.configure_policy()
             if self.policy_cfg.lora is not None:  # peft freezes the base: only the adapter trains
-                policy = lora.apply_lora(policy, self.policy_cfg.lora)
+                policy = lora.apply_lora(policy, self.policy_cfg.lora, seed=self.seed)
                 self.lora_base = lora.fingerprint(policy)  # checkpoints hold the adapter, and this to check the base
             self.policy = policy.train()  # from_pretrained returns eval(); Lightning trains (and checks) in train mode
             # k3 KL needs the initial policy, frozen; with beta == 0 none is built (no memory spent), and under LoRA

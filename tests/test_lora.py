@@ -109,6 +109,16 @@ def test_fsdp2_with_lora_is_refused_at_setup_before_the_policy_is_built(tiny_pol
     assert module.policy is None
 
 
+def test_adapter_init_follows_the_module_seed_not_the_global_rng(tiny_policy_dir):
+    torch.manual_seed(1)
+    a = params_of(lora_module(tiny_policy_dir, seed=3).policy)
+    torch.rand(1000)  # the global stream moved: a DDP rank or a rerun may have drawn more before building
+    b = params_of(lora_module(tiny_policy_dir, seed=3).policy)
+    c = params_of(lora_module(tiny_policy_dir, seed=4).policy)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if ".lora_A." in k)
+
+
 # -- what trains -----------------------------------------------------------------------------------------------------
 def test_only_the_adapter_gets_gradients_and_optimizer_state(tiny_policy_dir):
     module = lora_module(tiny_policy_dir)
