@@ -250,7 +250,7 @@ def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None =
         return run_fit(case, policy, out, rank)
     strategy = _strategy(case)
     module = FixedBatchModule(policy=policy_config(case, policy), rl=case_config(case),
-                              rollout=RolloutConfig())
+                              rollout=RolloutConfig(), seed=0)  # not PL_GLOBAL_SEED: the LoRA init follows it
     module.grad_trace, module.lr = [], lr_of(case)
     if "rankmean" in case:  # the wrong reduction: each rank divides by its own token count
         module.objective.dp_mean = lambda t: t
