@@ -246,7 +246,7 @@ def test_checkpoints_hold_the_adapter_in_peft_format_and_resume_exactly(tmp_path
         saver = GRPOCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_loop_steps=1, keep_last=0)
         module = job_module(tiny_policy_dir, beta=0.05)
         fit_tiny(module, tmp_path / "b", 2, [first, saver])
-        ckpt = tmp_path / "ckpt" / checkpoint_name(2)
+        ckpt = saver.last_path  # loop step 2
         resumed, module2 = StepRecorder(), job_module(tiny_policy_dir, beta=0.05)
         fit_tiny(module2, tmp_path / "c", 4, [resumed], ckpt_path=str(ckpt))
     wall = {"grpo/ahead_seconds", "grpo/ahead_share"}
@@ -280,12 +280,13 @@ def test_resume_onto_another_base_is_refused(tmp_path, tiny_policy_dir, tiny_cha
 
     other = build_tiny_policy(tmp_path / "other", dataclasses.replace(SMALL, seed=1))  # same shapes, other weights
     with pytest.raises(ValueError, match="trained on another base model"):
-        fit_tiny(job_module(other), tmp_path / "b", 2, ckpt_path=str(tmp_path / "ckpt" / checkpoint_name(1)))
+        fit_tiny(job_module(other), tmp_path / "b", 2, ckpt_path=str(saver.last_path))
 
 
 def test_pruning_removes_the_adapter_folder_with_its_checkpoint(tmp_path, tiny_policy_dir):
     saver = GRPOCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_loop_steps=1, keep_last=1)
     fit_tiny(job_module(tiny_policy_dir), tmp_path / "a", 2, [saver])
-    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert names == [checkpoint_name(2).replace(".ckpt", ".adapter"), checkpoint_name(2),
-                     checkpoint_name(2).replace(".ckpt", ".config.yaml")]
+    assert saver.last_path.name.startswith(checkpoint_name(2).removesuffix(".ckpt"))
+    adapters = sorted(p.name for p in (tmp_path / "ckpt").glob("*.adapter"))
+    assert adapters == [adapter_path(saver.last_path).name]  # loop step 1's went with its checkpoint
+    assert (adapter_path(saver.last_path) / "adapter_model.safetensors").exists()
