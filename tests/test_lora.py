@@ -46,7 +46,8 @@ def logprobs_of(model, batch):
     from lightning_grpo.logprobs import token_logprobs
 
     with torch.no_grad():
-        return token_logprobs(model.eval(), batch.input_ids, batch.attention_mask)
+        return token_logprobs(model.eval(), batch.input_ids, batch.attention_mask,
+                              positions=batch.completion_mask[:, 1:])  # what the module scores: completion tokens
 
 
 # -- config and bad input --------------------------------------------------------------------------------------------
