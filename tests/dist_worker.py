@@ -66,6 +66,12 @@ def case_config(case: str) -> GRPOConfig:
                       max_grad_norm=CLIP if "clip" in parts else 0.0)
 
 
+def lora_seed(case: str) -> int | None:
+    """``...-lora``: seed 0 on every rank and in the one-rank reference (the adapter's init follows the seed);
+    other cases keep the module's default seed, as their one-rank references do."""
+    return 0 if "lora" in case.split("-") else None
+
+
 def policy_config(case: str, policy: str) -> PolicyConfig:
     """``...-lora``: the policy trains a rank-4 LoRA adapter on the frozen tiny policy."""
     adapter = LoraConfig(rank=4, alpha=8) if "lora" in case.split("-") else None
@@ -250,7 +256,7 @@ def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None =
         return run_fit(case, policy, out, rank)
     strategy = _strategy(case)
     module = FixedBatchModule(policy=policy_config(case, policy), rl=case_config(case),
-                              rollout=RolloutConfig(), seed=0)  # not PL_GLOBAL_SEED: the LoRA init follows it
+                              rollout=RolloutConfig(), seed=lora_seed(case))
     module.grad_trace, module.lr = [], lr_of(case)
     if "rankmean" in case:  # the wrong reduction: each rank divides by its own token count
         module.objective.dp_mean = lambda t: t

@@ -74,7 +74,7 @@ def one_rank(policy_dir, case: str, steps: int = 1):
     key = (str(policy_dir), case, steps)
     if key not in _REFERENCE:
         module = GRPOModule(policy=W.policy_config(case, str(policy_dir)), rl=W.case_config(case),
-                            rollout=RolloutConfig(), seed=0)  # as the workers: the LoRA init follows the seed
+                            rollout=RolloutConfig(), seed=W.lora_seed(case))
         module.configure_model()
         before = params_of(module.policy)
         module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=W.lr_of(case)))
