@@ -22,9 +22,25 @@ def _isolated_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _global_seed_restored(monkeypatch):
-    """Lightning's seed_everything leaves its seed in os.environ and GRPOModule(seed=None) reads it: per test."""
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+def _global_seed_restored():
+    """Lightning's seed_everything leaves its seed in os.environ and GRPOModule(seed=None) reads it: per test.
+
+    Removed after the test too: a module-scoped fixture of the next test (say, two worker processes that inherit
+    the environment) is set up before this fixture runs again, and would see the seed a previous test left."""
+    os.environ.pop("PL_GLOBAL_SEED", None)
+    yield
+    os.environ.pop("PL_GLOBAL_SEED", None)
+
+
+@pytest.fixture(autouse=True)
+def _determinism_restored():
+    """A fit enables deterministic algorithms process-wide (torch has no scoped form): put the switches back after
+    every test, so a later in-process reference does not compute under another test's mode (it changed the rounding
+    of a 1e-6 two-rank comparison)."""
+    from helpers import global_determinism_restored
+
+    with global_determinism_restored():
+        yield
 
 
 @pytest.fixture(scope="session")
