@@ -28,6 +28,8 @@ class RolloutBatch:
         group_ids: ``[N]`` int64 id of the prompt each trajectory answers.
         sample_ids: ``[N]`` int64 deterministic id of each trajectory.
         rollout_logprobs: ``[N, T]`` sampler logprob of each completion token (0 elsewhere), or None.
+        images: per row, the image *references* of its prompt (``()`` for none), or None for a text-only batch.
+            Never pixels: a chunk's pixels are materialized when it is scored (``vision.py``).
     """
 
     input_ids: Tensor
@@ -38,6 +40,7 @@ class RolloutBatch:
     group_ids: Tensor
     sample_ids: Tensor
     rollout_logprobs: Tensor | None = None
+    images: tuple[tuple, ...] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -56,12 +59,14 @@ class RolloutBatch:
         return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
 
 
-def _take(t: Tensor | None, rows: Tensor | slice) -> Tensor | None:
+def _take(t: Tensor | tuple | None, rows: Tensor | slice) -> Tensor | tuple | None:
+    if isinstance(t, tuple):  # per-row references (images)
+        return t[rows] if isinstance(rows, slice) else tuple(t[i] for i in rows.tolist())
     return None if t is None else t[rows]
 
 
-def _move(t: Tensor | None, device: torch.device | str) -> Tensor | None:
-    return None if t is None else t.to(device)
+def _move(t: Tensor | tuple | None, device: torch.device | str) -> Tensor | tuple | None:
+    return t.to(device) if isinstance(t, Tensor) else t
 
 
 def pack_rollouts(rollouts, advantages: Tensor, rewards: Tensor, pad_id: int, max_len: int | None = None) -> RolloutBatch:
@@ -111,4 +116,5 @@ def pack_rollouts(rollouts, advantages: Tensor, rewards: Tensor, pad_id: int, ma
         group_ids=group_ids,
         sample_ids=group_ids * group_size + torch.tensor(within, dtype=torch.long),
         rollout_logprobs=logprobs,
+        images=tuple(tuple(r.prompt.images) for r in rollouts) if any(r.prompt.images for r in rollouts) else None,
     )

@@ -48,6 +48,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_bytes: int = CHUNK_BYTES,
     keep_bytes: int = KEEP_BYTES,
+    model_inputs: dict | None = None,
 ) -> Tensor:
     """``log p(input_ids[:, t+1] | input_ids[:, :t+1])`` at the scored positions: ``[B, T-1]``, zeros elsewhere.
 
@@ -61,6 +62,9 @@ def token_logprobs(
         temperature: divide the logits by this (the sampler's temperature, so ratios compare like with like).
         chunk_bytes: float32 logits per head chunk (sets the chunk's token count from the vocabulary size).
         keep_bytes: float32 logits kept from forward to backward in all; chunks past it recompute the head.
+        model_inputs: extra inputs of a vision-language model (pixels, image grids). The hidden states then come
+            from the whole base model (vision tower + language model, ``model.base_model``, which merges the image
+            features into the sequence); the LM head is still applied fused, to the scored positions only.
 
     Returns:
         float32 logprobs (float64 for a float64 model); differentiable w.r.t. the model's parameters.
@@ -68,12 +72,15 @@ def token_logprobs(
     targets = input_ids[:, 1:]  # [B, T-1]
     if positions is None:
         positions = torch.ones_like(targets, dtype=torch.bool)
+    extra = model_inputs or {}
     head = _linear_head(model)
     if head is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1][positions]  # [N, V]
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits[:, :-1][positions]  # [N,V]
         picked = _plain_logprobs(logits, targets[positions], temperature)
         return _scatter(picked, positions)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    # A VLM's decoder is its language model alone; its base model runs the vision tower and merges the features.
+    decoder = model.base_model if extra else model.get_decoder()
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state  # [B, T, H]
     h = hidden[:, :-1][positions]  # [N, H]: only the scored positions meet the head
     picked = head_logprobs(h, head.weight, head.bias, targets[positions], temperature=temperature,
                            chunk_bytes=chunk_bytes, keep_bytes=keep_bytes)

@@ -44,7 +44,7 @@ from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
 from lightning_grpo.objectives import OBJECTIVES, Objective, PolicyView, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_pass, warn_if_unfrozen
-from lightning_grpo.policy import PolicyConfig, load_policy, with_seed
+from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_seed
 from lightning_grpo.precision import PluginStep, adamw_kernel, check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
@@ -52,6 +52,7 @@ from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
 from lightning_grpo.validation import ValidationMeans, greedy_scores
+from lightning_grpo.vision import VisionInputs, VisionProcessor, step_prompts, with_skipped_groups
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class GRPOModule(LightningModule):
         self.objective = self.configure_objective(objective)
         self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer, reference, pi_old cache
         self.tokenizer = None
+        self.vision: VisionProcessor | None = None  # a vision-language policy's image side (None: text-only)
         self.ref: nn.Module | None = None
         self.lora_base: lora.BaseFingerprint | None = None  # the frozen base under policy.lora
         self.old_logprobs: OldLogprobCache | None = None
@@ -138,6 +140,11 @@ class GRPOModule(LightningModule):
     def configure_policy(self):
         """(model, tokenizer). Default: ``load_policy(self.policy_cfg)``."""
         return load_policy(self.policy_cfg)
+
+    def configure_vision(self) -> VisionProcessor | None:
+        """The policy's image side (None for a text-only policy); freezes the vision tower unless
+        ``policy.train_vision_tower``. Default: ``load_vision`` on the policy folder."""
+        return load_vision(self.policy_cfg, self.tokenizer, self.policy)
 
     def build_engine(self, will_sleep: bool = True) -> RolloutEngine:
         """The rollout engine (``rollout.engine``). ``will_sleep``: whether the hand-off puts it to sleep."""
@@ -180,6 +187,15 @@ class GRPOModule(LightningModule):
             return
         dm.prepare_prompts(self.tokenizer, self.max_prompt_tokens(), self.rollout_cfg.long_prompts)
         check_reward_columns(self.reward_specs or [], dm.columns)
+        if self.vision is None and getattr(dm, "has_images", False):
+            raise ValueError(
+                f"data.source={getattr(dm, 'source', '?')!r} has prompts with images but policy.path="
+                f"{self.policy_cfg.path!r} is a text-only model; use a vision-language policy (Qwen2-VL, Qwen2.5-VL, "
+                "Qwen3-VL, or tiny.arch=qwen2_5_vl) or a text-only data source"
+            )
+        if getattr(dm, "has_images", False) and self.objective.name != "grpo":  # OPD scores hidden states, no pixels
+            raise ValueError(f"model.objective={self.objective.name} does not score prompts with images (data.source="
+                             f"{getattr(dm, 'source', '?')!r} has some); use model.objective=grpo for image prompts")
 
     def max_prompt_tokens(self) -> int | None:
         """The prompt-length limit: ``rollout.max_prompt_tokens``, else the context left after the completion."""
@@ -201,6 +217,7 @@ class GRPOModule(LightningModule):
                 policy = lora.apply_lora(policy, self.policy_cfg.lora, seed=self.seed)
                 self.lora_base = lora.fingerprint(policy)  # checkpoints hold the adapter, and this to check the base
             self.policy = policy.train()  # from_pretrained returns eval(); Lightning trains (and checks) in train mode
+            self.vision = self.configure_vision()  # before the optimizer and the reference: it may freeze a tower
             # k3 KL needs the initial policy, frozen; with beta == 0 none is built (no memory spent), and under LoRA
             # it is the base with the adapter disabled (no copy). It stays in train mode like every module Lightning
             # holds, and is scored under eval_mode (no dropout).
@@ -325,16 +342,26 @@ class GRPOModule(LightningModule):
     # -- the phases ---------------------------------------------------------------------------------------------------
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate ``group_size`` completions per prompt, score them, normalize per group."""
-        prompts = [r.to_prompt(self.tokenizer) for r in records]
-        rollouts = self.engine.generate(prompts, self.rl.group_size, self.sampling())
+        # A VLM's image placeholders are expanded here (its images decoded): an unreadable one is met at this step.
+        prompts, skipped = step_prompts(records, self.tokenizer, self.vision, self._on_bad_record())
+        live = [p for i, p in enumerate(prompts) if i not in skipped]
+        rollouts = self.engine.generate(live, self.rl.group_size, self.sampling())
         rewards, metrics = self.compute_rewards(rollouts)
         advantages, adv_stats = group_advantages(rewards, self.rl.group_size, self.rl.scale_rewards,
                                                  batch_std=self._dp_batch_std(rewards))
+        keep = torch.ones(len(rollouts), dtype=torch.bool)
+        if skipped:  # skipped groups keep their rows (the batch size is the config's) with nothing to learn from
+            self._datamodule().bad_records_skipped += len(skipped)
+            rollouts, keep = with_skipped_groups(rollouts, prompts, skipped, self.rl.group_size,
+                                                 self.tokenizer.eos_token_id)
+            advantages, rewards = _scatter(advantages, keep), _scatter(rewards, keep)
         batch = pack_rollouts(rollouts, advantages, rewards, self.tokenizer.pad_token_id, self._context())
-        lengths = batch.completion_mask.sum(-1).float()
+        lengths = batch.completion_mask.sum(-1).float()[keep]
         metrics.update({k: float(v) for k, v in adv_stats.items()})
         metrics["completion/len_mean"], metrics["completion/len_max"] = float(lengths.mean()), float(lengths.max())
-        metrics["completion/stop_frac"] = sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts)
+        stopped = [r.finish_reason == "stop" for r, k in zip(rollouts, keep.tolist()) if k]
+        metrics["completion/stop_frac"] = sum(stopped) / len(stopped)
+        metrics["data/bad_records_skipped"] = float(getattr(self._datamodule(), "bad_records_skipped", 0))
         return batch, metrics
 
     def update(self, batch: RolloutBatch) -> LoopResult:
@@ -372,34 +399,47 @@ class GRPOModule(LightningModule):
     def forward_chunk(self, chunk: RolloutBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, Stats]:
         """Score one chunk with the objective: it asks the policy (and reference, teacher) for what it needs."""
         chunk = chunk.to(self.device)
+        vision = self.materialize(chunk)  # this chunk's pixels only; freed once its backward has run
         if old_logprobs is None and self.rl.use_rollout_logprobs_for_loss:
             if chunk.rollout_logprobs is None:
                 raise ValueError("rl.use_rollout_logprobs_for_loss=true but the engine returned no sampler logprobs")
             old_logprobs = chunk.rollout_logprobs[:, 1:]
-        return self.objective.chunk_loss(chunk, self.policy_view(), old_logprobs)
+        return self.objective.chunk_loss(chunk, self.policy_view(chunk, vision), old_logprobs)
 
-    def policy_view(self) -> PolicyView:
-        """What an objective may ask of the policy (``objectives/base.py``)."""
+    def policy_view(self, chunk: RolloutBatch | None = None, vision: VisionInputs | None = None) -> PolicyView:
+        """What an objective may ask of the policy (``objectives/base.py``). ``vision``: ``chunk``'s pixels,
+        materialized once and shared by the policy and the reference (another chunk materializes its own)."""
         has_ref = self.ref is not None or (lora.is_lora(self.policy) and self.objective.needs_reference())
+        pixels = lambda c: vision if c is chunk else None  # noqa: E731
         return PolicyView(model=self.policy, temperature=self.rollout_cfg.temperature,
-                          logprobs=lambda c: self.logprobs(self.policy, c),
-                          reference=self.reference_logprobs if has_ref else None,
+                          logprobs=lambda c: self.logprobs(self.policy, c, pixels(c)),
+                          reference=(lambda c: self.reference_logprobs(c, pixels(c))) if has_ref else None,
                           call=lambda fn, *args: root_call(self.policy, fn, *args))
 
-    def reference_logprobs(self, chunk: RolloutBatch) -> Tensor:
+    def reference_logprobs(self, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
         """``[B, T-1]`` logprobs of the frozen reference: the copy, or under LoRA the policy with its adapter off."""
         if self.ref is not None:
             with torch.no_grad(), eval_mode(self.ref):
-                return self.logprobs(self.ref, chunk)
+                return self.logprobs(self.ref, chunk, vision)
         with torch.no_grad(), eval_mode(self.policy), lora.reference_mode(self.policy):
-            return self.logprobs(self.policy, chunk)
+            return self.logprobs(self.policy, chunk, vision)
 
-    def logprobs(self, model, chunk: RolloutBatch) -> Tensor:
-        """``[B, T-1]`` logprobs of the completion tokens at the sampling temperature, 0 at prompt and padding."""
+    def logprobs(self, model, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
+        """``[B, T-1]`` logprobs of the completion tokens at the sampling temperature, 0 at prompt and padding. A chunk
+        with images is scored with ``vision`` (materialized here when not given: the ahead pass scores chunk by chunk
+        too, so only one chunk's pixels are alive)."""
+        vision = vision if vision is not None else self.materialize(chunk)
+        extra = None if vision is None else {k: v.to(self.device) for k, v in vision.as_kwargs().items()}
         # root_call: under FSDP2 the root's hooks gather embeddings/head around the decoder + fused head.
         return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
                          positions=chunk.completion_mask[:, 1:], temperature=self.rollout_cfg.temperature,
-                         keep_bytes=int(self.rl.logits_keep_mb * 2**20))
+                         keep_bytes=int(self.rl.logits_keep_mb * 2**20), model_inputs=extra)
+
+    def materialize(self, chunk: RolloutBatch) -> VisionInputs | None:
+        """The pixels of ``chunk``'s rows (decoded and processed now), or None for a chunk without images."""
+        if chunk.images is None or self.vision is None:
+            return None
+        return self.vision.materialize(chunk.images, chunk.input_ids.cpu(), chunk.group_ids.tolist())
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
         metrics = {**rollout_metrics, **roll_up(result, stats=getattr(self.objective, "stats", None)),
@@ -434,6 +474,9 @@ class GRPOModule(LightningModule):
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed,
                               stop=tuple(r.stop or ()))
+
+    def _on_bad_record(self) -> str:
+        return getattr(self._datamodule(), "on_bad_record", "error")
 
     def _datamodule(self):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -490,3 +533,10 @@ class GRPOModule(LightningModule):
                         "HandoffCallback() in Trainer(callbacks=...) for the colocated sleep/wake hand-off.",
                         type(self.engine).__name__)
         return publisher
+
+
+def _scatter(values: Tensor, keep: Tensor) -> Tensor:
+    """``[len(keep)]``: ``values`` at the kept rows, 0 at the others."""
+    out = values.new_zeros(keep.shape)
+    out[keep] = values
+    return out

@@ -35,8 +35,10 @@ CHARS = list("0123456789+-*=()?:#, .abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQR
 class TinyPolicySpec:
     """Shape of a locally built policy. head_dim >= 32 so vLLM's CPU attention accepts it."""
 
-    arch: Literal["qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"] = "qwen2"
-    """Transformers architecture of the built model; the ``*moe``/mixtral ones are sparse MoE (see docs/moe.md)."""
+    arch: Literal["qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen2_5_vl"] = "qwen2"
+    """Transformers architecture of the built model; the ``*moe``/mixtral ones are sparse MoE (see docs/moe.md);
+    ``qwen2_5_vl`` = a vision-language Qwen2.5-VL (a small vision tower plus this text model; ``tiny_vlm.py``) for
+    image prompts."""
     hidden_size: int = 128
     """Model width."""
     num_layers: int = 2
@@ -96,6 +98,9 @@ class PolicyConfig:
     lora: LoraConfig | None = None
     """Train a LoRA adapter (peft) on the frozen model instead of every weight; None = full fine-tuning. See
     docs/lora.md."""
+    train_vision_tower: bool = False
+    """Vision-language policies: also train the vision encoder (patch embedding and blocks). False (common practice)
+    freezes it; its merger (the projection into the language model) trains either way."""
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -136,6 +141,10 @@ def build_tiny_policy(out_dir: str | os.PathLike, spec: TinyPolicySpec | None = 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = spec or TinyPolicySpec()
+    if spec.arch == "qwen2_5_vl":
+        from lightning_grpo.tiny_vlm import build_tiny_vlm
+
+        return build_tiny_vlm(out_dir, spec)
     tok = make_char_tokenizer()
     if spec.chat_template:
         tok.chat_template = TINY_CHAT_TEMPLATE
@@ -268,21 +277,61 @@ def hub_snapshot(repo_id: str, revision: str | None, trust_remote_code: bool = F
 
 def _warm_start_folder(folder: Path, task: str, steps: int, seed: int) -> None:
     """Supervise the freshly built policy on ``task`` and save it back (same folder layout)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from lightning_grpo.data.tasks import warm_start
 
-    model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-    result = warm_start(model, tok, task, steps=steps, seed=seed)
+    model, tok = _model_class(folder).from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    if vision_config_of(folder):
+        from lightning_grpo.data.visual import warm_start_vision
+        from lightning_grpo.vision import VisionProcessor
+
+        result = warm_start_vision(model, tok, VisionProcessor.from_pretrained(folder, tok), task, steps=steps,
+                                   seed=seed)
+    else:
+        result = warm_start(model, tok, task, steps=steps, seed=seed)
     print(f"warm start of the tiny policy on {task!r}: {result.steps} steps, loss {result.loss:.3f}, "
           f"{result.seconds:.1f} s (cached in {folder.name})", flush=True)
     model.save_pretrained(folder, safe_serialization=True)
 
 
+def vision_config_of(folder: Path, trust_remote_code: bool = False) -> bool:
+    """Whether the model in ``folder`` is a vision-language model (its config has a vision tower)."""
+    from transformers import AutoConfig
+
+    from lightning_grpo.vision import is_vision_config
+
+    return is_vision_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+
+
+def _model_class(folder: Path, trust_remote_code: bool = False):
+    """``AutoModelForImageTextToText`` for a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), else
+    ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if vision_config_of(folder, trust_remote_code) else AutoModelForCausalLM
+
+
+def load_vision(cfg: PolicyConfig, tokenizer, model: nn.Module):
+    """The policy's ``VisionProcessor`` (image processor of its folder), or None for a text-only policy.
+
+    Unless ``cfg.train_vision_tower``, the vision encoder is frozen here (before the optimizer sees it).
+    """
+    from lightning_grpo.vision import VisionProcessor, freeze_vision_tower, is_vision_config
+
+    if not is_vision_config(getattr(model, "config", None)):
+        return None
+    if not cfg.train_vision_tower:
+        freeze_vision_tower(model)
+    dtype = next(model.parameters()).dtype
+    return VisionProcessor.from_pretrained(resolve_path(cfg), tokenizer, dtype=dtype)
+
+
 def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
     """(model, tokenizer) from ``cfg``, both from one folder. Weights load from safetensors; remote code only if
-    allowed."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    allowed. A vision-language model loads through ``AutoModelForImageTextToText`` (``load_vision`` gives its
+    image side)."""
+    from transformers import AutoTokenizer
 
     path = resolve_path(cfg)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
@@ -293,7 +342,7 @@ def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
         is_file = cfg.chat_template.endswith(".jinja") or ("{" not in cfg.chat_template and template.is_file())
         tok.chat_template = template.read_text(encoding="utf-8") if is_file else cfg.chat_template
     extra = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
-    model = AutoModelForCausalLM.from_pretrained(
+    model = _model_class(path, cfg.trust_remote_code).from_pretrained(
         path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code, use_safetensors=None, **extra
     )
     return model, tok

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
@@ -39,17 +39,21 @@ class PromptRecord:
     """Source extras: ``source_index`` (row in the source), ``epoch``, and the row's other columns."""
     messages: list[dict] | None = None
     """Chat messages of a conversational prompt; None = plain text."""
+    images: tuple = ()
+    """Image references (paths, bytes, PIL images) in the order of the messages' image parts; decoded only when
+    the prompt is generated from or one of its chunks is scored (``data/images.py``)."""
 
     def to_prompt(self, tokenizer) -> Prompt:
         """The engine's ``Prompt``: chat-templated when it has messages, else ``tasks.encode_prompt`` (the encoding
-        ``warm_start`` trains on)."""
+        ``warm_start`` trains on). Image placeholders stay single tokens until ``vision.VisionProcessor`` expands
+        them."""
         ids, text = encode(tokenizer, self.text, self.messages)
-        return Prompt(self.id, ids, text, self.answer, self.meta, self.messages)
+        return Prompt(self.id, ids, text, self.answer, self.meta, self.messages, tuple(self.images))
 
     @classmethod
     def of(cls, position: int, item: TaskItem, **extra: Any) -> PromptRecord:
         """The record at stream position (or held-out index) ``position`` of ``item``; ``extra`` joins its meta."""
-        return cls(position, item.text, item.answer, {**extra, **item.meta}, item.messages)
+        return cls(position, item.text, item.answer, {**extra, **item.meta}, item.messages, item.images)
 
 
 class PromptStream:
@@ -152,6 +156,11 @@ class PromptDataModule(LightningDataModule):
             ``val_split`` of ``source``, or else ``val_size`` rows held out of ``source`` (never trained on).
         val_split: split holding the held-out prompts (of ``val_source``, else of ``source``), e.g. ``test``.
         val_size: held-out prompts to use; 0 disables validation.
+        image_key: column of the prompt's images (paths, bytes, PIL images or a ``datasets`` Image column; one or a
+            list; ``image`` is read when it is absent). Records keep references; pixels are decoded per chunk.
+        on_bad_record: a record whose image cannot be read, met at the loop step that draws it: ``error`` stops
+            the run naming the record id and path; ``skip`` trains that step without the record's group (counted
+            in ``data/bad_records_skipped``).
 
     Example::
 
@@ -176,12 +185,19 @@ class PromptDataModule(LightningDataModule):
         val_source: str | Sequence[Mapping[str, Any]] | None = None,
         val_split: str | None = None,
         val_size: int = 64,
+        image_key: str = "images",
+        on_bad_record: Literal["error", "skip"] = "error",
     ) -> None:
         super().__init__()
         if prompts_per_step is not None and (not isinstance(prompts_per_step, int) or prompts_per_step < 1):
             raise ValueError(f"PromptDataModule(prompts_per_step={prompts_per_step!r}): must be a positive integer")
         if val_size < 0:
             raise ValueError(f"PromptDataModule(val_size={val_size}): must be >= 0 (0 disables validation)")
+        if on_bad_record not in ("error", "skip"):
+            raise ValueError(f"PromptDataModule(on_bad_record={on_bad_record!r}): must be 'error' or 'skip'")
+        self.on_bad_record = on_bad_record
+        self.bad_records_skipped = 0
+        """Records skipped for an unreadable image (``on_bad_record=skip``; logged: data/bad_records_skipped)."""
         self.source, self.val_source = source, val_source
         self.split, self.val_split = split, val_split
         self.prompts_per_step = prompts_per_step
@@ -193,6 +209,7 @@ class PromptDataModule(LightningDataModule):
             "chat": chat,
             "seed": seed,
             "subset": subset,
+            "image_key": image_key,
         }
         self.seed, self.shuffle, self.builtin_size, self.val_size = seed, shuffle, builtin_size, val_size
         self.rank, self.world_size = 0, 1
@@ -264,6 +281,12 @@ class PromptDataModule(LightningDataModule):
         held = set(order[: self.val_size])
         train = [i for i in range(len(items)) if i not in held]
         return [items[i] for i in train], [rows[i] for i in train], [items[i] for i in sorted(held)]
+
+    @property
+    def has_images(self) -> bool:
+        """Whether any training or held-out prompt carries images (a text-only policy is refused at setup)."""
+        self._ensure_setup()
+        return any(it.images for it in self._items) or any(it.images for it in self._val_given or [])
 
     @property
     def columns(self) -> set[str]:

@@ -48,7 +48,7 @@ class RewardSpec:
     """One reward function, its weight in the total and its time limit. The function is resolved at load."""
 
     name: str = "arith"
-    """A built-in (``arith``, ``math_answer``, ``format``, ``recorded``) or an import path ``module:function``
+    """A built-in (``arith``, ``exact``, ``math_answer``, ``format``, ``recorded``) or an import path ``module:function``
     (the current working folder is importable, like a script's own folder)."""
     weight: float = 1.0
     """Multiplies this function's rewards in the total."""
@@ -123,6 +123,7 @@ BUILTINS: dict[str, RewardFn] = {
     "math_answer": math_answer,
     "format": format_reward,
     "arith": arith_reward,
+    "exact": arith_reward,  # the same rule for any task with a short exact answer (the visual ``colors`` task)
     "recorded": recorded_reward,
 }
 

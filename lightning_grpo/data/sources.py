@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_grpo.data.chat import is_messages, with_system
+from lightning_grpo.data.images import as_refs, count_image_parts, split_inline_images, text_of, with_image_parts
 from lightning_grpo.data.tasks import TEMPLATES, Split, TaskItem, get_task
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -46,6 +47,7 @@ def load_items(
     split: Split = "train",
     dataset_split: str = "train",
     subset: str | None = None,
+    image_key: str = "images",
 ) -> list[TaskItem]:
     """The items of ``source``; raises ``PromptDataError`` on a missing column, a bad row or an empty result.
 
@@ -62,6 +64,8 @@ def load_items(
         split: ``"train"`` or ``"val"`` of a built-in task (the two are kept disjoint).
         dataset_split: split of a ``datasets`` id or folder (``train``, ``test``, ...); a single file has one.
         subset: configuration (subset) of a ``datasets`` id, e.g. ``main`` for ``openai/gsm8k``.
+        image_key: column of the prompt's images (paths, bytes, PIL images or a ``datasets`` Image column; one or
+            a list); ``image`` is read when this column is absent. Kept as references (``data/images.py``).
     """
     template = resolve_template(prompt_template)
     if isinstance(source, str) and source.startswith("builtin:"):
@@ -69,7 +73,7 @@ def load_items(
     else:
         rows, where = read_rows(source, dataset_split, subset)
         _check_columns(rows, prompt_key, answer_key, _name(source))
-        items = [_row_item(row, prompt_key, answer_key, where, i) for i, row in enumerate(rows)]
+        items = [_row_item(row, prompt_key, answer_key, where, i, image_key) for i, row in enumerate(rows)]
     if not items:
         raise PromptDataError(f"source={_name(source)}: the {split} prompt set is empty; it needs at least one prompt")
     return [_shape(it, template, system_prompt, chat) for it in items]
@@ -226,7 +230,8 @@ def _check_columns(rows: Any, prompt_key: str, answer_key: str | None, name: str
         )
 
 
-def _row_item(row: Any, prompt_key: str, answer_key: str | None, where: Callable[[int], str], i: int) -> TaskItem:
+def _row_item(row: Any, prompt_key: str, answer_key: str | None, where: Callable[[int], str], i: int,
+              image_key: str = "images") -> TaskItem:
     if not isinstance(row, Mapping):
         raise PromptDataError(f"{where(i)}: a row must be an object with named columns, got {type(row).__name__}")
     present = sorted(k for k, v in row.items() if v is not None)
@@ -242,12 +247,26 @@ def _row_item(row: Any, prompt_key: str, answer_key: str | None, where: Callable
         )
     prompt = row[prompt_key]
     answer = None if answer_key is None or row[answer_key] is None else str(row[answer_key])
-    meta = {k: v for k, v in row.items() if k != prompt_key}
+    key = image_key if image_key in row or "image" not in row else "image"
+    try:
+        images = as_refs(row.get(key))
+    except TypeError as err:
+        raise PromptDataError(f"{where(i)}: column {key!r}: {err}; give paths, bytes or PIL images") from None
+    meta = {k: v for k, v in row.items() if k not in (prompt_key, key)}  # images travel as references, not meta
     if isinstance(prompt, str) and prompt:
+        if images:  # the images go first in one user message (the chat template places them)
+            return TaskItem(prompt, answer, meta, with_image_parts(prompt, len(images)), images)
         return TaskItem(prompt, answer, meta)
     if is_messages(prompt):
         messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]  # datasets pads missing keys
-        return TaskItem(str(messages[-1]["content"]), answer, meta, messages)
+        messages, inline = split_inline_images(messages)
+        images = inline + images
+        if count_image_parts(messages) != len(images):
+            raise PromptDataError(
+                f"{where(i)}: the messages hold {count_image_parts(messages)} image parts ({{'type': 'image'}}) but "
+                f"the row has {len(images)} images (column {key!r} plus inline ones); give one image per part"
+            )
+        return TaskItem(text_of(messages), answer, meta, messages, images)
     raise PromptDataError(
         f"{where(i)}: {prompt_key!r} must be a non-empty string or a list of chat messages "
         f"[{{'role': ..., 'content': ...}}], got {prompt!r:.80}"

@@ -43,6 +43,8 @@ class TaskItem:
     """The source row's other columns (the raw answer column included): reward functions receive them."""
     messages: list[dict] | None = None
     """Chat messages of a conversational prompt (rendered by the tokenizer's chat template); None = plain text."""
+    images: tuple = ()
+    """Image references of the prompt, in the order of its ``{"type": "image"}`` parts (``data/images.py``)."""
 
 
 class Task(Protocol):
@@ -106,9 +108,16 @@ class ArithTask:
         return (a * 31 + b * 17) % self.val_every == 0
 
 
+def _colors() -> Task:
+    from lightning_grpo.data.visual import ColorTask  # images: PIL is imported only when a visual task is used
+
+    return ColorTask()
+
+
 TASKS: dict[str, Callable[[], Task]] = {
     "arith": ArithTask,
     "arith_small": lambda: ArithTask(max_operand=5, val_holdout=False, name="arith_small"),
+    "colors": _colors,
 }
 """Registry of built-in tasks by name (``builtin:<name>`` in a data source)."""
 

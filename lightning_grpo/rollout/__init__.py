@@ -23,7 +23,7 @@ def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
     if cfg.engine == "hf":
         from lightning_grpo.rollout.hf import HFEngine
 
-        return HFEngine(module.policy, module.tokenizer)
+        return HFEngine(module.policy, module.tokenizer, vision=getattr(module, "vision", None))
     if cfg.engine == "vllm":
         from dataclasses import replace
 

@@ -47,6 +47,9 @@ class Prompt:
     """The dataset row's other columns (handed to reward functions), plus the stream's ``source_index``/``epoch``."""
     messages: list[dict] | None = None
     """Chat messages of a conversational prompt (``text`` is then its chat-templated string); None = plain text."""
+    images: tuple = ()
+    """Image references of the prompt, in placeholder order (``data/images.py``); ``token_ids`` then hold each
+    image's expanded placeholder tokens (``vision.VisionProcessor.expand``)."""
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ class HFEngine:
         tokenizer: its tokenizer (pad/eos ids, decoding).
         eos_token_ids: token ids that end a completion; None = the tokenizer's EOS plus the
             model's ``generation_config.eos_token_id``.
+        vision: a vision-language policy's ``VisionProcessor``: prompts with images generate from their pixels
+            (decoded for this call only). None = a text-only policy (image prompts are refused).
 
     Example::
 
@@ -46,8 +48,9 @@ class HFEngine:
         rollouts = engine.generate(prompts, group_size=8, sampling=SamplingConfig(seed=step))
     """
 
-    def __init__(self, model: nn.Module, tokenizer, eos_token_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, model: nn.Module, tokenizer, eos_token_ids: Sequence[int] | None = None, vision=None) -> None:
         self.model = model
+        self.vision = vision
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _default_eos(model, tokenizer)
         if not self.eos_token_ids:
@@ -65,10 +68,13 @@ class HFEngine:
         input_ids, attention_mask = self._left_pad([p.token_ids for p in rows])  # [N, L]
         streams = RowStreams(row_seeds([p.id for p in prompts], group_size, sampling.seed))
         sampler = InverseCDFSampler(streams if sampling.temperature > 0 else None, record=sampling.logprobs)
+        # Pixels of this call's prompts only, repeated for each prompt's group; dropped when generate returns.
+        vision = self.vision.for_generation(prompts, group_size, input_ids) if self.vision is not None else None
         with self._generation_mode():
             sequences = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
+                **({} if vision is None else {k: v.to(input_ids.device) for k, v in vision.as_kwargs().items()}),
                 generation_config=self._generation_config(sampling),
                 logits_processor=_processors(sampling, sampler),
                 stopping_criteria=_stop_criteria(self.tokenizer, sampling.stop, input_ids.shape[1]),
@@ -85,6 +91,9 @@ class HFEngine:
         for p in prompts:
             if not p.token_ids:
                 raise ValueError(f"prompt id={p.id} has no tokens; a completion needs a non-empty prompt")
+            if p.images and self.vision is None:
+                raise ValueError(f"prompt id={p.id} has {len(p.images)} images but the policy is text-only; use a "
+                                 "vision-language policy (e.g. Qwen2.5-VL) for image prompts")
             if n_ctx is not None and len(p.token_ids) + sampling.max_new_tokens > n_ctx:
                 raise ValueError(
                     f"prompt id={p.id}: {len(p.token_ids)} prompt tokens + max_new_tokens={sampling.max_new_tokens} "

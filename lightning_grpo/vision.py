@@ -1,0 +1,225 @@
+"""Vision-language policies: image placeholders expanded in prompts, pixels materialized per chunk.
+
+A Qwen-VL prompt holds one placeholder token per image patch group (``<|image_pad|>`` x
+``t*h*w / merge_size**2``), and the model's 3-D rotary positions follow the image grids. So the
+prompt tokens are expanded once, when the prompt is built for generation (the image is decoded
+then, which is also where an unreadable image is reported), and the collected batch keeps only
+the image *references*. ``materialize`` decodes and processes the images of one chunk's rows,
+right before that chunk is scored; the pixel tensors die with the chunk's forward (and its
+backward, when the vision tower trains). Pixels of the whole batch are never alive at once.
+
+The divisor is unaffected: image placeholders are prompt positions, never in ``completion_mask``.
+
+Works with the image processor and tokenizer of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint
+(the ones ``AutoModelForImageTextToText`` loads); ``AutoProcessor`` is not needed (it also wants a
+video processor, which needs torchvision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from lightning_grpo.data.images import load_images
+from lightning_grpo.rollout.base import Prompt
+
+IMAGE_TOKEN = "<|image_pad|>"
+"""The placeholder token Qwen-VL chat templates put where an image goes (one per image before expansion)."""
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """The processed images of some rows, in row order (what the model's forward takes besides tokens).
+
+    Attributes:
+        pixel_values: ``[P, C*t*p*p]`` flattened patches of every image of the rows, image after image.
+        image_grid_thw: ``[I, 3]`` int64 (temporal, height, width) patch grid of each image.
+        mm_token_type_ids: ``[B, T]`` int, 1 on image placeholders, 0 elsewhere (the model's 3-D positions).
+    """
+
+    pixel_values: Tensor
+    image_grid_thw: Tensor
+    mm_token_type_ids: Tensor
+
+    def as_kwargs(self) -> dict[str, Tensor]:
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
+                "mm_token_type_ids": self.mm_token_type_ids}
+
+
+class VisionProcessor:
+    """Image side of a vision-language policy: expands placeholders and turns images into model inputs.
+
+    Args:
+        image_processor: the checkpoint's image processor (``AutoImageProcessor``).
+        image_token_id: id of the image placeholder token in the tokenizer.
+        dtype: floating dtype the pixels are cast to (the policy's).
+
+    Example::
+
+        vision = VisionProcessor.from_pretrained(folder, tokenizer, dtype=torch.float32)
+        prompt = vision.expand(prompt)              # placeholders x grid size, images decoded once
+        inputs = vision.materialize(chunk)          # pixels of this chunk's rows only
+    """
+
+    def __init__(self, image_processor, image_token_id: int, dtype: torch.dtype = torch.float32) -> None:
+        self.image_processor = image_processor
+        self.image_token_id = int(image_token_id)
+        self.merge_size = int(getattr(image_processor, "merge_size", 2))
+        self.dtype = dtype
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, tokenizer, dtype: torch.dtype = torch.float32) -> VisionProcessor:
+        from transformers import AutoImageProcessor
+
+        image_processor = AutoImageProcessor.from_pretrained(folder)
+        token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ValueError(f"policy at {folder}: its tokenizer has no {IMAGE_TOKEN} token; a Qwen-VL checkpoint's "
+                             "tokenizer is needed for image prompts")
+        return cls(image_processor, token_id, dtype)
+
+    # -- prompts ---------------------------------------------------------------------------------------------------
+    def process(self, images: Sequence) -> tuple[Tensor, Tensor]:
+        """``(pixel_values [P, D], image_grid_thw [I, 3])`` of decoded images."""
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        return out["pixel_values"].to(self.dtype), out["image_grid_thw"].long()
+
+    def tokens_per_image(self, grid_thw: Tensor) -> list[int]:
+        """Placeholder tokens each image expands to: ``t*h*w / merge_size**2``."""
+        return (grid_thw.prod(-1) // self.merge_size**2).tolist()
+
+    def expand(self, prompt: Prompt) -> Prompt:
+        """``prompt`` with each image placeholder repeated to its image's token count (decodes its images).
+
+        Raises:
+            BadImageError: an image cannot be read (names the prompt id and the image's path).
+            ValueError: the prompt's placeholders and its images do not pair up.
+        """
+        if not prompt.images:
+            return prompt
+        _, grid = self.process(load_images(prompt.images, prompt.id))
+        counts = iter(self.tokens_per_image(grid))
+        placeholders = sum(t == self.image_token_id for t in prompt.token_ids)
+        if placeholders != len(prompt.images):
+            raise ValueError(
+                f"prompt id={prompt.id}: {len(prompt.images)} images but {placeholders} {IMAGE_TOKEN} tokens after "
+                "the chat template; the template must place one per {'type': 'image'} part"
+            )
+        ids: list[int] = []
+        for t in prompt.token_ids:
+            ids.extend([t] * next(counts) if t == self.image_token_id else [t])
+        return Prompt(prompt.id, ids, prompt.text, prompt.answer, prompt.meta, prompt.messages, prompt.images)
+
+    def for_generation(self, prompts: Sequence[Prompt], group_size: int, input_ids: Tensor) -> VisionInputs | None:
+        """Inputs of ``group_size`` rows per prompt (``input_ids`` ``[N, L]``, left-padded): each prompt's images
+        are decoded and processed once, their pixels repeated for its rows."""
+        pixels, grids = [], []
+        for p in prompts:
+            if p.images:
+                px, grid = self.process(load_images(p.images, p.id))
+                pixels += [px] * group_size
+                grids += [grid] * group_size
+        if not pixels:
+            return None
+        return VisionInputs(torch.cat(pixels), torch.cat(grids), (input_ids == self.image_token_id).int())
+
+    # -- chunks ----------------------------------------------------------------------------------------------------
+    def materialize(self, images: Sequence[tuple], input_ids: Tensor, ids: Sequence[int] | None = None
+                    ) -> VisionInputs | None:
+        """The model inputs of rows whose image references are ``images[i]`` and tokens ``input_ids[i]``.
+
+        Args:
+            images: per row, its image references (``()`` for a row without images).
+            input_ids: ``[B, T]`` the rows' (expanded) tokens.
+            ids: per row, the record id named in an error.
+
+        Returns None when no row has an image.
+        """
+        flat = [(ids[i] if ids is not None else None, ref) for i, refs in enumerate(images) for ref in refs]
+        if not flat:
+            return None
+        decoded = [load_images([ref], rid)[0] for rid, ref in flat]
+        pixels, grid = self.process(decoded)
+        expected = sum(self.tokens_per_image(grid))
+        found = int((input_ids == self.image_token_id).sum())
+        if found != expected:
+            raise ValueError(f"rows hold {found} image placeholder tokens but their images need {expected}: an "
+                             "image changed size since its prompt was built, or the rows were cut")
+        return VisionInputs(pixels, grid, (input_ids == self.image_token_id).int())
+
+
+def is_vision_config(config) -> bool:
+    """Whether a transformers config describes a vision-language model (it has a vision tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """The vision encoder of a Qwen-VL style model (``model.model.visual``), or None for a text-only model."""
+    base = getattr(model, "model", model)
+    for name in ("visual", "vision_tower", "vision_model"):
+        tower = getattr(base, name, None)
+        if isinstance(tower, nn.Module):
+            return tower
+    return None
+
+
+def freeze_vision_tower(model: nn.Module) -> int:
+    """Freeze the vision encoder (patch embedding and blocks); its merger (the projection into the language model)
+    keeps training. Returns the number of parameters frozen."""
+    tower = vision_tower(model)
+    if tower is None:
+        return 0
+    frozen = 0
+    for name, p in tower.named_parameters():
+        if not name.startswith("merger."):
+            p.requires_grad_(False)
+            frozen += p.numel()
+    return frozen
+
+
+# -- prompts of one loop step, with unreadable images met at the step that draws them -------------------------------
+def step_prompts(records, tokenizer, vision: VisionProcessor | None, on_bad_record: str = "error"
+                 ) -> tuple[list[Prompt], list[int]]:
+    """``(prompts, skipped)``: the engine prompts of ``records`` (placeholders expanded for a VLM) and the indices of
+    the records skipped for an unreadable image (``on_bad_record="skip"``; with ``"error"`` the ``BadImageError``,
+    naming record id and path, propagates)."""
+    from lightning_grpo.data.images import BadImageError
+
+    prompts, skipped = [], []
+    for i, record in enumerate(records):
+        prompt = record.to_prompt(tokenizer)
+        if vision is not None:
+            try:
+                prompt = vision.expand(prompt)
+            except BadImageError:
+                if on_bad_record != "skip":
+                    raise
+                skipped.append(i)
+        prompts.append(prompt)
+    if skipped and len(skipped) == len(records):
+        raise ValueError(f"every record of this loop step has an unreadable image (ids {[r.id for r in records]}); "
+                         "check the image paths of the data")
+    return prompts, skipped
+
+
+def with_skipped_groups(rollouts: list, prompts: Sequence[Prompt], skipped: Sequence[int], group_size: int,
+                        eos_token_id: int) -> tuple[list, Tensor]:
+    """``(rollouts of every prompt, live [N] bool)``: each skipped prompt's group is put back in place as empty
+    completions of a one-token prompt with no image, so the collected batch keeps its configured size. Those rows
+    carry no completion token: they add nothing to the loss or to the divisor (their advantage is set to 0)."""
+    from lightning_grpo.rollout.base import Rollout
+
+    out, live, it = [], [], iter(rollouts)
+    for i, p in enumerate(prompts):
+        if i in skipped:
+            empty = Prompt(p.id, [eos_token_id], "", p.answer, p.meta)
+            out += [Rollout(empty, [], "", "length") for _ in range(group_size)]
+            live += [False] * group_size
+        else:
+            out += [next(it) for _ in range(group_size)]
+            live += [True] * group_size
+    return out, torch.tensor(live)
