@@ -185,17 +185,17 @@ class GRPOModule(LightningModule):
         dm = self._datamodule()
         if dm is None or not hasattr(dm, "prepare_prompts"):
             return
-        dm.prepare_prompts(self.tokenizer, self.max_prompt_tokens(), self.rollout_cfg.long_prompts)
-        check_reward_columns(self.reward_specs or [], dm.columns)
         if self.vision is None and getattr(dm, "has_images", False):
             raise ValueError(
-                f"data.source={getattr(dm, 'source', '?')!r} has prompts with images but policy.path="
+                f"data.source={_source_name(dm)} has prompts with images but policy.path="
                 f"{self.policy_cfg.path!r} is a text-only model; use a vision-language policy (Qwen2-VL, Qwen2.5-VL, "
                 "Qwen3-VL, or tiny.arch=qwen2_5_vl) or a text-only data source"
             )
         if getattr(dm, "has_images", False) and self.objective.name != "grpo":  # OPD scores hidden states, no pixels
             raise ValueError(f"model.objective={self.objective.name} does not score prompts with images (data.source="
-                             f"{getattr(dm, 'source', '?')!r} has some); use model.objective=grpo for image prompts")
+                             f"{_source_name(dm)} has some); use model.objective=grpo for image prompts")
+        dm.prepare_prompts(self.tokenizer, self.max_prompt_tokens(), self.rollout_cfg.long_prompts)
+        check_reward_columns(self.reward_specs or [], dm.columns)
 
     def max_prompt_tokens(self) -> int | None:
         """The prompt-length limit: ``rollout.max_prompt_tokens``, else the context left after the completion."""
@@ -540,3 +540,8 @@ def _scatter(values: Tensor, keep: Tensor) -> Tensor:
     out = values.new_zeros(keep.shape)
     out[keep] = values
     return out
+
+
+def _source_name(dm) -> str:
+    source = getattr(dm, "source", "?")
+    return repr(source) if isinstance(source, str) else f"<{type(source).__name__}>"

@@ -105,3 +105,13 @@ def moe_policy_dir(tmp_path_factory):
     from helpers import build_moe_policy
 
     return build_moe_policy(tmp_path_factory.mktemp("moe-policy"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """A tiny Qwen2.5-VL folder (text hidden 64, head_dim 32; vision tower of 2 blocks, width 32) with the char
+    tokenizer plus vision tokens, a multimodal chat template and a Qwen2-VL image processor (saved locally)."""
+    from helpers import SMALL_VLM
+    from lightning_grpo.policy import build_tiny_policy
+
+    return build_tiny_policy(tmp_path_factory.mktemp("tiny-vlm"), SMALL_VLM)

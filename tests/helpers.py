@@ -18,6 +18,8 @@ from lightning_grpo.policy import TinyPolicySpec
 SMALL = TinyPolicySpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 SMALL_CHAT = dataclasses.replace(SMALL, chat_template=True)
 """SMALL with a chat template on its tokenizer (the stand-in for an instruct model)."""
+SMALL_VLM = dataclasses.replace(SMALL, arch="qwen2_5_vl")
+"""SMALL as a Qwen2.5-VL: the same text model plus a small vision tower and an image processor."""
 HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 QUICKSTART_ARGS = [
@@ -169,6 +171,8 @@ def cache_hub_dataset(datasets_cache: Path, repo_id: str, subset: str, files: di
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(prepared), target)
     return target
+
+
 def first_token_spread(rollouts, n_prompts: int, group: int) -> tuple[float, float]:
     """(across, within): mean count of distinct first tokens over the prompts at one sample index, and over the
     samples of one prompt. For identical prompts with independent noise the two agree; an engine that seeds
@@ -220,3 +224,39 @@ def kernel_noise(model: torch.nn.Module, eps: float = KERNEL_NOISE):
     finally:
         for h in handles:
             h.remove()
+
+
+def png(size: tuple[int, int], color: tuple[int, int, int] = (200, 30, 30), seed: int = 0) -> bytes:
+    """PNG bytes of a noisy image of ``size`` (width, height) around ``color``."""
+    import io
+
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.tensor(color).view(1, 1, 3)
+    pixels = (base + torch.randint(-40, 40, (size[1], size[0], 3), generator=g)).clamp(0, 255).to(torch.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_batch(module, completion_lens: list[int], sizes: list[tuple[int, int]], group_size: int = 2,
+                seed: int = 0) -> RolloutBatch:
+    """A collected batch of image prompts built the way ``GRPOModule.collect`` builds one (records -> expanded
+    prompts -> packed rows), with random completions of the given lengths and random advantages. Prompt ``p`` has
+    the image of size ``sizes[p % len(sizes)]`` (unequal sizes: unequal image-token counts)."""
+    from lightning_grpo.batch import pack_rollouts
+    from lightning_grpo.data.images import with_image_parts
+    from lightning_grpo.data.prompts import PromptRecord
+    from lightning_grpo.rollout.base import Rollout
+    from lightning_grpo.vision import step_prompts
+
+    g = torch.Generator().manual_seed(seed)
+    n_prompts = len(completion_lens) // group_size
+    records = [PromptRecord(p, "what is it?", "red", {}, with_image_parts("what is it?", 1),
+                            (png(sizes[p % len(sizes)], seed=seed + p),)) for p in range(n_prompts)]
+    prompts, _ = step_prompts(records, module.tokenizer, module.vision)
+    rollouts = [Rollout(prompts[i // group_size], torch.randint(4, 60, (n,), generator=g).tolist(), "", "length")
+                for i, n in enumerate(completion_lens)]
+    advantages, rewards = torch.randn(len(rollouts), generator=g), torch.rand(len(rollouts), generator=g)
+    return pack_rollouts(rollouts, advantages, rewards, module.tokenizer.pad_token_id)

@@ -1,0 +1,171 @@
+"""Vision-language policies: exact chunking with images, per-chunk pixels, the divisor, the vision tower, engines."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from helpers import image_batch, max_rel_delta, params_of, png
+from lightning_grpo.config import GRPOConfig, RolloutConfig
+from lightning_grpo.module import GRPOModule
+from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.vision import vision_tower
+
+UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]  # completion lengths of 4 prompts x 2
+SIZES = [(56, 56), (28, 28), (84, 56), (56, 112)]  # 4, 1, 6 and 8 image tokens: prompt lengths differ too
+
+
+def make(policy_dir, dtype="float32", micro=0, mini=0, train_vision=False, beta=0.0, batch=8):
+    rl = GRPOConfig(batch_per_replica=batch, group_size=2, mini_batch_per_replica=mini,
+                    micro_batch_per_replica=micro, max_grad_norm=0.0, beta=beta)
+    policy = PolicyConfig(path=str(policy_dir), dtype=dtype, train_vision_tower=train_vision)
+    module = GRPOModule(policy=policy, rl=rl, rollout=RolloutConfig())
+    module.configure_model()  # no Trainer: build the policy ourselves
+    module.loop = module.make_loop(torch.optim.SGD([p for p in module.policy.parameters() if p.requires_grad], lr=0.1))
+    return module
+
+
+@pytest.mark.parametrize("train_vision", [False, True], ids=["vision-frozen", "vision-trained"])
+@pytest.mark.parametrize("dtype,tol", [("float64", 5e-8), ("float32", 1e-5)])
+@pytest.mark.parametrize("n_micro", [2, 4])
+def test_chunked_step_equals_unchunked_on_image_batch(tiny_vlm_dir, dtype, tol, n_micro, train_vision):
+    whole = make(tiny_vlm_dir, dtype, train_vision=train_vision)
+    chunked = make(tiny_vlm_dir, dtype, micro=8 // n_micro, train_vision=train_vision)
+    batch = image_batch(whole, UNEQUAL, SIZES, seed=1)
+    before = params_of(whole.policy)
+    whole.update(batch)
+    result = chunked.update(batch)
+    assert len(result.steps) == 1 and not result.steps[0].skipped
+    assert max_rel_delta(before, params_of(whole.policy), params_of(chunked.policy)) <= tol
+    tower = {f"model.visual.{k}" for k, _ in vision_tower(whole.policy).named_parameters()}
+    moved = {k for k, v in params_of(chunked.policy).items() if not torch.equal(v, before[k])}
+    assert ("model.visual.patch_embed.proj.weight" in moved) == train_vision  # the tower trains only when asked
+    assert any(k.startswith("model.visual.merger.") for k in moved) and moved - tower  # merger + LM always
+
+
+def test_images_reach_the_update(tiny_vlm_dir):
+    """The same tokens with other pixels give another update: the images are really scored, not just placeholders."""
+    from dataclasses import replace
+
+    a, b = make(tiny_vlm_dir, "float64"), make(tiny_vlm_dir, "float64")
+    batch = image_batch(a, UNEQUAL, SIZES, seed=1)
+    recolored = tuple((png(SIZES[(i // 2) % 4], color=(20, 20, 220)),) for i in range(8))  # same sizes, other pixels
+    before = params_of(a.policy)
+    a.update(batch)
+    b.update(replace(batch, images=recolored))
+    assert max_rel_delta(before, params_of(a.policy), params_of(b.policy)) > 1e-3
+
+
+def test_divisor_counts_completion_tokens_only(tiny_vlm_dir):
+    module = make(tiny_vlm_dir, micro=2)
+    batch = image_batch(module, UNEQUAL, SIZES)
+    image_tokens = int((batch.input_ids == module.vision.image_token_id).sum())
+    assert image_tokens == 2 * (4 + 1 + 6 + 8)  # every prompt's expanded placeholders, in the rows
+    result = module.update(batch)
+    denom = sum(float(s.denom) for s in result.chunks)
+    assert denom == sum(UNEQUAL) == int(batch.completion_mask.sum())  # image placeholders never count
+    assert not (batch.completion_mask & (batch.input_ids == module.vision.image_token_id)).any()
+
+
+def test_only_one_chunks_pixels_are_alive(tiny_vlm_dir):
+    """The batch holds references only; each chunk's pixels are made when it is scored and gone before the next.
+
+    n_mini=2 x n_micro=2 with the ahead pass (mini-batch 1 re-materialized there too) and a reference model."""
+    module = make(tiny_vlm_dir, mini=4, micro=2, train_vision=True, beta=0.1)
+    batch = image_batch(module, UNEQUAL, SIZES)
+    assert not any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 2 and v.shape[0] > 8
+                   for v in vars(batch).values())  # rows x features only: no pixel tensor rides along
+    alive: list[weakref.ref] = []
+    counts: list[int] = []
+    real = module.vision.materialize
+
+    def materialize(*args, **kwargs):
+        counts.append(sum(r() is not None for r in alive))  # pixel tensors of earlier chunks still alive
+        inputs = real(*args, **kwargs)
+        alive.append(weakref.ref(inputs.pixel_values))
+        return inputs
+
+    module.vision.materialize = materialize
+    module.update(batch)
+    # ahead pass: mini 1's two chunks (mini 0 is scored in training: the probe's chunk is scored twice there);
+    # training: 4 chunks, each scored once for the policy and the reference with one materialization.
+    assert len(counts) >= 6, counts
+    assert counts == [0] * len(counts), counts
+    gc.collect()
+    assert all(r() is None for r in alive)
+
+
+def test_ahead_pass_pairs_chunks_with_their_own_images(tiny_vlm_dir):
+    """n_mini=2: pi_old of each chunk is that chunk's own eval-mode logprobs (its images re-materialized)."""
+    module = make(tiny_vlm_dir, "float64", mini=4, micro=2)
+    batch = image_batch(module, UNEQUAL, SIZES, seed=3)
+    from lightning_grpo.chunks import ChunkPlan
+
+    plan = ChunkPlan.fixed(len(batch), 2, 2)
+    pi_old = module.old_logprobs.compute(batch, plan)
+    for k, (mini, micro) in enumerate(plan.walk()):
+        if pi_old[k] is None:
+            continue  # mini-batch 0 trains before any step: its pi_old is its own detached logprobs
+        chunk = plan.chunk(batch, mini, micro)
+        with torch.no_grad():
+            module.policy.eval()
+            expected = module.logprobs(module.policy, chunk)
+            module.policy.train()
+        assert torch.equal(pi_old[k], expected)
+    assert any(p is not None for p in pi_old)
+
+
+def test_vision_tower_frozen_by_default_merger_trains(tiny_vlm_dir):
+    frozen, trained = make(tiny_vlm_dir), make(tiny_vlm_dir, train_vision=True)
+    tower = vision_tower(frozen.policy)
+    assert not tower.patch_embed.proj.weight.requires_grad and not any(
+        p.requires_grad for n, p in tower.named_parameters() if not n.startswith("merger."))
+    assert all(p.requires_grad for p in tower.merger.parameters())
+    assert all(p.requires_grad for p in trained.policy.parameters())
+    n_opt = sum(p.numel() for g in frozen.loop.accumulator.optimizer.param_groups for p in g["params"])
+    assert n_opt < sum(p.numel() for p in frozen.policy.parameters())  # the frozen tower is not optimized
+
+
+def test_hf_engine_generates_from_images(tiny_vlm_dir):
+    """transformers generate with images: the completion depends on the pixels, and the rollout tokens are the
+    expanded prompt (the update scores exactly what the engine saw)."""
+    from lightning_grpo.data.images import with_image_parts
+    from lightning_grpo.data.prompts import PromptRecord
+    from lightning_grpo.rollout.base import SamplingConfig
+    from lightning_grpo.rollout.hf import HFEngine
+    from lightning_grpo.vision import step_prompts
+
+    module = make(tiny_vlm_dir)
+    engine = HFEngine(module.policy, module.tokenizer, vision=module.vision)
+    records = [PromptRecord(i, "what?", None, {}, with_image_parts("what?", 1), (png(s, color=c, seed=i),))
+               for i, (s, c) in enumerate([((56, 56), (250, 0, 0)), ((28, 56), (0, 0, 250))])]
+    prompts, _ = step_prompts(records, module.tokenizer, module.vision)
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0, logprobs=True)
+    rollouts = engine.generate(prompts, 2, greedy)
+    assert [len(r.prompt.token_ids) for r in rollouts[::2]] == [len(p.token_ids) for p in prompts]
+    assert sum(t == module.vision.image_token_id for t in prompts[0].token_ids) == 4
+    # The sampler's logprobs equal the update's scoring of the same rows (generation and training agree).
+    from lightning_grpo.batch import pack_rollouts
+
+    batch = pack_rollouts(rollouts, torch.zeros(4), torch.zeros(4), module.tokenizer.pad_token_id)
+    with torch.no_grad():
+        module.policy.eval()
+        scored = module.logprobs(module.policy, batch)
+    sampled = batch.rollout_logprobs[:, 1:]
+    mask = batch.completion_mask[:, 1:]
+    assert torch.allclose(scored[mask], sampled[mask], atol=1e-4)
+
+
+def test_text_only_policy_refuses_image_records(tiny_policy_dir, tmp_path):
+    from lightning.pytorch import Trainer
+
+    from lightning_grpo.data.prompts import PromptDataModule
+
+    rows = [{"prompt": "which color?", "answer": "red", "images": png((56, 56))} for _ in range(8)]
+    module = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir)),
+                        rl=GRPOConfig(batch_per_replica=4, group_size=2), rollout=RolloutConfig(max_new_tokens=2))
+    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="has prompts with images but policy.path=.* is a text-only model"):
+        trainer.fit(module, datamodule=PromptDataModule(rows, val_size=0))
