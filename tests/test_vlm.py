@@ -5,8 +5,8 @@ import weakref
 
 import pytest
 import torch
-
 from helpers import image_batch, max_rel_delta, params_of, png
+
 from lightning_grpo.config import GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
