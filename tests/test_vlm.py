@@ -169,3 +169,48 @@ def test_text_only_policy_refuses_image_records(tiny_policy_dir, tmp_path):
                       enable_progress_bar=False, default_root_dir=tmp_path)
     with pytest.raises(ValueError, match="has prompts with images but policy.path=.* is a text-only model"):
         trainer.fit(module, datamodule=PromptDataModule(rows, val_size=0))
+
+
+def _fit_rows(policy_dir, rows, root, loop_steps, on_bad_record="error"):
+    from lightning.pytorch import Trainer
+
+    from lightning_grpo.data.prompts import PromptDataModule
+    from lightning_grpo.data.rewards import RewardSpec
+
+    module = GRPOModule(policy=PolicyConfig(path=str(policy_dir)), rl=GRPOConfig(batch_per_replica=4, group_size=2),
+                        rollout=RolloutConfig(max_new_tokens=3), rewards=[RewardSpec(name="exact")])
+    dm = PromptDataModule(rows, val_size=0, shuffle=False, on_bad_record=on_bad_record)
+    trainer = Trainer(max_steps=loop_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    return module, dm, trainer
+
+
+def _rows_with_missing_image(tmp_path, bad_row=3):
+    good = tmp_path / "good.png"
+    good.write_bytes(png((56, 56)))
+    rows = [{"prompt": "which color?", "answer": "red", "images": str(good)} for _ in range(8)]
+    rows[bad_row]["images"] = str(tmp_path / "gone.png")
+    return rows
+
+
+def test_unreadable_image_stops_at_the_step_that_draws_it(tiny_vlm_dir, tmp_path):
+    """Row 3 is drawn at loop step 1 (2 prompts per step, source order): step 0 trains, step 1 names id and path."""
+    module, dm, trainer = _fit_rows(tiny_vlm_dir, _rows_with_missing_image(tmp_path), tmp_path, 3)
+    with pytest.raises(Exception, match=r"record id=3: cannot read image .*gone\.png") as err:
+        trainer.fit(module, datamodule=dm)
+    assert "on_bad_record=skip" in str(err.value)
+    assert module.loop_step == 1 and trainer.global_step == 1  # the earlier step trained; nothing after it
+
+
+def test_on_bad_record_skip_counts_and_continues(tiny_vlm_dir, tmp_path):
+    module, dm, trainer = _fit_rows(tiny_vlm_dir, _rows_with_missing_image(tmp_path), tmp_path, 4, "skip")
+    seen = []
+    real = module.forward_chunk
+    module.forward_chunk = lambda c, o: (seen.append(c), real(c, o))[1]
+    trainer.fit(module, datamodule=dm)
+    assert module.loop_step == 4 and dm.bad_records_skipped == 1
+    assert module.last_metrics["data/bad_records_skipped"] == 1.0
+    skipped_step = seen[1]  # loop step 1: its second group (record 3) is the skipped one
+    assert skipped_step.group_ids.tolist() == [2, 2, 3, 3]
+    assert skipped_step.completion_mask[2:].sum() == 0 and skipped_step.advantages[2:].abs().sum() == 0
+    assert skipped_step.images[2:] == ((), ())  # no image to decode for the skipped rows
