@@ -40,7 +40,11 @@ def greedy_scores(module, records: Sequence) -> dict[str, float]:
         ``val/reward`` (mean total reward), ``val/<name>`` for each reward part ``reward/<name>``,
         ``val/len_mean`` (completion tokens) and ``val/stop_frac`` (share that ended on EOS).
     """
-    prompts = [r.to_prompt(module.tokenizer) for r in records]  # the encoding training uses
+    from lightning_grpo.vision import step_prompts
+
+    # The encoding training uses (a VLM's image placeholders expanded); unreadable images as data.on_bad_record says.
+    prompts, skipped = step_prompts(records, module.tokenizer, getattr(module, "vision", None), module._on_bad_record())
+    prompts = [p for i, p in enumerate(prompts) if i not in skipped]
     rollouts = module.engine.generate(prompts, 1, greedy_sampling(module.rollout_cfg.max_new_tokens))
     rewards, parts = module.compute_rewards(rollouts)
     metrics = {"val/reward": float(rewards.float().mean())}

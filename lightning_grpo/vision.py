@@ -125,7 +125,11 @@ class VisionProcessor:
                 grids += [grid] * group_size
         if not pixels:
             return None
-        return VisionInputs(torch.cat(pixels), torch.cat(grids), (input_ids == self.image_token_id).int())
+        grid = torch.cat(grids)
+        if int((input_ids == self.image_token_id).sum()) != sum(self.tokens_per_image(grid)):
+            raise ValueError("prompts with images must have their placeholders expanded first "
+                             "(VisionProcessor.expand, as vision.step_prompts does)")
+        return VisionInputs(torch.cat(pixels), grid, (input_ids == self.image_token_id).int())
 
     # -- chunks ----------------------------------------------------------------------------------------------------
     def materialize(self, images: Sequence[tuple], input_ids: Tensor, ids: Sequence[int] | None = None

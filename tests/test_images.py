@@ -67,3 +67,12 @@ def test_unreadable_image_names_record_and_path(tmp_path):
             load_image(str(ref) if not isinstance(ref, bytes) else ref, record_id=7)
         if not isinstance(ref, bytes):
             assert str(ref) in str(err.value)
+
+
+def test_image_markers_in_text_place_the_images():
+    """LLaVA-style text (Geometry3K: "<image>Find x.") puts each image at its marker."""
+    items = load_items([{"problem": "Look: <image> and <image>. Find x.", "answer": "3",
+                         "images": [png((28, 28)), png((56, 28))]}], prompt_key="problem")
+    assert items[0].messages[0]["content"] == [{"type": "text", "text": "Look: "}, {"type": "image"},
+                                               {"type": "text", "text": " and "}, {"type": "image"},
+                                               {"type": "text", "text": ". Find x."}]

@@ -128,8 +128,21 @@ def count_image_parts(messages: list[dict] | None) -> int:
                for p in m["content"] if isinstance(p, Mapping) and p.get("type") == "image")
 
 
+IMAGE_MARKER = "<image>"
+"""Where an image goes in a plain-text prompt (LLaVA-style data such as Geometry3K); one per image."""
+
+
 def with_image_parts(text: str, n_images: int) -> list[dict]:
-    """A plain prompt with ``n_images`` images as one user message: the images first, then the text."""
+    """A plain prompt with ``n_images`` images as one user message: each image where the text has an ``<image>``
+    marker when there is one per image, else the images first, then the text."""
+    if n_images and text.count(IMAGE_MARKER) == n_images:
+        content: list[dict] = []
+        for i, piece in enumerate(text.split(IMAGE_MARKER)):
+            if i:
+                content.append({"type": "image"})
+            if piece.strip():
+                content.append({"type": "text", "text": piece})
+        return [{"role": "user", "content": content}]
     return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
 

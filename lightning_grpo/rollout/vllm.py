@@ -91,6 +91,8 @@ class VLLMEngine:
             self.llm = LLM(model=str(self.model_path), **kwargs)
         self.dtype: torch.dtype = self.llm.llm_engine.vllm_config.model_config.dtype
         """Weight dtype inside vLLM; ``push_weights`` casts to it."""
+        self.image_token_id: int | None = _image_token_id(self.model_path)
+        """A vision-language model's image placeholder id (prompts with images go as ``multi_modal_data``)."""
         self._sleep = SleepState()
         self._derived_stale = False
 
@@ -110,7 +112,8 @@ class VLLMEngine:
         self._refresh_derived()
         seeds = row_seeds([p.id for p in prompts], group_size, sampling.seed)
         rows = [p for p in prompts for _ in range(group_size)]
-        requests = [{"prompt_token_ids": list(p.token_ids)} for p in rows]
+        per_prompt = [vllm_request(p, self.image_token_id) for p in prompts]  # a prompt's images decoded once
+        requests = [dict(r) for r in per_prompt for _ in range(group_size)]
         params = [_sampling_params(sampling, s) for s in seeds]
         lora = self.adapters.request if self.adapters else None  # None: the base (no adapter published yet)
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
@@ -245,6 +248,31 @@ def _repack_cpu_embeddings(worker) -> int:
             method.process_weights_after_loading(module)
             count += 1
     return count
+
+
+def vllm_request(prompt: Prompt, image_token_id: int | None = None) -> dict:
+    """vLLM's input for ``prompt``: its tokens, and for an image prompt its decoded images as ``multi_modal_data``.
+
+    vLLM expands each image placeholder itself (its processor replaces one ``<|image_pad|>`` per image with the
+    image's token count), so the expanded runs our prompts carry (what the update scores) go back to one token each.
+    The completion comes back alone, so the rollout keeps our expanded prompt.
+    """
+    if not prompt.images:
+        return {"prompt_token_ids": list(prompt.token_ids)}
+    if image_token_id is None:
+        raise ValueError(f"prompt id={prompt.id} has images but the engine's model is text-only")
+    from lightning_grpo.data.images import load_images
+
+    ids = prompt.token_ids
+    collapsed = [t for i, t in enumerate(ids) if not (t == image_token_id and i and ids[i - 1] == image_token_id)]
+    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": load_images(prompt.images, prompt.id)}}
+
+
+def _image_token_id(model_path: Path) -> int | None:
+    import json
+
+    config = json.loads((model_path / "config.json").read_text())
+    return config.get("image_token_id") if config.get("vision_config") is not None else None
 
 
 def _check_launch(cfg: VLLMConfig) -> None:
