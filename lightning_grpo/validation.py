@@ -15,6 +15,7 @@ not change the training run's rollouts.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from torch import nn
 
@@ -45,7 +46,8 @@ def greedy_scores(module, records: Sequence) -> dict[str, float]:
     # The encoding training uses (a VLM's image placeholders expanded); unreadable images as data.on_bad_record says.
     prompts, skipped = step_prompts(records, module.tokenizer, getattr(module, "vision", None), module._on_bad_record())
     prompts = [p for i, p in enumerate(prompts) if i not in skipped]
-    rollouts = module.engine.generate(prompts, 1, greedy_sampling(module.rollout_cfg.max_new_tokens))
+    sampling = replace(greedy_sampling(module.rollout_cfg.max_new_tokens), suppress_token_ids=module.sampling().suppress_token_ids)
+    rollouts = module.engine.generate(prompts, 1, sampling)
     rewards, parts = module.compute_rewards(rollouts)
     metrics = {"val/reward": float(rewards.float().mean())}
     metrics.update({f"val/{name}": value for name, value in parts.items()})

@@ -29,6 +29,7 @@ from lightning_grpo.rollout.base import Prompt
 
 IMAGE_TOKEN = "<|image_pad|>"
 """The placeholder token Qwen-VL chat templates put where an image goes (one per image before expansion)."""
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_pad|>")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class VisionProcessor:
         self.image_token_id = int(image_token_id)
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
         self.dtype = dtype
+        self.special_ids: tuple[int, ...] = (self.image_token_id,)
+        """Vision tokens a completion must never hold (the engines suppress them: see ``SamplingConfig``)."""
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, tokenizer, dtype: torch.dtype = torch.float32) -> VisionProcessor:
@@ -80,7 +83,10 @@ class VisionProcessor:
         if token_id is None or token_id == tokenizer.unk_token_id:
             raise ValueError(f"policy at {folder}: its tokenizer has no {IMAGE_TOKEN} token; a Qwen-VL checkpoint's "
                              "tokenizer is needed for image prompts")
-        return cls(image_processor, token_id, dtype)
+        vision = cls(image_processor, token_id, dtype)
+        vocab = tokenizer.get_vocab()
+        vision.special_ids = tuple(sorted({token_id} | {vocab[t] for t in VISION_TOKENS if t in vocab}))
+        return vision
 
     # -- prompts ---------------------------------------------------------------------------------------------------
     def process(self, images: Sequence) -> tuple[Tensor, Tensor]:
@@ -152,7 +158,8 @@ class VisionProcessor:
         found = int((input_ids == self.image_token_id).sum())
         if found != expected:
             raise ValueError(f"rows hold {found} image placeholder tokens but their images need {expected}: an "
-                             "image changed size since its prompt was built, or the rows were cut")
+                             "image changed size since its prompt was built, the rows were cut, or a completion holds "
+                             "a vision token (engines suppress them: SamplingConfig.suppress_token_ids)")
         return VisionInputs(pixels, grid, (input_ids == self.image_token_id).int())
 
 

@@ -1,8 +1,8 @@
 """Image references in records: every source form, TRL's multimodal messages, and unreadable images."""
 
 import pytest
-
 from helpers import png
+
 from lightning_grpo.data.images import BadImageError, describe, load_image
 from lightning_grpo.data.sources import PromptDataError, load_items
 

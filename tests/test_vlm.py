@@ -236,3 +236,24 @@ def test_vllm_request_carries_images_and_unexpanded_placeholders(tiny_vlm_dir):
     assert [im.size for im in request["multi_modal_data"]["image"]] == [(56, 56), (84, 56)]
     assert sum(t == token for t in prompts[0].token_ids) == 4 + 6  # what the update scores: expanded
     assert vllm_request(prompts[1], token) == {"prompt_token_ids": prompts[1].token_ids}
+
+
+def test_engines_never_sample_vision_tokens(tiny_vlm_dir):
+    """A vision placeholder in a completion would claim an image that is not there: the module's sampling
+    suppresses every vision token (here forced: all of them get a huge logit bias, and still never come out)."""
+    from lightning_grpo.rollout.base import Prompt
+    from lightning_grpo.rollout.hf import HFEngine
+
+    module = make(tiny_vlm_dir)
+    suppressed = module.sampling().suppress_token_ids
+    assert module.vision.image_token_id in suppressed and len(suppressed) == 4  # start, end, image and video pads
+    with torch.no_grad():  # make the vision tokens the most likely ones by far
+        module.policy.lm_head.weight[list(suppressed)] *= 50
+        module.policy.lm_head.weight[list(suppressed)] += 1.0
+    engine = HFEngine(module.policy, module.tokenizer, vision=module.vision)
+    sampling = module.sampling()
+    prompt = Prompt(0, module.tokenizer("hello")["input_ids"])
+    free = engine.generate([prompt], 4, type(sampling)(max_new_tokens=6, seed=1))
+    assert any(t in suppressed for r in free for t in r.token_ids)  # unsuppressed they do come out
+    rollouts = engine.generate([prompt], 4, sampling)
+    assert not any(t in suppressed for r in rollouts for t in r.token_ids)

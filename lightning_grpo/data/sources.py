@@ -97,6 +97,8 @@ def _shape(item: TaskItem, template: str, system_prompt: str | None, chat: bool)
     if item.messages is not None:
         return replace(item, messages=with_system(item.messages, system_prompt))
     text = template.format(prompt=item.text)
+    if item.images:  # a text prompt with images is one user message with image parts (the chat template places them)
+        return replace(item, text=text, messages=with_system(with_image_parts(text, len(item.images)), system_prompt))
     if chat:
         return replace(item, text=text, messages=with_system([{"role": "user", "content": text}], system_prompt))
     return replace(item, text=text if system_prompt is None else f"{system_prompt}\n{text}")
@@ -254,9 +256,7 @@ def _row_item(row: Any, prompt_key: str, answer_key: str | None, where: Callable
         raise PromptDataError(f"{where(i)}: column {key!r}: {err}; give paths, bytes or PIL images") from None
     meta = {k: v for k, v in row.items() if k not in (prompt_key, key)}  # images travel as references, not meta
     if isinstance(prompt, str) and prompt:
-        if images:  # the images go first in one user message (the chat template places them)
-            return TaskItem(prompt, answer, meta, with_image_parts(prompt, len(images)), images)
-        return TaskItem(prompt, answer, meta)
+        return TaskItem(prompt, answer, meta, None, images)  # with images: made a chat message in _shape
     if is_messages(prompt):
         messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]  # datasets pads missing keys
         messages, inline = split_inline_images(messages)

@@ -30,6 +30,9 @@ class SamplingConfig:
     (``rollout/sampler.py``). None = unseeded (the engines take one number from torch's global generator)."""
     stop: tuple[str, ...] = ()
     """Stop strings: the completion ends with the token that completes one (see ``cut_at_stop``)."""
+    suppress_token_ids: tuple[int, ...] = ()
+    """Tokens never sampled (a VLM's vision placeholders: one in a completion would claim an image that is not
+    there). Sampler logprobs are then renormalized over the other tokens."""
 
 
 @dataclass(frozen=True)

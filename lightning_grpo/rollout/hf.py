@@ -190,6 +190,8 @@ def _processors(sampling: SamplingConfig, sampler: InverseCDFSampler):
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     procs = LogitsProcessorList()
+    if sampling.suppress_token_ids:
+        procs.append(_Suppress(sampling.suppress_token_ids))
     if sampling.temperature > 0:  # vLLM's order: temperature, top-k, top-p
         if sampling.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(sampling.temperature))
@@ -199,6 +201,17 @@ def _processors(sampling: SamplingConfig, sampler: InverseCDFSampler):
             procs.append(TopPLogitsWarper(sampling.top_p))
     procs.append(sampler)  # last: draws from exactly what the warpers left
     return procs
+
+
+class _Suppress:
+    """Logits processor: the given tokens get probability 0 (-inf score)."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = list(token_ids)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        scores[:, self.token_ids] = -float("inf")
+        return scores
 
 
 class _StopStrings:

@@ -321,6 +321,7 @@ def _sampling_params(s: SamplingConfig, seed: int):
         logprobs=0 if s.logprobs else None,  # 0 = only the sampled token's logprob
         seed=seed,
         stop=list(s.stop) or None,  # vLLM matches them in the completion text only, as HFEngine does
+        logit_bias=dict.fromkeys(s.suppress_token_ids, -100.0) or None,  # vLLM's floor: probability ~e^-100
     )
 
 
