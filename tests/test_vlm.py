@@ -257,3 +257,18 @@ def test_engines_never_sample_vision_tokens(tiny_vlm_dir):
     assert any(t in suppressed for r in free for t in r.token_ids)  # unsuppressed they do come out
     rollouts = engine.generate([prompt], 4, sampling)
     assert not any(t in suppressed for r in rollouts for t in r.token_ids)
+
+
+@pytest.mark.slow
+def test_update_peak_rss_falls_with_n_micro_one_chunks_pixels_alive(monkeypatch):
+    """Fresh processes (bench/vlm_memory.py): the update's peak RSS at n_micro=4 is well under n_micro=1's, and only
+    one chunk's pixel tensor was ever alive, a quarter the bytes."""
+    from pathlib import Path
+
+    from bench.vlm_memory import measure
+
+    monkeypatch.chdir(Path(__file__).parents[1])  # python -m bench.vlm_memory from the repository root
+    one, four = measure(rows=16, side=336, completion=32, n_micros=[1, 4])
+    assert one["max_pixel_tensors_alive"] == four["max_pixel_tensors_alive"] == 1
+    assert four["chunks_materialized"] == 4 and four["max_pixel_mb_alive"] <= one["max_pixel_mb_alive"] / 4 + 0.1
+    assert four["update_peak_mb"] < 0.75 * one["update_peak_mb"], (one, four)  # measured 0.45x (bench --quick)
