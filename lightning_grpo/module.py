@@ -474,7 +474,7 @@ class GRPOModule(LightningModule):
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed,
                               stop=tuple(r.stop or ()),
-                              suppress_token_ids=self.vision.special_ids if self.vision is not None else ())
+                              forbidden_token_ids=self.vision.special_ids if self.vision is not None else ())
 
     def _on_bad_record(self) -> str:
         return getattr(self._datamodule(), "on_bad_record", "error")

@@ -46,7 +46,8 @@ def greedy_scores(module, records: Sequence) -> dict[str, float]:
     # The encoding training uses (a VLM's image placeholders expanded); unreadable images as data.on_bad_record says.
     prompts, skipped = step_prompts(records, module.tokenizer, getattr(module, "vision", None), module._on_bad_record())
     prompts = [p for i, p in enumerate(prompts) if i not in skipped]
-    sampling = replace(greedy_sampling(module.rollout_cfg.max_new_tokens), suppress_token_ids=module.sampling().suppress_token_ids)
+    forbidden = module.sampling().forbidden_token_ids
+    sampling = replace(greedy_sampling(module.rollout_cfg.max_new_tokens), forbidden_token_ids=forbidden)
     rollouts = module.engine.generate(prompts, 1, sampling)
     rewards, parts = module.compute_rewards(rollouts)
     metrics = {"val/reward": float(rewards.float().mean())}

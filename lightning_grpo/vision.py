@@ -72,7 +72,7 @@ class VisionProcessor:
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
         self.dtype = dtype
         self.special_ids: tuple[int, ...] = (self.image_token_id,)
-        """Vision tokens a completion must never hold (the engines suppress them: see ``SamplingConfig``)."""
+        """Vision tokens a completion must never hold (engines end it before one: ``SamplingConfig``)."""
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, tokenizer, dtype: torch.dtype = torch.float32) -> VisionProcessor:
@@ -159,7 +159,7 @@ class VisionProcessor:
         if found != expected:
             raise ValueError(f"rows hold {found} image placeholder tokens but their images need {expected}: an "
                              "image changed size since its prompt was built, the rows were cut, or a completion holds "
-                             "a vision token (engines suppress them: SamplingConfig.suppress_token_ids)")
+                             "a vision token (engines cut before them: SamplingConfig.forbidden_token_ids)")
         return VisionInputs(pixels, grid, (input_ids == self.image_token_id).int())
 
 

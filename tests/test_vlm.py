@@ -2,6 +2,7 @@
 
 import gc
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -46,8 +47,6 @@ def test_chunked_step_equals_unchunked_on_image_batch(tiny_vlm_dir, dtype, tol, 
 
 def test_images_reach_the_update(tiny_vlm_dir):
     """The same tokens with other pixels give another update: the images are really scored, not just placeholders."""
-    from dataclasses import replace
-
     a, b = make(tiny_vlm_dir, "float64"), make(tiny_vlm_dir, "float64")
     batch = image_batch(a, UNEQUAL, SIZES, seed=1)
     recolored = tuple((png(SIZES[(i // 2) % 4], color=(20, 20, 220)),) for i in range(8))  # same sizes, other pixels
@@ -238,25 +237,28 @@ def test_vllm_request_carries_images_and_unexpanded_placeholders(tiny_vlm_dir):
     assert vllm_request(prompts[1], token) == {"prompt_token_ids": prompts[1].token_ids}
 
 
-def test_engines_never_sample_vision_tokens(tiny_vlm_dir):
-    """A vision placeholder in a completion would claim an image that is not there: the module's sampling
-    suppresses every vision token (here forced: all of them get a huge logit bias, and still never come out)."""
+def test_completions_end_before_a_vision_token(tiny_vlm_dir):
+    """A vision placeholder in a completion would claim an image that is not there: a completion ends right before
+    the first vision token it samples (unfinished), and its sampler logprobs stay the policy's own."""
     from lightning_grpo.rollout.base import Prompt
     from lightning_grpo.rollout.hf import HFEngine
 
     module = make(tiny_vlm_dir)
-    suppressed = module.sampling().suppress_token_ids
-    assert module.vision.image_token_id in suppressed and len(suppressed) == 4  # start, end, image and video pads
-    with torch.no_grad():  # make the vision tokens the most likely ones by far
-        module.policy.lm_head.weight[list(suppressed)] *= 50
-        module.policy.lm_head.weight[list(suppressed)] += 1.0
+    forbidden = module.sampling().forbidden_token_ids
+    assert module.vision.image_token_id in forbidden and len(forbidden) == 4  # start, end, image and video pads
+    with torch.no_grad():  # make the vision tokens likely
+        module.policy.lm_head.weight[list(forbidden)] *= 20
     engine = HFEngine(module.policy, module.tokenizer, vision=module.vision)
-    sampling = module.sampling()
     prompt = Prompt(0, module.tokenizer("hello")["input_ids"])
-    free = engine.generate([prompt], 4, type(sampling)(max_new_tokens=6, seed=1))
-    assert any(t in suppressed for r in free for t in r.token_ids)  # unsuppressed they do come out
-    rollouts = engine.generate([prompt], 4, sampling)
-    assert not any(t in suppressed for r in rollouts for t in r.token_ids)
+    free = engine.generate([prompt], 8, type(module.sampling())(max_new_tokens=6, seed=1, logprobs=True))
+    hit = [i for i, r in enumerate(free) if any(t in forbidden for t in r.token_ids)]
+    assert hit  # unchecked they do come out
+    cut = engine.generate([prompt], 8, replace(module.sampling(), max_new_tokens=6, seed=1, logprobs=True))
+    assert not any(t in forbidden for r in cut for t in r.token_ids)
+    for i in hit:  # the same draw (same seed), ended right before its first vision token
+        first = next(j for j, t in enumerate(free[i].token_ids) if t in forbidden)
+        assert cut[i].token_ids == free[i].token_ids[:first] and cut[i].finish_reason == "length"
+        assert cut[i].logprobs == free[i].logprobs[:first]
 
 
 @pytest.mark.slow
@@ -272,3 +274,31 @@ def test_update_peak_rss_falls_with_n_micro_one_chunks_pixels_alive(monkeypatch)
     assert one["max_pixel_tensors_alive"] == four["max_pixel_tensors_alive"] == 1
     assert four["chunks_materialized"] == 4 and four["max_pixel_mb_alive"] <= one["max_pixel_mb_alive"] / 4 + 0.1
     assert four["update_peak_mb"] < 0.75 * one["update_peak_mb"], (one, four)  # measured 0.45x (bench --quick)
+
+
+def test_rollout_logprobs_path_with_images(tiny_vlm_dir):
+    """use_rollout_logprobs_for_loss on image prompts: the engine's sampler logprobs (vision tokens suppressed) are
+    pi_old; before any step they equal the policy's own scoring of the expanded rows, so the first ratio is 1."""
+    from lightning_grpo.data.images import with_image_parts
+    from lightning_grpo.data.prompts import PromptRecord
+    from lightning_grpo.data.rewards import RewardSpec
+    from lightning_grpo.rollout.hf import HFEngine
+
+    rl = GRPOConfig(batch_per_replica=8, group_size=4, mini_batch_per_replica=4, use_rollout_logprobs_for_loss=True)
+    module = GRPOModule(policy=PolicyConfig(path=str(tiny_vlm_dir)), rl=rl, rollout=RolloutConfig(max_new_tokens=5),
+                        rewards=[RewardSpec(name="exact")])
+    module.configure_model()
+    module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=0.1))
+    module.engine = HFEngine(module.policy, module.tokenizer, vision=module.vision)
+    records = [PromptRecord(i, "which color?", "red", {}, with_image_parts("which color?", 1), (png((56, 56)),))
+               for i in range(2)]
+    batch, _ = module.collect(records)
+    assert batch.rollout_logprobs is not None and batch.images is not None
+    first = []
+    real = module.objective.__call__
+    module.objective = lambda lp, mask, adv, old, ref: (first.append((lp.detach(), old, mask)), real(lp, mask, adv,
+                                                                                                    old, ref))[1]
+    result = module.update(batch)
+    assert not any(s.skipped for s in result.steps)
+    lp, old, mask = first[0]
+    assert torch.allclose(lp[mask], old[mask], atol=1e-4)  # mini-batch 0 scores before any step: ratio 1

@@ -30,9 +30,10 @@ class SamplingConfig:
     (``rollout/sampler.py``). None = unseeded (the engines take one number from torch's global generator)."""
     stop: tuple[str, ...] = ()
     """Stop strings: the completion ends with the token that completes one (see ``cut_at_stop``)."""
-    suppress_token_ids: tuple[int, ...] = ()
-    """Tokens never sampled (a VLM's vision placeholders: one in a completion would claim an image that is not
-    there). Sampler logprobs are then renormalized over the other tokens."""
+    forbidden_token_ids: tuple[int, ...] = ()
+    """Tokens a completion may not hold (a VLM's vision tokens: an image placeholder in a completion would claim an
+    image that is not there). A completion ends right before the first one it samples (``finish_reason="length"``);
+    sampling itself is untouched, so sampler logprobs still equal the policy's (no renormalization)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,14 @@ class RolloutEngine(Protocol):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
+
+
+def cut_before_forbidden(token_ids: Sequence[int], forbidden: Sequence[int]) -> tuple[list[int], bool]:
+    """``(tokens before the first forbidden one, whether one was found)``; the same for every engine."""
+    ids = list(token_ids)
+    bad = set(forbidden)
+    at = next((i for i, t in enumerate(ids) if t in bad), None)
+    return (ids, False) if at is None else (ids[:at], True)
 
 
 def cut_at_stop(token_ids: Sequence[int], stop: Sequence[str], decode) -> tuple[list[int], str, bool]:

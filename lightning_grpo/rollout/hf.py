@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop, cut_before_forbidden
 from lightning_grpo.rollout.sampler import InverseCDFSampler, RowStreams, row_seeds
 from lightning_grpo.rollout.sleep import SleepState
 
@@ -83,8 +83,8 @@ class HFEngine:
             )  # [N, L + T]
         completions = sequences[:, input_ids.shape[1] :].cpu()  # [N, T]
         logprobs = sampler.logprobs().cpu() if sampling.logprobs else None  # [N, T]
-        return [self._rollout(p, completions[i], None if logprobs is None else logprobs[i], sampling.stop)
-                for i, p in enumerate(rows)]
+        return [self._rollout(p, completions[i], None if logprobs is None else logprobs[i], sampling.stop,
+                              sampling.forbidden_token_ids) for i, p in enumerate(rows)]
 
     def _check_prompts(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> None:
         n_ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
@@ -140,8 +140,9 @@ class HFEngine:
             model.train(was_training)
             model.generation_config = saved_config
 
-    def _rollout(self, prompt: Prompt, tokens: Tensor, logprobs: Tensor | None, stop: Sequence[str]) -> Rollout:
-        ids = tokens.tolist()
+    def _rollout(self, prompt: Prompt, tokens: Tensor, logprobs: Tensor | None, stop: Sequence[str],
+                 forbidden: Sequence[int] = ()) -> Rollout:
+        ids, _ = cut_before_forbidden(tokens.tolist(), forbidden)
         eos = next((j for j, t in enumerate(ids) if t in self.eos_token_ids), None)
         ids = ids if eos is None else ids[: eos + 1]  # EOS included; padding after it dropped
         decode = lambda t: self.tokenizer.decode(t, skip_special_tokens=True)
@@ -150,7 +151,7 @@ class HFEngine:
             prompt=prompt,
             token_ids=ids,
             text=text,
-            finish_reason="stop" if stopped or eos is not None else "length",
+            finish_reason="stop" if stopped or eos is not None else "length",  # both lie before a forbidden token
             logprobs=None if logprobs is None else logprobs[: len(ids)].tolist(),
         )
 
@@ -190,8 +191,6 @@ def _processors(sampling: SamplingConfig, sampler: InverseCDFSampler):
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     procs = LogitsProcessorList()
-    if sampling.suppress_token_ids:
-        procs.append(_Suppress(sampling.suppress_token_ids))
     if sampling.temperature > 0:  # vLLM's order: temperature, top-k, top-p
         if sampling.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(sampling.temperature))
@@ -201,17 +200,6 @@ def _processors(sampling: SamplingConfig, sampler: InverseCDFSampler):
             procs.append(TopPLogitsWarper(sampling.top_p))
     procs.append(sampler)  # last: draws from exactly what the warpers left
     return procs
-
-
-class _Suppress:
-    """Logits processor: the given tokens get probability 0 (-inf score)."""
-
-    def __init__(self, token_ids: Sequence[int]) -> None:
-        self.token_ids = list(token_ids)
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        scores[:, self.token_ids] = -float("inf")
-        return scores
 
 
 class _StopStrings:

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.config import ConfigError, VLLMConfig
-from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop, cut_before_forbidden
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.sleep import SleepState
 
@@ -117,8 +117,9 @@ class VLLMEngine:
         params = [_sampling_params(sampling, s) for s in seeds]
         lora = self.adapters.request if self.adapters else None  # None: the base (no adapter published yet)
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
-        decode = self._decoder() if sampling.stop else None
-        return [_rollout(p, out.outputs[0], sampling.logprobs, sampling.stop, decode) for p, out in zip(rows, outputs)]
+        decode = self._decoder() if sampling.stop or sampling.forbidden_token_ids else None
+        return [_rollout(p, out.outputs[0], sampling.logprobs, sampling.stop, decode, sampling.forbidden_token_ids)
+                for p, out in zip(rows, outputs)]
 
     def _decoder(self):
         """Token ids -> text as HFEngine decodes them (special tokens skipped), for the shared stop-string cut."""
@@ -321,21 +322,22 @@ def _sampling_params(s: SamplingConfig, seed: int):
         logprobs=0 if s.logprobs else None,  # 0 = only the sampled token's logprob
         seed=seed,
         stop=list(s.stop) or None,  # vLLM matches them in the completion text only, as HFEngine does
-        logit_bias=dict.fromkeys(s.suppress_token_ids, -100.0) or None,  # vLLM's floor: probability ~e^-100
     )
 
 
-def _rollout(prompt: Prompt, completion, with_logprobs: bool, stop=(), decode=None) -> Rollout:
-    ids, text = list(completion.token_ids), completion.text
-    if completion.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished prompt id={prompt.id} with reason {completion.finish_reason!r}")
+def _rollout(prompt: Prompt, completion, with_logprobs: bool, stop=(), decode=None, forbidden=()) -> Rollout:
+    ids, text, finish = list(completion.token_ids), completion.text, completion.finish_reason
+    if finish not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished prompt id={prompt.id} with reason {finish!r}")
     logprobs = [step[t].logprob for step, t in zip(completion.logprobs, ids)] if with_logprobs else None
+    ids, cut = cut_before_forbidden(ids, forbidden)
+    if cut:  # a vision token: the completion ends before it, unfinished
+        text, finish = decode(ids), "length"
+        logprobs = None if logprobs is None else logprobs[: len(ids)]
     if stop:  # tokens up to the one completing the stop string, text cut before it: exactly as HFEngine
         ids, text, _ = cut_at_stop(ids, stop, decode)
         logprobs = None if logprobs is None else logprobs[: len(ids)]
-    return Rollout(
-        prompt=prompt, token_ids=ids, text=text, finish_reason=completion.finish_reason, logprobs=logprobs
-    )
+    return Rollout(prompt=prompt, token_ids=ids, text=text, finish_reason=finish, logprobs=logprobs)
 
 
 @contextlib.contextmanager
