@@ -410,7 +410,7 @@ class GRPOModule(LightningModule):
         """What an objective may ask of the policy (``objectives/base.py``). ``vision``: ``chunk``'s pixels,
         materialized once and shared by the policy and the reference (another chunk materializes its own)."""
         has_ref = self.ref is not None or (lora.is_lora(self.policy) and self.objective.needs_reference())
-        pixels = lambda c: vision if c is chunk else None  # noqa: E731
+        pixels = lambda c: vision if c is chunk else None
         return PolicyView(model=self.policy, temperature=self.rollout_cfg.temperature,
                           logprobs=lambda c: self.logprobs(self.policy, c, pixels(c)),
                           reference=(lambda c: self.reference_logprobs(c, pixels(c))) if has_ref else None,

@@ -57,6 +57,7 @@ def tiny_policy_dir(tmp_path_factory):
 def tiny_chat_policy_dir(tmp_path_factory):
     """The small Qwen2 policy with a chat template on its char tokenizer (``role: content`` lines)."""
     from helpers import SMALL_CHAT
+
     from lightning_grpo.policy import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-chat-policy"), SMALL_CHAT)
@@ -112,6 +113,7 @@ def tiny_vlm_dir(tmp_path_factory):
     """A tiny Qwen2.5-VL folder (text hidden 64, head_dim 32; vision tower of 2 blocks, width 32) with the char
     tokenizer plus vision tokens, a multimodal chat template and a Qwen2-VL image processor (saved locally)."""
     from helpers import SMALL_VLM
+
     from lightning_grpo.policy import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-vlm"), SMALL_VLM)

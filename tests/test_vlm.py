@@ -17,9 +17,9 @@ UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]  # completion lengths of 4 prompts x 2
 SIZES = [(56, 56), (28, 28), (84, 56), (56, 112)]  # 4, 1, 6 and 8 image tokens: prompt lengths differ too
 
 
-def make(policy_dir, dtype="float32", micro=0, mini=0, train_vision=False, beta=0.0, batch=8):
+def make(policy_dir, dtype="float32", micro=0, mini=0, train_vision=False, beta=0.0, batch=8, **rl_fields):
     rl = GRPOConfig(batch_per_replica=batch, group_size=2, mini_batch_per_replica=mini,
-                    micro_batch_per_replica=micro, max_grad_norm=0.0, beta=beta)
+                    micro_batch_per_replica=micro, max_grad_norm=0.0, beta=beta, **rl_fields)
     policy = PolicyConfig(path=str(policy_dir), dtype=dtype, train_vision_tower=train_vision)
     module = GRPOModule(policy=policy, rl=rl, rollout=RolloutConfig())
     module.configure_model()  # no Trainer: build the policy ourselves
@@ -294,10 +294,14 @@ def test_rollout_logprobs_path_with_images(tiny_vlm_dir):
                for i in range(2)]
     batch, _ = module.collect(records)
     assert batch.rollout_logprobs is not None and batch.images is not None
-    first = []
-    real = module.objective.__call__
-    module.objective = lambda lp, mask, adv, old, ref: (first.append((lp.detach(), old, mask)), real(lp, mask, adv,
-                                                                                                    old, ref))[1]
+    objective, first = module.objective, []
+
+    def chunk_loss(chunk, policy, old):  # the objective's own scoring, with its inputs recorded
+        lp, mask = policy.logprobs(chunk), chunk.completion_mask[:, 1:]
+        first.append((lp.detach(), old, mask))
+        return objective(lp, mask, chunk.advantages, old)
+
+    objective.chunk_loss = chunk_loss
     result = module.update(batch)
     assert not any(s.skipped for s in result.steps)
     lp, old, mask = first[0]
