@@ -9,6 +9,8 @@ mini-batch into chunks:
   the chunk's longest prompt + completion, what the forward pays once a chunk is trimmed to its
   own longest row) stays under the budget, balanced by cost. A hard cap: only a sequence that
   alone exceeds the budget makes a chunk over it, and it then sits alone (counted in ``oversized``).
+  A VLM prompt's image placeholders are already expanded to the image's token count when the
+  prompt is built (``vision.py``), so a row's cost counts its visual tokens as sequence tokens.
 
 Chunk counts then depend on the data, so under data parallelism every rank takes, per window,
 the max count over ranks (one small all-reduce per collected batch) and runs the missing ones as
@@ -141,13 +143,16 @@ def take(batch: RolloutBatch, rows: Rows) -> RolloutBatch:
 
 
 def empty_chunk(batch: RolloutBatch) -> RolloutBatch:
-    """Row 0 cut to 2 tokens with nothing counted: the forward/backward runs (same collectives), adds zero."""
+    """Row 0 cut to 2 tokens with nothing counted: the forward/backward runs (same collectives), adds zero.
+
+    It carries no image references: a filler materializes no pixels (row 0's images would not even match its two
+    tokens), so a VLM's filler costs two text tokens like any other."""
     one = batch.select(slice(0, 1))
     cut = {name: getattr(one, name)[:, :2] for name in ("input_ids", "attention_mask")}
     lp = one.rollout_logprobs
     return replace(one, **cut, completion_mask=torch.zeros_like(cut["attention_mask"]),
                    advantages=torch.zeros_like(one.advantages), rewards=torch.zeros_like(one.rewards),
-                   rollout_logprobs=None if lp is None else torch.zeros_like(lp[:, :2]))
+                   rollout_logprobs=None if lp is None else torch.zeros_like(lp[:, :2]), images=None)
 
 
 def plan_update(batch: RolloutBatch, n_mini: int, n_micro: int, budget: int = 0, ahead_rows: list[int] | None = None,
@@ -207,7 +212,8 @@ def check_prompts(longest_prompt: int, budget: int, field: str) -> None:
 
 
 def sequence_lengths(batch: RolloutBatch) -> tuple[list[int], list[int]]:
-    """(prompt + completion tokens, prompt tokens) per row: a chunk's forward pays rows x its longest of the first."""
+    """(prompt + completion tokens, prompt tokens) per row: a chunk's forward pays rows x its longest of the first.
+    Prompt tokens include a VLM row's expanded image placeholders (``t*h*w / merge**2`` per image)."""
     total = batch.attention_mask.sum(-1)
     return total.tolist(), (total - batch.completion_mask.sum(-1)).tolist()
 
