@@ -170,6 +170,23 @@ def test_text_only_policy_refuses_image_records(tiny_policy_dir, tmp_path):
         trainer.fit(module, datamodule=PromptDataModule(rows, val_size=0))
 
 
+def test_opd_refuses_image_records(tiny_vlm_dir, tmp_path):
+    """OPD scores the student's hidden states without pixels: refused on image data at setup, naming the fix."""
+    from lightning.pytorch import Trainer
+
+    from lightning_grpo.data.prompts import PromptDataModule
+    from lightning_grpo.objectives.opd import OPDConfig
+
+    rows = [{"prompt": "which color?", "answer": "red", "images": png((56, 56))} for _ in range(8)]
+    module = GRPOModule(policy=PolicyConfig(path=str(tiny_vlm_dir)), objective="opd",
+                        opd=OPDConfig(teacher=PolicyConfig(path=str(tiny_vlm_dir))),
+                        rl=GRPOConfig(batch_per_replica=4, group_size=2), rollout=RolloutConfig(max_new_tokens=2))
+    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="model.objective=opd does not score prompts with images.*objective=grpo"):
+        trainer.fit(module, datamodule=PromptDataModule(rows, val_size=0))
+
+
 def _fit_rows(policy_dir, rows, root, loop_steps, on_bad_record="error"):
     from lightning.pytorch import Trainer
 
