@@ -156,6 +156,38 @@ def test_hf_engine_generates_from_images(tiny_vlm_dir):
     assert torch.allclose(scored[mask], sampled[mask], atol=1e-4)
 
 
+def test_hf_image_sampling_follows_the_per_prompt_seed_contract(tiny_vlm_dir):
+    """Image prompts are drawn by our inverse-CDF sampler like text: a completion depends on its seed, prompt id and
+    sample index, not on the batch it shares; the same seed repeats; the sampler's logprobs are the policy's."""
+    from lightning_grpo.batch import pack_rollouts
+    from lightning_grpo.data.images import with_image_parts
+    from lightning_grpo.data.prompts import PromptRecord
+    from lightning_grpo.rollout.base import SamplingConfig
+    from lightning_grpo.rollout.hf import HFEngine
+    from lightning_grpo.vision import step_prompts
+
+    module = make(tiny_vlm_dir)
+    engine = HFEngine(module.policy, module.tokenizer, vision=module.vision)
+    records = [PromptRecord(i, "what?", None, {}, with_image_parts("what?", 1), (png(s, seed=i),))
+               for i, s in enumerate([(56, 56), (28, 56), (84, 56)])]
+    prompts, _ = step_prompts(records, module.tokenizer, module.vision)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, logprobs=True, seed=11,
+                              forbidden_token_ids=module.vision.special_ids)  # as GRPOModule.sampling() sets them
+    both = engine.generate(prompts, 3, sampling)
+    again = engine.generate(prompts, 3, sampling)
+    alone = engine.generate(prompts[2:], 3, sampling)  # prompt 2 without its batch-mates (other padding too)
+    assert [r.token_ids for r in both] == [r.token_ids for r in again]
+    assert [r.token_ids for r in both[6:]] == [r.token_ids for r in alone]
+    other = engine.generate(prompts, 3, SamplingConfig(max_new_tokens=8, temperature=1.0, seed=12))
+    assert [r.token_ids for r in both] != [r.token_ids for r in other]
+    batch = pack_rollouts(both, torch.zeros(9), torch.zeros(9), module.tokenizer.pad_token_id)
+    with torch.no_grad():
+        module.policy.eval()
+        scored = module.logprobs(module.policy, batch)
+    mask = batch.completion_mask[:, 1:]
+    assert torch.allclose(scored[mask], batch.rollout_logprobs[:, 1:][mask], atol=1e-4)
+
+
 def test_text_only_policy_refuses_image_records(tiny_policy_dir, tmp_path):
     from lightning.pytorch import Trainer
 
