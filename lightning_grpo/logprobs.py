@@ -78,8 +78,7 @@ def token_logprobs(
         logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits[:, :-1][positions]  # [N,V]
         picked = _plain_logprobs(logits, targets[positions], temperature)
         return _scatter(picked, positions)
-    # A VLM's decoder is its language model alone; its base model runs the vision tower and merges the features.
-    decoder = model.base_model if extra else model.get_decoder()
+    decoder = _vision_language_base(model) if extra else model.get_decoder()
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state  # [B, T, H]
     h = hidden[:, :-1][positions]  # [N, H]: only the scored positions meet the head
     picked = head_logprobs(h, head.weight, head.bias, targets[positions], temperature=temperature,
@@ -230,6 +229,14 @@ def _plain_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tens
 def _scatter(values: Tensor, positions: Tensor) -> Tensor:
     """``[N]`` values back to their ``[B, T-1]`` positions (differentiable), zeros elsewhere."""
     return values.new_zeros(positions.shape).masked_scatter(positions, values)
+
+
+def _vision_language_base(model: nn.Module) -> nn.Module:
+    """A VLM's base model (vision tower + language model; it puts the image features in place of the placeholders and
+    returns hidden states). Its ``get_decoder()`` is the language model alone. Under peft, ``model.base_model`` is
+    the LoRA wrapper, whose call returns logits: the transformers model sits under ``get_base_model()``."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.base_model
 
 
 def _linear_head(model: nn.Module) -> nn.Module | None:
