@@ -169,8 +169,10 @@ def is_vision_config(config) -> bool:
 
 
 def vision_tower(model: nn.Module) -> nn.Module | None:
-    """The vision encoder of a Qwen-VL style model (``model.model.visual``), or None for a text-only model."""
-    base = getattr(model, "model", model)
+    """The vision encoder of a Qwen-VL style model (``model.model.visual``), or None for a text-only model. Under
+    peft (``policy.lora``) the transformers model is ``model.get_base_model()``."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = getattr(inner, "model", inner)
     for name in ("visual", "vision_tower", "vision_model"):
         tower = getattr(base, name, None)
         if isinstance(tower, nn.Module):

@@ -120,7 +120,7 @@ def test_inner_epochs_rematerialize_one_chunk_at_a_time(tiny_vlm_dir, budget):
 
 def test_a_lora_adapter_on_a_vlm_scores_the_images_and_chunks_exactly(tiny_vlm_dir):
     """policy.lora on a VLM: the fused path finds the VLM's base model under peft's wrapper, only the adapter
-    trains, and n_micro 2 equals the unchunked step."""
+    trains (not in the frozen vision encoder), and n_micro 2 equals the unchunked step."""
     from lightning_grpo.config import GRPOConfig, RolloutConfig
     from lightning_grpo.lora import LoraConfig
     from lightning_grpo.module import GRPOModule
@@ -145,4 +145,7 @@ def test_a_lora_adapter_on_a_vlm_scores_the_images_and_chunks_exactly(tiny_vlm_d
     after = params_of(chunked.policy)
     moved = {k for k, v in after.items() if not torch.equal(v, before[k])}
     assert moved and all("lora_" in k for k in moved)
+    # policy.train_vision_tower=false holds under peft too: the encoder's adapters stay frozen, the merger's train
+    trainable = [n for n, p in chunked.policy.named_parameters() if p.requires_grad]
+    assert not any(".visual.blocks." in n for n in trainable) and any(".visual.merger." in n for n in moved)
     assert max_rel_delta(before, params_of(whole.policy), after) <= 5e-8
