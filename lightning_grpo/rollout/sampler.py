@@ -57,6 +57,8 @@ class RowStreams:
 
 BLOCK = 256
 """Tokens per block of the two-level search: a float64 sum per block, then a cumulative sum of one block."""
+ROWS = 4
+"""Rows whose block sums are formed at once (bounds the float64 temporary)."""
 
 
 def inverse_cdf_sample(probs: Tensor, u: Tensor, block: int = BLOCK) -> Tensor:
@@ -72,8 +74,10 @@ def inverse_cdf_sample(probs: Tensor, u: Tensor, block: int = BLOCK) -> Tensor:
     """
     n, v = probs.shape
     pad = -v % block
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(n, -1, block)  # [N, B, block]; padding has width 0
-    cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [N, B]
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(n, -1, block)  # padding: width 0
+    # Float64 block sums a few rows at a time: a float64 copy of the whole [N, V] per decode step is a fresh
+    # multi-MB allocation, which cost more than the sums themselves.
+    cdf = torch.cat([blocks[i : i + ROWS].sum(-1, dtype=torch.float64) for i in range(0, n, ROWS)]).cumsum(-1)
     total = cdf[:, -1:]
     if not bool((torch.isfinite(total) & (total > 0)).all()):  # as torch.multinomial refuses: else an index past V
         raise RuntimeError("sampling: the probability tensor contains inf, nan or no positive entry (the policy's "
