@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 from torch import Tensor, nn
 
 
@@ -122,3 +123,34 @@ def _fsdp2_no_sync(policy: nn.Module) -> Iterator[None]:
         yield
     finally:
         policy.set_requires_gradient_sync(True)
+
+
+class DataParallelOps:
+    """The data-parallel reductions of a manual-optimization LightningModule (``GRPOModule``, ``DPOModule``).
+
+    Each reduction is a no-op in a single process and goes through the Lightning strategy otherwise;
+    Lightning's ``reduce`` all-reduces in place, so every one of them reduces a copy.
+    """
+
+    def _world_size(self) -> int:
+        return self._trainer.world_size if self._trainer is not None else 1
+
+    def _dp_mean(self, t: Tensor) -> Tensor:
+        if self._world_size() == 1:
+            return t
+        # A copy: ``t`` is often a view of this rank's count (the objective's ``tokens.detach()``), which would
+        # otherwise read as the DP mean in the chunk's stats.
+        return self.trainer.strategy.reduce(t.clone(), reduce_op="mean")
+
+    def _all_reduce(self, t: Tensor, op: str) -> Tensor:
+        return self.trainer.strategy.reduce(t.to(self.device, copy=True), reduce_op=op).cpu()
+
+    def _all_ranks_finite(self, loss: Tensor) -> bool:
+        """Finite on every rank (one tiny all-reduce per chunk under DP): every rank poisons the same window."""
+        finite = torch.isfinite(loss).to(torch.float32)
+        return bool(finite if self._world_size() == 1 else self.trainer.strategy.reduce(finite, reduce_op="min"))
+
+    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Non-final micro-steps skip the gradient sync (DDP ``no_sync``; FSDP2 ``set_requires_gradient_sync``)."""
+        wrapper = self._trainer.strategy.model if self._trainer is not None else None
+        return gradient_sync(enabled, wrapper, self.policy)

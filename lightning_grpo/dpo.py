@@ -29,7 +29,7 @@ from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import ConfigError, OptimConfig
 from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
 from lightning_grpo.determinism import run_seed
-from lightning_grpo.distributed import root_call
+from lightning_grpo.distributed import DataParallelOps, root_call
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.loop import CollectedBatchLoop, LoopResult
 from lightning_grpo.metrics import combine_ranks, roll_up
@@ -127,7 +127,7 @@ class _NoProbe:
 _POLICY, _OPTIM = PolicyConfig(), OptimConfig()
 
 
-class DPOModule(LightningModule):
+class DPOModule(DataParallelOps, LightningModule):
     """DPO (sigmoid, IPO, length-normalized, reference-free) with exact gradient accumulation.
 
     Args:
@@ -142,17 +142,12 @@ class DPOModule(LightningModule):
         Trainer(max_steps=500).fit(module, datamodule=PreferenceDataModule("pairs.jsonl"))
     """
 
-    # The update machinery is GRPOModule's, shared as is: AdamW and its schedule, the precision plugin's step
-    # (unscale -> 1/sum -> clip -> step), the DP reductions, the gradient sync skip of non-final train calls and
-    # the collective non-finite decision.
+    # The update machinery is GRPOModule's, shared as is: AdamW and its schedule and the precision plugin's step
+    # (unscale -> 1/sum -> clip -> step); the DP reductions, the gradient sync skip of non-final train calls and
+    # the collective non-finite decision come with DataParallelOps.
     configure_optimizers = GRPOModule.configure_optimizers
     on_before_optimizer_step = GRPOModule.on_before_optimizer_step
     _scaler = GRPOModule._scaler
-    _world_size = GRPOModule._world_size
-    _dp_mean = GRPOModule._dp_mean
-    _all_reduce = GRPOModule._all_reduce
-    _all_ranks_finite = GRPOModule._all_ranks_finite
-    _grad_sync = GRPOModule._grad_sync
 
     def __init__(self, policy: PolicyConfig = _POLICY, dpo: DPOConfig | None = None, optim: OptimConfig = _OPTIM,
                  seed: int | None = None) -> None:

@@ -361,3 +361,19 @@ def _recorded(named: Iterable[tuple[str, Tensor]], names: list[str]) -> Iterator
 def _shares_parameters(module: nn.Module, other: nn.Module) -> bool:
     mine = {id(p) for p in module.parameters()}
     return module is other or any(id(p) in mine for p in other.parameters())
+
+
+def attach_handoff(trainer: Trainer, engine: RolloutEngine) -> HandoffCallback:
+    """No callback publishes weights to an engine that holds its own: attach the hand-off, never sample stale."""
+    from lightning.pytorch.callbacks import Checkpoint
+
+    publisher = HandoffCallback(colocated_offload=False)  # the engine was built without sleep mode
+    callbacks = trainer.callbacks
+    at = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
+    callbacks.insert(at, publisher)  # before checkpoint callbacks, as Lightning orders them
+    if trainer.is_global_zero:
+        log.warning("%s holds weights of its own and no callback publishes them: attached "
+                    "HandoffCallback(colocated_offload=False) to sync them once per loop step. Pass "
+                    "HandoffCallback() in Trainer(callbacks=...) for the colocated sleep/wake hand-off.",
+                    type(engine).__name__)
+    return publisher

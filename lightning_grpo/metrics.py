@@ -24,6 +24,7 @@ import torch
 
 from lightning_grpo.loop import LoopResult
 
+
 def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None) -> dict[str, float]:
     """Metrics of one collected batch from the chunks that stepped and each window's outcome (always every name).
 

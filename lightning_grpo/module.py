@@ -14,7 +14,6 @@ position and per-rank RNG into every checkpoint Lightning writes (``checkpoint/s
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -23,7 +22,6 @@ from collections.abc import Sequence
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor, nn
 
@@ -37,7 +35,8 @@ from lightning_grpo.chunks import ChunkPlan, plan_update
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_sampler_logprobs
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
 from lightning_grpo.determinism import enable_determinism, run_seed
-from lightning_grpo.distributed import data_parallel_mesh, gradient_sync, root_call, shard_fsdp2
+from lightning_grpo.distributed import DataParallelOps, data_parallel_mesh, root_call, shard_fsdp2
+from lightning_grpo.handoff import attach_handoff
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.loop import CollectedBatchLoop, LoopResult
 from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
@@ -61,7 +60,7 @@ log = logging.getLogger(__name__)
 _POLICY, _RL, _OPTIM, _ROLLOUT, _OPD = PolicyConfig(), GRPOConfig(), OptimConfig(), RolloutConfig(), OPDConfig()
 
 
-class GRPOModule(LightningModule):
+class GRPOModule(DataParallelOps, LightningModule):
     """GRPO on a causal-LM policy with exact micro-batching and per-batch mini-batching.
 
     Args:
@@ -255,7 +254,8 @@ class GRPOModule(LightningModule):
         if self.engine is None:
             self.engine = self.build_engine(will_sleep=publisher is not None and publisher.sleeps_engine)
         if publisher is None:
-            publisher = self._attach_publisher() if needs_publisher(self.engine, self.policy) else NoPublisher()
+            publisher = (attach_handoff(self.trainer, self.engine) if needs_publisher(self.engine, self.policy)
+                         else NoPublisher())
         self._publisher = publisher
         publisher.on_engine_ready(self.trainer, self.engine, self.policy, self.rollout_cfg.sync_bucket_mb)
 
@@ -489,19 +489,6 @@ class GRPOModule(LightningModule):
     def _context(self) -> int | None:
         return getattr(self.policy.config, "max_position_embeddings", None)
 
-    def _world_size(self) -> int:
-        return self._trainer.world_size if self._trainer is not None else 1
-
-    def _dp_mean(self, t: Tensor) -> Tensor:
-        if self._world_size() == 1:
-            return t
-        # A copy: Lightning's reduce all-reduces in place, and ``t`` is often a view of this rank's count (the
-        # objective's ``tokens.detach()``), which would then read as the DP mean in the chunk's stats.
-        return self.trainer.strategy.reduce(t.clone(), reduce_op="mean")
-
-    def _all_reduce(self, t: Tensor, op: str) -> Tensor:
-        return self.trainer.strategy.reduce(t.to(self.device, copy=True), reduce_op=op).cpu()  # in place: a copy
-
     def _dp_batch_std(self, rewards: Tensor) -> Tensor | None:
         """``scale_rewards="batch"`` under DP: the unbiased std of every rank's rewards (None: the local one)."""
         if self.rl.scale_rewards != "batch" or self._world_size() == 1:
@@ -510,30 +497,6 @@ class GRPOModule(LightningModule):
         total, squares, n = self._all_reduce(torch.stack([r.sum(), r.square().sum(), r.new_tensor(r.numel())]), "sum")
         return ((squares - total * total / n).clamp(min=0) / (n - 1)).sqrt().float()
 
-    def _all_ranks_finite(self, loss: Tensor) -> bool:
-        """Finite on every rank (one tiny all-reduce per chunk under DP): every rank poisons the same window."""
-        finite = torch.isfinite(loss).to(torch.float32)
-        return bool(finite if self._world_size() == 1 else self.trainer.strategy.reduce(finite, reduce_op="min"))
-
-    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        """Non-final micro-steps skip the gradient sync (DDP ``no_sync``; FSDP2 ``set_requires_gradient_sync``)."""
-        wrapper = self._trainer.strategy.model if self._trainer is not None else None
-        return gradient_sync(enabled, wrapper, self.policy)
-
-    def _attach_publisher(self) -> WeightPublisher:
-        """No callback publishes weights to an engine that holds its own: attach the hand-off, never sample stale."""
-        from lightning_grpo.handoff import HandoffCallback
-
-        publisher = HandoffCallback(colocated_offload=False)  # the engine was built without sleep mode
-        callbacks = self.trainer.callbacks
-        at = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
-        callbacks.insert(at, publisher)  # before checkpoint callbacks, as Lightning orders them
-        if self.trainer.is_global_zero:
-                log.warning("%s holds weights of its own and no callback publishes them: attached "
-                        "HandoffCallback(colocated_offload=False) to sync them once per loop step. Pass "
-                        "HandoffCallback() in Trainer(callbacks=...) for the colocated sleep/wake hand-off.",
-                        type(self.engine).__name__)
-        return publisher
 
 
 def _scatter(values: Tensor, keep: Tensor) -> Tensor:
