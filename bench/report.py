@@ -232,7 +232,8 @@ def _sampler(d: dict | None) -> str:
          f"{d['rounds']} rounds. *sampler* = CPU time inside the sampling step, measured by wrapping it: "
          "`torch.multinomial` + softmax for transformers' own sampling (our engine before issue 22), "
          "`InverseCDFSampler` for ours now (softmax, float64 sums per 256-token block, then one block's cumulative sum "
-         "and search, forcing generate's argmax), "
+         "and search, forcing generate's argmax; *inverse-cdf-flat*: the same with its first search, one float64 "
+         "cumulative sum over the whole vocabulary per step), "
          "vLLM's `Sampler.forward` for vLLM (on CPU a fused Gumbel-max kernel drawing one noise value per "
          "vocabulary entry, plus the log-softmax that `processed_logprobs` computes every step)."
          f"{_load_range(d)}"),

@@ -9,7 +9,10 @@ tokens at temperature 1, one thread, float32. Each variant is timed in CPU secon
 
 * ``hf/multinomial``: transformers' own sampling (``do_sample=True``: softmax + ``torch.multinomial``, which
   draws one exponential per vocabulary entry); the engine of lightning-grpo before issue 22.
-* ``hf/inverse-cdf``: our engine now (``rollout/sampler.py``: one uniform per row, cumulative sum, search).
+* ``hf/inverse-cdf``: our engine now (``rollout/sampler.py``: one uniform per row; float64 sums per block of 256
+  tokens, then one block's cumulative sum, searched).
+* ``hf/inverse-cdf-flat``: the same sampler with its first search (one float64 cumulative sum over the whole
+  vocabulary per step), kept here as the baseline of the two-level search.
 * ``vllm/<logprobs_mode>``: the in-process vLLM engine (CPU build); the sampler is vLLM's
   ``Sampler.forward`` (temperature/top-k/top-p, the draw: on CPU a fused Gumbel-max kernel with per-token
   SplitMix64 noise, and the log-softmax that ``processed_logprobs`` computes every step).
@@ -89,7 +92,28 @@ def hf_child(rounds: int) -> dict:
             out = engine.generate(prompts, GROUP, sampling)
         return sum(len(r.token_ids) for r in out)
 
-    return _rounds({"hf/multinomial": multinomial, "hf/inverse-cdf": inverse_cdf}, rounds)
+    def inverse_cdf_flat(spent):
+        """The first inverse-CDF search: one float64 cumulative sum over the whole vocabulary per step."""
+        two_level, ours_sampler.inverse_cdf_sample = ours_sampler.inverse_cdf_sample, flat_search
+        try:
+            return inverse_cdf(spent)
+        finally:
+            ours_sampler.inverse_cdf_sample = two_level
+
+    return _rounds({"hf/multinomial": multinomial, "hf/inverse-cdf-flat": inverse_cdf_flat,
+                    "hf/inverse-cdf": inverse_cdf}, rounds)
+
+
+def flat_search(probs, u):
+    """The sampler's search before the two-level one, kept verbatim as its baseline."""
+    import torch
+
+    cdf = probs.cumsum(-1, dtype=torch.float64)  # [N, V]
+    total = cdf[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise RuntimeError("sampling: the probability tensor contains inf, nan or no positive entry")
+    target = torch.minimum(u.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
 def vllm_child(rounds: int) -> dict:
