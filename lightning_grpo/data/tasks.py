@@ -178,14 +178,24 @@ def warm_start(
     """
     task = get_task(task) if isinstance(task, str) else task
     items = task.items(steps * batch_size, seed, "train")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    return sft(model, steps, seed, lr,
+               lambda step: (*_sft_batch(tokenizer, items[step * batch_size : (step + 1) * batch_size]), {}))
+
+
+def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of) -> WarmStartResult:
+    """The warm starts' supervised loop: AdamW at a constant ``lr`` over the trainable parameters, the loss on the
+    labelled (answer) tokens only. The global RNG is forked and seeded with ``seed``; the model's mode is restored.
+
+    ``batch_of(step)`` gives ``(input_ids, attention_mask, labels, extra model kwargs)`` (a VLM's pixels).
+    """
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     was_training, losses, start = model.training, [], time.perf_counter()
     model.train()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for step in range(steps):
-            ids, mask, labels = _sft_batch(tokenizer, items[step * batch_size : (step + 1) * batch_size])
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # [B, T-1, V]
+            ids, mask, labels, kwargs = batch_of(step)
+            logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, :-1]  # [B, T-1, V]
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import random
-import time
 from dataclasses import dataclass
 
 import torch
@@ -70,28 +69,16 @@ def warm_start_vision(model: nn.Module, tokenizer, vision, task, steps: int = 30
 
     The global RNG is untouched (forked) and the model's mode restored. The loss covers the answer only.
     """
-    from lightning_grpo.data.tasks import get_task
+    from lightning_grpo.data.tasks import get_task, sft
 
     task = get_task(task) if isinstance(task, str) else task
     items = task.items(steps * batch_size, seed, "train")
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    was_training, losses, start = model.training, [], time.perf_counter()
-    model.train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for step in range(steps):
-            batch = items[step * batch_size : (step + 1) * batch_size]
-            ids, mask, labels, images = _sft_rows(tokenizer, vision, batch)
-            inputs = vision.materialize(images, ids)
-            logits = model(input_ids=ids, attention_mask=mask, **inputs.as_kwargs()).logits[:, :-1]  # [B, T-1, V]
-            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    model.train(was_training)
-    return WarmStartResult(steps, sum(losses[-10:]) / max(len(losses[-10:]), 1), time.perf_counter() - start)
+
+    def batch_of(step: int):
+        ids, mask, labels, images = _sft_rows(tokenizer, vision, items[step * batch_size : (step + 1) * batch_size])
+        return ids, mask, labels, vision.materialize(images, ids).as_kwargs()
+
+    return sft(model, steps, seed, lr, batch_of)
 
 
 def _sft_rows(tokenizer, vision, items: list[TaskItem]):
