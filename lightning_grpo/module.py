@@ -51,7 +51,7 @@ from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
 from lightning_grpo.validation import ValidationMeans, greedy_scores
-from lightning_grpo.vision import VisionInputs, VisionProcessor, step_prompts, with_skipped_groups
+from lightning_grpo.vision import VisionInputs, VisionProcessor, step_prompts, touch_vision, with_skipped_groups
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +404,10 @@ class GRPOModule(DataParallelOps, LightningModule):
             if chunk.rollout_logprobs is None:
                 raise ValueError("rl.use_rollout_logprobs_for_loss=true but the engine returned no sampler logprobs")
             old_logprobs = chunk.rollout_logprobs[:, 1:]
-        return self.objective.chunk_loss(chunk, self.policy_view(chunk, vision), old_logprobs)
+        loss, denom, stats = self.objective.chunk_loss(chunk, self.policy_view(chunk, vision), old_logprobs)
+        if vision is None and self.vision is not None:  # no pixels: DDP still needs the vision side in the backward
+            loss = touch_vision(loss, self.policy)
+        return loss, denom, stats
 
     def policy_view(self, chunk: RolloutBatch | None = None, vision: VisionInputs | None = None) -> PolicyView:
         """What an objective may ask of the policy (``objectives/base.py``). ``vision``: ``chunk``'s pixels,

@@ -194,6 +194,18 @@ def freeze_vision_tower(model: nn.Module) -> int:
     return frozen
 
 
+def touch_vision(loss: Tensor, model: nn.Module) -> Tensor:
+    """``loss`` plus zero times every trainable vision parameter (the merger, and the tower when it trains).
+
+    A chunk without pixels (a data-parallel filler, text-only rows) never runs the vision side, so its backward
+    leaves those parameters out, and DDP, which expects every trainable parameter in the synced backward, fails
+    on the next step. The zero term puts them in that backward with a zero gradient: the update is unchanged.
+    """
+    tower = vision_tower(model)
+    params = [] if tower is None else [p for p in tower.parameters() if p.requires_grad]
+    return loss + sum(p.sum() for p in params) * 0.0 if params else loss
+
+
 # -- prompts of one loop step, with unreadable images met at the step that draws them -------------------------------
 def step_prompts(records, tokenizer, vision: VisionProcessor | None, on_bad_record: str = "error"
                  ) -> tuple[list[Prompt], list[int]]:

@@ -1,6 +1,7 @@
 """Vision-language batches under main's update machinery: fused logprobs, token-budgeted ChunkPlan, DP fillers,
 inner epochs. Each chunk still materializes its own pixels only, and every split stays exact."""
 
+import dataclasses
 import gc
 import weakref
 
@@ -9,7 +10,7 @@ import torch
 from helpers import image_batch, max_rel_delta, params_of
 from test_vlm import SIZES, UNEQUAL, make
 
-from lightning_grpo.chunks import EMPTY, plan_update, sequence_lengths
+from lightning_grpo.chunks import EMPTY, plan_update, sequence_lengths, take
 from lightning_grpo.data.images import load_images
 from lightning_grpo.logprobs import token_logprobs
 
@@ -85,6 +86,27 @@ def test_filler_chunks_on_an_image_batch_materialize_nothing_and_add_zero(tiny_v
     assert len(scored) == train_plan.n_chunks(0) and scored[-2:] == [1, 1]  # the fillers ran forward/backward
     assert len(result.chunks) == train_plan.real_chunks and not result.steps[0].skipped  # and reported nothing
     assert max_rel_delta(before, params_of(whole.policy), params_of(budgeted.policy)) <= tol
+
+
+@pytest.mark.parametrize("train_vision", [False, True], ids=["vision-frozen", "vision-trained"])
+def test_a_chunk_without_pixels_still_reaches_every_trainable_parameter(tiny_vlm_dir, train_vision):
+    """DDP expects every trainable parameter in the synced backward. A DP filler (or a chunk of text-only rows) never
+    runs the vision side, so it ties the merger (and a trained tower) in with a zero term: a zero gradient there,
+    the loss and the language model's gradients unchanged."""
+    module = make(tiny_vlm_dir, "float64", train_vision=train_vision)
+    batch = image_batch(module, UNEQUAL, SIZES)
+    trainable = {n: p for n, p in module.policy.named_parameters() if p.requires_grad}
+    visual = {n for n in trainable if ".visual." in f".{n}"}
+    assert visual and (train_vision or all(".merger." in f".{n}" for n in visual))
+    text_only = dataclasses.replace(take(batch, (0, 1, 2)), images=None)
+    for chunk in (take(batch, EMPTY), text_only):
+        module.policy.zero_grad(set_to_none=True)
+        loss, _, _ = module.forward_chunk(chunk, None)
+        loss.backward()
+        assert not [n for n, p in trainable.items() if p.grad is None]
+        assert all(float(trainable[n].grad.abs().max()) == 0 for n in visual)
+    plain_loss, _, _ = module.objective.chunk_loss(text_only.to(module.device), module.policy_view(), None)
+    assert float(loss) == float(plain_loss)
 
 
 @pytest.mark.parametrize("budget", [0, 1], ids=["fixed", "budgeted"])
