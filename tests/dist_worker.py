@@ -48,12 +48,17 @@ def lr_of(case: str) -> float:
 
 
 BUDGET = 48  # tokens per chunk: rank 0's long rows (24 22 19 16 tokens) need 2 chunks, rank 1's short ones 1
+VLM_LENGTHS = [30, 28, 26, 24, 2, 3, 2, 3]  # image prompts: rank 0's long completions need 2 chunks, rank 1's 1
+VLM_SIZES = [(56, 56), (28, 28)]  # 4 and 1 image tokens
 
 
 def case_config(case: str) -> GRPOConfig:
     """``<strategy>-m<n_micro>[-clip|-rankmean|-refuse]`` or ``<strategy>-budget`` -> the rl config of that case
     (8 trajectories)."""
     parts = case.split("-")
+    if parts[1] == "vlm":  # the budget is set from the image batch (VLMBatchModule.collect)
+        return GRPOConfig(batch_per_replica=len(VLM_LENGTHS), group_size=2, max_tokens_per_micro=1,
+                          max_grad_norm=0.0)
     if parts[1] == "budget":  # token-budgeted chunks: unequal chunk counts on the two ranks
         return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, max_tokens_per_micro=BUDGET, max_grad_norm=0.0)
     n_micro = int(parts[1][1:])
@@ -75,7 +80,7 @@ def lora_seed(case: str) -> int | None:
 def policy_config(case: str, policy: str) -> PolicyConfig:
     """``...-lora``: the policy trains a rank-4 LoRA adapter on the frozen tiny policy."""
     adapter = LoraConfig(rank=4, alpha=8) if "lora" in case.split("-") else None
-    return PolicyConfig(path=policy, dtype="float32", lora=adapter)
+    return PolicyConfig(path=policy, dtype="float32", lora=adapter, train_vision_tower="vlm" in case.split("-"))
 
 
 class FixedBatchModule(GRPOModule):
@@ -105,6 +110,22 @@ class FixedBatchModule(GRPOModule):
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         local = sum(float((g.to_local() if hasattr(g, "to_local") else g).double().abs().sum()) for g in grads)
         self.grad_trace.append((bool(grads), local))
+
+
+class VLMBatchModule(FixedBatchModule):
+    """The fixed-batch module on image prompts with a budget that holds rank 1's four short rows in one chunk, so
+    rank 0 (long completions) needs 2 chunks and rank 1 one plus a DP filler, its last (synced) chunk, without
+    pixels."""
+
+    def collect(self, records):
+        from helpers import image_batch
+
+        from lightning_grpo.chunks import sequence_lengths
+
+        batch = image_batch(self, VLM_LENGTHS, VLM_SIZES, seed=BATCH_SEED)
+        lengths = sequence_lengths(batch)[0]
+        self.rl.max_tokens_per_micro = 4 * max(lengths[4:])  # rank 1's four short rows fit one chunk, rank 0's not
+        return _share(batch, self), {}
 
 
 class RecordingEngine:
@@ -255,8 +276,9 @@ def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None =
     if case.endswith("-fit"):
         return run_fit(case, policy, out, rank)
     strategy = _strategy(case)
-    module = FixedBatchModule(policy=policy_config(case, policy), rl=case_config(case),
-                              rollout=RolloutConfig(), seed=lora_seed(case))
+    cls = VLMBatchModule if "vlm" in case.split("-") else FixedBatchModule
+    module = cls(policy=policy_config(case, policy), rl=case_config(case), rollout=RolloutConfig(),
+                 seed=lora_seed(case))
     module.grad_trace, module.lr = [], lr_of(case)
     if "rankmean" in case:  # the wrong reduction: each rank divides by its own token count
         module.objective.dp_mean = lambda t: t

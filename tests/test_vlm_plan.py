@@ -171,3 +171,18 @@ def test_a_lora_adapter_on_a_vlm_scores_the_images_and_chunks_exactly(tiny_vlm_d
     trainable = [n for n, p in chunked.policy.named_parameters() if p.requires_grad]
     assert not any(".visual.blocks." in n for n in trainable) and any(".visual.merger." in n for n in moved)
     assert max_rel_delta(before, params_of(whole.policy), after) <= 5e-8
+
+
+def test_two_ddp_ranks_train_a_vlm_whose_last_chunk_on_one_rank_is_a_filler(tmp_path, tiny_vlm_dir):
+    """2 gloo ranks, 2 loop steps, vision tower trained: rank 1's synced (last) chunk is a DP filler without pixels.
+    DDP needs the vision parameters in that backward; both ranks end with one and the same model."""
+    import dist_worker as W
+    from test_distributed import launch_two_ranks
+
+    launch_two_ranks(tmp_path, tiny_vlm_dir, ["ddp-vlm-steps2"])
+    r0, r1 = (torch.load(tmp_path / f"ddp-vlm-steps2.rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert len(r0["chunks"][0]) == 2 and EMPTY not in r0["chunks"][0]  # rank 0: two real chunks
+    assert r1["chunks"][0][-1] == EMPTY and EMPTY not in r1["chunks"][0][:-1]  # rank 1: one, then the filler
+    assert r0["metrics"]["grpo/n"] == len(W.VLM_LENGTHS)
+    visual = [k for k in r0["params"] if ".visual." in f".{k}"]
+    assert visual and all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
