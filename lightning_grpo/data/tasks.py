@@ -207,10 +207,15 @@ def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of) -> WarmSta
 
 def _sft_batch(tokenizer, items: list[TaskItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``prompt + answer + eos`` rows; labels are -100 except on the answer and EOS."""
+    return sft_rows(tokenizer, [encode_prompt(tokenizer, item.text) for item in items], [item.answer for item in items])
+
+
+def sft_rows(tokenizer, prompts: list[list[int]], answers: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, labels)`` of right-padded ``prompt + answer + eos`` rows, labels -100 except on
+    the answer and EOS (the warm starts' supervised rows, text or image prompts alike)."""
     rows, targets = [], []
-    for item in items:
-        prompt = encode_prompt(tokenizer, item.text)
-        answer = list(tokenizer(item.answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    for prompt, text in zip(prompts, answers):
+        answer = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         targets.append([-100] * len(prompt) + answer)
     width = max(map(len, rows))

@@ -17,7 +17,6 @@ import io
 import random
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from lightning_grpo.data.images import with_image_parts
@@ -84,21 +83,12 @@ def warm_start_vision(model: nn.Module, tokenizer, vision, task, steps: int = 30
 def _sft_rows(tokenizer, vision, items: list[TaskItem]):
     """Right-padded ``prompt (placeholders expanded) + answer + eos`` rows, labels -100 off the answer."""
     from lightning_grpo.data.chat import encode
+    from lightning_grpo.data.tasks import sft_rows
     from lightning_grpo.rollout.base import Prompt
 
-    rows, targets, images = [], [], []
+    prompts = []
     for i, item in enumerate(items):
         ids, text = encode(tokenizer, item.text, item.messages)
-        prompt = vision.expand(Prompt(i, ids, text, images=item.images))
-        answer = list(tokenizer(item.answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
-        rows.append(prompt.token_ids + answer)
-        targets.append([-100] * len(prompt.token_ids) + answer)
-        images.append(item.images)
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, T]
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)  # [B, T]
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)  # [B, T]
-    for i, (row, target) in enumerate(zip(rows, targets)):
-        ids[i, : len(row)], labels[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), torch.tensor(target), True
-    return ids, mask, labels, images
+        prompts.append(vision.expand(Prompt(i, ids, text, images=item.images)).token_ids)
+    return (*sft_rows(tokenizer, prompts, [item.answer for item in items]), [item.images for item in items])
 
