@@ -456,12 +456,16 @@ def test_kill9_or_sigterm_at_a_random_loop_step_then_resume_last_matches_the_uni
         _write_config(folder, tiny_policy_dir)
     forker = Forker()
     try:
-        run_a, run_b, run_c = forker.fit(a), forker.fit(b), forker.fit(c)  # independent fresh runs, same seed
+        run_a = forker.fit(a)  # independent fresh runs, same seed
         # Signal B and C at a random moment of a random loop step, once their checkpoint of loop step k exists.
         # At most LOOP_STEPS - 3: SIGTERM takes effect at the next boundary, so a signal landing just after step k + 1's
         # checkpoint saves step k + 2, which must leave a step to resume (CI's fast machine hit k + 2 == LOOP_STEPS).
         k = rng.randint(1, LOOP_STEPS - 3)
-        for run, folder, signum in ((run_b, b, signal.SIGKILL), (run_c, c, signal.SIGTERM)):
+        signalled = {}
+        for folder, signum in ((b, signal.SIGKILL), (c, signal.SIGTERM)):
+            # C starts only once B is signalled: started together, C finished its 4 loop steps (1.2 s on CI's fast
+            # machine) while the test was still waiting for B's kill moment.
+            run = signalled[folder] = forker.fit(folder)
             ckpts, deadline = folder / "runs" / "tiny" / "version_0" / "checkpoints", time.time() + 300
             while not step_file(ckpts, k).exists():
                 assert _alive(run) and time.time() < deadline, (folder / "out.log").read_text()[-3000:]
@@ -472,6 +476,7 @@ def test_kill9_or_sigterm_at_a_random_loop_step_then_resume_last_matches_the_uni
             while time.time() < kill_at and not step_file(ckpts, k + 1).exists():
                 time.sleep(0.01)
             os.kill(run, signum)
+        run_b, run_c = signalled[b], signalled[c]
         for run in (run_b, run_c):
             while _alive(run):
                 time.sleep(0.05)
