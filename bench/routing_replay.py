@@ -3,9 +3,9 @@
     .venv/bin/python -m bench.routing_replay            # 16 sequences x up to 96 completion tokens, n_mini 2 and 4
     .venv/bin/python -m bench.routing_replay --quick    # 8 x 48
 
-What replay adds: the ahead pass stores each chunk's top-k indices (int16, one [B*T, k] tensor per MoE layer), and
-every training forward after mini-batch 0 recomputes the combine weights of the replayed experts (a softmax gather)
-and counts flipped rows. Both modes run the same ahead pass (n_mini > 1), so the difference is replay's own cost.
+What replay adds: the ahead pass stores each row's top-k indices (int16, [layers, tokens, k] over its own tokens),
+and every training forward after mini-batch 0 lays its rows' records out as the chunk, recomputes the combine weights
+of the replayed experts (a softmax gather) and counts flipped rows. Both modes run the same ahead pass (n_mini > 1), so the difference is replay's own cost.
 The two modes alternate on two modules built from the same folder, so machine load hits both alike; each figure is
 the median over updates. ``overhead`` = (update with replay - update without) / update with replay.
 """
@@ -29,7 +29,6 @@ def child(n_mini: int, rows: int, completion: int, repeats: int) -> dict:
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
     from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
-    from lightning_grpo.routing import chunk_routes
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the machine is shared: one thread keeps wall time proportional to work done
@@ -62,7 +61,7 @@ def child(n_mini: int, rows: int, completion: int, repeats: int) -> dict:
         for mode, m in modules.items():
             m.update(b)
             seconds[mode].append(m.update_seconds)
-        route_bytes = chunk_routes(modules["ahead"].old_logprobs.last_routes)
+        route_bytes = modules["ahead"].old_logprobs.last_routes.nbytes()
     off, on = statistics.median(seconds["off"]), statistics.median(seconds["ahead"])
     return {"n_mini": n_mini, "update_off_s": off, "update_replay_s": on, "overhead": (on - off) / on,
             "route_bytes": route_bytes}

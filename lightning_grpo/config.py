@@ -79,8 +79,8 @@ class GRPOConfig:
     """Float32 LM-head logits (MiB, per chunk) kept from forward for backward; past it the head is recomputed in
     backward. Memory only: the update is unchanged (logprobs.py). 0 = always recompute (least memory)."""
     routing_replay: Literal["off", "ahead", "rollout"] = "off"
-    """Sparse-MoE policies: pin each token's top-k experts. ahead = record them in the ahead pass and replay them in
-    the probe and every training forward of the chunk; rollout = take them from the rollout engine (needs an engine
+    """Sparse-MoE policies: pin each token's top-k experts. ahead = record them per row in the ahead pass and replay
+    them in the probe and every later forward of the row (any chunk split, token budget, inner epoch); rollout = take them from the rollout engine (needs an engine
     that returns routing; vLLM CPU 0.32 cannot). Refused on a model without MoE layers. See docs/moe.md."""
     grad_accum: int = 1
     """Retired for GRPO: the accumulation count is derived as n_micro. Set micro_batch_per_replica instead."""
@@ -199,11 +199,6 @@ class GRPOConfig:
             knob = "use_rollout_logprobs_for_loss=true" if self.use_rollout_logprobs_for_loss else "freeze_pi_old=false"
             p.append(f"routing_replay='ahead': it records routing in the ahead pass, which {knob} turns off; "
                      "use routing_replay='rollout' (routing from the engine) or 'off'")
-        if self.routing_replay != "off" and (self.max_tokens_per_micro or self.mu_iterations != 1):
-            knob = f"max_tokens_per_micro={self.max_tokens_per_micro}" if self.max_tokens_per_micro else \
-                f"mu_iterations={self.mu_iterations}"
-            p.append(f"routing_replay={self.routing_replay!r} with {knob}: routing records are kept per chunk of one "
-                     "fixed plan and epoch; use micro_batch_per_replica and mu_iterations=1 with routing replay")
         if self.grad_accum != 1:
             p.append(
                 f"grad_accum={self.grad_accum}: rl.grad_accum is retired for GRPO; the accumulation count is derived. "

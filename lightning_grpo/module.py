@@ -371,7 +371,7 @@ class GRPOModule(DataParallelOps, LightningModule):
         self.last_plan = plan
         # pi_old per chunk in walk order, frozen before the first step; None = no ahead pass (n_mini == 1, ...).
         ahead_pass = needs_ahead_pass(self.rl, self.objective)
-        walk = ahead_pass or (self.routing is not None and self.routing.needs_walk(self.rl.n_micro))
+        walk = ahead_pass or (self.routing is not None and self.routing.needs_walk(self.rl))
         pi_old = self.old_logprobs.compute(batch, plan, ahead) if walk else None
         self.ahead_seconds = self.old_logprobs.last_seconds if walk else 0.0
         if self.routing is not None:  # MoE: each chunk's recorded experts, replayed in training (routing.py)

@@ -38,6 +38,7 @@ from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.chunks import EMPTY, ChunkPlan, sequence_lengths, take
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.distributed import single_process
+from lightning_grpo.routing import RowRoutes
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,8 @@ class OldLogprobCache:
         self._probe: ProbeResult | None = None  # set once per run; resumes from state_dict
         self.last_seconds = 0.0
         """Wall time of the latest ahead pass (device work included)."""
-        self.last_routes: list = []
-        """Routing record of every chunk of the latest ahead pass, walk order (None: not recorded)."""
+        self.last_routes: RowRoutes | None = None
+        """MoE: the experts the latest ahead pass recorded, per row (``routing.RowRoutes``; None: no routing)."""
 
     @property
     def probe_passed(self) -> bool:
@@ -179,17 +180,16 @@ class OldLogprobCache:
         walks ``plan``'s chunks themselves. Either way each chunk is scored once, however many epochs reuse it.
         """
         start = time.perf_counter()
-        self.last_routes: list | None = None  # MoE: each training chunk's recorded experts (routing replay)
+        routes = self.last_routes = RowRoutes() if self.routing is not None else None
         with eval_mode(self.model), torch.no_grad():
-            if ahead is None:
-                records, routes = self._walk(batch, plan)
-            else:  # routing replay is refused with token budgets (config): no routes to lay out per row
-                records, routes = self._by_rows(batch, plan, ahead), {}
+            records = self._walk(batch, plan, routes) if ahead is None else self._by_rows(batch, plan, ahead, routes)
         if self.skips_first_mini(plan.n_epochs):  # also when the probe passed during this pass
             records.update({(0, micro): None for micro in range(plan.n_chunks(0))})
-            routes.update({(0, micro): None for micro in range(plan.n_chunks(0))})
+            if routes is not None:  # mini-batch 0 trains at pi_old itself: it routes naturally
+                for rows in plan.rows[0]:
+                    for r in rows:
+                        routes.by_row.pop(r, None)
         out = [records[mini, micro] for _, mini, micro in plan.training_walk()]
-        self.last_routes = [routes.get((mini, micro)) for _, mini, micro in plan.training_walk()]
         _sync(out)
         self.last_seconds = time.perf_counter() - start
         return out
@@ -216,22 +216,27 @@ class OldLogprobCache:
     def _record(self):
         return self.routing.record() if self.routing is not None else contextlib.nullcontext(_NoRecord())
 
-    def _walk(self, batch: RolloutBatch, plan: ChunkPlan):
-        records, routes = {}, {}
+    def _walk(self, batch: RolloutBatch, plan: ChunkPlan, routes: RowRoutes | None):
+        records, lengths = {}, sequence_lengths(batch)[0]
         for mini, micro in plan.walk():  # asked per chunk: once the probe passes, the rest of mini-batch 0 is skipped
             if mini == 0 and self.skips_first_mini(plan.n_epochs):
-                records[mini, micro] = routes[mini, micro] = None
+                records[mini, micro] = None
             else:
-                records[mini, micro], routes[mini, micro] = self._score(plan.chunk(batch, mini, micro))
-        return records, routes
+                records[mini, micro], route = self._score(plan.chunk(batch, mini, micro))
+                if routes is not None:
+                    routes.add(route, plan.rows[mini][micro], lengths)
+        return records
 
-    def _by_rows(self, batch: RolloutBatch, plan: ChunkPlan, ahead: ChunkPlan) -> dict[tuple[int, int], Tensor | None]:
+    def _by_rows(self, batch: RolloutBatch, plan: ChunkPlan, ahead: ChunkPlan,
+                 routes: RowRoutes | None) -> dict[tuple[int, int], Tensor | None]:
         per_row: dict[int, Tensor] = {}
+        lengths, _ = sequence_lengths(batch)
         for _, micro in ahead.walk():  # empty chunks run too: every rank takes the same number of forwards
             rows = ahead.rows[0][micro]
-            logprobs, _ = self._score(take(batch, rows))  # [B, T_ahead-1]
+            logprobs, route = self._score(take(batch, rows))  # [B, T_ahead-1]
             per_row.update(zip(rows, logprobs))
-        lengths, _ = sequence_lengths(batch)
+            if routes is not None:  # kept per row too: the training chunks regroup the rows
+                routes.add(route, rows, lengths)
         records = {}
         for mini, micro in plan.walk():
             rows = plan.rows[mini][micro]

@@ -7,10 +7,12 @@ experts for near-tied tokens, and a flipped expert moves that token's logprob by
 ratio ``pi / pi_old`` then carries routing churn instead of the policy's change.
 
 Replay pins the dispatch: the ahead pass (``old_logprobs.py``) records every router's top-k
-indices per chunk, keyed like pi_old (call order, with a shape check); the probe's train()
-re-score and every training forward of that chunk replay them. The router logits are still
-computed from the current weights, and the combine weights are the router probabilities *of
-the replayed experts* (renormalized exactly as the router does), so the gate's gradient flows.
+indices and keeps them per row of the collected batch (``RowRoutes``: a row's own tokens, no
+padding), so any later chunk made of those rows gets its experts back whatever the split: the
+probe's train() re-score, every training chunk of a fixed or token-budgeted plan, every inner
+epoch. A chunk's padding positions route naturally (nothing reads them). The router logits are
+still computed from the current weights, and the combine weights are the router probabilities
+*of the replayed experts* (renormalized exactly as the router does), so the gate's gradient flows.
 
 Stock Hugging Face blocks only (transformers 5.x): each supported block calls a ``*TopKRouter``
 returning ``(router_logits, top_k_scores, top_k_indices)``; a forward hook on that router
@@ -49,6 +51,38 @@ class RoutingRecord:
     routes: tuple[Tensor, ...]
     rows: int
     """``B*T`` of the chunk the record was made on (what every router saw)."""
+    forced: Tensor | None = None
+    """``[B*T]`` bool: the positions replay forces (a row's recorded tokens); None = every position."""
+    n_forced: int = -1
+    """How many positions are forced (``rows`` when ``forced`` is None); counted once, not per layer."""
+
+    def __post_init__(self) -> None:
+        if self.n_forced < 0:
+            object.__setattr__(self, "n_forced", self.rows if self.forced is None else int(self.forced.sum()))
+
+
+class RowRoutes:
+    """The recorded experts of one collected batch, per row: ``row -> [layers, tokens, k]`` int16, the row's own
+    tokens only (rows are packed from position 0, so token ``t`` of a row sits at position ``t`` in every chunk).
+
+    Keyed by row, not by chunk, so a training chunk need not be an ahead chunk: the token-budgeted ahead pass walks
+    bigger chunks of its own, and inner epochs revisit the rows in another window order.
+    """
+
+    def __init__(self) -> None:
+        self.by_row: dict[int, Tensor] = {}
+
+    def add(self, record: RoutingRecord | None, rows: Sequence[int], lengths: Sequence[int]) -> None:
+        """Split chunk ``rows``'s record (``lengths``: each batch row's real tokens) into its rows."""
+        if record is None or not rows:
+            return
+        stacked = torch.stack(record.routes)  # [L, B*T, k]
+        per_row = stacked.view(stacked.shape[0], len(rows), record.rows // len(rows), stacked.shape[-1])
+        for i, r in enumerate(rows):
+            self.by_row[r] = per_row[:, i, :lengths[r]].clone()  # a copy: the padded chunk record is freed
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.by_row.values())
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -205,11 +239,14 @@ class ReplayHooks:
                     active.captured[i] = indices.detach().to(torch.int16)
                 self._collect_aux(active, i, logits, indices)
                 return None
-            forced = self._paired(active.record, i, indices)
-            natural = indices.detach().sort(-1).values
-            flipped = (natural != forced.sort(-1).values).any(-1).sum()  # stays on device: no sync per layer
+            record = active.record
+            forced = self._paired(record, i, indices)
+            if record.forced is not None:  # padding positions keep their natural experts (nothing reads them)
+                forced = torch.where(record.forced.to(indices.device)[:, None], forced, indices)
+            moved = (indices.detach().sort(-1).values != forced.sort(-1).values).any(-1)
+            flipped = moved.sum()  # stays on device: no sync per layer (padding never differs: it is natural)
             self._flipped = flipped if self._flipped is None else self._flipped + flipped
-            self._replayed += int(indices.shape[0])
+            self._replayed += record.n_forced
             self._collect_aux(active, i, logits, forced)
             return logits, replayed_scores(logits, forced, renorm, scores.dtype), forced
 
@@ -261,11 +298,6 @@ def record_counts(record: RoutingRecord, mask: Tensor, num_experts: int) -> Tens
     return sum(assignment_counts(r, m.to(r.device), num_experts) for r in record.routes)
 
 
-def chunk_routes(records: Sequence[RoutingRecord | None]) -> int:
-    """Bytes the records of one collected batch hold (reported by the bench)."""
-    return sum(t.numel() * t.element_size() for r in records if r is not None for t in r.routes)
-
-
 # -- one collected batch: records per chunk, replay scopes for the training walk, the aux loss -------------------
 @dataclass(frozen=True)
 class AuxLossSpec:
@@ -295,9 +327,10 @@ class RoutingReplay:
             (hooks only collect the aux loss, when the model enables one).
         dp_mean: mean over data-parallel ranks (the window divisor of the aux term).
 
-    Per collected batch: ``begin(batch, plan, records)`` with the ahead pass's records
-    (``OldLogprobCache.last_routes``), then the loop enters ``scope(k, chunk)`` around chunk k's
-    forward *and* backward (a checkpointed layer re-runs its router in backward).
+    Per collected batch: ``begin(batch, plan, routes)`` with the ahead pass's per-row records
+    (``OldLogprobCache.last_routes``), then the loop enters ``scope(k, chunk)`` around the k-th chunk
+    of the training walk (every epoch), through its forward *and* backward (a checkpointed layer
+    re-runs its router in backward).
     """
 
     def __init__(self, model: nn.Module, mode: str = "ahead", dp_mean=lambda t: t) -> None:
@@ -305,14 +338,15 @@ class RoutingReplay:
         self.hooks = ReplayHooks(model)
         self.aux = aux_loss_spec(model)
         self.dp_mean = dp_mean
-        self._records: Sequence[RoutingRecord | None] = ()
+        self._routes: RowRoutes | None = None
+        self._walk: list[tuple[int, tuple[int, ...]]] = []  # (mini, rows) of each training-walk chunk
         self._windows: dict[int, _WindowAux] = {}
-        self._chunk_window: list[int] = []
+        self._steps = 0
         self._aux_values: list[Tensor] = []
 
-    def needs_walk(self, n_micro: int) -> bool:
+    def needs_walk(self, rl) -> bool:
         """Run the ahead walk even without a pi_old to freeze: a several-chunk window's aux loss needs its routing."""
-        return self.aux is not None and self.mode != "off" and n_micro > 1
+        return self.aux is not None and self.mode != "off" and several_chunks(rl)
 
     @property
     def needs_every_record(self) -> bool:
@@ -327,27 +361,53 @@ class RoutingReplay:
         return self.hooks.replay(record) if self.mode != "off" and record is not None else contextlib.nullcontext()
 
     # -- one collected batch ---------------------------------------------------------------------------------------
-    def begin(self, batch, plan, records: Sequence[RoutingRecord | None] | None) -> None:
-        """Take the ahead pass's records (walk order) and prepare each window's aux-loss constants."""
-        n = sum(plan.n_chunks(mini) for mini in range(plan.n_mini))  # one epoch, fixed chunks (refused otherwise)
-        self._records = list(records) if records is not None and self.mode != "off" else [None] * n
-        if len(self._records) != n:
-            raise RoutingReplayError(f"{len(self._records)} routing records for a plan of {n} chunks")
-        self._windows, self._chunk_window, self._aux_values = {}, [], []
-        for k, (mini, micro) in enumerate(plan.walk()):
-            self._chunk_window.append(mini)
-            if self.aux is not None:
-                self._windows.setdefault(mini, _WindowAux(plan.n_chunks(mini))).add(
-                    plan.chunk(batch, mini, micro).completion_mask, (records or [None] * n)[k], self.aux.num_experts)
+    def begin(self, batch, plan, routes: RowRoutes | None) -> None:
+        """Take the ahead pass's per-row records and prepare each window's aux-loss constants."""
+        self._routes = routes if self.mode != "off" else None
+        self._walk = [(mini, plan.rows[mini][micro]) for _, mini, micro in plan.training_walk()]
+        self._windows, self._aux_values, self._steps = {}, [], plan.n_epochs * plan.n_mini
+        if self.aux is None:
+            return
+        for mini, micro in plan.walk():  # every epoch revisits the same windows: their constants are per mini
+            chunk = plan.chunk(batch, mini, micro)
+            self._windows.setdefault(mini, _WindowAux(plan.n_chunks(mini))).add(
+                chunk.completion_mask, self.layout(plan.rows[mini][micro], chunk), self.aux.num_experts)
         for w in self._windows.values():
             w.finish(self.dp_mean)
 
+    def layout(self, rows: Sequence[int], chunk) -> RoutingRecord | None:
+        """The record of a chunk of ``rows`` as its routers see it (``[B*T, k]`` per layer, ``T`` the chunk's width);
+        None when no row was recorded (mini-batch 0 trained at pi_old itself, a DP filler). Rows without a record
+        and padding positions route naturally."""
+        if self._routes is None or not rows or not any(r in self._routes.by_row for r in rows):
+            return None
+        width, lengths = chunk.input_ids.shape[1], chunk.attention_mask.sum(-1).tolist()
+        some = next(iter(self._routes.by_row.values()))
+        (layers, _, k), device = some.shape, some.device  # built where the records live: no host copy per row
+        out = torch.zeros(layers, len(rows), width, k, dtype=torch.int16, device=device)
+        forced = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        for i, r in enumerate(rows):
+            route = self._routes.by_row.get(r)
+            if route is None:
+                continue
+            if route.shape[1] != lengths[i] or route.shape[0] != layers:
+                names = ", ".join(name for name, _ in self.hooks.routers)
+                raise RoutingReplayError(
+                    f"routing replay: row {r} has a record of shape {tuple(route.shape)} ([layers, tokens, k] over "
+                    f"{names}) but this chunk holds {lengths[i]} tokens of it: the record belongs to another "
+                    "collected batch (records are taken by the ahead pass of the batch being trained)")
+            out[:, i, :lengths[i]] = route
+            forced[i, :lengths[i]] = True
+        return RoutingRecord(tuple(out.view(layers, -1, k).unbind(0)), len(rows) * width, forced.view(-1),
+                             sum(lengths[i] for i, r in enumerate(rows) if r in self._routes.by_row))
+
     @contextlib.contextmanager
     def scope(self, k: int, chunk) -> Iterator[_ChunkScope]:
-        """Chunk ``k`` of the training walk: replay record ``k`` (if any) through its forward and backward."""
-        record = self._records[k] if k < len(self._records) else None
+        """Chunk ``k`` of the training walk: replay its rows' records (if any) through its forward and backward."""
+        mini, rows = self._walk[k] if k < len(self._walk) else (None, ())
+        record = self.layout(rows, chunk)
         mask = chunk.completion_mask if self.aux is not None else None
-        window = self._windows.get(self._chunk_window[k]) if self._chunk_window else None
+        window = self._windows.get(mini)
         if record is None and mask is None:
             yield _ChunkScope(None, None, None)
             return
@@ -355,11 +415,11 @@ class RoutingReplay:
             yield _ChunkScope(active, window, self)
 
     def metrics(self) -> dict[str, float]:
-        """``moe/route_flip_frac`` (replayed rows whose natural top-k differed) and ``moe/aux_loss``."""
+        """``moe/route_flip_frac`` (replayed rows whose natural top-k differed) and ``moe/aux_loss`` (per step)."""
         flipped, replayed = self.hooks.take_flip_counts()
         out = {"moe/route_flip_frac": flipped / replayed if replayed else 0.0}
         if self.aux is not None and self._aux_values:
-            out["moe/aux_loss"] = float(torch.stack(self._aux_values).sum()) / len(self._windows)
+            out["moe/aux_loss"] = float(torch.stack(self._aux_values).sum()) / max(self._steps, 1)
         return out
 
 
@@ -376,7 +436,7 @@ class _WindowAux:
     def add(self, mask: Tensor, record: RoutingRecord | None, num_experts: int) -> None:
         self.tokens += float(mask.sum())
         if record is None:
-            self.complete = False
+            self.complete = self.complete and not bool(mask.any())  # a DP filler counts nothing: nothing missing
             return
         c = record_counts(record, mask, num_experts)
         self.counts = c if self.counts is None else self.counts + c
@@ -448,9 +508,16 @@ def attach_routing(model: nn.Module, rl, engine: str, dp_mean) -> RoutingReplay 
     aux = aux_loss_spec(model) if moe_blocks(model) else None
     if mode == "off" and aux is None:
         return None
-    if mode == "off" and rl.n_micro > 1:
+    if mode == "off" and several_chunks(rl):
+        split = (f"rl.max_tokens_per_micro={rl.max_tokens_per_micro} may cut a window into several chunks"
+                 if rl.max_tokens_per_micro else f"rl.micro_batch_per_replica gives n_micro={rl.n_micro}")
         raise RoutingReplayError(
-            f"the policy enables the MoE aux loss (output_router_logits, router_aux_loss_coef={aux.coef}) and "
-            f"rl.micro_batch_per_replica gives n_micro={rl.n_micro}: a window's aux loss is exact across chunks only "
-            "with its routing recorded up front; set rl.routing_replay='ahead' (or output_router_logits=false)")
+            f"the policy enables the MoE aux loss (output_router_logits, router_aux_loss_coef={aux.coef}) and {split}: "
+            "a window's aux loss is exact across chunks only with its routing recorded up front; set "
+            "rl.routing_replay='ahead' (or output_router_logits=false)")
     return RoutingReplay(model, mode, dp_mean)
+
+
+def several_chunks(rl) -> bool:
+    """Whether a window may take several forward/backward chunks (fixed n_micro > 1, or a token budget)."""
+    return rl.n_micro > 1 or bool(rl.max_tokens_per_micro)

@@ -48,17 +48,21 @@ def lr_of(case: str) -> float:
 
 
 BUDGET = 48  # tokens per chunk: rank 0's long rows (24 22 19 16 tokens) need 2 chunks, rank 1's short ones 1
+MOE_BUDGET = 40  # with n_mini=2: rank 0's windows (24+19, 16+22 tokens) need 2 chunks each, rank 1's 1
 VLM_LENGTHS = [30, 28, 26, 24, 2, 3, 2, 3]  # image prompts: rank 0's long completions need 2 chunks, rank 1's 1
 VLM_SIZES = [(56, 56), (28, 28)]  # 4 and 1 image tokens
 
 
 def case_config(case: str) -> GRPOConfig:
-    """``<strategy>-m<n_micro>[-clip|-rankmean|-refuse]`` or ``<strategy>-budget`` -> the rl config of that case
-    (8 trajectories)."""
+    """``<strategy>-m<n_micro>[-clip|-rankmean|-refuse|-moe]`` or ``<strategy>-budget[-moe]`` -> the rl config of
+    that case (8 trajectories)."""
     parts = case.split("-")
     if parts[1] == "vlm":  # the budget is set from the image batch (VLMBatchModule.collect)
         return GRPOConfig(batch_per_replica=len(VLM_LENGTHS), group_size=2, max_tokens_per_micro=1,
                           max_grad_norm=0.0)
+    if parts[1] == "budget" and "moe" in parts:  # n_mini=2, routing replay; rank 0 needs 2 chunks a window, rank 1
+        return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, mini_batch_per_replica=4,  # 1 + a filler
+                          max_tokens_per_micro=MOE_BUDGET, max_grad_norm=0.0, routing_replay="ahead")
     if parts[1] == "budget":  # token-budgeted chunks: unequal chunk counts on the two ranks
         return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, max_tokens_per_micro=BUDGET, max_grad_norm=0.0)
     n_micro = int(parts[1][1:])

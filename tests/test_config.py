@@ -44,8 +44,6 @@ BAD_RL = [
     (dict(max_tokens_per_ahead_micro=-5), "max_tokens_per_ahead_micro=-5"),
     (dict(mu_iterations=0), "mu_iterations=0: must be an integer >= 1"),
     (dict(mu_iterations=1.5), "mu_iterations=1.5"),
-    (dict(routing_replay="ahead", max_tokens_per_micro=512), "routing_replay='ahead' with max_tokens_per_micro=512"),
-    (dict(routing_replay="ahead", mu_iterations=2), "routing_replay='ahead' with mu_iterations=2"),
 ]
 
 

@@ -100,20 +100,62 @@ def test_chunked_equivalence_holds_with_replay(moe_policy_dir, micro):
     assert max_rel_delta(before, updates[0], updates[1]) <= 1e-6
 
 
-def test_training_forwards_replay_the_ahead_record(moe_policy_dir):
-    """Every training chunk after mini-batch 0 replays its record: the experts it used are the recorded ones."""
-    module = make(moe_policy_dir, mini=4, micro=2, lr=5e-2)  # n_mini=4: big steps move the natural routing
+SPLITS = {  # every way a collected batch is cut: the records must follow the rows, not the chunks
+    "fixed": dict(mini=4, micro=2),
+    "token-budget": dict(mini=4, max_tokens_per_micro=90),
+    "budget+ahead-budget": dict(mini=4, max_tokens_per_micro=90, max_tokens_per_ahead_micro=300),
+    "mu=2": dict(mini=8, micro=4, mu_iterations=2),
+    "mu=2+budget": dict(mini=8, max_tokens_per_micro=90, mu_iterations=2),
+}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_training_forwards_replay_the_ahead_record(moe_policy_dir, split):
+    """Every recorded row's tokens train with the experts the ahead pass chose for them, under every split (fixed or
+    token-budgeted chunks, an ahead pass with chunks of its own, inner epochs in reshuffled window order)."""
+    module = make(moe_policy_dir, lr=5e-2, **SPLITS[split])  # big steps move the natural routing
     used = []
     for _, router in module.routing.hooks.routers:  # runs after the replay hook: sees what the experts got
         router.register_forward_hook(lambda mod, args, out: used.append(out[2].clone()) if torch.is_grad_enabled()
                                      else None)
-    module.update(synthetic_batch(LENS, vocab=60))
-    records = [r for r in module.old_logprobs.last_routes if r is not None]
-    assert len(records) == 6  # mini-batches 1-3 x 2 chunks; mini-batch 0 trains at pi_old itself
-    trained = [tuple(used[2 * k: 2 * k + 2]) for k in range(2, 8)]  # 2 MoE layers per forward, chunks 2..7
-    for record, forward in zip(records, trained):
-        assert all(torch.equal(a.to(torch.int16), b) for a, b in zip(forward, record.routes))
+    batch = synthetic_batch(LENS, vocab=60)
+    module.update(batch)
+    plan, routes = module.last_plan, module.old_logprobs.last_routes.by_row
+    walk = [plan.rows[mini][micro] for _, mini, micro in plan.training_walk()]
+    assert len(used) == 2 * len(walk)  # 2 MoE layers per training forward
+    lengths = batch.attention_mask.sum(-1).tolist()
+    checked = 0
+    for k, rows in enumerate(walk):
+        width = max(max(lengths[r] for r in rows), 2)
+        for layer in range(2):
+            forward = used[2 * k + layer].view(len(rows), width, -1)
+            for i, r in enumerate(rows):
+                if r in routes:
+                    assert torch.equal(forward[i, :lengths[r]].to(torch.int16), routes[r][layer]), (split, k, r)
+                    checked += 1
+    trained_at_pi_old = set() if plan.n_epochs > 1 else set(sum(plan.rows[0], ()))  # mini-batch 0, one epoch
+    assert set(routes) == set(range(16)) - trained_at_pi_old
+    assert checked == 2 * plan.n_epochs * len(routes)
+    if "budget" in split:
+        assert plan.n_chunks(1) > 1  # the budget really cut the windows
     assert module.routing.metrics()["moe/route_flip_frac"] > 0  # natural routing had moved: replay mattered
+
+
+@pytest.mark.parametrize("split", ["token-budget", "mu=2+budget"])
+def test_budgeted_chunks_equal_fixed_chunks_with_replay(moe_policy_dir, split):
+    """Exactness under the token budget with replay (float64, as in test_chunked_equivalence_holds_with_replay):
+    budgeted chunks give the update of one chunk per window."""
+    cfg = dict(SPLITS[split])
+    updates = []
+    for budget in (0, cfg.pop("max_tokens_per_micro")):
+        module = make(moe_policy_dir, lr=1e-2, opt=torch.optim.SGD, dtype="float64", max_tokens_per_micro=budget,
+                      **cfg)
+        before = params_of(module.policy)
+        module.update(synthetic_batch(LENS, vocab=60, seed=2))
+        updates.append(params_of(module.policy))
+        assert module.routing.metrics()["moe/route_flip_frac"] > 0
+    assert module.last_plan.n_chunks(1) > 1
+    assert max_rel_delta(before, updates[0], updates[1]) <= 1e-6
 
 
 def test_replayed_combine_weights_are_the_router_probabilities_and_the_gate_gets_gradient(moe_policy_dir):
@@ -153,19 +195,24 @@ def test_each_supported_architecture_is_found_and_verified(tmp_path, arch):
 
 
 # -- the aux load-balancing loss -------------------------------------------------------------------------------------
-def test_aux_loss_does_not_depend_on_chunking(aux_policy_dir):
+@pytest.mark.parametrize("mu", [1, 2], ids=["mu=1", "mu=2"])
+def test_aux_loss_does_not_depend_on_chunking(aux_policy_dir, mu):
     batch = synthetic_batch(LENS, vocab=60, seed=4)
     updates, auxes = [], []
-    for micro in (0, 4, 2):  # n_micro 1, 2, 4 at n_mini=2 (float64: see the chunked-equivalence test)
-        module = make(aux_policy_dir, mini=8, micro=micro, lr=1e-2, opt=torch.optim.SGD, dtype="float64")
+    # n_micro 1, 2, 4 and a token budget at n_mini=2 (float64: see the chunked-equivalence test)
+    for split in (dict(micro=0), dict(micro=4), dict(micro=2), dict(max_tokens_per_micro=90)):
+        module = make(aux_policy_dir, mini=8, lr=1e-2, opt=torch.optim.SGD, dtype="float64", mu_iterations=mu,
+                      **split)
         before = params_of(module.policy)
         result = module.update(batch)
         updates.append(params_of(module.policy))
         auxes.append(module.routing.metrics()["moe/aux_loss"])
-        assert not any(s.skipped for s in result.steps)
-    assert auxes[0] > 0 and abs(auxes[0] - auxes[1]) < 1e-7 and abs(auxes[0] - auxes[2]) < 1e-7
-    assert max_rel_delta(before, updates[0], updates[1]) <= 1e-6
-    assert max_rel_delta(before, updates[0], updates[2]) <= 1e-6
+        assert len(result.steps) == 2 * mu and not any(s.skipped for s in result.steps)
+    assert module.last_plan.n_chunks(0) > 1  # the budget cut the windows
+    # Relative 1e-6: the routers' probabilities are float32 whatever the dtype, and the budget regroups rows (other
+    # float32 summation orders; the fixed splits here happen to agree bit for bit).
+    assert auxes[0] > 0 and all(abs(auxes[0] - a) < 1e-6 * auxes[0] for a in auxes[1:]), auxes
+    assert all(max_rel_delta(before, updates[0], u) <= 1e-6 for u in updates[1:])
 
 
 def test_aux_loss_value_is_transformers_formula_on_one_window(aux_policy_dir):
@@ -181,8 +228,10 @@ def test_aux_loss_value_is_transformers_formula_on_one_window(aux_policy_dir):
 
 
 def test_aux_loss_over_several_chunks_without_replay_is_refused(aux_policy_dir):
-    with pytest.raises(RoutingReplayError, match="rl.routing_replay='ahead'"):
+    with pytest.raises(RoutingReplayError, match="n_micro=2.*rl.routing_replay='ahead'"):
         make(aux_policy_dir, mode="off", mini=16, micro=8)
+    with pytest.raises(RoutingReplayError, match="max_tokens_per_micro=90 may cut a window.*rl.routing_replay='ahead'"):
+        make(aux_policy_dir, mode="off", mini=16, max_tokens_per_micro=90)
 
 
 # -- bad input --------------------------------------------------------------------------------------------------------
@@ -199,11 +248,21 @@ def test_a_record_that_does_not_fit_the_chunk_names_layer_and_shapes(moe_policy_
     plan = ChunkPlan.fixed(16, 2, 1)
     module.old_logprobs.skip_first_mini = False
     module.old_logprobs.compute(batch, plan)
-    records = module.old_logprobs.last_routes
-    module.routing.begin(batch, plan, records[::-1])  # chunk 0 gets chunk 1's record
-    with pytest.raises(RoutingReplayError, match=r"layer model.layers.0.mlp.gate sees top-k indices of shape "
-                                                 r"\(\d+, 2\).*the record has \(\d+, 2\)"):
+    routes = module.old_logprobs.last_routes
+    routes.by_row[0], routes.by_row[1] = routes.by_row[1], routes.by_row[0]  # rows of 24 and 39 tokens swapped
+    module.routing.begin(batch, plan, routes)
+    with pytest.raises(RoutingReplayError, match=r"row 0 has a record of shape \(2, 39, 2\) \(\[layers, tokens, k\] "
+                                                 r"over model.layers.0.mlp.gate, model.layers.1.mlp.gate\) but this "
+                                                 r"chunk holds 24 tokens of it"):
         module.loop.run(batch, plan)
+    # A whole-chunk record forced onto another chunk: the router names its layer and both [B*T, k] shapes.
+    chunk, other = plan.chunk(batch, 0, 0), plan.chunk(batch, 1, 0)
+    with module.routing.hooks.record() as rec, torch.no_grad():
+        module.policy(input_ids=other.input_ids, attention_mask=other.attention_mask)
+    with module.routing.hooks.replay(rec.record), pytest.raises(
+            RoutingReplayError, match=r"layer model.layers.0.mlp.gate sees top-k indices of shape \(\d+, 2\).*the "
+                                      r"record has \(\d+, 2\)"), torch.no_grad():
+        module.policy(input_ids=chunk.input_ids[:, :-1], attention_mask=chunk.attention_mask[:, :-1])
 
 
 def test_an_unsupported_moe_block_is_refused_naming_its_class(tmp_path):
@@ -252,25 +311,33 @@ def test_vllm_cpu_cannot_return_routed_experts(moe_policy_dir):
 
 
 # -- data parallel: 2 gloo ranks (tests/dist_worker.py) ----------------------------------------------------------------
+# One rank, same windows: 2-rank mini-batch m holds rows 2m, 2m+1 of each rank's half (rank 1 from row 4).
+ONE_RANK_PLANS = {"m2": ChunkPlan((((0, 4), (1, 5)), ((2, 6), (3, 7)))),
+                  "budget": ChunkPlan((((0,), (1,), (4, 5)), ((2,), (3,), (6, 7))))}  # any cut of a window is exact
+
+
+@pytest.mark.parametrize("split", ["m2", "budget"], ids=["n_micro=2", "token-budget"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_replay_under_two_ranks_equals_one_rank(tmp_path, moe_policy_dir, strategy):
+def test_replay_under_two_ranks_equals_one_rank(tmp_path, moe_policy_dir, strategy, split):
+    """n_mini=2: mini-batch 1 replays its records on both ranks. With the token budget rank 0 needs 2 chunks a window
+    and rank 1 one, so rank 1 runs an empty filler (natural routing, zero contribution) in each window."""
     import dist_worker as W
     from test_distributed import launch_two_ranks
 
-    case = f"{strategy}-m2-moe"
+    case = f"{strategy}-{split}-moe"
     launch_two_ranks(tmp_path, moe_policy_dir, [case])
-    # One rank, same chunks: 2-rank chunk (mini, micro) = row `mini*2 + micro` of each rank's half (rank 1 from row 4).
     module = GRPOModule(policy=PolicyConfig(path=str(moe_policy_dir)), rl=W.case_config(case))
     module.configure_model()
     module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=W.lr_of(case)))
-    before, batch = params_of(module.policy), synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED)
-    plan = ChunkPlan((((0, 4), (1, 5)), ((2, 6), (3, 7))))
+    before, batch, plan = params_of(module.policy), synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED), ONE_RANK_PLANS[split]
     pi_old = module.old_logprobs.compute(batch, plan)
     module.routing.begin(batch, plan, module.old_logprobs.last_routes)
     module.loop.run(batch, plan, pi_old)
     ref = params_of(module.policy)
     r0, r1 = (torch.load(tmp_path / f"{case}.rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["sharded"] == (strategy == "fsdp2")
+    if split == "budget":
+        assert [len(w) for w in r0["chunks"]] == [2, 2] and all(w[1] == () for w in r1["chunks"])  # () = filler
     assert r0["metrics"]["moe/route_flip_frac"] > 0  # mini-batch 1 replayed routing that the first step had moved
     assert max_rel_delta(before, ref, r0["params"]) <= 1e-5
     assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in ref)
