@@ -50,13 +50,22 @@ def test_dpo_config_runs_two_steps_and_resumes(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_opd_student_gets_closer_to_the_teacher_and_better_at_the_task(tmp_path, monkeypatch):
-    """As shipped: reverse KL to the teacher falls and the task reward (logged, not trained on) rises."""
-    rows = [r for r in fit(tmp_path, monkeypatch, "opd-arith.yaml") if r.get("opd/kl")]
+    """As shipped: reverse KL to the teacher falls, and the task reward (logged, not trained on) rises: greedy on the
+    held-out prompts (`validate` before training, then the fit's validations) and, sampled, in training."""
+    start = fit(tmp_path, monkeypatch, "opd-arith.yaml", command="validate")
+    before = float(next(r["val/reward"] for r in start if r.get("val/reward")))
+    every = fit(tmp_path, monkeypatch, "opd-arith.yaml")
+    rows, val = [r for r in every if r.get("opd/kl")], [float(r["val/reward"]) for r in every if r.get("val/reward")]
     first, last = rows[:8], rows[-8:]
     print(f"opd/kl {mean(first, 'opd/kl'):.3f} -> {mean(last, 'opd/kl'):.3f}; "
-          f"reward/mean {mean(first, 'reward/mean'):.3f} -> {mean(last, 'reward/mean'):.3f}")
+          f"reward/mean {mean(first, 'reward/mean'):.3f} -> {mean(last, 'reward/mean'):.3f}; val/reward {before:.3f} "
+          f"-> {val}")
     assert mean(last, "opd/kl") < 0.75 * mean(first, "opd/kl")
-    assert mean(last, "reward/mean") > mean(first, "reward/mean") + 0.05
+    # Greedy on 64 held-out sums (measured on an Intel Xeon: 0.297 -> 0.547): the sampled training reward
+    # (temperature 1, 32 samples a step) moves less and noisier (there 0.246 -> 0.285, while on an AMD EPYC it had
+    # risen by more than 0.05 with the same seed), since the student keeps some spread.
+    assert val[-1] > before + 0.15
+    assert mean(last, "reward/mean") > mean(first, "reward/mean")
 
 
 @pytest.mark.slow
