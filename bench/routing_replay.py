@@ -39,6 +39,7 @@ def child(n_mini: int, rows: int, completion: int, repeats: int) -> dict:
         rl = GRPOConfig(batch_per_replica=rows, group_size=8, mini_batch_per_replica=rows // n_mini,
                         micro_batch_per_replica=rows // 4, routing_replay=mode)
         m = GRPOModule(policy=PolicyConfig(path="tiny:bench-moe", tiny=spec), rl=rl)
+        m.configure_model()  # builds the policy and hooks its routers (outside a Trainer)
         m.policy.train()
         m.loop = m.make_loop(torch.optim.AdamW(m.policy.parameters(), lr=1e-5))
         modules[mode] = m
@@ -85,7 +86,8 @@ def main() -> None:
     print(f"routing replay, tiny Qwen3-MoE (8 experts, top-2), {rows} sequences x up to {completion} tokens")
     print(table(results, ["n_mini", "update_off_s", "update_replay_s", "overhead", "route_bytes"]))
     path = save("routing_replay", {"rows": rows, "completion": completion, "repeats": a.repeats, "results": results,
-                                   "command": "python -m bench.routing_replay" + (" --quick" if a.quick else "")})
+                                   "command": "python -m bench.routing_replay" + (" --quick" if a.quick else "")
+                                   + (f" --repeats {a.repeats}" if a.repeats != 5 else "")})
     print(f"wrote {path}", file=sys.stderr)
 
 
