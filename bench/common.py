@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+# LIGHTNING_GRPO_BENCH_RESULTS: write elsewhere (the smoke test does, so it never touches the committed results).
+RESULTS = Path(os.environ.get("LIGHTNING_GRPO_BENCH_RESULTS") or Path(__file__).parent / "results")
 
 
 BENCH_VENV = Path(__file__).parent.parent / ".venv-bench"
