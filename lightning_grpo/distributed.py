@@ -52,7 +52,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_fsdp2(model: nn.Module, mesh) -> nn.Module:
-    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, tied head), over ``mesh``.
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, tied head, a VLM's vision tower).
 
     One all-gather per layer in forward and one reduce-scatter per layer in backward; the root
     group holds what is left (with tied embeddings the shared weight stays in one group).
@@ -63,8 +63,15 @@ def shard_fsdp2(model: nn.Module, mesh) -> nn.Module:
 
     if is_fsdp2(model):
         return model
+    from lightning_grpo.vision import vision_tower
+
+    # A VLM's vision blocks stay in the root group: a chunk without pixels (a DP filler, text-only rows) skips the
+    # tower, and a group of its own would then all-gather on one rank and not on the other (a collective mismatch).
+    tower = vision_tower(model)
+    in_tower = set() if tower is None else {id(m) for m in tower.modules()}
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
+        if id(layer) not in in_tower:
+            fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     # The memory-bounded logprobs call the decoder and a sliced head, never ``model.forward``, so FSDP2's
     # root hooks (all-gather of the root group, the end-of-backward reduce-scatter) would not run. Give the

@@ -173,16 +173,26 @@ def test_a_lora_adapter_on_a_vlm_scores_the_images_and_chunks_exactly(tiny_vlm_d
     assert max_rel_delta(before, params_of(whole.policy), after) <= 5e-8
 
 
-def test_two_ddp_ranks_train_a_vlm_whose_last_chunk_on_one_rank_is_a_filler(tmp_path, tiny_vlm_dir):
+def test_two_ranks_train_a_vlm_whose_last_chunk_on_one_rank_is_a_filler(tmp_path, tiny_vlm_dir):
     """2 gloo ranks, 2 loop steps, vision tower trained: rank 1's synced (last) chunk is a DP filler without pixels.
-    DDP needs the vision parameters in that backward; both ranks end with one and the same model."""
+    DDP needs the vision parameters in that backward; FSDP2 shards the decoder layers and keeps the vision tower in
+    the root group (sharded on its own, its blocks all-gathered on rank 0 only: a gloo size mismatch). Both ranks
+    end with one and the same model, and FSDP2 with the model DDP trains."""
     import dist_worker as W
     from test_distributed import launch_two_ranks
 
-    launch_two_ranks(tmp_path, tiny_vlm_dir, ["ddp-vlm-steps2"])
-    r0, r1 = (torch.load(tmp_path / f"ddp-vlm-steps2.rank{r}.pt", weights_only=False) for r in (0, 1))
-    assert len(r0["chunks"][0]) == 2 and EMPTY not in r0["chunks"][0]  # rank 0: two real chunks
-    assert r1["chunks"][0][-1] == EMPTY and EMPTY not in r1["chunks"][0][:-1]  # rank 1: one, then the filler
-    assert r0["metrics"]["grpo/n"] == len(W.VLM_LENGTHS)
-    visual = [k for k in r0["params"] if ".visual." in f".{k}"]
-    assert visual and all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+    cases = ["ddp-vlm-steps2", "fsdp2-vlm-steps2"]
+    launch_two_ranks(tmp_path, tiny_vlm_dir, cases)
+    runs = {}
+    for case in cases:
+        r0, r1 = runs[case] = [torch.load(tmp_path / f"{case}.rank{r}.pt", weights_only=False) for r in (0, 1)]
+        assert r0["sharded"] == case.startswith("fsdp2")
+        assert len(r0["chunks"][0]) == 2 and EMPTY not in r0["chunks"][0]  # rank 0: two real chunks
+        assert r1["chunks"][0][-1] == EMPTY and EMPTY not in r1["chunks"][0][:-1]  # rank 1: one, then the filler
+        assert r0["metrics"]["grpo/n"] == len(W.VLM_LENGTHS)
+        visual = [k for k in r0["params"] if ".visual." in f".{k}"]
+        assert visual and all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+    before = params_of(make(tiny_vlm_dir, train_vision=True).policy)
+    ddp, fsdp2 = runs["ddp-vlm-steps2"][0]["params"], runs["fsdp2-vlm-steps2"][0]["params"]
+    assert max_rel_delta(before, ddp, fsdp2) <= 1e-5
+    assert any(not torch.equal(before[k], ddp[k]) for k in visual)  # the tower trained
