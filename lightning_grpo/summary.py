@@ -37,8 +37,15 @@ class RunSummary(Callback):
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         value = trainer.callback_metrics.get("val/reward")
-        if value is not None and not trainer.sanity_checking:
-            self._val.append((len(self._rewards), float(value)))
+        # Lightning's sanity check counts when it ran every held-out batch (trainer.num_sanity_val_steps: -1): a
+        # validation of the weights training starts from (loop step 0, or the resumed step).
+        if value is None or (trainer.sanity_checking
+                             and sum(trainer.num_sanity_val_batches) < sum(trainer.num_val_batches)):
+            return
+        step = len(self._rewards)
+        if self._val and self._val[-1][0] == step:  # a resume validates the step its checkpoint already did
+            return
+        self._val.append((step, float(value)))
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
