@@ -80,8 +80,9 @@ class GRPOConfig:
     backward. Memory only: the update is unchanged (logprobs.py). 0 = always recompute (least memory)."""
     routing_replay: Literal["off", "ahead", "rollout"] = "off"
     """Sparse-MoE policies: pin each token's top-k experts. ahead = record them per row in the ahead pass and replay
-    them in the probe and every later forward of the row (any chunk split, token budget, inner epoch); rollout = take them from the rollout engine (needs an engine
-    that returns routing; vLLM CPU 0.32 cannot). Refused on a model without MoE layers. See docs/moe.md."""
+    them in the probe and every later forward of the row (any chunk split, token budget, inner epoch); rollout =
+    take them from the rollout engine (needs an engine that returns routing; vLLM CPU 0.32 cannot). Refused on a
+    model without MoE layers. See docs/moe.md."""
     grad_accum: int = 1
     """Retired for GRPO: the accumulation count is derived as n_micro. Set micro_batch_per_replica instead."""
 
