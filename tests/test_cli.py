@@ -83,9 +83,11 @@ open(out, "w").write(json.dumps(records))
 
 
 @pytest.mark.slow
-def test_a_quickstart_run_prints_no_warning_our_code_causes(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--data.val_size=0"]], ids=["validating", "no-held-out-prompts"])
+def test_a_quickstart_run_prints_no_warning_our_code_causes(tmp_path, extra):
     """A fresh process (Lightning prints some warnings once per process); every warning it would print and every
-    WARNING log record is collected."""
+    WARNING log record is collected. Without held-out prompts an empty val_dataloader made Lightning warn "Total
+    length of `list` across ranks is zero" on every fit."""
     import json
     import os
     import subprocess
@@ -94,7 +96,8 @@ def test_a_quickstart_run_prints_no_warning_our_code_causes(tmp_path):
     from helpers import QUICKSTART_ARGS
 
     out = tmp_path / "warnings.json"
-    proc = subprocess.run([sys.executable, "-c", _RECORDING_RUN, str(out), "fit", *QUICKSTART_ARGS], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-c", _RECORDING_RUN, str(out), "fit", *QUICKSTART_ARGS, *extra],
+                          cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, capture_output=True,
                           text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

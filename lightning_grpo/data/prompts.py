@@ -242,6 +242,10 @@ class PromptDataModule(LightningDataModule):
                                      **self._load)
             self._val_given = self._load_val()
             self._assemble()
+        if self.trainer is not None and not self._val_items and stage == "fit":
+            # No held-out prompts (data.val_size: 0): validation is off. Lightning's knob for that, instead of an
+            # empty val_dataloader it would warn about ("Total length of `list` across ranks is zero") every fit.
+            self.trainer.limit_val_batches = 0
 
     def prepare_prompts(self, tokenizer, max_tokens: int | None, on_long: str = "drop") -> None:
         """Fit the prompts to the policy, once, before training (``GRPOModule.setup`` calls this).
