@@ -5,7 +5,8 @@
 
 What replay adds: the ahead pass stores each row's top-k indices (int16, [layers, tokens, k] over its own tokens),
 and every training forward after mini-batch 0 lays its rows' records out as the chunk, recomputes the combine weights
-of the replayed experts (a softmax gather) and counts flipped rows. Both modes run the same ahead pass (n_mini > 1), so the difference is replay's own cost.
+of the replayed experts (a softmax gather) and counts flipped rows. Both modes run the same ahead pass (n_mini > 1),
+so the difference is replay's own cost.
 The two modes alternate on two modules built from the same folder, so machine load hits both alike; each figure is
 the median over updates. ``overhead`` = (update with replay - update without) / update with replay.
 """

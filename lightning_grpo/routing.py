@@ -386,6 +386,7 @@ class RoutingReplay:
         (layers, _, k), device = some.shape, some.device  # built where the records live: no host copy per row
         out = torch.zeros(layers, len(rows), width, k, dtype=torch.int16, device=device)
         forced = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        n_forced = 0
         for i, r in enumerate(rows):
             route = self._routes.by_row.get(r)
             if route is None:
@@ -398,8 +399,8 @@ class RoutingReplay:
                     "collected batch (records are taken by the ahead pass of the batch being trained)")
             out[:, i, :lengths[i]] = route
             forced[i, :lengths[i]] = True
-        return RoutingRecord(tuple(out.view(layers, -1, k).unbind(0)), len(rows) * width, forced.view(-1),
-                             sum(lengths[i] for i, r in enumerate(rows) if r in self._routes.by_row))
+            n_forced += lengths[i]
+        return RoutingRecord(tuple(out.view(layers, -1, k).unbind(0)), len(rows) * width, forced.view(-1), n_forced)
 
     @contextlib.contextmanager
     def scope(self, k: int, chunk) -> Iterator[_ChunkScope]:
