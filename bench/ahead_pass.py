@@ -43,7 +43,7 @@ def child(n_mini: int, rows: int, completion: int, vocab: int, chunk_rows: int, 
                     micro_batch_per_replica=chunk_rows)
     module = GRPOModule(policy=PolicyConfig(path="tiny:bench-ahead", tiny=spec), rl=rl)
     module.configure_model()  # the policy, in train mode as under a Trainer
-    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
+    module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
 
     def batch() -> RolloutBatch:
         prompt, width = 16, 16 + completion
@@ -54,13 +54,13 @@ def child(n_mini: int, rows: int, completion: int, vocab: int, chunk_rows: int, 
                             completion_mask=attn & (pos >= prompt), advantages=torch.randn(rows),
                             rewards=torch.rand(rows), group_ids=torch.arange(rows) // 8, sample_ids=torch.arange(rows))
 
-    module.update(batch())  # warm-up: allocator, kernels, and the one-shot probe
+    module.updater.update(batch())  # warm-up: allocator, kernels, and the one-shot probe
     timings: dict[bool, list[tuple[float, float]]] = {True: [], False: []}  # skip -> [(ahead s, update s)]
     for _ in range(repeats):
         for skip in (True, False):
-            module.old_logprobs.skip_first_mini = skip
-            module.update(batch())
-            timings[skip].append((module.ahead_seconds, module.update_seconds))
+            module.updater.ahead.skip_first_mini = skip
+            module.updater.update(batch())
+            timings[skip].append((module.updater.ahead_seconds, module.updater.update_seconds))
     return {"rows": [_summary(n_mini, skip, t) for skip, t in timings.items()]}
 
 

@@ -38,7 +38,7 @@ def child(a: argparse.Namespace) -> dict:
     import torch
 
     from bench.oom_acceptance import batch_of
-    from lightning_grpo.chunks import ChunkPlan, sequence_lengths
+    from lightning_grpo.update.plan import ChunkPlan, sequence_lengths
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
     from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
@@ -62,7 +62,7 @@ def child(a: argparse.Namespace) -> dict:
     for name, rl in arms.items():
         module = GRPOModule(policy=PolicyConfig(path="tiny:bench-budget", tiny=spec), rl=rl, seed=0)
         module.configure_model()  # a tiny policy is built from the seed: the same weights in both arms
-        module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
+        module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
         modules[name] = module
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
     padded: dict[str, list[int]] = {name: [] for name in arms}
@@ -70,11 +70,11 @@ def child(a: argparse.Namespace) -> dict:
     for i, batch in enumerate(batches):
         for name, module in modules.items():
             start = clocks()
-            module.update(batch)
+            module.updater.update(batch)
             if i:  # the first batch warms up allocator and kernels
                 times[name].append(since(start))
-                padded[name].append(plan_cost(batch, module.last_plan)[1])
-                chunks[name].append(module.last_plan.real_chunks)
+                padded[name].append(plan_cost(batch, module.updater.last_plan)[1])
+                chunks[name].append(module.updater.last_plan.real_chunks)
     out = []
     for name in arms:
         wall = statistics.median(t[0] for t in times[name])

@@ -111,11 +111,11 @@ def run_trainer(module, data, steps: int, report_cpu: list[float]) -> list[tuple
 
 
 def run_module(module, records, optimizer, steps: int) -> list[tuple[float, float]]:
-    module.loop = module.make_loop(optimizer)
+    module.updater.attach(optimizer)
     ends = []
     for _ in range(steps):
         batch, _ = module.collect(records)
-        module.update(batch)
+        module.updater.update(batch)
         ends.append(clocks())
     return _intervals(ends)
 

@@ -132,8 +132,8 @@ def measure_memory(folder) -> list[dict]:
         loss.backward()
         grads = sum(p.grad.numel() * p.grad.element_size() for p in module.policy.parameters() if p.grad is not None)
         module.policy.zero_grad(set_to_none=True)
-        module.loop = module.make_loop(optimizer)
-        module.update(batch)  # one AdamW step: its state exists from here on
+        module.updater.attach(optimizer)
+        module.updater.update(batch)  # one AdamW step: its state exists from here on
         trained = [p for p in module.policy.parameters() if p.requires_grad]
         counts = lora.parameter_counts(module.policy)
         state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()

@@ -74,9 +74,9 @@ def child(arm: str, a: argparse.Namespace) -> dict:
     rl = GRPOConfig(batch_per_replica=a.rows, group_size=8, max_grad_norm=1.0, **sizes)
     module = GRPOModule(policy=PolicyConfig(path="tiny:bench-oom", tiny=spec), rl=rl)
     module.configure_model()
-    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
+    module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
     for p in module.policy.parameters():  # the optimizer state exists before the cap, like after a first step
-        module.loop.accumulator.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+        module.updater.loop.accumulator.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                                       "exp_avg_sq": torch.zeros_like(p)}
     with torch.no_grad():  # start the thread pool (its stacks are address space too) before the cap
         module.logprobs(module.policy, batch_of(torch.tensor([4, 4]), a.vocab))
@@ -92,7 +92,7 @@ def child(arm: str, a: argparse.Namespace) -> dict:
         record = {"step": step + 1, "completion_mean": float(lengths.float().mean()),
                   "completion_max": int(lengths.max())}
         try:
-            module.update(batch)
+            module.updater.update(batch)
         except (MemoryError, RuntimeError) as err:  # torch's CPU allocator raises RuntimeError
             if "alloc" not in str(err).lower() and not isinstance(err, MemoryError):
                 raise
@@ -100,7 +100,7 @@ def child(arm: str, a: argparse.Namespace) -> dict:
             steps.append(record)
             break
         peak = _status_mb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        plan = module.last_plan
+        plan = module.updater.last_plan
         record.update(outcome="ok", update_peak_mb=peak - base, seconds=time.perf_counter() - t0,
                       chunks=plan.real_chunks, largest_chunk_tokens=max(
                           len(r) * int(batch.attention_mask[list(r)].sum(-1).max()) for c in plan.rows for r in c if r))

@@ -143,7 +143,7 @@ def lost_updates(rows: int, completion: int) -> dict:
         module, batch = setup(rows, completion)
         module.policy.to(dtype)
         before = [p.detach().clone() for p in module.policy.parameters()]
-        loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-6))
+        loop = module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=1e-6))
         for _ in range(4):
             loop.accumulator.train(*module.forward_chunk(batch, None)[:2])
         changed = sum(int((p.detach() != b).sum()) for p, b in zip(module.policy.parameters(), before))

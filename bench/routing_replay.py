@@ -42,7 +42,7 @@ def child(n_mini: int, rows: int, completion: int, repeats: int) -> dict:
         m = GRPOModule(policy=PolicyConfig(path="tiny:bench-moe", tiny=spec), rl=rl)
         m.configure_model()  # builds the policy and hooks its routers (outside a Trainer)
         m.policy.train()
-        m.loop = m.make_loop(torch.optim.AdamW(m.policy.parameters(), lr=1e-5))
+        m.updater.attach(torch.optim.AdamW(m.policy.parameters(), lr=1e-5))
         modules[mode] = m
 
     def batch() -> RolloutBatch:
@@ -55,15 +55,15 @@ def child(n_mini: int, rows: int, completion: int, repeats: int) -> dict:
                             rewards=torch.rand(rows), group_ids=torch.arange(rows) // 8, sample_ids=torch.arange(rows))
 
     for m in modules.values():
-        m.update(batch())  # warm-up and the one-shot probe
+        m.updater.update(batch())  # warm-up and the one-shot probe
     seconds: dict[str, list[float]] = {"off": [], "ahead": []}
     route_bytes = 0
     for _ in range(repeats):
         b = batch()
         for mode, m in modules.items():
-            m.update(b)
-            seconds[mode].append(m.update_seconds)
-        route_bytes = modules["ahead"].old_logprobs.last_routes.nbytes()
+            m.updater.update(b)
+            seconds[mode].append(m.updater.update_seconds)
+        route_bytes = modules["ahead"].updater.ahead.records["routes"].nbytes()
     off, on = statistics.median(seconds["off"]), statistics.median(seconds["ahead"])
     return {"n_mini": n_mini, "update_off_s": off, "update_replay_s": on, "overhead": (on - off) / on,
             "route_bytes": route_bytes}

@@ -64,7 +64,7 @@ def build(kind: str, teacher_spec: dict | None, kl: str, rows: int, completion: 
         teacher = PolicyConfig(path="tiny:bench-teacher", tiny=replace(base, **teacher_spec, seed=1))
         module = GRPOModule(policy=student, rl=rl, objective="opd", opd=OPDConfig(teacher=teacher, kl=kl))
     module.configure_model()
-    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
+    module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
     return module
 
 
@@ -94,14 +94,14 @@ def measure(rows: int, completion: int, vocab: int, repeats: int) -> list[dict]:
     timers = {arm: _Timed(m.objective.teacher, ("token_logprobs", "completion_hidden", "distribution"))
               for arm, m in modules.items() if arm[0] == "opd"}
     for m in modules.values():
-        m.update(batch(rows, completion, vocab, seed=0))  # warm-up
+        m.updater.update(batch(rows, completion, vocab, seed=0))  # warm-up
     runs: dict = {arm: [] for arm in arms}
     for r in range(repeats):  # the arms alternate, so machine load hits them alike
         for arm, module in modules.items():
             timer = timers.get(arm)
             before = timer.seconds if timer else 0.0
             start = time.perf_counter()
-            module.update(batch(rows, completion, vocab, seed=r + 1))
+            module.updater.update(batch(rows, completion, vocab, seed=r + 1))
             runs[arm].append((time.perf_counter() - start, (timer.seconds - before) if timer else 0.0))
     grpo = statistics.median(u for u, _ in runs[arms[0]])
     out = []

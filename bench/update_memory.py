@@ -59,7 +59,7 @@ def child(n_micro: int, rows: int, completion: int, vocab: int) -> dict:
     rl = GRPOConfig(batch_per_replica=rows, group_size=8, micro_batch_per_replica=rows // n_micro, max_grad_norm=1.0)
     module = GRPOModule(policy=PolicyConfig(path="tiny:bench-memory", tiny=spec), rl=rl)
     module.configure_model()
-    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
+    module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
     prompt, width = 16, 16 + completion
     lengths = torch.randint(completion // 4, completion + 1, (rows,))  # unequal, like real completions
     ids = torch.randint(4, vocab, (rows, width))
@@ -70,7 +70,7 @@ def child(n_micro: int, rows: int, completion: int, vocab: int) -> dict:
                          sample_ids=torch.arange(rows))
     base, reset = _status_mb("VmRSS"), _reset_peak()
     t0, c0 = time.perf_counter(), time.process_time()
-    module.update(batch)
+    module.updater.update(batch)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     update_peak = _status_mb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the whole process, build included

@@ -72,7 +72,7 @@ def child(n_micro: int, rows: int, side: int, completion: int) -> dict:
     # Larger images than the tiny processor's default cap (16 tokens), so pixels weigh what real ones do.
     module.vision.image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=side * side,
                                                              patch_size=14, merge_size=2, temporal_patch_size=2)
-    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
+    module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=1e-5))
     batch = image_batch(module, rows, side, completion)
     alive: list[weakref.ref] = []
     most = {"tensors": 0, "bytes": 0}
@@ -89,7 +89,7 @@ def child(n_micro: int, rows: int, side: int, completion: int) -> dict:
     module.vision.materialize = tracked
     base, reset = _status_mb("VmRSS"), _reset_peak()
     start = time.perf_counter()
-    module.update(batch)
+    module.updater.update(batch)
     seconds = time.perf_counter() - start
     peak = _status_mb("VmHWM") if reset else float("nan")
     image_tokens = int((batch.input_ids == module.vision.image_token_id).sum())

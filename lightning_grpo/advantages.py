@@ -84,3 +84,10 @@ def _check(rewards: Tensor, group_size: int, scale: str) -> None:
             f"rewards of shape {tuple(rewards.shape)}: must be a non-empty [N] vector with N a multiple of "
             f"group_size={group_size} (groups of contiguous rows)"
         )
+
+
+def dp_batch_std(rewards: Tensor, all_reduce) -> Tensor:
+    """``scale_rewards="batch"`` under DP: the unbiased std of every rank's rewards (``all_reduce(t, "sum")``)."""
+    r = rewards.detach().double()
+    total, squares, n = all_reduce(torch.stack([r.sum(), r.square().sum(), r.new_tensor(r.numel())]), "sum")
+    return ((squares - total * total / n).clamp(min=0) / (n - 1)).sqrt().float()

@@ -136,28 +136,32 @@ class DataParallelOps:
     """The data-parallel reductions of a manual-optimization LightningModule (``GRPOModule``, ``DPOModule``).
 
     Each reduction is a no-op in a single process and goes through the Lightning strategy otherwise;
-    Lightning's ``reduce`` all-reduces in place, so every one of them reduces a copy.
+    Lightning's ``reduce`` all-reduces in place, so every one of them reduces a copy. Public: an objective's
+    divisor is ``module.dp_mean`` of its count (``objectives/base.py``).
     """
 
-    def _world_size(self) -> int:
+    def dp_size(self) -> int:
+        """Data-parallel ranks (1 outside a Trainer)."""
         return self._trainer.world_size if self._trainer is not None else 1
 
-    def _dp_mean(self, t: Tensor) -> Tensor:
-        if self._world_size() == 1:
+    def dp_mean(self, t: Tensor) -> Tensor:
+        """Mean of ``t`` over data-parallel ranks (``t`` itself in one process)."""
+        if self.dp_size() == 1:
             return t
         # A copy: ``t`` is often a view of this rank's count (the objective's ``tokens.detach()``), which would
         # otherwise read as the DP mean in the chunk's stats.
         return self.trainer.strategy.reduce(t.clone(), reduce_op="mean")
 
-    def _all_reduce(self, t: Tensor, op: str) -> Tensor:
+    def dp_all_reduce(self, t: Tensor, op: str) -> Tensor:
+        """``op`` (sum, mean, max, min) of ``t`` over data-parallel ranks, on the host."""
         return self.trainer.strategy.reduce(t.to(self.device, copy=True), reduce_op=op).cpu()
 
-    def _all_ranks_finite(self, loss: Tensor) -> bool:
+    def dp_all_finite(self, loss: Tensor) -> bool:
         """Finite on every rank (one tiny all-reduce per chunk under DP): every rank poisons the same window."""
         finite = torch.isfinite(loss).to(torch.float32)
-        return bool(finite if self._world_size() == 1 else self.trainer.strategy.reduce(finite, reduce_op="min"))
+        return bool(finite if self.dp_size() == 1 else self.trainer.strategy.reduce(finite, reduce_op="min"))
 
-    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+    def dp_grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Non-final micro-steps skip the gradient sync (DDP ``no_sync``; FSDP2 ``set_requires_gradient_sync``)."""
         wrapper = self._trainer.strategy.model if self._trainer is not None else None
         return gradient_sync(enabled, wrapper, self.policy)

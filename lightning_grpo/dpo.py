@@ -20,26 +20,18 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_grpo.accumulate import DeferredAccumulator
-from lightning_grpo.checkpoint.state import LoopState
-from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.base import UpdateModule
 from lightning_grpo.config import ConfigError, OptimConfig
 from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
-from lightning_grpo.determinism import run_seed
-from lightning_grpo.distributed import DataParallelOps, root_call
+from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import token_logprobs
-from lightning_grpo.loop import CollectedBatchLoop, LoopResult
 from lightning_grpo.metrics import combine_ranks, roll_up
-from lightning_grpo.module import GRPOModule
 from lightning_grpo.objectives.dpo import DPOObjective, DPOStats
-from lightning_grpo.old_logprobs import eval_mode
-from lightning_grpo.policy import PolicyConfig, load_policy, with_seed
-from lightning_grpo.precision import PluginStep, check_precision
-from lightning_grpo.schedule import check_horizon, run_length
-from lightning_grpo.validation import ValidationMeans
+from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.precision import check_precision
+from lightning_grpo.update import ChunkPlan, DataParallel, LoopResult, Split, Updater, eval_mode
 
 
 @dataclass
@@ -113,21 +105,11 @@ def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-class _NoProbe:
-    """DPO has no pi_old: an empty stand-in for the ahead-pass state ``LoopState`` records."""
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
 # The sections' defaults: instances, so `--help` and `--print_config` show every field (copied, never mutated).
 _POLICY, _OPTIM = PolicyConfig(), OptimConfig()
 
 
-class DPOModule(DataParallelOps, LightningModule):
+class DPOModule(UpdateModule):
     """DPO (sigmoid, IPO, length-normalized, reference-free) with exact gradient accumulation.
 
     Args:
@@ -140,81 +122,43 @@ class DPOModule(DataParallelOps, LightningModule):
 
         module = DPOModule(PolicyConfig(path="my-sft-model"), DPOConfig(batch_size=64, grad_accum=4, beta=0.1))
         Trainer(max_steps=500).fit(module, datamodule=PreferenceDataModule("pairs.jsonl"))
-    """
 
-    # The update machinery is GRPOModule's, shared as is: AdamW and its schedule and the precision plugin's step
-    # (unscale -> 1/sum -> clip -> step); the DP reductions, the gradient sync skip of non-final train calls and
-    # the collective non-finite decision come with DataParallelOps.
-    configure_optimizers = GRPOModule.configure_optimizers
-    on_before_optimizer_step = GRPOModule.on_before_optimizer_step
-    _scaler = GRPOModule._scaler
+    The update machinery is ``UpdateModule``'s (``base.py``), as GRPO's: AdamW and its schedule, the precision
+    plugin's step (unscale -> 1/sum -> clip -> step), the DP reductions and the module-owned checkpoint state.
+    """
 
     def __init__(self, policy: PolicyConfig = _POLICY, dpo: DPOConfig | None = None, optim: OptimConfig = _OPTIM,
                  seed: int | None = None) -> None:
-        super().__init__()
-        self.automatic_optimization = False  # the loop steps the optimizer itself
-        resolved = run_seed(seed)
-        self.seed, self.seed_source = resolved.value, resolved.source
-        self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)
-        self.dpo, self.optim_cfg = copy.deepcopy(dpo or DPOConfig()), copy.deepcopy(optim or OptimConfig())
-        self.objective = DPOObjective(self.dpo.beta, self.dpo.loss_type, self.dpo.label_smoothing, self._dp_mean)
-        self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer and the reference
-        self.tokenizer = None
-        self.ref: nn.Module | None = None
-        self.loop: CollectedBatchLoop | None = None
-        self.val_means = ValidationMeans()
-        self.last_metrics: dict[str, float] = {}
-        self._state, self._probe = LoopState(), _NoProbe()
-        self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
+        super().__init__(policy, optim, seed)
+        self.dpo = copy.deepcopy(dpo or DPOConfig())
+        self.objective = DPOObjective(self.dpo.beta, self.dpo.loss_type, self.dpo.label_smoothing, self.dp_mean)
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        self.dpo.validate(self._world_size())
-        if stage == "fit":  # one optimizer step per batch; a decaying LR schedule needs a horizon
-            run = run_length(self.trainer, 1)
-            self.schedule_horizon = self.optim_cfg.total_steps or run
-            check_horizon(self.optim_cfg, self.schedule_horizon, run)
+        self.dpo.validate(self.dp_size())
+        if stage == "fit":  # one optimizer step per batch
+            self.resolve_horizon(1)
 
     def configure_model(self) -> None:
-        """Policy, tokenizer and (unless reference-free) the frozen reference. Idempotent."""
+        """Policy, tokenizer, (unless reference-free) the frozen reference and the updater. Idempotent."""
         if self.policy is None:
             policy, self.tokenizer = load_policy(self.policy_cfg)
             self.policy = policy.train()
             self.ref = None if self.dpo.reference_free else copy.deepcopy(self.policy).requires_grad_(False)
+            # One optimizer step of dpo.grad_accum train calls per batch; DPO has no pi_old (no ahead pass).
+            dp = DataParallel(grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
+            self.updater = Updater(self.policy, self.forward_chunk, Split(n_micro=self.dpo.grad_accum), dp=dp,
+                                   max_grad_norm=self.dpo.max_grad_norm)
 
     def on_fit_start(self) -> None:
         check_precision(str(self.trainer.precision), self.policy, self.device.type == "cpu", self._scaler())
-
-    def on_train_start(self) -> None:
-        opt = self.optimizers()
-        plugin_step = PluginStep(self.trainer, self.policy, opt)  # unscale -> 1/sum -> clip -> step via the plugin
-        self.loop = self.make_loop(opt, self.lr_schedulers(), self.manual_backward, step=plugin_step,
-                                   clip=plugin_step.clip)
-        self._state.resume(self.trainer, self.loop, self._probe, self.trainer.datamodule)
-        self._state.boundary(self.loop, self._probe, self.global_step, self.trainer.datamodule)
-
-    def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        self._state.step_started()
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        self._state.write(self.trainer, checkpoint)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._state.load(checkpoint)
-
-    def make_loop(self, optimizer, scheduler=None, backward=None, step=None, clip=None) -> CollectedBatchLoop:
-        """The loop over this module's policy, stepping every ``dpo.grad_accum`` train calls (also without Trainer)."""
-        acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.dpo.grad_accum,
-                                  max_grad_norm=self.dpo.max_grad_norm, backward=backward, scheduler=scheduler,
-                                  grad_sync=self._grad_sync, all_finite=self._all_ranks_finite, step=step, clip=clip)
-        return CollectedBatchLoop(acc, self.forward_chunk)
 
     def training_step(self, pairs: Sequence[PreferencePair], batch_idx: int) -> None:
         # 1. tokenize this rank's pairs; 2. reference pass; 3. grad_accum train calls, one optimizer step
         result = self.update(self.encode(pairs))
         # 4. report: one roll-up per batch
         self.report(result)
-        self._state.boundary(self.loop, self._probe, self.global_step, self.trainer.datamodule)
+        self.end_loop_step()
 
     def validation_step(self, pairs: Sequence[PreferencePair], batch_idx: int) -> None:
         """Held-out pairs: ``val/accuracy`` (the policy's own preference), ``val/reward_accuracy``, ``val/margin``."""
@@ -235,12 +179,11 @@ class DPOModule(DataParallelOps, LightningModule):
 
     def update(self, batch: PreferenceBatch) -> LoopResult:
         """One optimizer step of ``grad_accum`` chunks over this rank's pairs, after the reference pass."""
-        expected = self.dpo.pairs_per_rank(self._world_size())
+        expected = self.dpo.pairs_per_rank(self.dp_size())
         if len(batch) != expected:
             raise ValueError(f"preference batch has {len(batch)} pairs on this rank but dpo.batch_size / DP size is "
                              f"{expected}; give the data module pairs_per_step = dpo.batch_size")
-        batch = self.with_reference(batch)
-        return self.loop.run(batch, ChunkPlan.fixed(len(batch), 1, self.dpo.grad_accum))
+        return self.updater.update(self.with_reference(batch))
 
     def with_reference(self, batch: PreferenceBatch) -> PreferenceBatch:
         """``batch`` with every pair's reference logprobs, from one no-grad pass in train-call-sized chunks."""
@@ -278,15 +221,10 @@ class DPOModule(DataParallelOps, LightningModule):
         metrics = roll_up(result, prefix="dpo", stats=self.objective.stats)
         metrics["loop_step"] = metrics["step"] = float(self.loop_step)
         metrics["global_step"] = float(self.global_step)
-        world = self._world_size()
+        world = self.dp_size()
         if world > 1:  # one figure per metric for the whole job (pairs summed, per-pair means over equal shares)
-            metrics = combine_ranks(metrics, self._all_reduce, world, self.dpo.pairs_per_rank(world))
+            metrics = combine_ranks(metrics, self.dp_all_reduce, world, self.dpo.pairs_per_rank(world))
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         bar = {"loss": metrics.get("dpo/loss", math.nan), "acc": metrics.get("dpo/accuracy", math.nan)}
         self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         self.last_metrics = metrics
-
-    @property
-    def loop_step(self) -> int:
-        """Batches consumed (= optimizer steps taken or skipped); the logged ``step``."""
-        return self.loop.progress.loop_step if self.loop is not None else 0

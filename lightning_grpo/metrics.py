@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_grpo.loop import LoopResult
+from lightning_grpo.update.loop import LoopResult
 
 
 def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None) -> dict[str, float]:

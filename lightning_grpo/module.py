@@ -17,40 +17,37 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import time
 from collections.abc import Sequence
 
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor, nn
 
 from lightning_grpo import lora
-from lightning_grpo.accumulate import DeferredAccumulator
-from lightning_grpo.advantages import group_advantages
+from lightning_grpo.advantages import dp_batch_std, group_advantages
+from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
-from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError, nonfinite_parameter
-from lightning_grpo.chunks import ChunkPlan, plan_update
+from lightning_grpo.checkpoint.state import STATE_KEY, NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_sampler_logprobs
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
-from lightning_grpo.determinism import enable_determinism, run_seed
-from lightning_grpo.distributed import DataParallelOps, data_parallel_mesh, root_call, shard_fsdp2
+from lightning_grpo.data.seam import PromptProvider
+from lightning_grpo.determinism import enable_determinism
+from lightning_grpo.distributed import data_parallel_mesh, root_call, shard_fsdp2
 from lightning_grpo.handoff import attach_handoff
 from lightning_grpo.logprobs import token_logprobs
-from lightning_grpo.loop import CollectedBatchLoop, LoopResult
 from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
 from lightning_grpo.objectives import OBJECTIVES, Objective, PolicyView, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
-from lightning_grpo.old_logprobs import OldLogprobCache, eval_mode, needs_ahead_pass, warn_if_unfrozen
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_seed
-from lightning_grpo.precision import PluginStep, adamw_kernel, check_precision
+from lightning_grpo.precision import check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
-from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
-from lightning_grpo.validation import ValidationMeans, greedy_scores
+from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Split, Updater, batch_needs, eval_mode
+from lightning_grpo.update.ahead import warn_if_unfrozen
+from lightning_grpo.validation import greedy_scores
 from lightning_grpo.vision import VisionInputs, VisionProcessor, step_prompts, touch_vision, with_skipped_groups
 
 log = logging.getLogger(__name__)
@@ -60,7 +57,7 @@ log = logging.getLogger(__name__)
 _POLICY, _RL, _OPTIM, _ROLLOUT, _OPD = PolicyConfig(), GRPOConfig(), OptimConfig(), RolloutConfig(), OPDConfig()
 
 
-class GRPOModule(DataParallelOps, LightningModule):
+class GRPOModule(UpdateModule):
     """GRPO on a causal-LM policy with exact micro-batching and per-batch mini-batching.
 
     Args:
@@ -93,32 +90,18 @@ class GRPOModule(DataParallelOps, LightningModule):
     def __init__(self, policy: PolicyConfig = _POLICY, rl: GRPOConfig = _RL, optim: OptimConfig = _OPTIM,
                  rollout: RolloutConfig = _ROLLOUT, rewards: list[RewardSpec] | None = None,
                  seed: int | None = None, objective: str | Objective = "grpo", opd: OPDConfig = _OPD) -> None:
-        super().__init__()
-        self.automatic_optimization = False  # the loop steps the optimizer itself
-        resolved = run_seed(seed)  # one source of truth: model.seed, else seed_everything's
-        self.seed, self.seed_source = resolved.value, resolved.source
-        self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)  # the tiny build it used
-        self.rl, self.optim_cfg = copy.deepcopy(rl or GRPOConfig()), copy.deepcopy(optim or OptimConfig())
+        super().__init__(policy, optim, seed)
+        self.rl = copy.deepcopy(rl or GRPOConfig())
         self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
         check_sampler_logprobs(self.rl, self.rollout_cfg)  # a config error: before any model is built
         warn_if_unfrozen(self.rl)
         self.opd_cfg = copy.deepcopy(opd)
         self.objective = self.configure_objective(objective)
-        self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer, reference, pi_old cache
-        self.tokenizer = None
         self.vision: VisionProcessor | None = None  # a vision-language policy's image side (None: text-only)
-        self.ref: nn.Module | None = None
         self.lora_base: lora.BaseFingerprint | None = None  # the frozen base under policy.lora
-        self.old_logprobs: OldLogprobCache | None = None
         self.engine: RolloutEngine | None = None
-        self.loop: CollectedBatchLoop | None = None
-        self.ahead_seconds = self.update_seconds = 0.0  # wall time of the last ahead pass / whole update
-        self.last_plan: ChunkPlan | None = None  # the ChunkPlan of the last collected batch (metrics, tests)
-        self._publisher: WeightPublisher = NoPublisher()  # found (or attached) when the engine is built
-        self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
-        self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
-        self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
         self.routing: RoutingReplay | None = None  # MoE routing replay / aux loss: attached in configure_model
+        self._publisher: WeightPublisher = NoPublisher()  # found (or attached) when the engine is built
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
     def configure_objective(self, objective: str | Objective) -> Objective:
@@ -166,15 +149,18 @@ class GRPOModule(DataParallelOps, LightningModule):
         return total, metrics
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts per loop step (``data/seam.py``: what ``PromptDataModule`` draws when not told)."""
+        return self.rl.prompts_per_batch
+
     def setup(self, stage: str) -> None:
-        self.rl.validate(self._world_size())  # per-rank divisibility needs the DP size
+        self.rl.validate(self.dp_size())  # per-rank divisibility needs the DP size
         lora.check_strategy(self.policy_cfg.lora, getattr(self._trainer, "strategy", None))
         if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
             count_loop_steps(self.trainer)
-        if stage == "fit":  # a decaying LR schedule needs a horizon: refused here, before the model is set up
-            run = run_length(self.trainer, self.rl.steps_per_loop_step)
-            self.schedule_horizon = self.optim_cfg.total_steps or run
-            check_horizon(self.optim_cfg, self.schedule_horizon, run)
+        if stage == "fit":
+            self.resolve_horizon(self.rl.steps_per_loop_step)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 
@@ -182,15 +168,15 @@ class GRPOModule(DataParallelOps, LightningModule):
         """Fit the datamodule's prompts to this policy (chat template, max_prompt_tokens) and check that every
         column a reward function requires exists. Raises before any step runs."""
         dm = self._datamodule()
-        if dm is None or not hasattr(dm, "prepare_prompts"):
+        if not isinstance(dm, PromptProvider):
             return
-        if self.vision is None and getattr(dm, "has_images", False):
+        if self.vision is None and dm.has_images:
             raise ValueError(
                 f"data.source={_source_name(dm)} has prompts with images but policy.path="
                 f"{self.policy_cfg.path!r} is a text-only model; use a vision-language policy (Qwen2-VL, Qwen2.5-VL, "
                 "Qwen3-VL, or tiny.arch=qwen2_5_vl) or a text-only data source"
             )
-        if getattr(dm, "has_images", False) and self.objective.name != "grpo":  # OPD scores hidden states, no pixels
+        if dm.has_images and self.objective.name != "grpo":  # OPD scores hidden states, no pixels
             raise ValueError(f"model.objective={self.objective.name} does not score prompts with images (data.source="
                              f"{_source_name(dm)} has some); use model.objective=grpo for image prompts")
         dm.prepare_prompts(self.tokenizer, self.max_prompt_tokens(), self.rollout_cfg.long_prompts)
@@ -223,10 +209,9 @@ class GRPOModule(DataParallelOps, LightningModule):
             copy_ref = self.objective.needs_reference() and self.policy_cfg.lora is None
             self.ref = copy.deepcopy(self.policy).requires_grad_(False) if copy_ref else None
             self.objective.setup(self.policy, self.tokenizer)  # OPD: loads the teacher, refuses another vocabulary
-            # Frozen pi_old across the window (the ahead pass); also holds the one-shot probe's state.
-            self.old_logprobs = OldLogprobCache(self.policy, lambda c: self.logprobs(self.policy, c.to(self.device)),
-                                                dp_sum=lambda t: self._dp_mean(t) * self._world_size())
-            self.attach_routing()  # before FSDP2 shards the routers, and before an engine starts (refusals)
+            # MoE routing: before FSDP2 shards the routers, and before an engine starts (refusals)
+            self.routing = attach_routing(self.policy, self.rl, self.rollout_cfg.engine, self.dp_mean)
+            self.updater = self.configure_updater()
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
@@ -236,12 +221,17 @@ class GRPOModule(DataParallelOps, LightningModule):
             if model is not None:
                 shard_fsdp2(model, mesh)
 
-    def configure_optimizers(self):
-        o = self.optim_cfg
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                **adamw_kernel(params, o.fused, self._scaler()))
-        return [opt], [build_scheduler(opt, o, self.schedule_horizon)]
+    def configure_updater(self) -> Updater:
+        """The update of one collected batch: split by ``rl``, the objective on each chunk, the ahead pass (frozen
+        pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it."""
+        ahead = AheadPass(self.policy, lambda c: self.logprobs(self.policy, c.to(self.device)),
+                          dp_sum=lambda t: self.dp_mean(t) * self.dp_size(), routing=self.routing)
+        dp = DataParallel(max=(lambda t: self.dp_all_reduce(t, "max")) if self.dp_size() > 1 else (lambda t: t),
+                          grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
+        return Updater(self.policy, self.forward_chunk, split=lambda: Split.of(self.rl, self.dp_size()),
+                       needs=lambda: batch_needs(self.rl, self.objective, self.routing), ahead=ahead,
+                       routing=self.routing, seed=self.seed, dp=dp, max_grad_norm=self.rl.max_grad_norm,
+                       max_consecutive_skips=self.rl.max_consecutive_skips)
 
     def on_fit_start(self) -> None:
         # The weights are final here (precision plugin conversion, FSDP2 sharding): refuse or warn once per fit,
@@ -258,16 +248,6 @@ class GRPOModule(DataParallelOps, LightningModule):
                          else NoPublisher())
         self._publisher = publisher
         publisher.on_engine_ready(self.trainer, self.engine, self.policy, self.rollout_cfg.sync_bucket_mb)
-
-    def on_train_start(self) -> None:
-        opt, sched = self.optimizers(), self.lr_schedulers()
-        plugin_step = PluginStep(self.trainer, self.policy, opt)  # unscale -> 1/sum -> clip -> step via the plugin
-        self.loop = self.make_loop(opt, sched, self.manual_backward, step=plugin_step, clip=plugin_step.clip)
-        self._state.resume(self.trainer, self.loop, self.old_logprobs, self.trainer.datamodule)
-        self._state.boundary(self.loop, self.old_logprobs, self.global_step, self.trainer.datamodule)
-
-    def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        self._state.step_started()  # the last hook before training_step: a loaded RNG state is restored here
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Every checkpoint Lightning writes carries the state at the last batch boundary (checkpoint/state.py).
@@ -286,7 +266,7 @@ class GRPOModule(DataParallelOps, LightningModule):
                 checkpoint.pop(key, None)
             checkpoint[STATE_KEY] = {"refused": str(refused)}
             return
-        self._state.write(self.trainer, checkpoint)
+        super().on_save_checkpoint(checkpoint)
         if lora.is_lora(self.policy):  # the frozen base is rebuilt from policy.path: checkpoints hold the adapter
             adapter_checkpoint.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
 
@@ -294,41 +274,20 @@ class GRPOModule(DataParallelOps, LightningModule):
         refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
         if refused:  # written without weights on the way out of a failure: nothing to resume
             raise NonFiniteParametersError.loading(refused)
-        self._state.load(checkpoint)  # put back at on_train_start, once the loop exists
+        super().on_load_checkpoint(checkpoint)  # put back at on_train_start, once the updater has its loop
         if lora.is_lora(self.policy):  # before Lightning loads the state dict: the base comes from this policy
             adapter_checkpoint.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        step = self.loop.accumulator.step if self.loop is not None else None
-        if isinstance(step, PluginStep):  # in a GradScaler step the plugin has unscaled: now the divisor and the clip
-            step.before_optimizer_step()
-
-    def attach_routing(self) -> None:
-        """Hook the policy's MoE routers when ``rl.routing_replay`` or the model's aux loss asks (idempotent)."""
-        if self.routing is None:
-            self.routing = attach_routing(self.policy, self.rl, self.rollout_cfg.engine, self._dp_mean)
-            self.old_logprobs.routing = self.routing
-
-    def make_loop(self, optimizer, scheduler=None, backward=None, step=None, clip=None) -> CollectedBatchLoop:
-        """The collected-batch loop over this module's policy (also usable without a Trainer)."""
-        self.attach_routing()
-        acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.rl.n_micro,
-                                  max_grad_norm=self.rl.max_grad_norm, backward=backward, scheduler=scheduler,
-                                  grad_sync=self._grad_sync, all_finite=self._all_ranks_finite, step=step, clip=clip)
-        return CollectedBatchLoop(acc, self.forward_chunk, self.routing.scope if self.routing is not None else None,
-                                  max_consecutive_skips=self.rl.max_consecutive_skips)
 
     def training_step(self, records, batch_idx: int) -> None:
         # 1. rollout: this rank's prompts -> completions -> rewards -> group advantages
         batch, rollout_metrics = self.collect(records)
         self._publisher.on_rollout_end(self.trainer)  # the hand-off: the engine sleeps, the trainer onloads
         # 2.-3. pi_old and update: n_mini optimizer steps of n_micro chunks
-        result = self.update(batch)
+        result = self.updater.update(batch)
         self._publisher.on_update_end(self.trainer, self.loop_step)  # the engine is stale until the next draw
         # 4. report: one roll-up per collected batch
         self.report(result, rollout_metrics)
-        # the batch boundary: what any checkpoint records until the next loop step ends
-        self._state.boundary(self.loop, self.old_logprobs, self.global_step, self.trainer.datamodule)
+        self.end_loop_step()
 
     def validation_step(self, records, batch_idx: int) -> None:
         """Held-out prompts, greedy, through the same engine: ``val/reward`` (see ``lightning_grpo/validation.py``)."""
@@ -347,11 +306,12 @@ class GRPOModule(DataParallelOps, LightningModule):
         live = [p for i, p in enumerate(prompts) if i not in skipped]
         rollouts = self.engine.generate(live, self.rl.group_size, self.sampling())
         rewards, metrics = self.compute_rewards(rollouts)
+        across = self.rl.scale_rewards == "batch" and self.dp_size() > 1  # the std of every rank's rewards
         advantages, adv_stats = group_advantages(rewards, self.rl.group_size, self.rl.scale_rewards,
-                                                 batch_std=self._dp_batch_std(rewards))
+                                                 batch_std=dp_batch_std(rewards, self.dp_all_reduce) if across else None)
         keep = torch.ones(len(rollouts), dtype=torch.bool)
         if skipped:  # skipped groups keep their rows (the batch size is the config's) with nothing to learn from
-            self._datamodule().bad_records_skipped += len(skipped)
+            self._datamodule().bad_records_skipped += len(skipped)  # a PromptProvider counter
             rollouts, keep = with_skipped_groups(rollouts, prompts, skipped, self.rl.group_size,
                                                  self.tokenizer.eos_token_id)
             advantages, rewards = _scatter(advantages, keep), _scatter(rewards, keep)
@@ -361,40 +321,8 @@ class GRPOModule(DataParallelOps, LightningModule):
         metrics["completion/len_mean"], metrics["completion/len_max"] = float(lengths.mean()), float(lengths.max())
         stopped = [r.finish_reason == "stop" for r, k in zip(rollouts, keep.tolist()) if k]
         metrics["completion/stop_frac"] = sum(stopped) / len(stopped)
-        metrics["data/bad_records_skipped"] = float(getattr(self._datamodule(), "bad_records_skipped", 0))
+        metrics["data/bad_records_skipped"] = self._data_counter("bad_records_skipped")
         return batch, metrics
-
-    def update(self, batch: RolloutBatch) -> LoopResult:
-        """Consume one collected batch (this rank's share) as mu_iterations x n_mini optimizer steps."""
-        start = time.perf_counter()
-        plan, ahead = self.plan(batch)
-        self.last_plan = plan
-        # pi_old per chunk in walk order, frozen before the first step; None = no ahead pass (n_mini == 1, ...).
-        ahead_pass = needs_ahead_pass(self.rl, self.objective)
-        walk = ahead_pass or (self.routing is not None and self.routing.needs_walk(self.rl))
-        pi_old = self.old_logprobs.compute(batch, plan, ahead) if walk else None
-        self.ahead_seconds = self.old_logprobs.last_seconds if walk else 0.0
-        if self.routing is not None:  # MoE: each chunk's recorded experts, replayed in training (routing.py)
-            self.routing.begin(batch, plan, self.old_logprobs.last_routes if walk else None)
-        result = self.loop.run(batch, plan, pi_old if ahead_pass else None)
-        self.update_seconds = time.perf_counter() - start
-        return result
-
-    def plan(self, batch: RolloutBatch) -> tuple[ChunkPlan, ChunkPlan | None]:
-        """The ChunkPlan of this collected batch (every epoch) and the ahead pass's own, computed once and shared by
-        the ahead pass and the training walk. Token-budgeted counts are agreed over ranks in one all-reduce."""
-        rl, world = self.rl, self._world_size()
-        ahead_rows = None
-        if needs_ahead_pass(rl, self.objective) and rl.ahead_budget:
-            size = len(batch) // rl.n_mini
-            first = size if self.old_logprobs.skips_first_mini(rl.mu_iterations) else 0
-            ahead_rows = list(range(first, len(batch)))
-        dp_max = (lambda t: self._all_reduce(t, "max")) if world > 1 else (lambda t: t)
-        plan, ahead = plan_update(batch, rl.n_mini, rl.n_micro, rl.max_tokens_per_micro, ahead_rows,
-                                  rl.ahead_budget, dp_max, expected_rows=rl.rank_sizes(world).batch)
-        if rl.mu_iterations > 1:  # the later epochs' mini-batch order: the same on every rank, new every loop step
-            plan = plan.with_epochs(rl.mu_iterations, seed=self.seed * 1_000_003 + self.loop_step)
-        return plan, ahead
 
     def forward_chunk(self, chunk: RolloutBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, Stats]:
         """Score one chunk with the objective: it asks the policy (and reference, teacher) for what it needs."""
@@ -446,60 +374,45 @@ class GRPOModule(DataParallelOps, LightningModule):
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
         metrics = {**rollout_metrics, **roll_up(result, stats=getattr(self.objective, "stats", None)),
-                   **plan_metrics(self.last_plan)}
+                   **plan_metrics(self.updater.last_plan)}
         metrics["loop_step"] = float(self.loop_step)
         metrics["global_step"] = float(self.global_step)
         metrics["step"] = metrics["loop_step"]  # the logger's x-axis: collected batches
-        metrics["grpo/ahead_seconds"] = self.ahead_seconds
-        metrics["grpo/ahead_share"] = self.ahead_seconds / self.update_seconds if self.update_seconds > 0 else 0.0
-        metrics["data/long_prompts_dropped"] = float(getattr(self._datamodule(), "long_prompts_dropped", 0))
+        ahead, whole = self.updater.ahead_seconds, self.updater.update_seconds
+        metrics["grpo/ahead_seconds"] = ahead
+        metrics["grpo/ahead_share"] = ahead / whole if whole > 0 else 0.0
+        metrics["data/long_prompts_dropped"] = self._data_counter("long_prompts_dropped")
         if self.routing is not None:
             metrics.update(self.routing.metrics())  # moe/route_flip_frac, moe/aux_loss
-        world = self._world_size()
+        world = self.dp_size()
         if world > 1:  # one figure per metric for the whole job (reductions: docs/distributed.md)
-            metrics = combine_ranks(metrics, self._all_reduce, world, self.rl.rank_sizes(world).batch)
-        bar = {"reward": metrics.get("reward/mean", math.nan), "loss": metrics.get("grpo/loss", math.nan)}
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
-        self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
-        self.last_metrics = metrics
+            metrics = combine_ranks(metrics, self.dp_all_reduce, world, self.rl.rank_sizes(world).batch)
+        self.publish(metrics, {"reward": metrics.get("reward/mean", math.nan), "loss": metrics.get("grpo/loss", math.nan)})
 
     # -- helpers ------------------------------------------------------------------------------------------------------
-    @property
-    def loop_step(self) -> int:
-        """Collected batches consumed so far (the logged ``step``; checkpoint cadence counts these)."""
-        return self.loop.progress.loop_step if self.loop is not None else 0
-
     def sampling(self) -> SamplingConfig:
         r = self.rollout_cfg
         step = self.loop_step
         # A distinct, reproducible seed per (seed, loop step, rank); the engines derive one stream per (prompt, sample).
-        seed = (self.seed * 1_000_003 + step) * max(self._world_size(), 1) + self.global_rank
+        seed = (self.seed * 1_000_003 + step) * max(self.dp_size(), 1) + self.global_rank
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed,
                               stop=tuple(r.stop or ()),
                               forbidden_token_ids=self.vision.special_ids if self.vision is not None else ())
 
     def _on_bad_record(self) -> str:
-        return getattr(self._datamodule(), "on_bad_record", "error")
+        dm = self._datamodule()
+        return dm.on_bad_record if isinstance(dm, PromptProvider) else "error"
+
+    def _data_counter(self, name: str) -> float:
+        dm = self._datamodule()
+        return float(getattr(dm, name)) if isinstance(dm, PromptProvider) else 0.0
 
     def _datamodule(self):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
 
-    def _scaler(self):
-        """The precision plugin's GradScaler (16-mixed), or None."""
-        return getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
-
     def _context(self) -> int | None:
         return getattr(self.policy.config, "max_position_embeddings", None)
-
-    def _dp_batch_std(self, rewards: Tensor) -> Tensor | None:
-        """``scale_rewards="batch"`` under DP: the unbiased std of every rank's rewards (None: the local one)."""
-        if self.rl.scale_rewards != "batch" or self._world_size() == 1:
-            return None
-        r = rewards.detach().double()
-        total, squares, n = self._all_reduce(torch.stack([r.sum(), r.square().sum(), r.new_tensor(r.numel())]), "sum")
-        return ((squares - total * total / n).clamp(min=0) / (n - 1)).sqrt().float()
-
 
 
 def _scatter(values: Tensor, keep: Tensor) -> Tensor:

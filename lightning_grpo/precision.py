@@ -29,7 +29,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_grpo.accumulate import plain_step
+from lightning_grpo.update.accumulate import plain_step
 
 HALF = (torch.bfloat16, torch.float16)
 # CPU flags of native half-precision arithmetic (x86 /proc/cpuinfo "flags", Arm "Features").

@@ -124,7 +124,7 @@ class VLMBatchModule(FixedBatchModule):
     def collect(self, records):
         from helpers import image_batch
 
-        from lightning_grpo.chunks import sequence_lengths
+        from lightning_grpo.update.plan import sequence_lengths
 
         batch = image_batch(self, VLM_LENGTHS, VLM_SIZES, seed=BATCH_SEED)
         lengths = sequence_lengths(batch)[0]
@@ -304,7 +304,7 @@ def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None =
         record["metrics"] = dict(module.last_metrics)
         record["sharded"] = any(hasattr(p, "full_tensor") for p in module.policy.parameters())
         record["grad_trace"] = module.grad_trace
-        record["chunks"] = module.last_plan.rows
+        record["chunks"] = module.updater.last_plan.rows
         if record["sharded"]:  # weight sync from FSDP2 shards: full tensors, gathered bucket by bucket
             engine = RecordingEngine()
             record["sync_buckets"] = push_weights(module.policy, engine, bucket_bytes=64 << 10).n_buckets

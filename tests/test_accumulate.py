@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import max_rel_delta, params_of, synthetic_batch
 
-from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.update.plan import ChunkPlan
 from lightning_grpo.config import GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
@@ -21,8 +21,8 @@ def make_module(policy_dir, dtype="float32", micro=0, max_grad_norm=0.0):
 
 def sgd_update(module, batch, lr=0.1):
     """One loop step with plain SGD: the parameter update is exactly lr x gradient."""
-    module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=lr))
-    return module.update(batch)
+    module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=lr))
+    return module.updater.update(batch)
 
 
 @pytest.mark.parametrize("dtype,tol", [("float64", 5e-8), ("float32", 1e-5)])
@@ -98,21 +98,21 @@ def test_scale_then_clip_matches_unchunked_and_clip_then_scale_does_not(tiny_pol
 def test_all_empty_batch_gives_zero_gradient_no_nan_no_skip(tiny_policy_dir, micro):
     batch = synthetic_batch([0] * 8, seed=4)
     module = make_module(tiny_policy_dir, micro=micro)
-    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=1e-2, weight_decay=0.0))
+    module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=1e-2, weight_decay=0.0))
     before = params_of(module.policy)
-    result = module.update(batch)
+    result = module.updater.update(batch)
     assert [s.skipped for s in result.steps] == [False]
     assert result.steps[0].grad_norm == 0.0
     assert all(torch.equal(before[k], v) for k, v in params_of(module.policy).items())
-    assert module.loop.accumulator.skipped_steps == 0
+    assert module.updater.loop.accumulator.skipped_steps == 0
 
 
 def test_batch_size_disagreeing_with_config_is_refused_before_backward(tiny_policy_dir):
     module = make_module(tiny_policy_dir)
-    module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=0.1))
+    module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=0.1))
     before = params_of(module.policy)
     with pytest.raises(ValueError, match="collected batch has 6 trajectories .* expects 8"):
-        module.update(synthetic_batch([3] * 6))
+        module.updater.update(synthetic_batch([3] * 6))
     assert all(p.grad is None for p in module.policy.parameters())
     assert all(torch.equal(before[k], v) for k, v in params_of(module.policy).items())
 
@@ -143,7 +143,7 @@ def test_fractional_dp_divisor_below_one_gives_the_exact_token_mean(tiny_policy_
 
 def test_window_length_changes_only_between_windows():
     """A token-budgeted plan tells the accumulator each window's chunk count; never inside a window."""
-    from lightning_grpo.accumulate import DeferredAccumulator
+    from lightning_grpo.update.accumulate import DeferredAccumulator
 
     w = torch.nn.Parameter(torch.ones(3))
     acc = DeferredAccumulator([w], torch.optim.SGD([w], lr=0.1), grad_accum=1)

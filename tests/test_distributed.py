@@ -77,9 +77,9 @@ def one_rank(policy_dir, case: str, steps: int = 1):
                             rollout=RolloutConfig(), seed=W.lora_seed(case))
         module.configure_model()
         before = params_of(module.policy)
-        module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=W.lr_of(case)))
+        module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=W.lr_of(case)))
         for _ in range(steps):
-            result = module.update(synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED))
+            result = module.updater.update(synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED))
         _REFERENCE[key] = before, params_of(module.policy), result
     return _REFERENCE[key]
 
@@ -288,8 +288,8 @@ def test_batch_scaled_advantages_use_the_std_of_every_rank(tiny_policy_dir, monk
                         rl=GRPOConfig(batch_per_replica=8, group_size=2, scale_rewards="batch"))
     mine, other = torch.tensor([0.0, 1.0, 3.0, 0.5]), torch.tensor([2.0, 2.0, 7.0, 1.0])
     theirs = torch.stack([other.double().sum(), other.double().square().sum(), torch.tensor(4.0, dtype=torch.float64)])
-    monkeypatch.setattr(module, "_world_size", lambda: 2)
-    monkeypatch.setattr(module, "_all_reduce", lambda t, op: t + theirs)  # rank 1's sums arrive
+    monkeypatch.setattr(module, "dp_size", lambda: 2)
+    monkeypatch.setattr(module, "dp_all_reduce", lambda t, op: t + theirs)  # rank 1's sums arrive
     assert float(module._dp_batch_std(mine)) == pytest.approx(float(torch.cat([mine, other]).std()), rel=1e-6)
 
 

@@ -29,7 +29,7 @@ def dpo_module(policy_dir, dtype="float64", grad_accum=1, lr=0.5, **dpo):
     module = DPOModule(PolicyConfig(path=str(policy_dir), dtype=dtype),
                        DPOConfig(batch_size=8, grad_accum=grad_accum, max_grad_norm=0.0, **dpo))
     module.configure_model()  # no Trainer: build the policy ourselves
-    module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=lr))
+    module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=lr))
     return module
 
 
@@ -120,7 +120,7 @@ def test_a_non_finite_chunk_skips_the_step(tiny_policy_dir):
         calls.append(1)
         return (loss * math.nan if len(calls) == 2 else loss), denom, stats
 
-    module.loop.forward_chunk = forward_chunk
+    module.updater.loop.forward_chunk = forward_chunk
     result = module.update(module.encode(unequal_pairs()))
     assert [s.skipped for s in result.steps] == [True] and result.discarded_chunks == 3 and len(calls) == 2
     assert all(torch.equal(before[k], v) for k, v in params_of(module.policy).items())

@@ -193,14 +193,14 @@ def test_resume_sleeps_the_engine_before_the_optimizer_state_is_restored(replay_
 
 class ExplodingUpdate(GRPOModule):
     def update(self, batch):
-        if self.loop.progress.loop_step == 1:
+        if self.loop_step == 1:
             raise RuntimeError("update exploded")
         return super().update(batch)
 
 
 class ExplodingGenerate(GRPOModule):
     def collect(self, records):
-        if self.loop.progress.loop_step == 1:
+        if self.loop_step == 1:
             raise RuntimeError("generate exploded")
         return super().collect(records)
 
@@ -228,7 +228,7 @@ def test_a_failing_cleanup_does_not_mask_the_original_exception(replay_file, tmp
             return FailingSleepEngine(self.rollout_cfg.replay_path)
 
         def update(self, batch):
-            self.engine.fail = self.loop.progress.loop_step == 1
+            self.engine.fail = self.loop_step == 1
             return super().update(batch)
 
     module = make_module(replay_file, cls=Module)

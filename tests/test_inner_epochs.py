@@ -18,19 +18,19 @@ def make(policy_dir, mu=2, mini=8, lr=3e-2, **rl):
     cfg = GRPOConfig(batch_per_replica=16, group_size=2, mini_batch_per_replica=mini, mu_iterations=mu, **rl)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir)), rl=cfg, seed=3)
     module.configure_model()
-    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=lr))
+    module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=lr))
     return module
 
 
 def record_pi_old(module) -> list[tuple[int, tuple, torch.Tensor | None]]:
     """(epoch, sample ids, pi_old handed to the objective) of every training chunk."""
-    seen, real = [], module.loop.forward_chunk
+    seen, real = [], module.updater.loop.forward_chunk
 
     def forward(chunk, old):
-        seen.append((module.loop.progress.epoch, tuple(chunk.sample_ids.tolist()), old))
+        seen.append((module.updater.loop.progress.epoch, tuple(chunk.sample_ids.tolist()), old))
         return real(chunk, old)
 
-    module.loop.forward_chunk = forward
+    module.updater.loop.forward_chunk = forward
     return seen
 
 
@@ -39,8 +39,8 @@ def test_every_epoch_scores_against_the_rollout_policy_and_the_clip_binds_more_i
     rollout_policy = clone(module.policy)
     seen = record_pi_old(module)
     batch = synthetic_batch(LENS, seed=11)
-    result = module.update(batch)
-    assert len(result.steps) == 4 and module.loop.progress.optimizer_steps == 4 and module.loop.progress.epoch == 1
+    result = module.updater.update(batch)
+    assert len(result.steps) == 4 and module.updater.loop.progress.optimizer_steps == 4 and module.updater.loop.progress.epoch == 1
     assert [e for e, _, _ in seen] == [0, 0, 1, 1]
     assert all(old is not None for _, _, old in seen)  # mini-batch 0 is recorded too: epoch 2 trains it again
     by_chunk = {}
@@ -54,7 +54,7 @@ def test_every_epoch_scores_against_the_rollout_policy_and_the_clip_binds_more_i
         assert torch.allclose(first, expected, atol=1e-5)  # ... and it is the rollout policy's
 
     # Recomputing pi_old at the start of epoch 2 would score against the moved policy: these tests would catch it.
-    now = module.old_logprobs.compute(batch, module.last_plan)
+    now = module.updater.ahead.compute(batch, module.updater.last_plan, module.updater.needs)
     moved = max(float((a - b).abs().max()) for a, (_, _, b) in zip(now, seen))
     assert moved > 1e-3
 
@@ -69,38 +69,39 @@ def test_recomputing_pi_old_per_epoch_collapses_the_clip(tiny_policy_dir):
     """The failure the test above guards: pi_old recomputed at each epoch start clips less in epoch 2."""
     frozen, one = make(tiny_policy_dir), make(tiny_policy_dir, mu=1)
     batch = synthetic_batch(LENS, seed=11)
-    frozen.report(frozen.update(batch), {})
+    frozen.report(frozen.updater.update(batch), {})
     # epoch by epoch, each a collected batch of its own: pi_old is taken afresh from the moved policy
-    one.update(batch)
-    second = one.update(batch)
+    one.updater.update(batch)
+    second = one.updater.update(batch)
     one.report(second, {})
     assert one.last_metrics["grpo/clip_frac"] < frozen.last_metrics["grpo/epoch2/clip_frac"]
 
 
 def test_ahead_pass_records_mini_batch_0_at_mu_2_even_after_the_probe(tiny_policy_dir):
     module = make(tiny_policy_dir, mini=4)
-    module.update(synthetic_batch(LENS, seed=1))
-    assert module.old_logprobs.probe_passed and not module.old_logprobs.skips_first_mini(2)
-    assert module.old_logprobs.skips_first_mini(1)  # a single epoch may skip it
-    pi_old = module.old_logprobs.compute(synthetic_batch(LENS, seed=2), module.plan(synthetic_batch(LENS, seed=2))[0])
+    module.updater.update(synthetic_batch(LENS, seed=1))
+    assert module.updater.ahead.probe_passed and not module.updater.ahead.skips_first_mini(module.updater.needs, 2)
+    assert module.updater.ahead.skips_first_mini(module.updater.needs, 1)  # a single epoch may skip it
+    again = synthetic_batch(LENS, seed=2)
+    pi_old = module.updater.ahead.compute(again, module.updater.plan(again)[0], module.updater.needs)
     assert len(pi_old) == 2 * 4 and all(old is not None for old in pi_old)
 
 
 def test_later_epochs_reshuffle_the_mini_batch_order_deterministically(tiny_policy_dir):
     module = make(tiny_policy_dir, mu=3, mini=2)  # n_mini = 8
     batch = synthetic_batch(LENS)
-    plan, _ = module.plan(batch)
+    plan, _ = module.updater.plan(batch)
     assert plan.order[0] == tuple(range(8)) and len(plan.order) == 3
     assert all(sorted(o) == list(range(8)) for o in plan.order) and plan.order[1] != plan.order[0]
-    assert module.plan(batch)[0].order == plan.order  # the same seed and loop step: the same order
-    module.loop.progress.loop_step += 1
-    assert module.plan(batch)[0].order != plan.order  # a new one every loop step
+    assert module.updater.plan(batch)[0].order == plan.order  # the same seed and loop step: the same order
+    module.updater.loop.progress.loop_step += 1
+    assert module.updater.plan(batch)[0].order != plan.order  # a new one every loop step
 
 
 def test_mu_with_a_token_budget_walks_the_same_chunks_each_epoch(tiny_policy_dir):
     module = make(tiny_policy_dir, max_tokens_per_micro=40)
     seen = record_pi_old(module)
-    module.update(synthetic_batch(LENS, seed=4))
+    module.updater.update(synthetic_batch(LENS, seed=4))
     epochs = [sorted(ids for e, ids, _ in seen if e == k) for k in (0, 1)]
     assert epochs[0] == epochs[1] and len(epochs[0]) > 2
 

@@ -128,10 +128,10 @@ def test_only_the_adapter_gets_gradients_and_optimizer_state(tiny_policy_dir):
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {
         id(p) for p in module.policy.parameters() if p.requires_grad}
-    module.loop = module.make_loop(optimizer)
+    module.updater.attach(optimizer)
     before = params_of(module.policy)
     for seed in (0, 1):  # the second step moves A too (its gradient is 0 while B is 0)
-        module.update(synthetic_batch(UNEQUAL, seed=seed))
+        module.updater.update(synthetic_batch(UNEQUAL, seed=seed))
     after = params_of(module.policy)
     for name in before:
         changed = not torch.equal(before[name], after[name])
@@ -146,8 +146,8 @@ def test_trained_parameters_and_optimizer_state_shrink(tiny_policy_dir):
     for name, cfg in (("full", None), ("lora", ADAPTER)):
         module = lora_module(tiny_policy_dir, cfg)
         optimizer = module.configure_optimizers()[0][0]
-        module.loop = module.make_loop(optimizer)
-        module.update(synthetic_batch(UNEQUAL, seed=0))
+        module.updater.attach(optimizer)
+        module.updater.update(synthetic_batch(UNEQUAL, seed=0))
         state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                     if torch.is_tensor(t) and t.dim() > 0)
         sizes[name] = (lora.parameter_counts(module.policy)["trainable"], state)
@@ -179,8 +179,8 @@ def test_chunked_lora_step_equals_unchunked(tiny_policy_dir, n_micro):
         moved_adapter(m)  # so A and B both get gradients
     before = params_of(whole.policy)
     for m in (whole, chunked):
-        m.loop = m.make_loop(torch.optim.SGD([p for p in m.policy.parameters() if p.requires_grad], lr=0.1))
-        result = m.update(batch)
+        m.updater.attach(torch.optim.SGD([p for p in m.policy.parameters() if p.requires_grad], lr=0.1))
+        result = m.updater.update(batch)
         assert len(result.steps) == 1 and not result.steps[0].skipped
     assert max_rel_delta(before, params_of(whole.policy), params_of(chunked.policy)) <= 5e-8
 
@@ -188,10 +188,10 @@ def test_chunked_lora_step_equals_unchunked(tiny_policy_dir, n_micro):
 def test_ahead_pass_freezes_pi_old_with_adapters(tiny_policy_dir):
     module = lora_module(tiny_policy_dir, batch_per_replica=16, mini_batch_per_replica=4, micro_batch_per_replica=2)
     moved_adapter(module)
-    module.loop = module.make_loop(torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad],
+    module.updater.attach(torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad],
                                                      lr=5e-2))
-    result = module.update(synthetic_batch(LENS, seed=0))
-    assert len(result.steps) == 4 and module.old_logprobs.state_dict()["probe"]["fraction"] == 0  # probe ran, passed
+    result = module.updater.update(synthetic_batch(LENS, seed=0))
+    assert len(result.steps) == 4 and module.updater.ahead.state_dict()["probe"]["fraction"] == 0  # probe ran, passed
     windows = [result.chunks[i:i + 2] for i in range(0, 8, 2)]
     assert [(float(c.ratio_mean), float(c.clip_frac)) for c in windows[0]] == [(1.0, 0.0)] * 2
     later = [c for w in windows[1:] for c in w]

@@ -6,9 +6,9 @@ import pytest
 import torch
 from helpers import synthetic_batch
 
-from lightning_grpo.accumulate import StepOutcome
-from lightning_grpo.chunks import ChunkPlan
-from lightning_grpo.loop import LoopResult
+from lightning_grpo.update.accumulate import StepOutcome
+from lightning_grpo.update.plan import ChunkPlan
+from lightning_grpo.update.loop import LoopResult
 from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.grpo import ChunkStats
 from lightning_grpo.objectives.grpo import GRPOObjective

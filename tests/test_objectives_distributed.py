@@ -29,11 +29,11 @@ def one_rank(policy_dir, teacher_dir, case: str):
     module = W.objective_module(case, str(policy_dir), str(teacher_dir))
     module.configure_model()
     before = params_of(module.policy)
-    module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=W.objective_lr(case)))
+    module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=W.objective_lr(case)))
     if case.startswith("dpo"):
-        module.update(module.encode(W.dpo_pairs()))
+        module.updater.update(module.encode(W.dpo_pairs()))
     else:
-        module.update(synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED))
+        module.updater.update(synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED))
     return before, params_of(module.policy)
 
 

@@ -27,7 +27,7 @@ def opd_module(policy_dir, teacher_dir, dtype="float64", micro=0, mini=0, **opd)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype=dtype), rl=rl, objective="opd",
                         opd=OPDConfig(teacher=PolicyConfig(path=str(teacher_dir), dtype=dtype), **opd))
     module.configure_model()
-    module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=0.1))
+    module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=0.1))
     return module
 
 
@@ -108,8 +108,8 @@ def test_chunked_step_equals_unchunked_on_unequal_lengths(tiny_policy_dir, tiny_
     whole = opd_module(tiny_policy_dir, tiny_teacher_dir, kl=kl, use_rewards=use_rewards)
     chunked = opd_module(tiny_policy_dir, tiny_teacher_dir, micro=8 // n_micro, kl=kl, use_rewards=use_rewards)
     before = params_of(whole.policy)
-    expected = roll_up(whole.update(batch))
-    got = roll_up(chunked.update(batch))
+    expected = roll_up(whole.updater.update(batch))
+    got = roll_up(chunked.updater.update(batch))
     assert max_rel_delta(before, params_of(whole.policy), params_of(chunked.policy)) <= 5e-8
     for name in ("grpo/loss", "opd/kl", "opd/teacher_logprob", "grpo/denom", "grpo/tokens"):
         assert got[name] == pytest.approx(expected[name], rel=1e-12), name  # the roll-up telescopes too
@@ -128,10 +128,10 @@ def test_reward_form_is_grpo_plus_beta_times_the_kl_each_over_the_global_token_c
     rl = GRPOConfig(batch_per_replica=8, group_size=2, micro_batch_per_replica=1, max_grad_norm=0.0)
     grpo = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir), dtype="float64"), rl=rl)
     grpo.configure_model()
-    grpo.loop = grpo.make_loop(torch.optim.SGD(grpo.policy.parameters(), lr=0.1))
+    grpo.updater.attach(torch.optim.SGD(grpo.policy.parameters(), lr=0.1))
     before = params_of(both.policy)
     for module in (both, alone, grpo):
-        module.update(batch)
+        module.updater.update(batch)
     summed = {k: params_of(alone.policy)[k] + params_of(grpo.policy)[k] - before[k] for k in before}
     assert max_rel_delta(before, params_of(both.policy), summed) <= 1e-6
 
@@ -140,22 +140,22 @@ def test_reward_form_is_grpo_plus_beta_times_the_kl_each_over_the_global_token_c
 def test_direct_form_runs_no_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teacher_dir, monkeypatch):
     module = opd_module(tiny_policy_dir, tiny_teacher_dir, dtype="float32", mini=2)
     assert module.rl.n_mini == 4
-    monkeypatch.setattr(module.old_logprobs, "compute", lambda *a: pytest.fail("the ahead pass ran"))
+    monkeypatch.setattr(module.updater.ahead, "compute", lambda *a: pytest.fail("the ahead pass ran"))
     seen = []
     real = module.forward_chunk
-    module.loop.forward_chunk = lambda chunk, old: (seen.append(old), real(chunk, old))[1]
-    result = module.update(synthetic_batch(UNEQUAL, seed=3))
+    module.updater.loop.forward_chunk = lambda chunk, old: (seen.append(old), real(chunk, old))[1]
+    result = module.updater.update(synthetic_batch(UNEQUAL, seed=3))
     assert len(result.steps) == 4 and not any(s.skipped for s in result.steps)
-    assert seen == [None] * 4 and module.ahead_seconds == 0.0
+    assert seen == [None] * 4 and module.updater.ahead_seconds == 0.0
 
 
 def test_reward_form_runs_the_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teacher_dir):
     module = opd_module(tiny_policy_dir, tiny_teacher_dir, dtype="float32", mini=2, use_rewards=True)
     calls = []
-    real = module.old_logprobs.compute
-    module.old_logprobs.compute = lambda *a: (calls.append(1), real(*a))[1]
-    module.update(synthetic_batch(UNEQUAL, seed=3))
-    assert calls == [1] and module.ahead_seconds > 0
+    real = module.updater.ahead.compute
+    module.updater.ahead.compute = lambda *a: (calls.append(1), real(*a))[1]
+    module.updater.update(synthetic_batch(UNEQUAL, seed=3))
+    assert calls == [1] and module.updater.ahead_seconds > 0
 
 
 # -- refusals ----------------------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_fp16_overflowed_window_is_stepped_through_and_lowers_the_scale(tiny_pol
     """
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 activations' gradients overflow at this scale
     module = fixed_batch_step(tiny_policy_dir, "16-mixed", micro=2, scaler=scaler, loop_steps=3)
-    acc = module.loop.accumulator
+    acc = module.updater.loop.accumulator
     assert acc.skipped_steps == 3 and module.grads == []  # every window overflowed: no update landed
     assert scaler.get_scale() == 2.0**37  # halved once per skipped window
     assert module.last_metrics["grpo/skipped_windows"] == 1
@@ -124,7 +124,7 @@ def test_fp16_overflowed_window_is_stepped_through_and_lowers_the_scale(tiny_pol
 def test_fp16_scale_recovers_and_the_update_lands(tiny_policy_dir, fp32_unchunked):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, backoff_factor=2.0**-6)
     module = fixed_batch_step(tiny_policy_dir, "16-mixed", micro=2, scaler=scaler, loop_steps=4)
-    assert module.loop.accumulator.skipped_steps >= 1 and len(module.grads) >= 1
+    assert module.updater.loop.accumulator.skipped_steps >= 1 and len(module.grads) >= 1
     # Skipped windows leave the weights alone, so the first landed step is on the initial weights: it matches fp32.
     assert rel_error(module.grads[0], fp32_unchunked[0]) <= TOLERANCE["16-mixed"]
 
@@ -149,7 +149,7 @@ def test_true_precisions_run_a_real_loop_step(tmp_path, precision):
     assert len(lossy) == (0 if precision == "64-true" else 1)  # once per fit, not per step
     expected = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}[precision]
     assert next(module.policy.parameters()).dtype == expected
-    assert trainer.global_step == 2 and module.loop.accumulator.skipped_steps == 0
+    assert trainer.global_step == 2 and module.updater.loop.accumulator.skipped_steps == 0
 
 
 def changed_fraction(policy_dir, precision: str, dtype: str = "float32") -> float:

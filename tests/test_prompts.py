@@ -1,6 +1,5 @@
 import json
 from itertools import chain
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,11 +77,12 @@ def test_resume_with_other_prompts_per_step_is_refused():
 
 
 class Recorder(LightningModule):
-    """Records the prompt ids each training step receives; reads prompts_per_step from ``rl``."""
+    """Records the prompt ids each training step receives; a ``PromptConsumer`` (data/seam.py) of 4 prompts a step."""
+
+    prompts_per_step = 4
 
     def __init__(self):
         super().__init__()
-        self.rl = SimpleNamespace(prompts_per_batch=4)
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.seen = []
 

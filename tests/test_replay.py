@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_grpo.batch import pack_rollouts
-from lightning_grpo.chunks import BatchSizeError, ChunkPlan
+from lightning_grpo.update.plan import BatchSizeError, ChunkPlan
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
 from lightning_grpo.rollout.replay import ReplayEngine
 

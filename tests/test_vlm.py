@@ -23,7 +23,7 @@ def make(policy_dir, dtype="float32", micro=0, mini=0, train_vision=False, beta=
     policy = PolicyConfig(path=str(policy_dir), dtype=dtype, train_vision_tower=train_vision)
     module = GRPOModule(policy=policy, rl=rl, rollout=RolloutConfig())
     module.configure_model()  # no Trainer: build the policy ourselves
-    module.loop = module.make_loop(torch.optim.SGD([p for p in module.policy.parameters() if p.requires_grad], lr=0.1))
+    module.updater.attach(torch.optim.SGD([p for p in module.policy.parameters() if p.requires_grad], lr=0.1))
     return module
 
 
@@ -35,8 +35,8 @@ def test_chunked_step_equals_unchunked_on_image_batch(tiny_vlm_dir, dtype, tol, 
     chunked = make(tiny_vlm_dir, dtype, micro=8 // n_micro, train_vision=train_vision)
     batch = image_batch(whole, UNEQUAL, SIZES, seed=1)
     before = params_of(whole.policy)
-    whole.update(batch)
-    result = chunked.update(batch)
+    whole.updater.update(batch)
+    result = chunked.updater.update(batch)
     assert len(result.steps) == 1 and not result.steps[0].skipped
     assert max_rel_delta(before, params_of(whole.policy), params_of(chunked.policy)) <= tol
     tower = {f"model.visual.{k}" for k, _ in vision_tower(whole.policy).named_parameters()}
@@ -51,8 +51,8 @@ def test_images_reach_the_update(tiny_vlm_dir):
     batch = image_batch(a, UNEQUAL, SIZES, seed=1)
     recolored = tuple((png(SIZES[(i // 2) % 4], color=(20, 20, 220)),) for i in range(8))  # same sizes, other pixels
     before = params_of(a.policy)
-    a.update(batch)
-    b.update(replace(batch, images=recolored))
+    a.updater.update(batch)
+    b.updater.update(replace(batch, images=recolored))
     assert max_rel_delta(before, params_of(a.policy), params_of(b.policy)) > 1e-3
 
 
@@ -61,7 +61,7 @@ def test_divisor_counts_completion_tokens_only(tiny_vlm_dir):
     batch = image_batch(module, UNEQUAL, SIZES)
     image_tokens = int((batch.input_ids == module.vision.image_token_id).sum())
     assert image_tokens == 2 * (4 + 1 + 6 + 8)  # every prompt's expanded placeholders, in the rows
-    result = module.update(batch)
+    result = module.updater.update(batch)
     denom = sum(float(s.denom) for s in result.chunks)
     assert denom == sum(UNEQUAL) == int(batch.completion_mask.sum())  # image placeholders never count
     assert not (batch.completion_mask & (batch.input_ids == module.vision.image_token_id)).any()
@@ -86,7 +86,7 @@ def test_only_one_chunks_pixels_are_alive(tiny_vlm_dir):
         return inputs
 
     module.vision.materialize = materialize
-    module.update(batch)
+    module.updater.update(batch)
     # ahead pass: mini 1's two chunks (mini 0 is scored in training: the probe's chunk is scored twice there);
     # training: 4 chunks, each scored once for the policy and the reference with one materialization.
     assert len(counts) >= 6, counts
@@ -99,10 +99,10 @@ def test_ahead_pass_pairs_chunks_with_their_own_images(tiny_vlm_dir):
     """n_mini=2: pi_old of each chunk is that chunk's own eval-mode logprobs (its images re-materialized)."""
     module = make(tiny_vlm_dir, "float64", mini=4, micro=2)
     batch = image_batch(module, UNEQUAL, SIZES, seed=3)
-    from lightning_grpo.chunks import ChunkPlan
+    from lightning_grpo.update.plan import ChunkPlan
 
     plan = ChunkPlan.fixed(len(batch), 2, 2)
-    pi_old = module.old_logprobs.compute(batch, plan)
+    pi_old = module.updater.ahead.compute(batch, plan, module.updater.needs)
     for k, (mini, micro) in enumerate(plan.walk()):
         if pi_old[k] is None:
             continue  # mini-batch 0 trains before any step: its pi_old is its own detached logprobs
@@ -122,7 +122,7 @@ def test_vision_tower_frozen_by_default_merger_trains(tiny_vlm_dir):
         p.requires_grad for n, p in tower.named_parameters() if not n.startswith("merger."))
     assert all(p.requires_grad for p in tower.merger.parameters())
     assert all(p.requires_grad for p in trained.policy.parameters())
-    n_opt = sum(p.numel() for g in frozen.loop.accumulator.optimizer.param_groups for p in g["params"])
+    n_opt = sum(p.numel() for g in frozen.updater.loop.accumulator.optimizer.param_groups for p in g["params"])
     assert n_opt < sum(p.numel() for p in frozen.policy.parameters())  # the frozen tower is not optimized
 
 
@@ -337,7 +337,7 @@ def test_rollout_logprobs_path_with_images(tiny_vlm_dir):
     module = GRPOModule(policy=PolicyConfig(path=str(tiny_vlm_dir)), rl=rl, rollout=RolloutConfig(max_new_tokens=5),
                         rewards=[RewardSpec(name="exact")])
     module.configure_model()
-    module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=0.1))
+    module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=0.1))
     module.engine = HFEngine(module.policy, module.tokenizer, vision=module.vision)
     records = [PromptRecord(i, "which color?", "red", {}, with_image_parts("which color?", 1), (png((56, 56)),))
                for i in range(2)]
@@ -351,7 +351,7 @@ def test_rollout_logprobs_path_with_images(tiny_vlm_dir):
         return objective(lp, mask, chunk.advantages, old)
 
     objective.chunk_loss = chunk_loss
-    result = module.update(batch)
+    result = module.updater.update(batch)
     assert not any(s.skipped for s in result.steps)
     lp, old, mask = first[0]
     assert torch.allclose(lp[mask], old[mask], atol=1e-4)  # mini-batch 0 scores before any step: ratio 1

@@ -10,7 +10,7 @@ import torch
 from helpers import image_batch, max_rel_delta, params_of
 from test_vlm import SIZES, UNEQUAL, make
 
-from lightning_grpo.chunks import EMPTY, plan_update, sequence_lengths, take
+from lightning_grpo.update.plan import EMPTY, plan_update, sequence_lengths, take
 from lightning_grpo.data.images import load_images
 from lightning_grpo.logprobs import token_logprobs
 
@@ -64,11 +64,11 @@ def test_filler_chunks_on_an_image_batch_materialize_nothing_and_add_zero(tiny_v
     fake_dp_max = lambda t: t + torch.tensor([2, 0])  # another rank needed two more chunks; prompt max unchanged
     plans = []
 
-    def plan(b):
+    def plan(b, needs=None):
         plans.append(plan_update(b, 1, 0, budget=budget, dp_max=fake_dp_max))
         return plans[-1]
 
-    monkeypatch.setattr(budgeted, "plan", plan)
+    monkeypatch.setattr(budgeted.updater, "plan", plan)
     materialized = []
     real = budgeted.vision.materialize
     budgeted.vision.materialize = lambda images, *a, **k: (materialized.append(len(images)), real(images, *a, **k))[1]
@@ -76,8 +76,8 @@ def test_filler_chunks_on_an_image_batch_materialize_nothing_and_add_zero(tiny_v
     score = budgeted.logprobs
     monkeypatch.setattr(budgeted, "logprobs", lambda m, chunk, *a: (scored.append(len(chunk)), score(m, chunk, *a))[1])
     before = params_of(whole.policy)
-    whole.update(batch)
-    result = budgeted.update(batch)
+    whole.updater.update(batch)
+    result = budgeted.updater.update(batch)
     train_plan = plans[0][0]
     assert train_plan.empty_chunks == 2 and train_plan.real_chunks >= 2
     fillers = [train_plan.chunk(batch, 0, m) for m in range(train_plan.n_chunks(0)) if train_plan.rows[0][m] == EMPTY]
@@ -128,8 +128,8 @@ def test_inner_epochs_rematerialize_one_chunk_at_a_time(tiny_vlm_dir, budget):
         return inputs
 
     module.vision.materialize = materialize
-    result = module.update(batch)
-    plan = module.last_plan
+    result = module.updater.update(batch)
+    plan = module.updater.last_plan
     assert plan.n_epochs == 2 and len(result.steps) == 4 and not any(s.skipped for s in result.steps)
     real_chunks = plan.real_chunks
     # ahead pass scores mini-batch 1 (and 0 for the later epoch's replay when it needs one), training scores every
@@ -154,16 +154,16 @@ def test_a_lora_adapter_on_a_vlm_scores_the_images_and_chunks_exactly(tiny_vlm_d
         module = GRPOModule(policy=policy, rl=rl, rollout=RolloutConfig())
         module.configure_model()
         params = [p for p in module.policy.parameters() if p.requires_grad]
-        module.loop = module.make_loop(torch.optim.SGD(params, lr=0.5))
+        module.updater.attach(torch.optim.SGD(params, lr=0.5))
         return module
 
     whole, chunked = lora_module(0), lora_module(4)
     batch = image_batch(whole, UNEQUAL, SIZES, seed=1)
     before = params_of(whole.policy)
-    whole.update(batch)
-    whole.update(batch)  # a second step: lora_B has moved, so lora_A gets gradient and the images matter through both
-    chunked.update(batch)
-    chunked.update(batch)
+    whole.updater.update(batch)
+    whole.updater.update(batch)  # a second step: lora_B has moved, so lora_A gets gradient and the images matter through both
+    chunked.updater.update(batch)
+    chunked.updater.update(batch)
     after = params_of(chunked.policy)
     moved = {k for k, v in after.items() if not torch.equal(v, before[k])}
     assert moved and all("lora_" in k for k in moved)

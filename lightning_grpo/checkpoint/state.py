@@ -146,18 +146,16 @@ class LoopState:
         self._loaded: dict[str, Any] | None = None  # read from a checkpoint, not yet put back
         self._rng_to_restore: dict[str, Tensor] | None = None
 
-    def boundary(self, loop, old_logprobs, global_step: int, datamodule) -> None:
+    def boundary(self, updater, global_step: int, datamodule) -> None:
         """Record the state now: a loop step just ended (or fit starts)."""
         data = None
         if isinstance(datamodule, StreamPosition):
             per_step = getattr(datamodule, "prompts_per_step", None)
             data = {"position": datamodule.position, "prompts_per_step": per_step,
                     "next_prompt_id": datamodule.position * per_step if per_step else None}
-        self._boundary = copy.deepcopy({
-            "loop_step": loop.progress.loop_step, "loop_progress": loop.progress.state_dict(),
-            "accumulator": loop.accumulator.state_dict(), "old_logprobs": old_logprobs.state_dict(),
-            "global_step": global_step, "data": data,
-        })
+        # The updater's own state_dict (loop progress, accumulator, probe): the keys the format has always had.
+        self._boundary = copy.deepcopy({"loop_step": updater.loop_step, **updater.state_dict(),
+                                        "global_step": global_step, "data": data})
         self._rng_at_step_start = None
 
     def step_started(self) -> None:
@@ -200,14 +198,12 @@ class LoopState:
                         "accumulator, probe and RNG streams start fresh; the continuation is not exact", STATE_KEY)
         self._loaded = state
 
-    def resume(self, trainer: Trainer, loop, old_logprobs, datamodule) -> None:
-        """Put a loaded state back into the fresh loop and probe; check the datamodule resumed at the boundary."""
+    def resume(self, trainer: Trainer, updater, datamodule) -> None:
+        """Put a loaded state back into the fresh updater; check the datamodule resumed at the boundary."""
         state, self._loaded = self._loaded, None
         if state is None:
             return
-        loop.progress.load_state_dict(state["loop_progress"])
-        loop.accumulator.load_state_dict(state["accumulator"])
-        old_logprobs.load_state_dict(state["old_logprobs"])
+        updater.load_state_dict(state)
         _check_data_position(datamodule, state.get("data"))
         rng = state.get("rng", [])
         if len(rng) == trainer.world_size:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_grpo.data.chat import encode, fit_items
+from lightning_grpo.data.seam import PromptConsumer, PromptProvider
 from lightning_grpo.data.sources import PromptDataError, load_items
 from lightning_grpo.data.tasks import TaskItem
 from lightning_grpo.rollout.base import Prompt
@@ -124,7 +125,7 @@ HOLDOUT_SEED = 0
 """Seed of the rows a file/dataset source holds out for validation: the same held-out set for every run seed."""
 
 
-class PromptDataModule(LightningDataModule):
+class PromptDataModule(PromptProvider, LightningDataModule):
     """Prompt lists for the GRPO loop: one list (this rank's share) per loop step, with deterministic ids.
 
     The train loader is an infinite ``IterableDataset`` with ``batch_size=None``, so Lightning
@@ -300,13 +301,13 @@ class PromptDataModule(LightningDataModule):
         return names | ({"answer"} if any(it.answer is not None for it in self._items) else set())
 
     def _prompts_from_module(self) -> int:
-        rl = getattr(self.trainer.lightning_module, "rl", None)
-        if rl is None or not hasattr(rl, "prompts_per_batch"):
+        module = self.trainer.lightning_module
+        if not isinstance(module, PromptConsumer):
             raise ValueError(
-                "PromptDataModule(prompts_per_step=None) reads trainer.lightning_module.rl.prompts_per_batch, "
-                f"which {type(self.trainer.lightning_module).__name__} lacks; give prompts_per_step"
+                "PromptDataModule(prompts_per_step=None) reads the module's prompts_per_step (data/seam.py), "
+                f"which {type(module).__name__} lacks; give prompts_per_step"
             )
-        return int(rl.prompts_per_batch)
+        return int(module.prompts_per_step)
 
     def _load_val(self) -> list[TaskItem] | None:
         """Held-out items from their own source or split; None = hold ``val_size`` rows out of ``source``."""

@@ -5,7 +5,7 @@ has them all) and a builder ``build(module) -> Objective``. Adding an objective:
 
     from lightning_grpo.objectives import register_objective
 
-    register_objective("mine", lambda module: MyObjective(module.rl, dp_mean=module._dp_mean))
+    register_objective("mine", lambda module: MyObjective(module.rl, dp_mean=module.dp_mean))
     GRPOModule(objective="mine")
 
 (see docs/objectives.md). DPO trains on preference pairs, not rollouts, so it has its own module
@@ -26,7 +26,7 @@ class ObjectiveEntry:
     """One registered objective."""
 
     build: Callable[[Any], Objective]
-    """``build(module)``: the objective for a ``GRPOModule`` (reads ``module.rl``, its own section, ``_dp_mean``)."""
+    """``build(module)``: the objective for a ``GRPOModule`` (reads ``module.rl``, its own section, ``dp_mean``)."""
     section: str | None = None
     """The module argument that holds its config dataclass (``"opd"``); None = ``rl`` holds every knob."""
 
@@ -58,13 +58,13 @@ def _grpo(module) -> Objective:
     from lightning_grpo.objectives.grpo import GRPOObjective
 
     rl = module.rl
-    return GRPOObjective(rl.epsilon, rl.epsilon_high, rl.beta, dp_mean=module._dp_mean)
+    return GRPOObjective(rl.epsilon, rl.epsilon_high, rl.beta, dp_mean=module.dp_mean)
 
 
 def _opd(module) -> Objective:
     from lightning_grpo.objectives.opd import OPDObjective
 
-    return OPDObjective(module.opd_cfg, module.rl, dp_mean=module._dp_mean)
+    return OPDObjective(module.opd_cfg, module.rl, dp_mean=module.dp_mean)
 
 
 register_objective("grpo", _grpo)

@@ -1,11 +1,11 @@
-"""Frozen pi_old across the window: the ahead pass, keyed by call order, and the one-shot determinism probe.
+"""Frozen pi_old across the window: the ahead pass, its per-row records, and the one-shot determinism probe.
 
 At ``n_mini > 1`` one collected batch drives several optimizer steps. If pi_old were the
 current logprobs detached, it would follow the drifting policy: the ratio returns to 1 on
 every mini-batch, the clip never binds and the batch takes ``n_mini`` unconstrained steps
 (a real run collapsed to reward 0 this way). So before training, the ahead pass walks the
-same ``ChunkPlan`` in the same order with the model in ``eval()`` and ``no_grad()``, and
-records pi_old per chunk; training chunk ``k`` then scores against record ``k``.
+same ``ChunkPlan`` with the model in ``eval()`` and ``no_grad()`` and records pi_old per row
+(``records.py``); training chunk ``k`` then scores against its rows' records laid out as it is cut.
 
 Cheaper than one full extra forward: mini-batch 0 trains before any update, so its pi_old
 *is* its current logprobs detached. Once the probe has shown that train-mode and eval-mode
@@ -29,16 +29,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.chunks import EMPTY, ChunkPlan, sequence_lengths, take
-from lightning_grpo.config import GRPOConfig
 from lightning_grpo.distributed import single_process
-from lightning_grpo.routing import RowRoutes
+from lightning_grpo.update.plan import EMPTY, ChunkPlan, Needs, Rows, sequence_lengths, take
+from lightning_grpo.update.records import Recorder, RowRecords
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +44,6 @@ log = logging.getLogger(__name__)
 Score = Callable[[RolloutBatch], Tensor]
 # Sums a 0-d tensor over data-parallel ranks (identity on one device): the probe gates mesh-wide.
 DPSum = Callable[[Tensor], Tensor]
-
-
-class RouteRecorder(Protocol):
-    """What the ahead pass needs from MoE routing replay (``routing.RoutingReplay``)."""
-
-    needs_every_record: bool
-
-    def record(self) -> contextlib.AbstractContextManager: ...
-
-    def replay(self, record) -> contextlib.AbstractContextManager: ...
-
-
-@dataclass
-class _NoRecord:
-    record: None = None
 
 
 @dataclass(frozen=True)
@@ -104,12 +87,6 @@ class PairingError(RuntimeError):
     """A recorded pi_old does not fit the chunk training paired it with (the two walks diverged)."""
 
 
-def needs_ahead_pass(rl: GRPOConfig, objective) -> bool:
-    """The gate: several steps per batch (``n_mini > 1`` or ``mu_iterations > 1``), pi_old not taken from the sampler,
-    and an objective that has a ratio. With ``OldLogprobCache.skips_first_mini`` the one place the pass is decided."""
-    return rl.needs_cached_old_logprobs and objective.needs_old_logprobs()
-
-
 def paired(pi_old: Sequence[Tensor | None] | None, k: int, chunk: RolloutBatch) -> Tensor | None:
     """Record ``k`` of the ahead walk, checked against chunk ``k`` of the training walk."""
     if pi_old is None:
@@ -137,8 +114,8 @@ class ProbeResult:
         return self.fraction <= self.policy.max_fraction
 
 
-class OldLogprobCache:
-    """Records frozen pi_old per chunk before training and runs the determinism probe once per run.
+class AheadPass:
+    """Records frozen pi_old (and every ``Recorder``'s per-token record) before training; runs the probe once.
 
     Args:
         model: the policy (its modes are toggled, its ``forward_noise_policy`` read).
@@ -146,112 +123,86 @@ class OldLogprobCache:
         dp_sum: sum over data-parallel ranks, so every rank takes the same probe decision.
         skip_first_mini: leave mini-batch 0 out of the walk once the probe passed (``False``
             keeps the reference design's full walk; the bench compares both).
+        routing: MoE routing replay (``routing.RoutingReplay``): a recorder of each chunk's experts, replayed
+            in the probe's train() re-score. None for a dense policy.
 
     Example::
 
-        cache = OldLogprobCache(policy, lambda c: token_logprobs(policy, c.input_ids, positions=c.completion_mask[:, 1:]))
-        loop.run(batch, plan, cache.compute(batch, plan))
+        ahead = AheadPass(policy, lambda c: token_logprobs(policy, c.input_ids, positions=c.completion_mask[:, 1:]))
+        loop.run(batch, plan, ahead.compute(batch, plan, Needs(pi_old=True)))
     """
 
     def __init__(self, model: nn.Module, score: Score, dp_sum: DPSum = single_process,
-                 skip_first_mini: bool = True, routing: RouteRecorder | None = None) -> None:
+                 skip_first_mini: bool = True, routing=None) -> None:
         self.model = model
         self.score = score
         self.dp_sum = dp_sum
         self.skip_first_mini = skip_first_mini
         self.routing = routing
-        """MoE routing replay (``routing.py``): records each chunk's expert choice, replays it in the probe."""
+        self.recorders: list[Recorder] = [routing] if routing is not None else []
         self._probe: ProbeResult | None = None  # set once per run; resumes from state_dict
         self.last_seconds = 0.0
         """Wall time of the latest ahead pass (device work included)."""
-        self.last_routes: RowRoutes | None = None
-        """MoE: the experts the latest ahead pass recorded, per row (``routing.RowRoutes``; None: no routing)."""
+        self.records: dict[str, RowRecords] = {}
+        """The latest pass's per-row records: ``pi_old`` and one per recorder (``routes`` for MoE replay)."""
 
     @property
     def probe_passed(self) -> bool:
         return self._probe is not None and self._probe.passed
 
-    def compute(self, batch: RolloutBatch, plan: ChunkPlan, ahead: ChunkPlan | None = None) -> list[Tensor | None]:
+    def skips_first_mini(self, needs: Needs, epochs: int = 1) -> bool:
+        """Whether mini-batch 0 goes unrecorded (``Needs.skips_first_mini``, once the probe has passed)."""
+        return self.skip_first_mini and needs.skips_first_mini(self.probe_passed, epochs)
+
+    def compute(self, batch: RolloutBatch, plan: ChunkPlan, needs: Needs,
+                ahead: ChunkPlan | None = None) -> list[Tensor | None]:
         """pi_old of every chunk of ``plan`` in training-walk order, every epoch; ``None`` = current logprobs
         detached (mini-batch 0 of a single epoch, see ``skips_first_mini``).
 
         ``ahead``: the pass's own plan over the rows it scores (``rl.max_tokens_per_ahead_micro``; a no-grad forward
-        can take bigger chunks); its per-row records are then laid out as ``plan``'s chunks. Without it the pass
-        walks ``plan``'s chunks themselves. Either way each chunk is scored once, however many epochs reuse it.
+        can take bigger chunks). Without it the pass walks ``plan``'s chunks themselves. Either way each chunk is
+        scored once, its records are kept per row (``records.py``), and each training chunk lays its own out.
         """
         start = time.perf_counter()
-        routes = self.last_routes = RowRoutes() if self.routing is not None else None
+        self.records = {"pi_old": RowRecords(0), **{r.name: RowRecords(r.token_dim) for r in self.recorders}}
+        lengths = sequence_lengths(batch)[0]
         with eval_mode(self.model), torch.no_grad():
-            records = self._walk(batch, plan, routes) if ahead is None else self._by_rows(batch, plan, ahead, routes)
-        if self.skips_first_mini(plan.n_epochs):  # also when the probe passed during this pass
-            records.update({(0, micro): None for micro in range(plan.n_chunks(0))})
-            if routes is not None:  # mini-batch 0 trains at pi_old itself: it routes naturally
-                for rows in plan.rows[0]:
-                    for r in rows:
-                        routes.by_row.pop(r, None)
-        out = [records[mini, micro] for _, mini, micro in plan.training_walk()]
+            if ahead is None:  # asked per chunk: once the probe passes, the rest of mini-batch 0 is skipped
+                for mini, micro in plan.walk():
+                    if not (mini == 0 and self.skips_first_mini(needs, plan.n_epochs)):
+                        self._score(batch, plan.rows[mini][micro], lengths)
+            else:  # empty chunks run too: every rank takes the same number of forwards
+                for _, micro in ahead.walk():
+                    self._score(batch, ahead.rows[0][micro], lengths)
+        if self.skips_first_mini(needs, plan.n_epochs):  # also when the probe passed during this pass
+            for record in self.records.values():  # mini-batch 0 trains at pi_old itself: it routes naturally too
+                record.drop(r for rows in plan.rows[0] for r in rows)
+        out = [self._pi_old(plan.rows[mini][micro], lengths) for _, mini, micro in plan.training_walk()]
         _sync(out)
         self.last_seconds = time.perf_counter() - start
         return out
 
-    def skips_first_mini(self, epochs: int = 1) -> bool:
-        """Whether mini-batch 0 goes unrecorded. The one place this is decided (routing replay hooks here too).
-
-        It trains before any update, so its pi_old *is* its current logprobs detached; once the probe has shown
-        train- and eval-mode forwards agree, recording it is wasted. Not with inner epochs: epoch 2 trains it again
-        after updates, against the rollout policy, so every mini-batch must be recorded. Nor with an MoE aux loss:
-        it needs every chunk's routing record.
-        """
-        every = self.routing is not None and self.routing.needs_every_record
-        return self.skip_first_mini and self.probe_passed and epochs == 1 and not every
-
-    def _score(self, chunk: RolloutBatch):
-        """(logprobs, routing record): the record is this chunk's expert choice, replayed in every later forward."""
-        with self._record() as rec:
-            logprobs = self.score(chunk)
+    def _score(self, batch: RolloutBatch, rows: Rows, lengths: list[int]) -> None:
+        """Score the chunk of ``rows`` once; keep its pi_old and every recorder's record per row."""
+        chunk = take(batch, rows)
+        with contextlib.ExitStack() as stack:
+            captures = [stack.enter_context(r.capture()) for r in self.recorders]
+            logprobs = self.score(chunk)  # [B, T-1]
         if self._probe is None:
-            self._run_probe(chunk, logprobs, rec.record)
-        return logprobs, rec.record
+            route = captures[0].value if self.routing is not None else None
+            self._run_probe(chunk, logprobs, route)
+        self.records["pi_old"].put(rows, logprobs)
+        for recorder, cap in zip(self.recorders, captures):
+            self.records[recorder.name].put(rows, recorder.split(cap.value, rows, lengths))
 
-    def _record(self):
-        return self.routing.record() if self.routing is not None else contextlib.nullcontext(_NoRecord())
-
-    def _walk(self, batch: RolloutBatch, plan: ChunkPlan, routes: RowRoutes | None):
-        records, lengths = {}, sequence_lengths(batch)[0]
-        for mini, micro in plan.walk():  # asked per chunk: once the probe passes, the rest of mini-batch 0 is skipped
-            if mini == 0 and self.skips_first_mini(plan.n_epochs):
-                records[mini, micro] = None
-            else:
-                records[mini, micro], route = self._score(plan.chunk(batch, mini, micro))
-                if routes is not None:
-                    routes.add(route, plan.rows[mini][micro], lengths)
-        return records
-
-    def _by_rows(self, batch: RolloutBatch, plan: ChunkPlan, ahead: ChunkPlan,
-                 routes: RowRoutes | None) -> dict[tuple[int, int], Tensor | None]:
-        per_row: dict[int, Tensor] = {}
-        lengths, _ = sequence_lengths(batch)
-        for _, micro in ahead.walk():  # empty chunks run too: every rank takes the same number of forwards
-            rows = ahead.rows[0][micro]
-            logprobs, route = self._score(take(batch, rows))  # [B, T_ahead-1]
-            per_row.update(zip(rows, logprobs))
-            if routes is not None:  # kept per row too: the training chunks regroup the rows
-                routes.add(route, rows, lengths)
-        records = {}
-        for mini, micro in plan.walk():
-            rows = plan.rows[mini][micro]
-            if rows == EMPTY:
-                records[mini, micro] = next(iter(per_row.values())).new_zeros(1, 1)  # [1, 1]: a filler's shape
-            elif all(r in per_row for r in rows):
-                width = max(max(lengths[r] for r in rows), 2) - 1  # the training chunk's [B, T-1]
-                record = per_row[rows[0]].new_zeros(len(rows), width)
-                for i, r in enumerate(rows):
-                    n = min(width, per_row[r].shape[0])
-                    record[i, :n] = per_row[r][:n]  # past a row's own length nothing is counted
-                records[mini, micro] = record
-            else:
-                records[mini, micro] = None  # mini-batch 0, skipped
-        return records
+    def _pi_old(self, rows: Rows, lengths: list[int]) -> Tensor | None:
+        """The pi_old record of a training chunk of ``rows``: its ``[B, T-1]``, or None (unrecorded rows)."""
+        record = self.records["pi_old"]
+        if rows == EMPTY:  # a DP filler: [1, 1], nothing counted
+            return next(iter(record.by_row.values())).new_zeros(1, 1)
+        if not record.covers(rows):
+            return None  # mini-batch 0, skipped
+        return record.layout(rows, max(max(lengths[r] for r in rows), 2) - 1)  # the training chunk's [B, T-1]
 
     # -- the probe ---------------------------------------------------------------------------------------------
     def _run_probe(self, chunk: RolloutBatch, eval_logprobs: Tensor, route=None) -> None:
@@ -337,7 +288,7 @@ def _sync(out: list[Tensor | None]) -> None:
         torch.cuda.synchronize(recorded.device)
 
 
-def warn_if_unfrozen(rl: GRPOConfig) -> None:
+def warn_if_unfrozen(rl) -> None:
     """The diagnostic switch is off-label: say so once, when the module is built."""
     if rl.steps_per_loop_step > 1 and not rl.freeze_pi_old and not rl.use_rollout_logprobs_for_loss:
         log.warning("rl.freeze_pi_old=false at n_mini=%d, mu_iterations=%d: pi_old follows the drifting policy, the "

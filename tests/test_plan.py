@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import max_rel_delta, params_of, synthetic_batch
 
-from lightning_grpo.chunks import EMPTY, ChunkPlan, TokenBudgetError, plan_update, sequence_lengths, take, token_chunks
+from lightning_grpo.update.plan import EMPTY, ChunkPlan, TokenBudgetError, plan_update, sequence_lengths, take, token_chunks
 from lightning_grpo.config import GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
@@ -88,7 +88,7 @@ def test_budget_smaller_than_the_longest_prompt_is_refused_with_the_numbers():
 def test_module_refuses_at_the_first_batch(tiny_policy_dir):
     module = budget_module(tiny_policy_dir, budget=20)
     with pytest.raises(TokenBudgetError, match="longest prompt in this collected batch \\(30 tokens\\)"):
-        module.update(synthetic_batch([3] * 8, prompt_len=30))
+        module.updater.update(synthetic_batch([3] * 8, prompt_len=30))
 
 
 # -- one optimizer step equals the unchunked step ---------------------------------------------------------------------
@@ -96,7 +96,7 @@ def budget_module(policy_dir, budget=0, dtype="float32", **rl):
     cfg = GRPOConfig(batch_per_replica=8, group_size=2, max_tokens_per_micro=budget, max_grad_norm=0.0, **rl)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype=dtype), rl=cfg, rollout=RolloutConfig())
     module.configure_model()
-    module.loop = module.make_loop(torch.optim.SGD(module.policy.parameters(), lr=0.1))
+    module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=0.1))
     return module
 
 
@@ -106,9 +106,9 @@ def test_token_budgeted_step_equals_the_unchunked_step(tiny_policy_dir, dtype, t
     batch = synthetic_batch(UNEQUAL, seed=1)
     whole, chunked = budget_module(tiny_policy_dir, 0, dtype), budget_module(tiny_policy_dir, BUDGETS[n_chunks], dtype)
     before = params_of(whole.policy)
-    whole.update(batch)
-    result = chunked.update(batch)
-    assert chunked.last_plan.n_chunks(0) == n_chunks and len(result.steps) == 1 and not result.steps[0].skipped
+    whole.updater.update(batch)
+    result = chunked.updater.update(batch)
+    assert chunked.updater.last_plan.n_chunks(0) == n_chunks and len(result.steps) == 1 and not result.steps[0].skipped
     delta = max_rel_delta(before, params_of(whole.policy), params_of(chunked.policy))
     assert delta <= tol
     if n_chunks == 1:  # one chunk keeps the unchunked expression: bit-identical
@@ -120,10 +120,10 @@ def test_empty_filler_chunks_change_nothing(tiny_policy_dir):
     batch = synthetic_batch(UNEQUAL, seed=1)
     plain, padded = budget_module(tiny_policy_dir, 48, "float64"), budget_module(tiny_policy_dir, 48, "float64")
     before = params_of(plain.policy)
-    plain.update(batch)
+    plain.updater.update(batch)
     plan, _ = plan_update(batch, 1, 1, budget=48)
     filled = ChunkPlan(((EMPTY, *plan.rows[0][:2], EMPTY, *plan.rows[0][2:], EMPTY),))
-    result = padded.loop.run(batch, filled)
+    result = padded.updater.loop.run(batch, filled)
     assert len(result.chunks) == plan.n_chunks(0)  # the fillers report no stats (no trajectory, no token)
     assert sum(float(c.n) for c in result.chunks) == 8
     assert max_rel_delta(before, params_of(plain.policy), params_of(padded.policy)) <= 5e-8
@@ -141,9 +141,9 @@ def test_poisoned_window_discards_exactly_the_rest_of_a_data_dependent_window(ti
         seen.append(tuple(chunk.sample_ids.tolist()))
         return (loss * float("nan") if len(seen) == 2 else loss), denom, stats
 
-    module.loop.forward_chunk = forward
-    result = module.loop.run(batch, plan)
+    module.updater.loop.forward_chunk = forward
+    result = module.updater.loop.run(batch, plan)
     assert [s.skipped for s in result.steps] == [True, False]
     assert result.discarded_chunks == 2  # the NaN chunk and the one after it, nothing of the next window
     assert seen == [(0,), (1,), (3,), (4, 5, 6, 7)]
-    assert not module.loop.accumulator.discarding()
+    assert not module.updater.loop.accumulator.discarding()

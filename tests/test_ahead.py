@@ -6,16 +6,16 @@ import pytest
 import torch
 from helpers import SMALL, clone, params_of, synthetic_batch
 
-from lightning_grpo.chunks import ChunkPlan
+from lightning_grpo.update.plan import ChunkPlan
 from lightning_grpo.config import ConfigError, GRPOConfig
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.old_logprobs import (
+from lightning_grpo.update.ahead import (
     ForwardNoisePolicy,
     NondeterministicForwardError,
-    OldLogprobCache,
+    AheadPass,
     PairingError,
-    needs_ahead_pass,
 )
+from lightning_grpo.update.plan import batch_needs
 from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, build_tiny_policy
 
 LENS = [3, 9, 1, 6, 12, 2, 5, 8, 4, 10, 7, 11, 6, 2, 9, 3]  # 16 unequal completions
@@ -26,19 +26,19 @@ def make(policy_dir, batch=16, mini=4, micro=2, lr=1e-2, **rl):
                      micro_batch_per_replica=micro, **rl)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir)), rl=cfg)
     module.configure_model()  # no Trainer: build the policy ourselves
-    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=lr))
+    module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=lr))
     return module
 
 
 def count_scores(module) -> list[bool]:
     """Record the model's mode at every ahead-pass score call (True = train mode: the probe)."""
-    calls, real = [], module.old_logprobs.score
+    calls, real = [], module.updater.ahead.score
 
     def score(chunk):
         calls.append(module.policy.training)
         return real(chunk)
 
-    module.old_logprobs.score = score
+    module.updater.ahead.score = score
     return calls
 
 
@@ -65,9 +65,9 @@ def dropout_policy_dir(tmp_path_factory):
 @pytest.mark.parametrize("skip_first_mini", [True, False], ids=["skip-mini0", "full-walk"])
 def test_frozen_pi_old_first_mini_ratio_is_one_and_later_minis_clip(tiny_policy_dir, skip_first_mini):
     module = make(tiny_policy_dir)  # n_mini=4 x n_micro=2
-    module.old_logprobs.skip_first_mini = skip_first_mini
+    module.updater.ahead.skip_first_mini = skip_first_mini
     for seed in (0, 1):  # the probe's loop step and a later one
-        result = module.update(synthetic_batch(LENS, seed=seed))
+        result = module.updater.update(synthetic_batch(LENS, seed=seed))
         assert len(result.steps) == 4 and not any(s.skipped for s in result.steps)
         windows = per_step(result)
         first = [(float(c.ratio_mean), float(c.ratio_max), float(c.clip_frac)) for c in windows[0]]
@@ -75,17 +75,17 @@ def test_frozen_pi_old_first_mini_ratio_is_one_and_later_minis_clip(tiny_policy_
         later = [window_stats(w) for w in windows[1:]]
         assert all(ratio != 1.0 for _, ratio, _ in later)
         assert any(clip > 0 for clip, _, _ in later), later
-    assert module.ahead_seconds > 0 and 0 < module.ahead_seconds < module.update_seconds
+    assert module.updater.ahead_seconds > 0 and 0 < module.updater.ahead_seconds < module.updater.update_seconds
 
 
 def test_without_frozen_pi_old_the_clip_never_binds(tiny_policy_dir):
     module = make(tiny_policy_dir, freeze_pi_old=False)
     calls = count_scores(module)
     for seed in (0, 1):
-        result = module.update(synthetic_batch(LENS, seed=seed))
+        result = module.updater.update(synthetic_batch(LENS, seed=seed))
         for window in per_step(result):
             assert window_stats(window) == (0.0, 1.0, 1.0)  # pi_old = current: ratio returns to 1 every mini-batch
-    assert calls == [] and module.ahead_seconds == 0.0
+    assert calls == [] and module.updater.ahead_seconds == 0.0
 
 
 # -- call-order keying ----------------------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def shuffled_batch():
 def record_walks(module):
     """(ahead walk, training walk): sample ids and width of every chunk each pass scored."""
     ahead, train = [], []
-    score, forward = module.old_logprobs.score, module.loop.forward_chunk
+    score, forward = module.updater.ahead.score, module.updater.loop.forward_chunk
 
     def ahead_score(chunk):
         if not module.policy.training:  # the probe's re-score is not part of the walk
@@ -109,34 +109,34 @@ def record_walks(module):
         train.append((tuple(chunk.sample_ids.tolist()), chunk.input_ids.shape[1]))
         return forward(chunk, old)
 
-    module.old_logprobs.score, module.loop.forward_chunk = ahead_score, train_forward
+    module.updater.ahead.score, module.updater.loop.forward_chunk = ahead_score, train_forward
     return ahead, train
 
 
 def test_ahead_and_training_walks_visit_identical_chunks(tiny_policy_dir):
     module = make(tiny_policy_dir)
-    module.old_logprobs.skip_first_mini = False
+    module.updater.ahead.skip_first_mini = False
     ahead, train = record_walks(module)
-    module.update(shuffled_batch())
+    module.updater.update(shuffled_batch())
     assert ahead == train and len(train) == 8
     assert len({width for _, width in train}) > 1  # chunks are trimmed to unequal widths
 
-    module.old_logprobs.skip_first_mini = True  # the probe passed: mini-batch 0 leaves the walk
+    module.updater.ahead.skip_first_mini = True  # the probe passed: mini-batch 0 leaves the walk
     ahead.clear(), train.clear()
-    module.update(shuffled_batch())
+    module.updater.update(shuffled_batch())
     assert ahead == train[2:]
 
 
 def test_non_contiguous_plan_pairs_by_call_order(tiny_policy_dir):
     module = make(tiny_policy_dir)
-    module.old_logprobs.skip_first_mini = False
+    module.updater.ahead.skip_first_mini = False
     ahead, train = record_walks(module)
     order = torch.randperm(16, generator=torch.Generator().manual_seed(4)).tolist()
     plan = ChunkPlan(tuple(tuple(tuple(order[(mi * 2 + mc) * 2:(mi * 2 + mc) * 2 + 2]) for mc in range(2))
                            for mi in range(4)))
     batch = shuffled_batch()
-    pi_old = module.old_logprobs.compute(batch, plan)
-    module.loop.run(batch, plan, pi_old)
+    pi_old = module.updater.ahead.compute(batch, plan, module.updater.needs)
+    module.updater.loop.run(batch, plan, pi_old)
     assert ahead == train and len(train) == 8
 
 
@@ -144,11 +144,11 @@ def test_a_record_that_does_not_fit_its_chunk_is_refused(tiny_policy_dir):
     module = make(tiny_policy_dir)
     batch = synthetic_batch(LENS)
     plan = ChunkPlan.fixed(16, 4, 2)
-    pi_old = module.old_logprobs.compute(batch, plan)
+    pi_old = module.updater.ahead.compute(batch, plan, module.updater.needs)
     with pytest.raises(PairingError, match="chunk 3 of the training walk"):
-        module.loop.run(batch, plan, pi_old[:3] + [pi_old[4]] + pi_old[4:])  # chunk 3 gets chunk 4's record
+        module.updater.loop.run(batch, plan, pi_old[:3] + [pi_old[4]] + pi_old[4:])  # chunk 3 gets chunk 4's record
     with pytest.raises(ValueError, match="pi_old has 7 entries for a plan of 8 chunks"):
-        module.loop.run(batch, plan, pi_old[:7])
+        module.updater.loop.run(batch, plan, pi_old[:7])
 
 
 # -- the one-shot determinism probe --------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ def test_probe_catches_dropout_left_on(dropout_policy_dir):
     module = make(dropout_policy_dir)
     before = params_of(module.policy)
     with pytest.raises(NondeterministicForwardError) as err:
-        module.update(synthetic_batch(LENS))
+        module.updater.update(synthetic_batch(LENS))
     msg = str(err.value)
     assert "of completion tokens moved by more than 0.05 nats" in msg and "any token" in msg
     assert "dropout left on" in msg and "MoE routing" in msg and "ForwardNoisePolicy" in msg
@@ -169,31 +169,31 @@ def test_probe_accepts_the_noise_a_policy_declares(dropout_policy_dir):
     torch.manual_seed(0)
     module = make(dropout_policy_dir)
     module.policy.forward_noise_policy = ForwardNoisePolicy(bound_nats=5.0)
-    module.update(synthetic_batch(LENS))
-    assert module.old_logprobs.probe_passed
+    module.updater.update(synthetic_batch(LENS))
+    assert module.updater.ahead.probe_passed
 
 
 def test_probe_passes_a_deterministic_policy_and_runs_once(tiny_policy_dir):
     module = make(tiny_policy_dir)
     calls = count_scores(module)
     for seed in range(3):
-        module.update(synthetic_batch(LENS, seed=seed))
+        module.updater.update(synthetic_batch(LENS, seed=seed))
     assert calls.count(True) == 1  # one train-mode re-score in the whole run
     # Step 1 probed chunk (0, 0) then left mini-batch 0; later steps score only minis 1..3 (6 chunks).
     assert len(calls) == 1 + 1 + 6 + 6 + 6
-    assert module.old_logprobs.probe_passed and module.policy.training  # its mode before the ahead pass
+    assert module.updater.ahead.probe_passed and module.policy.training  # its mode before the ahead pass
 
 
 def test_probe_state_survives_resume(tiny_policy_dir):
     module = make(tiny_policy_dir)
-    module.update(synthetic_batch(LENS))
-    state = module.old_logprobs.state_dict()
+    module.updater.update(synthetic_batch(LENS))
+    state = module.updater.ahead.state_dict()
     resumed = make(tiny_policy_dir)
-    resumed.old_logprobs.load_state_dict(state)
+    resumed.updater.ahead.load_state_dict(state)
     calls = count_scores(resumed)
-    resumed.update(synthetic_batch(LENS, seed=1))
+    resumed.updater.update(synthetic_batch(LENS, seed=1))
     assert True not in calls and len(calls) == 6  # no second probe, and mini-batch 0 skipped from the start
-    assert OldLogprobCache(module.policy, module.old_logprobs.score).state_dict() == {"probe": None}
+    assert AheadPass(module.policy, module.updater.ahead.score).state_dict() == {"probe": None}
 
 
 def test_noise_policy_is_validated():
@@ -224,7 +224,7 @@ class _Ratio:
     ({"mini_batch_per_replica": 0, "mu_iterations": 2, "use_rollout_logprobs_for_loss": True}, _Ratio(), False),
 ])
 def test_ahead_pass_gate(rl, objective, expected):
-    assert needs_ahead_pass(GRPOConfig(batch_per_replica=16, group_size=2, **rl), objective) is expected
+    assert batch_needs(GRPOConfig(batch_per_replica=16, group_size=2, **rl), objective).pi_old is expected
 
 
 def test_freeze_pi_old_must_be_a_bool():
@@ -235,12 +235,12 @@ def test_freeze_pi_old_must_be_a_bool():
 def test_n_mini_1_runs_no_ahead_pass_and_stays_byte_identical(tiny_policy_dir):
     module = make(tiny_policy_dir, mini=0, micro=4)  # n_mini=1, n_micro=4
     reference = clone(module)
-    reference.loop = reference.make_loop(torch.optim.AdamW(reference.policy.parameters(), lr=1e-2))
+    reference.updater.attach(torch.optim.AdamW(reference.policy.parameters(), lr=1e-2))
     calls = count_scores(module)
     batch = synthetic_batch(LENS)
-    module.update(batch)
-    reference.loop.run(batch, ChunkPlan.fixed(16, 1, 4))  # the path before the ahead pass existed
-    assert calls == [] and module.ahead_seconds == 0.0
+    module.updater.update(batch)
+    reference.updater.loop.run(batch, ChunkPlan.fixed(16, 1, 4))  # the path before the ahead pass existed
+    assert calls == [] and module.updater.ahead_seconds == 0.0
     a, b = params_of(module.policy), params_of(reference.policy)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -248,15 +248,15 @@ def test_n_mini_1_runs_no_ahead_pass_and_stays_byte_identical(tiny_policy_dir):
 def test_rollout_logprobs_path_runs_no_ahead_pass(tiny_policy_dir):
     module = make(tiny_policy_dir, use_rollout_logprobs_for_loss=True)
     calls = count_scores(module)
-    result = module.update(synthetic_batch(LENS, with_logprobs=True))
+    result = module.updater.update(synthetic_batch(LENS, with_logprobs=True))
     assert calls == [] and len(result.steps) == 4
 
 
 def test_report_logs_ahead_time_and_share(tiny_policy_dir):
     module = make(tiny_policy_dir)
-    module.report(module.update(synthetic_batch(LENS)), {})
+    module.report(module.updater.update(synthetic_batch(LENS)), {})
     m = module.last_metrics
-    assert m["grpo/ahead_seconds"] == module.ahead_seconds > 0
+    assert m["grpo/ahead_seconds"] == module.updater.ahead_seconds > 0
     assert 0 < m["grpo/ahead_share"] < 1 and m["grpo/clip_frac"] > 0
 
 
@@ -282,11 +282,11 @@ def arith_run(policy_dir, freeze: bool, steps: int = 30) -> tuple[float, float, 
     before = greedy_accuracy(module.policy, module.tokenizer, val, max_new_tokens=4)
     module.policy.train()  # as under a Trainer
     module.engine = HFEngine(module.policy, module.tokenizer)
-    module.loop = module.make_loop(torch.optim.AdamW(module.policy.parameters(), lr=3e-4))
+    module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=3e-4))
     stream, clip = PromptStream(task.items(400, 0, "train"), seed=0), []
     for step in range(steps):
         batch, _ = module.collect(stream.step(step, rl.prompts_per_batch))
-        clip.append(roll_up(module.update(batch))["grpo/clip_frac"])
+        clip.append(roll_up(module.updater.update(batch))["grpo/clip_frac"])
     return before, greedy_accuracy(module.policy, module.tokenizer, val, max_new_tokens=4), clip
 
 
@@ -317,12 +317,12 @@ def test_ahead_pass_with_its_own_budget_records_what_the_training_chunks_would(t
     module = budget_make(tiny_policy_dir, mu=2)  # mu = 2: every chunk is recorded
     assert module.rl.ahead_budget == 80
     batch = synthetic_batch(LENS, seed=5)
-    plan, ahead = module.plan(batch)
+    plan, ahead = module.updater.plan(batch)
     assert ahead is not None and ahead.n_chunks(0) < plan.real_chunks  # fewer, bigger forwards
     widths = count_scores(module)
-    by_rows = module.old_logprobs.compute(batch, plan, ahead)
+    by_rows = module.updater.ahead.compute(batch, plan, module.updater.needs, ahead)
     assert len(widths) == ahead.n_chunks(0) + 1  # + the probe's train-mode re-score, once
-    walked = module.old_logprobs.compute(batch, plan)  # the training chunks themselves
+    walked = module.updater.ahead.compute(batch, plan, module.updater.needs)  # the training chunks themselves
     assert len(by_rows) == len(walked) == 2 * plan.real_chunks
     for (_, mini, micro), a, b in zip(plan.training_walk(), by_rows, walked):
         mask = plan.chunk(batch, mini, micro).completion_mask[:, 1:]
@@ -332,23 +332,23 @@ def test_ahead_pass_with_its_own_budget_records_what_the_training_chunks_would(t
 
 def test_training_walk_on_a_shuffled_plan_is_caught_by_the_shape_check(tiny_policy_dir):
     module = budget_make(tiny_policy_dir, budget=40)
-    module.old_logprobs.skip_first_mini = False
+    module.updater.ahead.skip_first_mini = False
     batch = synthetic_batch(LENS, seed=5)
-    plan, ahead = module.plan(batch)
-    pi_old = module.old_logprobs.compute(batch, plan, ahead)
+    plan, ahead = module.updater.plan(batch)
+    pi_old = module.updater.ahead.compute(batch, plan, module.updater.needs, ahead)
     assert plan.n_chunks(1) > 1
     shuffled = ChunkPlan(tuple(chunks[::-1] for chunks in plan.rows))  # same chunks, another call order
     with pytest.raises(PairingError, match="both walks must use the same ChunkPlan"):
-        module.loop.run(batch, shuffled, pi_old)
+        module.updater.loop.run(batch, shuffled, pi_old)
 
 
 def test_update_computes_one_plan_per_collected_batch_for_both_walks(tiny_policy_dir):
     module = budget_make(tiny_policy_dir, budget=40, mu=2)
     ahead, train = record_walks(module)
-    plans, real_plan = [], module.plan
-    module.plan = lambda batch: plans.append(real_plan(batch)) or plans[-1]
-    module.update(synthetic_batch(LENS, seed=6))
-    assert len(plans) == 1 and module.last_plan is plans[0][0]
-    assert module.last_plan.real_chunks > module.rl.n_mini  # data-dependent chunking really happened
+    plans, real_plan = [], module.updater.plan
+    module.updater.plan = lambda batch, needs=None: plans.append(real_plan(batch, needs)) or plans[-1]
+    module.updater.update(synthetic_batch(LENS, seed=6))
+    assert len(plans) == 1 and module.updater.last_plan is plans[0][0]
+    assert module.updater.last_plan.real_chunks > module.rl.n_mini  # data-dependent chunking really happened
     rows = lambda walk: sorted(i for ids, _ in walk for i in ids)  # noqa: E731
     assert rows(ahead) == rows(train)[::2] == list(range(16))  # each row scored once, trained twice (mu=2)

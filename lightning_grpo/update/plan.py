@@ -1,4 +1,7 @@
-"""ChunkPlan: which rows of this rank's share make up chunk ``(mini, micro)``, epoch after epoch.
+"""The plan of one collected batch: what it needs (``Needs``) and which rows make up chunk ``(mini, micro)``.
+
+``batch_needs`` is the one place that decides what a collected batch needs before training: the ahead pass
+(frozen pi_old), MoE routing records, and whether mini-batch 0 may go unrecorded.
 
 The plan is computed once per collected batch and then only indexed, so the ahead pass
 and the training walk see the very same chunks in the very same order. Two ways to cut a
@@ -35,6 +38,49 @@ EMPTY: Rows = ()
 """The rows of an empty chunk (a DP filler: one masked-out row, zero loss, zero divisor)."""
 # Max over data-parallel ranks of an int64 vector (identity on one device).
 DPMax = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What one collected batch needs before its first optimizer step (``batch_needs`` decides it)."""
+
+    pi_old: bool = False
+    """Freeze pi_old with the ahead pass: several optimizer steps per batch, a ratio, pi_old not the sampler's."""
+    routes: bool = False
+    """The ahead pass records MoE routing even without a pi_old to freeze (a several-chunk window's aux loss)."""
+    every_chunk: bool = False
+    """Record every chunk: mini-batch 0 may not be skipped (an MoE aux loss needs every chunk's routing)."""
+
+    @property
+    def ahead_pass(self) -> bool:
+        """Whether the ahead pass walks the batch at all."""
+        return self.pi_old or self.routes
+
+    def skips_first_mini(self, probe_passed: bool, mu_iterations: int) -> bool:
+        """Whether mini-batch 0 goes unrecorded. It trains before any update, so its pi_old *is* its current
+        logprobs detached; once the probe has shown train- and eval-mode forwards agree, recording it is wasted.
+        Not with inner epochs (``rl.mu_iterations > 1`` trains it again after updates, against the rollout policy),
+        nor when every chunk's record is needed."""
+        return probe_passed and mu_iterations == 1 and not self.every_chunk
+
+
+def batch_needs(rl, objective, routing=None) -> Needs:
+    """The one place that decides what a collected batch needs, from the config, the objective and MoE routing.
+
+    ``rl``: n_mini, mu_iterations, freeze_pi_old, use_rollout_logprobs_for_loss and the micro split
+    (``GRPOConfig``); ``routing``: the policy's ``RoutingReplay`` or None.
+    """
+    several_steps = rl.n_mini > 1 or rl.mu_iterations > 1
+    frozen = several_steps and rl.freeze_pi_old and not rl.use_rollout_logprobs_for_loss
+    pi_old = frozen and objective.needs_old_logprobs()
+    aux = routing is not None and routing.aux is not None
+    routes = aux and routing.mode != "off" and several_chunks(rl)
+    return Needs(pi_old=pi_old, routes=routes, every_chunk=aux)
+
+
+def several_chunks(rl) -> bool:
+    """Whether a window may take several forward/backward chunks (fixed n_micro > 1, or a token budget)."""
+    return rl.n_micro > 1 or bool(rl.max_tokens_per_micro)
 
 
 class BatchSizeError(ValueError):

@@ -1,0 +1,113 @@
+"""What every lightning-grpo module shares: an ``Updater``, AdamW and its schedule, the precision step, the DP ops,
+and the lifecycle that makes any Lightning checkpoint resume exactly.
+
+A subclass (``GRPOModule``, ``DPOModule``) builds its policy and its ``Updater`` in ``configure_model`` and turns a
+``training_step`` batch into an update; everything around the update is here, written once:
+
+* ``configure_optimizers``: AdamW over the trainable parameters, with the schedule stepped per optimizer step.
+* ``on_train_start``: the updater gets the optimizer, stepped through the precision plugin (unscale -> 1/sum ->
+  clip -> step), and a loaded checkpoint's state is put back into it.
+* ``on_save_checkpoint`` / ``on_load_checkpoint``: the state at the last batch boundary (``checkpoint/state.py``).
+* ``end_loop_step``: the batch boundary (what any checkpoint records until the next loop step ends).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_grpo.checkpoint.state import LoopState
+from lightning_grpo.config import OptimConfig
+from lightning_grpo.determinism import run_seed
+from lightning_grpo.distributed import DataParallelOps
+from lightning_grpo.policy import PolicyConfig, with_seed
+from lightning_grpo.precision import PluginStep, adamw_kernel
+from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
+from lightning_grpo.update import Updater
+from lightning_grpo.validation import ValidationMeans
+
+
+class UpdateModule(DataParallelOps, LightningModule):
+    """A manual-optimization LightningModule whose ``training_step`` is one ``Updater.update``.
+
+    Args:
+        policy: which model to train.
+        optim: AdamW and its schedule, stepped once per optimizer step.
+        seed: the module's seed; None = the seed ``seed_everything`` applied, else 0.
+    """
+
+    def __init__(self, policy: PolicyConfig, optim: OptimConfig, seed: int | None) -> None:
+        super().__init__()
+        self.automatic_optimization = False  # the updater steps the optimizer itself
+        resolved = run_seed(seed)  # one source of truth: model.seed, else seed_everything's
+        self.seed, self.seed_source = resolved.value, resolved.source
+        self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)  # the tiny build it used
+        self.optim_cfg = copy.deepcopy(optim or OptimConfig())
+        self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer and the reference
+        self.tokenizer = None
+        self.ref: nn.Module | None = None
+        self.updater: Updater | None = None  # built by configure_model; the optimizer joins it in on_train_start
+        self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
+        self.last_metrics: dict[str, float] = {}
+        self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
+        self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
+
+    @property
+    def loop_step(self) -> int:
+        """Collected batches consumed so far (the logged ``step``; checkpoint cadence counts these)."""
+        return self.updater.loop_step if self.updater is not None else 0
+
+    def resolve_horizon(self, steps_per_loop_step: int) -> None:
+        """A decaying LR schedule needs a horizon: resolved from the Trainer (refused here, before the model is set
+        up, when there is none)."""
+        run = run_length(self.trainer, steps_per_loop_step)
+        self.schedule_horizon = self.optim_cfg.total_steps or run
+        check_horizon(self.optim_cfg, self.schedule_horizon, run)
+
+    # -- Lightning hooks ---------------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                **adamw_kernel(params, o.fused, self._scaler()))
+        return [opt], [build_scheduler(opt, o, self.schedule_horizon)]
+
+    def on_train_start(self) -> None:
+        opt = self.optimizers()
+        plugin_step = PluginStep(self.trainer, self.policy, opt)  # unscale -> 1/sum -> clip -> step via the plugin
+        self.updater.attach(opt, self.lr_schedulers(), self.manual_backward, step=plugin_step, clip=plugin_step.clip)
+        self._state.resume(self.trainer, self.updater, self.trainer.datamodule)
+        self.end_loop_step()
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._state.step_started()  # the last hook before training_step: a loaded RNG state is restored here
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        loop = self.updater.loop if self.updater is not None else None
+        step = loop.accumulator.step if loop is not None else None
+        if isinstance(step, PluginStep):  # in a GradScaler step the plugin has unscaled: now the divisor and the clip
+            step.before_optimizer_step()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self._state.write(self.trainer, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._state.load(checkpoint)  # put back at on_train_start, once the updater has its loop
+
+    # -- the batch boundary and the report -----------------------------------------------------------------------------
+    def end_loop_step(self) -> None:
+        """The batch boundary: what any checkpoint records until the next loop step ends."""
+        self._state.boundary(self.updater, self.global_step, self.trainer.datamodule)
+
+    def publish(self, metrics: dict[str, float], bar: dict[str, float]) -> None:
+        """Log one roll-up per loop step (``metrics`` to the loggers, ``bar`` to the progress bar)."""
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+        self.last_metrics = metrics
+
+    def _scaler(self):
+        """The precision plugin's GradScaler (16-mixed), or None."""
+        return getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None

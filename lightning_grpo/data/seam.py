@@ -1,0 +1,47 @@
+"""The typed seam between a GRPO module and its prompt datamodule: what each asks of the other, and nothing else.
+
+``PromptDataModule`` is a ``PromptProvider``; ``GRPOModule`` is a ``PromptConsumer``. Either side may be
+the user's own class: a datamodule that is not a ``PromptProvider`` is simply not asked (no chat fitting, no
+column check, no counters), a module that is not a ``PromptConsumer`` must be given ``prompts_per_step``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+class PromptProvider:
+    """What the module asks of its datamodule: fit prompts to the policy, the columns rewards may read, what a record
+    with an unreadable image does, and the counters it logs. A datamodule opts in by subclassing it (a nominal type:
+    checking a structural one would evaluate ``has_images``, which loads the data)."""
+
+    on_bad_record: str = "error"
+    """``error`` or ``skip`` (a record whose image cannot be read)."""
+    bad_records_skipped: int = 0
+    """Records skipped so far (``on_bad_record=skip``); the module adds the ones it skips."""
+    long_prompts_dropped: int = 0
+    """Training prompts dropped as longer than the prompt limit."""
+
+    @property
+    def has_images(self) -> bool:
+        """Whether any prompt carries images (a text-only policy is refused at setup)."""
+        raise NotImplementedError
+
+    @property
+    def columns(self) -> set[str]:
+        """Names of the columns that travel with each prompt to the reward functions."""
+        raise NotImplementedError
+
+    def prepare_prompts(self, tokenizer, max_tokens: int | None, on_long: str = "drop") -> None:
+        """Fit the prompts to the policy once, before training; raise before any step runs."""
+        raise NotImplementedError
+
+
+@runtime_checkable
+class PromptConsumer(Protocol):
+    """What a prompt datamodule asks of the module that trains on it."""
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts drawn per loop step, over all data-parallel ranks."""
+        ...
