@@ -38,10 +38,10 @@ def child(a: argparse.Namespace) -> dict:
     import torch
 
     from bench.oom_acceptance import batch_of
-    from lightning_grpo.update.plan import ChunkPlan, sequence_lengths
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
     from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+    from lightning_grpo.update.plan import ChunkPlan, sequence_lengths
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the machine is shared: one thread keeps wall time proportional to work done

@@ -79,7 +79,7 @@ def child(arm: str, a: argparse.Namespace) -> dict:
         module.updater.loop.accumulator.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                                       "exp_avg_sq": torch.zeros_like(p)}
     with torch.no_grad():  # start the thread pool (its stacks are address space too) before the cap
-        module.logprobs(module.policy, batch_of(torch.tensor([4, 4]), a.vocab))
+        module.scorer.logprobs(module.policy, batch_of(torch.tensor([4, 4]), a.vocab))
     base_vm = _status_mb("VmSize")
     cap = int((base_vm + a.headroom_mb) * 2**20)
     resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))

@@ -7,19 +7,22 @@ A subclass (``GRPOModule``, ``DPOModule``) builds its policy and its ``Updater``
 * ``configure_optimizers``: AdamW over the trainable parameters, with the schedule stepped per optimizer step.
 * ``on_train_start``: the updater gets the optimizer, stepped through the precision plugin (unscale -> 1/sum ->
   clip -> step), and a loaded checkpoint's state is put back into it.
-* ``on_save_checkpoint`` / ``on_load_checkpoint``: the state at the last batch boundary (``checkpoint/state.py``).
+* ``on_save_checkpoint`` / ``on_load_checkpoint``: the state at the last batch boundary (``checkpoint/state.py``);
+  parameters holding NaN/inf are never written.
 * ``end_loop_step``: the batch boundary (what any checkpoint records until the next loop step ends).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch import nn
 
-from lightning_grpo.checkpoint.state import LoopState
+from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.config import OptimConfig
 from lightning_grpo.determinism import run_seed
 from lightning_grpo.distributed import DataParallelOps
@@ -28,6 +31,8 @@ from lightning_grpo.precision import PluginStep, adamw_kernel
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
 from lightning_grpo.update import Updater
 from lightning_grpo.validation import ValidationMeans
+
+log = logging.getLogger(__name__)
 
 
 class UpdateModule(DataParallelOps, LightningModule):
@@ -92,9 +97,28 @@ class UpdateModule(DataParallelOps, LightningModule):
             step.before_optimizer_step()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Every checkpoint Lightning writes carries the state at the last batch boundary (checkpoint/state.py).
+
+        Parameters holding NaN/inf are never written, whoever saves: a save is refused
+        (``NonFiniteParametersError``). On the way out of a failure (``OnExceptionCheckpoint``) raising would
+        replace that failure and skip Lightning's teardown, so the file is written without weights or optimizer
+        state instead, saying why, and loading it refuses with that reason.
+        """
+        if (bad := nonfinite_parameter(self.trainer)) is not None:  # a collective under DP: every rank refuses
+            refused = NonFiniteParametersError(bad)
+            if self.trainer.state.status != TrainerStatus.INTERRUPTED:
+                raise refused
+            log.error("%s: the checkpoint written while handling the failure holds no weights", refused)
+            for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+                checkpoint.pop(key, None)
+            checkpoint[STATE_KEY] = {"refused": str(refused)}
+            return
         self._state.write(self.trainer, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
+        if refused:  # written without weights on the way out of a failure: nothing to resume
+            raise NonFiniteParametersError.loading(refused)
         self._state.load(checkpoint)  # put back at on_train_start, once the updater has its loop
 
     # -- the batch boundary and the report -----------------------------------------------------------------------------

@@ -15,29 +15,26 @@ position and per-rank RNG into every checkpoint Lightning writes (``checkpoint/s
 from __future__ import annotations
 
 import copy
-import logging
 import math
 from collections.abc import Sequence
 
 import torch
-from lightning.pytorch.trainer.states import TrainerStatus
-from torch import Tensor, nn
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor
 
 from lightning_grpo import lora
 from lightning_grpo.advantages import dp_batch_std, group_advantages
 from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
-from lightning_grpo.checkpoint.state import STATE_KEY, NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_sampler_logprobs
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
-from lightning_grpo.distributed import data_parallel_mesh, root_call, shard_fsdp2
+from lightning_grpo.distributed import data_parallel_mesh, shard_fsdp2
 from lightning_grpo.handoff import attach_handoff
-from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
-from lightning_grpo.objectives import OBJECTIVES, Objective, PolicyView, Stats, build_objective
+from lightning_grpo.objectives import OBJECTIVES, Objective, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_seed
 from lightning_grpo.precision import check_precision
@@ -45,12 +42,12 @@ from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
-from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Split, Updater, batch_needs, eval_mode
+from lightning_grpo.scoring import ChunkScorer
+from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder, Split, Updater, batch_needs
 from lightning_grpo.update.ahead import warn_if_unfrozen
 from lightning_grpo.validation import greedy_scores
-from lightning_grpo.vision import VisionInputs, VisionProcessor, step_prompts, touch_vision, with_skipped_groups
+from lightning_grpo.vision import VisionProcessor, step_prompts, touch_vision, with_skipped_groups
 
-log = logging.getLogger(__name__)
 
 # The sections' defaults: instances rather than None, so `--help` and `--print_config` show every field.
 # Shared between modules, hence copied by GRPOModule.__init__ and never mutated.
@@ -101,6 +98,7 @@ class GRPOModule(UpdateModule):
         self.lora_base: lora.BaseFingerprint | None = None  # the frozen base under policy.lora
         self.engine: RolloutEngine | None = None
         self.routing: RoutingReplay | None = None  # MoE routing replay / aux loss: attached in configure_model
+        self.scorer: ChunkScorer | None = None  # per-chunk logprobs of policy and reference: built in configure_model
         self._publisher: WeightPublisher = NoPublisher()  # found (or attached) when the engine is built
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
@@ -211,9 +209,10 @@ class GRPOModule(UpdateModule):
             self.objective.setup(self.policy, self.tokenizer)  # OPD: loads the teacher, refuses another vocabulary
             # MoE routing: before FSDP2 shards the routers, and before an engine starts (refusals)
             self.routing = attach_routing(self.policy, self.rl, self.rollout_cfg.engine, self.dp_mean)
+            has_ref = self.ref is not None or (lora.is_lora(self.policy) and self.objective.needs_reference())
+            self.scorer = ChunkScorer(self.policy, self.ref, self.vision, has_ref, lambda: self.rollout_cfg.temperature,
+                                      lambda: int(self.rl.logits_keep_mb * 2**20), lambda: self.device)
             self.updater = self.configure_updater()
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
             return  # DDP wraps the whole module itself; one process needs nothing
         mesh = data_parallel_mesh(self.trainer.strategy)
@@ -221,15 +220,20 @@ class GRPOModule(UpdateModule):
             if model is not None:
                 shard_fsdp2(model, mesh)
 
+    def configure_recorders(self) -> list[Recorder]:
+        """More per-token records for the ahead pass to take (``update/records.py``; none by default)."""
+        return []
+
     def configure_updater(self) -> Updater:
         """The update of one collected batch: split by ``rl``, the objective on each chunk, the ahead pass (frozen
         pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it."""
-        ahead = AheadPass(self.policy, lambda c: self.logprobs(self.policy, c.to(self.device)),
-                          dp_sum=lambda t: self.dp_mean(t) * self.dp_size(), routing=self.routing)
+        extra = self.configure_recorders()
+        ahead = AheadPass(self.policy, lambda c: self.scorer.logprobs(self.policy, c.to(self.device)),
+                          dp_sum=lambda t: self.dp_mean(t) * self.dp_size(), routing=self.routing, recorders=extra)
         dp = DataParallel(max=(lambda t: self.dp_all_reduce(t, "max")) if self.dp_size() > 1 else (lambda t: t),
                           grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
         return Updater(self.policy, self.forward_chunk, split=lambda: Split.of(self.rl, self.dp_size()),
-                       needs=lambda: batch_needs(self.rl, self.objective, self.routing), ahead=ahead,
+                       needs=lambda: batch_needs(self.rl, self.objective, self.routing, bool(extra)), ahead=ahead,
                        routing=self.routing, seed=self.seed, dp=dp, max_grad_norm=self.rl.max_grad_norm,
                        max_consecutive_skips=self.rl.max_consecutive_skips)
 
@@ -250,30 +254,11 @@ class GRPOModule(UpdateModule):
         publisher.on_engine_ready(self.trainer, self.engine, self.policy, self.rollout_cfg.sync_bucket_mb)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Every checkpoint Lightning writes carries the state at the last batch boundary (checkpoint/state.py).
-
-        Parameters holding NaN/inf are never written, whoever saves: a save is refused
-        (``NonFiniteParametersError``). On the way out of a failure (``OnExceptionCheckpoint``) raising would
-        replace that failure and skip Lightning's teardown, so the file is written without weights or optimizer
-        state instead, saying why, and loading it refuses with that reason.
-        """
-        if (bad := nonfinite_parameter(self.trainer)) is not None:  # a collective under DP: every rank refuses
-            refused = NonFiniteParametersError(bad)
-            if self.trainer.state.status != TrainerStatus.INTERRUPTED:
-                raise refused
-            log.error("%s: the checkpoint written while handling the failure holds no weights", refused)
-            for key in ("state_dict", "optimizer_states", "lr_schedulers"):
-                checkpoint.pop(key, None)
-            checkpoint[STATE_KEY] = {"refused": str(refused)}
-            return
-        super().on_save_checkpoint(checkpoint)
-        if lora.is_lora(self.policy):  # the frozen base is rebuilt from policy.path: checkpoints hold the adapter
+        super().on_save_checkpoint(checkpoint)  # the boundary state; refused (no weights) when any is non-finite
+        if "state_dict" in checkpoint and lora.is_lora(self.policy):  # the base is rebuilt from policy.path
             adapter_checkpoint.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
-        if refused:  # written without weights on the way out of a failure: nothing to resume
-            raise NonFiniteParametersError.loading(refused)
         super().on_load_checkpoint(checkpoint)  # put back at on_train_start, once the updater has its loop
         if lora.is_lora(self.policy):  # before Lightning loads the state dict: the base comes from this policy
             adapter_checkpoint.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
@@ -327,50 +312,15 @@ class GRPOModule(UpdateModule):
     def forward_chunk(self, chunk: RolloutBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, Stats]:
         """Score one chunk with the objective: it asks the policy (and reference, teacher) for what it needs."""
         chunk = chunk.to(self.device)
-        vision = self.materialize(chunk)  # this chunk's pixels only; freed once its backward has run
+        vision = self.scorer.materialize(chunk)  # this chunk's pixels only; freed once its backward has run
         if old_logprobs is None and self.rl.use_rollout_logprobs_for_loss:
             if chunk.rollout_logprobs is None:
                 raise ValueError("rl.use_rollout_logprobs_for_loss=true but the engine returned no sampler logprobs")
             old_logprobs = chunk.rollout_logprobs[:, 1:]
-        loss, denom, stats = self.objective.chunk_loss(chunk, self.policy_view(chunk, vision), old_logprobs)
+        loss, denom, stats = self.objective.chunk_loss(chunk, self.scorer.policy_view(chunk, vision), old_logprobs)
         if vision is None and self.vision is not None:  # no pixels: DDP still needs the vision side in the backward
             loss = touch_vision(loss, self.policy)
         return loss, denom, stats
-
-    def policy_view(self, chunk: RolloutBatch | None = None, vision: VisionInputs | None = None) -> PolicyView:
-        """What an objective may ask of the policy (``objectives/base.py``). ``vision``: ``chunk``'s pixels,
-        materialized once and shared by the policy and the reference (another chunk materializes its own)."""
-        has_ref = self.ref is not None or (lora.is_lora(self.policy) and self.objective.needs_reference())
-        pixels = lambda c: vision if c is chunk else None
-        return PolicyView(model=self.policy, temperature=self.rollout_cfg.temperature,
-                          logprobs=lambda c: self.logprobs(self.policy, c, pixels(c)),
-                          reference=(lambda c: self.reference_logprobs(c, pixels(c))) if has_ref else None,
-                          call=lambda fn, *args: root_call(self.policy, fn, *args))
-
-    def reference_logprobs(self, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
-        """``[B, T-1]`` logprobs of the frozen reference: the copy, or under LoRA the policy with its adapter off."""
-        if self.ref is not None:
-            with torch.no_grad(), eval_mode(self.ref):
-                return self.logprobs(self.ref, chunk, vision)
-        with torch.no_grad(), eval_mode(self.policy), lora.reference_mode(self.policy):
-            return self.logprobs(self.policy, chunk, vision)
-
-    def logprobs(self, model, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
-        """``[B, T-1]`` logprobs of the completion tokens at the sampling temperature, 0 at prompt and padding. A chunk
-        with images is scored with ``vision`` (materialized here when not given: the ahead pass scores chunk by chunk
-        too, so only one chunk's pixels are alive)."""
-        vision = vision if vision is not None else self.materialize(chunk)
-        extra = None if vision is None else {k: v.to(self.device) for k, v in vision.as_kwargs().items()}
-        # root_call: under FSDP2 the root's hooks gather embeddings/head around the decoder + fused head.
-        return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
-                         positions=chunk.completion_mask[:, 1:], temperature=self.rollout_cfg.temperature,
-                         keep_bytes=int(self.rl.logits_keep_mb * 2**20), model_inputs=extra)
-
-    def materialize(self, chunk: RolloutBatch) -> VisionInputs | None:
-        """The pixels of ``chunk``'s rows (decoded and processed now), or None for a chunk without images."""
-        if chunk.images is None or self.vision is None:
-            return None
-        return self.vision.materialize(chunk.images, chunk.input_ids.cpu(), chunk.group_ids.tolist())
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
         metrics = {**rollout_metrics, **roll_up(result, stats=getattr(self.objective, "stats", None)),

@@ -4,10 +4,10 @@ import pytest
 import torch
 from helpers import max_rel_delta, params_of, synthetic_batch
 
-from lightning_grpo.update.plan import ChunkPlan
 from lightning_grpo.config import GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.update.plan import ChunkPlan
 
 UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]  # completion lengths: chunk token counts differ a lot
 
@@ -133,7 +133,7 @@ def test_fractional_dp_divisor_below_one_gives_the_exact_token_mean(tiny_policy_
     assert not result.steps[0].skipped and float(result.chunks[0].denom) < 1
 
     ref = make_module(tiny_policy_dir, "float64")
-    logprobs = ref.logprobs(ref.policy, batch)
+    logprobs = ref.scorer.logprobs(ref.policy, batch)
     mask = batch.completion_mask[:, 1:]
     per_token = -(torch.exp(logprobs - logprobs.detach()) * batch.advantages.double().unsqueeze(-1))
     (per_token[mask].sum() / (mask.sum() / 8)).backward()

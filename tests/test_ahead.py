@@ -6,17 +6,16 @@ import pytest
 import torch
 from helpers import SMALL, clone, params_of, synthetic_batch
 
-from lightning_grpo.update.plan import ChunkPlan
 from lightning_grpo.config import ConfigError, GRPOConfig
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, build_tiny_policy
 from lightning_grpo.update.ahead import (
+    AheadPass,
     ForwardNoisePolicy,
     NondeterministicForwardError,
-    AheadPass,
     PairingError,
 )
-from lightning_grpo.update.plan import batch_needs
-from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, build_tiny_policy
+from lightning_grpo.update.plan import ChunkPlan, batch_needs
 
 LENS = [3, 9, 1, 6, 12, 2, 5, 8, 4, 10, 7, 11, 6, 2, 9, 3]  # 16 unequal completions
 

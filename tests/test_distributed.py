@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers import max_rel_delta, params_of, synthetic_batch
 
+from lightning_grpo.advantages import dp_batch_std
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
 from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.module import GRPOModule
@@ -283,14 +284,11 @@ def test_combine_ranks_refuses_ranks_with_different_metric_names():
     assert len(errors) == 2 and all("different metric names" in e for e in errors)
 
 
-def test_batch_scaled_advantages_use_the_std_of_every_rank(tiny_policy_dir, monkeypatch):
-    module = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir)),
-                        rl=GRPOConfig(batch_per_replica=8, group_size=2, scale_rewards="batch"))
+def test_batch_scaled_advantages_use_the_std_of_every_rank():
     mine, other = torch.tensor([0.0, 1.0, 3.0, 0.5]), torch.tensor([2.0, 2.0, 7.0, 1.0])
     theirs = torch.stack([other.double().sum(), other.double().square().sum(), torch.tensor(4.0, dtype=torch.float64)])
-    monkeypatch.setattr(module, "dp_size", lambda: 2)
-    monkeypatch.setattr(module, "dp_all_reduce", lambda t, op: t + theirs)  # rank 1's sums arrive
-    assert float(module._dp_batch_std(mine)) == pytest.approx(float(torch.cat([mine, other]).std()), rel=1e-6)
+    all_reduce = lambda t, op: t + theirs
+    assert float(dp_batch_std(mine, all_reduce)) == pytest.approx(float(torch.cat([mine, other]).std()), rel=1e-6)
 
 
 # -- real loop steps on 2 ranks (generation included) ----------------------------------------------------------------

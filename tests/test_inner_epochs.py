@@ -50,7 +50,7 @@ def test_every_epoch_scores_against_the_rollout_policy_and_the_clip_binds_more_i
         assert second is first  # the same record: pi_old is computed once per collected batch, never per epoch
         rows = torch.tensor(ids)  # sample ids are row numbers in synthetic_batch
         with torch.no_grad():
-            expected = module.logprobs(rollout_policy.eval(), batch.select(rows))
+            expected = module.scorer.logprobs(rollout_policy.eval(), batch.select(rows))
         assert torch.allclose(first, expected, atol=1e-5)  # ... and it is the rollout policy's
 
     # Recomputing pi_old at the start of epoch 2 would score against the moved policy: these tests would catch it.

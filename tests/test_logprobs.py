@@ -205,7 +205,7 @@ def test_the_module_scores_completion_tokens_and_logits_keep_mb_changes_memory_o
         module = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir)),
                             rl=GRPOConfig(batch_per_replica=4, group_size=2, logits_keep_mb=keep_mb))
         module.configure_model()
-        lp = module.logprobs(module.policy, batch)
+        lp = module.scorer.logprobs(module.policy, batch)
         assert torch.equal(lp[~batch.completion_mask[:, 1:]], torch.zeros(int((~batch.completion_mask[:, 1:]).sum())))
         lp.sum().backward()
         runs.append((lp.detach(), {n: p.grad for n, p in module.policy.named_parameters()}))

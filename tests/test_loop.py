@@ -7,9 +7,9 @@ import torch
 from helpers import params_of, synthetic_batch
 
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.update.loop import NonFiniteRunError
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.update.loop import NonFiniteRunError
 
 LENS = [3, 9, 1, 6, 12, 2, 5, 8, 4, 10, 7, 11]  # 12 trajectories: n_mini=2 x n_micro=3 x 2 rows
 

@@ -163,7 +163,7 @@ def test_kl_reference_is_the_base_with_the_adapter_disabled_and_no_copy(tiny_pol
     batch = synthetic_batch(UNEQUAL, seed=2)
     base, _ = load_policy(PolicyConfig(path=str(tiny_policy_dir)))
     expected = logprobs_of(base, batch)
-    torch.testing.assert_close(module.reference_logprobs(batch), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(module.scorer.reference_logprobs(batch), expected, atol=1e-6, rtol=0)
     assert (logprobs_of(module.policy, batch) - expected).abs().max() > 1e-2  # the adapted policy differs
     _, _, stats = module.forward_chunk(batch, None)
     assert float(stats.kl) > 0

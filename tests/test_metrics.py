@@ -6,12 +6,11 @@ import pytest
 import torch
 from helpers import synthetic_batch
 
-from lightning_grpo.update.accumulate import StepOutcome
-from lightning_grpo.update.plan import ChunkPlan
-from lightning_grpo.update.loop import LoopResult
 from lightning_grpo.metrics import combine_ranks, roll_up
-from lightning_grpo.objectives.grpo import ChunkStats
-from lightning_grpo.objectives.grpo import GRPOObjective
+from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
+from lightning_grpo.update.accumulate import StepOutcome
+from lightning_grpo.update.loop import LoopResult
+from lightning_grpo.update.plan import ChunkPlan
 
 
 def chunk_stats(batch, n_micro, old_shift=0.3):

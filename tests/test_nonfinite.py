@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_grpo.checkpoint import GRPOCheckpoint, NonFiniteParametersError, checkpoint_name, complete_checkpoints
-from lightning_grpo.update.loop import NonFiniteRunError
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.update.loop import NonFiniteRunError
 
 WALL_CLOCK = {"grpo/ahead_seconds", "grpo/ahead_share"}
 

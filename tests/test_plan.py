@@ -4,10 +4,18 @@ import pytest
 import torch
 from helpers import max_rel_delta, params_of, synthetic_batch
 
-from lightning_grpo.update.plan import EMPTY, ChunkPlan, TokenBudgetError, plan_update, sequence_lengths, take, token_chunks
 from lightning_grpo.config import GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.update.plan import (
+    EMPTY,
+    ChunkPlan,
+    TokenBudgetError,
+    plan_update,
+    sequence_lengths,
+    take,
+    token_chunks,
+)
 
 UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]  # completion lengths; + 4 prompt tokens: 5 16 7 24 6 11 19 8
 BUDGETS = {1: 192, 3: 48, 7: 15}  # chunks each budget gives on UNEQUAL (checked below; 15: the 3 longest sit alone)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lightning_grpo.batch import pack_rollouts
-from lightning_grpo.update.plan import BatchSizeError, ChunkPlan
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
 from lightning_grpo.rollout.replay import ReplayEngine
+from lightning_grpo.update.plan import BatchSizeError, ChunkPlan
 
 
 def write(path, records):

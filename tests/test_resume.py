@@ -96,8 +96,8 @@ def test_every_rank_gets_its_own_rng_streams_back(monkeypatch):
 
     import lightning_grpo.checkpoint.state as state_mod
     from lightning_grpo.update.accumulate import DeferredAccumulator
-    from lightning_grpo.update.loop import CollectedBatchLoop
     from lightning_grpo.update.ahead import AheadPass
+    from lightning_grpo.update.loop import CollectedBatchLoop
 
     def draw():
         return torch.rand(3).tolist(), np.random.rand(2).tolist(), random.random(), random.gauss(0, 1)

@@ -6,12 +6,12 @@ import pytest
 import torch
 from helpers import MOE, build_moe_policy, kernel_noise, max_rel_delta, params_of, synthetic_batch
 
-from lightning_grpo.update.plan import ChunkPlan
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.update.ahead import NondeterministicForwardError
 from lightning_grpo.policy import PolicyConfig, build_tiny_policy
 from lightning_grpo.routing import ReplayHooks, RoutingReplayError, find_routers, replayed_scores
+from lightning_grpo.update.ahead import NondeterministicForwardError
+from lightning_grpo.update.plan import ChunkPlan
 
 LENS = [20, 35, 12, 40, 28, 33, 17, 38, 3, 25, 9, 31, 22, 6, 14, 27]  # 16 unequal completions
 

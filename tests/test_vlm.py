@@ -109,7 +109,7 @@ def test_ahead_pass_pairs_chunks_with_their_own_images(tiny_vlm_dir):
         chunk = plan.chunk(batch, mini, micro)
         with torch.no_grad():
             module.policy.eval()
-            expected = module.logprobs(module.policy, chunk)
+            expected = module.scorer.logprobs(module.policy, chunk)
             module.policy.train()
         assert torch.equal(pi_old[k], expected)
     assert any(p is not None for p in pi_old)
@@ -150,7 +150,7 @@ def test_hf_engine_generates_from_images(tiny_vlm_dir):
     batch = pack_rollouts(rollouts, torch.zeros(4), torch.zeros(4), module.tokenizer.pad_token_id)
     with torch.no_grad():
         module.policy.eval()
-        scored = module.logprobs(module.policy, batch)
+        scored = module.scorer.logprobs(module.policy, batch)
     sampled = batch.rollout_logprobs[:, 1:]
     mask = batch.completion_mask[:, 1:]
     assert torch.allclose(scored[mask], sampled[mask], atol=1e-4)
@@ -183,7 +183,7 @@ def test_hf_image_sampling_follows_the_per_prompt_seed_contract(tiny_vlm_dir):
     batch = pack_rollouts(both, torch.zeros(9), torch.zeros(9), module.tokenizer.pad_token_id)
     with torch.no_grad():
         module.policy.eval()
-        scored = module.logprobs(module.policy, batch)
+        scored = module.scorer.logprobs(module.policy, batch)
     mask = batch.completion_mask[:, 1:]
     assert torch.allclose(scored[mask], batch.rollout_logprobs[:, 1:][mask], atol=1e-4)
 

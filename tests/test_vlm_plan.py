@@ -10,9 +10,9 @@ import torch
 from helpers import image_batch, max_rel_delta, params_of
 from test_vlm import SIZES, UNEQUAL, make
 
-from lightning_grpo.update.plan import EMPTY, plan_update, sequence_lengths, take
 from lightning_grpo.data.images import load_images
 from lightning_grpo.logprobs import token_logprobs
+from lightning_grpo.update.plan import EMPTY, plan_update, sequence_lengths, take
 
 
 def test_vlm_logprobs_go_through_the_fused_head(tiny_vlm_dir):
@@ -20,7 +20,7 @@ def test_vlm_logprobs_go_through_the_fused_head(tiny_vlm_dir):
     module is never called: no [B, T, V] logits), equal to the model's own full-logits forward."""
     module = make(tiny_vlm_dir, "float64")
     batch = image_batch(module, UNEQUAL, SIZES, seed=2)
-    vision = module.materialize(batch)
+    vision = module.scorer.materialize(batch)
     inputs = vision.as_kwargs()
     calls = []
     hook = module.policy.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
@@ -81,7 +81,7 @@ def test_filler_chunks_on_an_image_batch_materialize_nothing_and_add_zero(tiny_v
     train_plan = plans[0][0]
     assert train_plan.empty_chunks == 2 and train_plan.real_chunks >= 2
     fillers = [train_plan.chunk(batch, 0, m) for m in range(train_plan.n_chunks(0)) if train_plan.rows[0][m] == EMPTY]
-    assert all(f.images is None and budgeted.materialize(f) is None for f in fillers)
+    assert all(f.images is None and budgeted.scorer.materialize(f) is None for f in fillers)
     assert materialized == [len(rows) for rows in train_plan.rows[0] if rows != EMPTY]  # real chunks only
     assert len(scored) == train_plan.n_chunks(0) and scored[-2:] == [1, 1]  # the fillers ran forward/backward
     assert len(result.chunks) == train_plan.real_chunks and not result.steps[0].skipped  # and reported nothing
@@ -105,7 +105,7 @@ def test_a_chunk_without_pixels_still_reaches_every_trainable_parameter(tiny_vlm
         loss.backward()
         assert not [n for n, p in trainable.items() if p.grad is None]
         assert all(float(trainable[n].grad.abs().max()) == 0 for n in visual)
-    plain_loss, _, _ = module.objective.chunk_loss(text_only.to(module.device), module.policy_view(), None)
+    plain_loss, _, _ = module.objective.chunk_loss(text_only.to(module.device), module.scorer.policy_view(), None)
     assert float(loss) == float(plain_loss)
 
 

@@ -8,32 +8,16 @@ resumes the stream where it stopped. Reading and tokenizing pairs is ``preferenc
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_grpo.data.preferences import PreferencePair, load_pairs
-
-
-class _Steps(IterableDataset):
-    """One list of pairs per optimizer step, forever, from ``start()`` on (read when iteration begins)."""
-
-    def __init__(self, pairs_at, start) -> None:
-        self._pairs_at, self._start = pairs_at, start
-
-    def __iter__(self) -> Iterator[list[PreferencePair]]:
-        step = self._start()
-        while True:
-            yield self._pairs_at(step)
-            step += 1
-
-
-def _as_is(batch: Any) -> Any:
-    return batch
+from lightning_grpo.data.steps import Steps, step_loader
 
 
 class PreferenceDataModule(LightningDataModule):
@@ -143,12 +127,12 @@ class PreferenceDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_Steps(self.pairs_at, lambda: self._consumed), batch_size=None, collate_fn=_as_is)
+        return step_loader(Steps(self.pairs_at, lambda: self._consumed))
 
     @override
     def val_dataloader(self) -> DataLoader | list:
         batches = self.val_batches()
-        return DataLoader(batches, batch_size=None, collate_fn=_as_is) if batches else []
+        return step_loader(batches) if batches else []
 
     @override
     def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:

@@ -12,17 +12,18 @@ never spans two ranks. Resuming from ``state_dict`` continues at the next step.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_grpo.data.chat import encode, fit_items
 from lightning_grpo.data.seam import PromptConsumer, PromptProvider
 from lightning_grpo.data.sources import PromptDataError, load_items
+from lightning_grpo.data.steps import Fixed, Steps, step_loader
 from lightning_grpo.data.tasks import TaskItem
 from lightning_grpo.rollout.base import Prompt
 
@@ -88,33 +89,6 @@ class PromptStream:
                 random.Random(self.seed + epoch).shuffle(order)
             self._orders = {epoch: order}  # one epoch cached: a step spans at most two, each built once per epoch
         return self._orders[epoch]
-
-
-class _Steps(IterableDataset):
-    """Yields one list of records per loop step, forever, from ``start()`` on (read when iteration begins)."""
-
-    def __init__(self, records: Callable[[int], list[PromptRecord]], start: Callable[[], int]) -> None:
-        self._records, self._start = records, start
-
-    def __iter__(self) -> Iterator[list[PromptRecord]]:
-        step = self._start()
-        while True:
-            yield self._records(step)
-            step += 1
-
-
-class _Fixed(IterableDataset):
-    """A finite, already sharded list of per-step record lists (validation)."""
-
-    def __init__(self, batches: list[list[PromptRecord]]) -> None:
-        self._batches = batches
-
-    def __iter__(self) -> Iterator[list[PromptRecord]]:
-        return iter(self._batches)
-
-
-def _as_is(batch: Any) -> Any:
-    return batch
 
 
 def _name(source: Any) -> str:
@@ -357,12 +331,12 @@ class PromptDataModule(PromptProvider, LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         self._ensure_setup()
-        return DataLoader(_Steps(self.records, lambda: self._consumed), batch_size=None, collate_fn=_as_is)
+        return step_loader(Steps(self.records, lambda: self._consumed))
 
     @override
     def val_dataloader(self) -> DataLoader | list:
         batches = self.val_batches()
-        return DataLoader(_Fixed(batches), batch_size=None, collate_fn=_as_is) if batches else []
+        return step_loader(Fixed(batches)) if batches else []
 
     @override
     def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:

@@ -6,8 +6,8 @@ rounding, atomics, train-mode router jitter, another engine's kernels) can pick 
 experts for near-tied tokens, and a flipped expert moves that token's logprob by O(1). The
 ratio ``pi / pi_old`` then carries routing churn instead of the policy's change.
 
-Replay pins the dispatch: the ahead pass (``old_logprobs.py``) records every router's top-k
-indices and keeps them per row of the collected batch (``RowRoutes``: a row's own tokens, no
+Replay pins the dispatch: the ahead pass (``update/ahead.py``) records every router's top-k
+indices and keeps them per row of the collected batch (``update/records.py``: a row's own tokens, no
 padding), so any later chunk made of those rows gets its experts back whatever the split: the
 probe's train() re-score, every training chunk of a fixed or token-budgeted plan, every inner
 epoch. A chunk's padding positions route naturally (nothing reads them). The router logits are

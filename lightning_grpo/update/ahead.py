@@ -125,6 +125,7 @@ class AheadPass:
             keeps the reference design's full walk; the bench compares both).
         routing: MoE routing replay (``routing.RoutingReplay``): a recorder of each chunk's experts, replayed
             in the probe's train() re-score. None for a dense policy.
+        recorders: more per-token records to take on every chunk scored (``records.Recorder``; docs/update.md).
 
     Example::
 
@@ -133,13 +134,13 @@ class AheadPass:
     """
 
     def __init__(self, model: nn.Module, score: Score, dp_sum: DPSum = single_process,
-                 skip_first_mini: bool = True, routing=None) -> None:
+                 skip_first_mini: bool = True, routing=None, recorders: Sequence[Recorder] = ()) -> None:
         self.model = model
         self.score = score
         self.dp_sum = dp_sum
         self.skip_first_mini = skip_first_mini
         self.routing = routing
-        self.recorders: list[Recorder] = [routing] if routing is not None else []
+        self.recorders: list[Recorder] = ([routing] if routing is not None else []) + list(recorders)
         self._probe: ProbeResult | None = None  # set once per run; resumes from state_dict
         self.last_seconds = 0.0
         """Wall time of the latest ahead pass (device work included)."""

@@ -17,11 +17,11 @@ from typing import Protocol
 
 from torch import Tensor
 
-from lightning_grpo.update.accumulate import DeferredAccumulator, StepOutcome
 from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.update.plan import EMPTY, ChunkPlan
 from lightning_grpo.objectives.base import Stats
+from lightning_grpo.update.accumulate import DeferredAccumulator, StepOutcome
 from lightning_grpo.update.ahead import paired
+from lightning_grpo.update.plan import EMPTY, ChunkPlan
 
 log = logging.getLogger(__name__)
 

@@ -48,13 +48,16 @@ class Needs:
     """Freeze pi_old with the ahead pass: several optimizer steps per batch, a ratio, pi_old not the sampler's."""
     routes: bool = False
     """The ahead pass records MoE routing even without a pi_old to freeze (a several-chunk window's aux loss)."""
+    records: bool = False
+    """The ahead pass takes records of its own recorders (``records.Recorder``), whatever else is needed."""
     every_chunk: bool = False
-    """Record every chunk: mini-batch 0 may not be skipped (an MoE aux loss needs every chunk's routing)."""
+    """Record every chunk: mini-batch 0 may not be skipped (an MoE aux loss needs every chunk's routing; a
+    recorder's records cover every row)."""
 
     @property
     def ahead_pass(self) -> bool:
         """Whether the ahead pass walks the batch at all."""
-        return self.pi_old or self.routes
+        return self.pi_old or self.routes or self.records
 
     def skips_first_mini(self, probe_passed: bool, mu_iterations: int) -> bool:
         """Whether mini-batch 0 goes unrecorded. It trains before any update, so its pi_old *is* its current
@@ -64,18 +67,19 @@ class Needs:
         return probe_passed and mu_iterations == 1 and not self.every_chunk
 
 
-def batch_needs(rl, objective, routing=None) -> Needs:
+def batch_needs(rl, objective, routing=None, recorders: bool = False) -> Needs:
     """The one place that decides what a collected batch needs, from the config, the objective and MoE routing.
 
     ``rl``: n_mini, mu_iterations, freeze_pi_old, use_rollout_logprobs_for_loss and the micro split
-    (``GRPOConfig``); ``routing``: the policy's ``RoutingReplay`` or None.
+    (``GRPOConfig``); ``routing``: the policy's ``RoutingReplay`` or None; ``recorders``: whether the module added
+    recorders of its own (``GRPOModule.configure_recorders``).
     """
     several_steps = rl.n_mini > 1 or rl.mu_iterations > 1
     frozen = several_steps and rl.freeze_pi_old and not rl.use_rollout_logprobs_for_loss
     pi_old = frozen and objective.needs_old_logprobs()
     aux = routing is not None and routing.aux is not None
     routes = aux and routing.mode != "off" and several_chunks(rl)
-    return Needs(pi_old=pi_old, routes=routes, every_chunk=aux)
+    return Needs(pi_old=pi_old, routes=routes, records=recorders, every_chunk=aux or recorders)
 
 
 def several_chunks(rl) -> bool:

@@ -64,6 +64,9 @@ class DataParallel:
     """Whether a loss is finite on every rank (every rank then poisons the same window)."""
 
 
+NOTHING, ONE_PROCESS = Needs(), DataParallel()  # defaults: a batch that needs no ahead pass; a single process
+
+
 class Updater:
     """Owns one update: the plan, the ahead pass and its records, the loop, the accumulator.
 
@@ -87,8 +90,8 @@ class Updater:
     """
 
     def __init__(self, policy: nn.Module, forward_chunk: ForwardChunk, split: Split | Callable[[], Split],
-                 needs: Needs | Callable[[], Needs] = Needs(), ahead: AheadPass | None = None, routing=None,
-                 seed: int = 0, dp: DataParallel = DataParallel(), max_grad_norm: float = 0.0,
+                 needs: Needs | Callable[[], Needs] = NOTHING, ahead: AheadPass | None = None, routing=None,
+                 seed: int = 0, dp: DataParallel = ONE_PROCESS, max_grad_norm: float = 0.0,
                  max_consecutive_skips: int | None = None) -> None:
         self.policy, self.forward_chunk = policy, forward_chunk
         self._split = split if callable(split) else (lambda: split)

@@ -1,0 +1,73 @@
+"""Per-chunk logprobs of the policy and of the frozen reference: what objectives and the ahead pass score with.
+
+Every score is the fused completion-only head (``logprobs.token_logprobs``) at the sampling temperature, run as a
+forward of the model (``root_call``: FSDP2 gathers its root around it). A chunk with images is scored with its own
+pixels, decoded when that chunk is scored, so only one chunk's pixels are alive at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_grpo import lora
+from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.distributed import root_call
+from lightning_grpo.logprobs import token_logprobs
+from lightning_grpo.objectives.base import PolicyView
+from lightning_grpo.update.ahead import eval_mode
+from lightning_grpo.vision import VisionInputs, VisionProcessor
+
+
+class ChunkScorer:
+    """Scores chunks with the policy, the reference and the vision side a module built.
+
+    Args:
+        policy: the trained model.
+        ref: the frozen reference copy, or None (none needed, or LoRA: the policy with its adapter off).
+        vision: a vision-language policy's image side (None: text-only).
+        has_reference: whether the objective may ask for reference logprobs.
+        temperature: ``() -> float``, the sampling temperature (read at every call: the config may change).
+        keep_bytes: ``() -> int``, the LM-head logits kept per slice (``rl.logits_keep_mb``).
+        device: ``() -> torch.device`` where the policy is now.
+    """
+
+    def __init__(self, policy: nn.Module, ref: nn.Module | None, vision: VisionProcessor | None, has_reference: bool,
+                 temperature: Callable[[], float], keep_bytes: Callable[[], int],
+                 device: Callable[[], torch.device]) -> None:
+        self.policy, self.ref, self.vision, self.has_reference = policy, ref, vision, has_reference
+        self.temperature, self.keep_bytes, self.device = temperature, keep_bytes, device
+
+    def policy_view(self, chunk: RolloutBatch | None = None, vision: VisionInputs | None = None) -> PolicyView:
+        """What an objective may ask of the policy (``objectives/base.py``). ``vision``: ``chunk``'s pixels,
+        materialized once and shared by the policy and the reference (another chunk materializes its own)."""
+        pixels = lambda c: vision if c is chunk else None
+        return PolicyView(model=self.policy, temperature=self.temperature(),
+                          logprobs=lambda c: self.logprobs(self.policy, c, pixels(c)),
+                          reference=(lambda c: self.reference_logprobs(c, pixels(c))) if self.has_reference else None,
+                          call=lambda fn, *args: root_call(self.policy, fn, *args))
+
+    def reference_logprobs(self, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
+        """``[B, T-1]`` logprobs of the frozen reference: the copy, or under LoRA the policy with its adapter off."""
+        if self.ref is not None:
+            with torch.no_grad(), eval_mode(self.ref):
+                return self.logprobs(self.ref, chunk, vision)
+        with torch.no_grad(), eval_mode(self.policy), lora.reference_mode(self.policy):
+            return self.logprobs(self.policy, chunk, vision)
+
+    def logprobs(self, model: nn.Module, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
+        """``[B, T-1]`` logprobs of the completion tokens at the sampling temperature, 0 at prompt and padding. A chunk
+        with images is scored with ``vision`` (materialized here when not given)."""
+        vision = vision if vision is not None else self.materialize(chunk)
+        extra = None if vision is None else {k: v.to(self.device()) for k, v in vision.as_kwargs().items()}
+        return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
+                         positions=chunk.completion_mask[:, 1:], temperature=self.temperature(),
+                         keep_bytes=self.keep_bytes(), model_inputs=extra)
+
+    def materialize(self, chunk: RolloutBatch) -> VisionInputs | None:
+        """The pixels of ``chunk``'s rows (decoded and processed now), or None for a chunk without images."""
+        if chunk.images is None or self.vision is None:
+            return None
+        return self.vision.materialize(chunk.images, chunk.input_ids.cpu(), chunk.group_ids.tolist())
