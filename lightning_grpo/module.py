@@ -268,7 +268,7 @@ class GRPOModule(UpdateModule):
         batch, rollout_metrics = self.collect(records)
         self._publisher.on_rollout_end(self.trainer)  # the hand-off: the engine sleeps, the trainer onloads
         # 2.-3. pi_old and update: n_mini optimizer steps of n_micro chunks
-        result = self.updater.update(batch)
+        result = self.update(batch)
         self._publisher.on_update_end(self.trainer, self.loop_step)  # the engine is stale until the next draw
         # 4. report: one roll-up per collected batch
         self.report(result, rollout_metrics)
@@ -308,6 +308,10 @@ class GRPOModule(UpdateModule):
         metrics["completion/stop_frac"] = sum(stopped) / len(stopped)
         metrics["data/bad_records_skipped"] = self._data_counter("bad_records_skipped")
         return batch, metrics
+
+    def update(self, batch: RolloutBatch) -> LoopResult:
+        """Consume one collected batch (this rank's share) as mu_iterations x n_mini optimizer steps."""
+        return self.updater.update(batch)
 
     def forward_chunk(self, chunk: RolloutBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, Stats]:
         """Score one chunk with the objective: it asks the policy (and reference, teacher) for what it needs."""

@@ -31,7 +31,7 @@ def one_rank(policy_dir, teacher_dir, case: str):
     before = params_of(module.policy)
     module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=W.objective_lr(case)))
     if case.startswith("dpo"):
-        module.updater.update(module.encode(W.dpo_pairs()))
+        module.update(module.encode(W.dpo_pairs()))  # DPO: the reference pass, then the updater
     else:
         module.updater.update(synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED))
     return before, params_of(module.policy)

@@ -98,6 +98,7 @@ def test_every_rank_gets_its_own_rng_streams_back(monkeypatch):
     from lightning_grpo.update.accumulate import DeferredAccumulator
     from lightning_grpo.update.ahead import AheadPass
     from lightning_grpo.update.loop import CollectedBatchLoop
+    from lightning_grpo.update.updater import Split, Updater
 
     def draw():
         return torch.rand(3).tolist(), np.random.rand(2).tolist(), random.random(), random.gauss(0, 1)
@@ -120,7 +121,9 @@ def test_every_rank_gets_its_own_rng_streams_back(monkeypatch):
     buffer.seek(0)
     keeper = LoopState()
     keeper.load(torch.load(buffer, weights_only=True))
-    keeper.resume(trainer, loop, probe, datamodule=None)
+    updater = Updater(probe.model, None, Split(), ahead=probe)
+    updater.loop = loop
+    keeper.resume(trainer, updater, datamodule=None)
     keeper.step_started()  # where the module restores RNG: right before its first training_step
     assert draw() == per_rank[1][1]
 

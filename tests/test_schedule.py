@@ -58,7 +58,7 @@ def test_endless_run_with_a_decaying_schedule_is_refused_naming_total_steps(tiny
     module = module_with(tiny_policy_dir, schedule="cosine")
     with pytest.raises(ValueError, match="optim.total_steps"):
         fit(module, tmp_path, FailIfTrained(), max_steps=-1, max_epochs=-1)
-    assert module.updater.loop is None  # refused at setup, before any loop step
+    assert module.updater is None  # refused at setup, before the model (and its updater) is built
 
 
 def trainer_like(max_steps=-1, stepping_batches=math.inf):

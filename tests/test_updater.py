@@ -15,6 +15,7 @@ from lightning_grpo.objectives.grpo import GRPOObjective
 from lightning_grpo.update import AheadPass, Needs, Split, Updater
 
 LENS = [3, 9, 1, 6, 12, 2, 5, 8, 4, 10, 7, 11, 6, 2, 9, 3]  # 16 unequal completions
+UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]  # test_accumulate's batch: chunk token counts differ a lot
 
 
 def bare(policy_dir, split: Split, needs: Needs | None = None, recorders=lambda model: []):
@@ -25,23 +26,23 @@ def bare(policy_dir, split: Split, needs: Needs | None = None, recorders=lambda 
     objective = GRPOObjective(epsilon=0.2)
     updater = Updater(model, lambda chunk, old: objective.chunk_loss(chunk, view, old), split, needs or Needs(),
                       ahead=AheadPass(model, score, recorders=recorders(model)))
-    updater.attach(torch.optim.SGD(model.parameters(), lr=0.5))
+    updater.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     return updater
 
 
-@pytest.mark.parametrize("split", [Split(rows=16, n_mini=2, n_micro=4), Split(rows=16, n_mini=2, max_tokens_per_micro=40),
-                                   Split(rows=16, n_mini=2, n_micro=2, mu_iterations=2)],
+@pytest.mark.parametrize("split", [Split(rows=8, n_micro=4), Split(rows=8, max_tokens_per_micro=40),
+                                   Split(rows=8, n_micro=2, mu_iterations=2)],
                          ids=["fixed", "token-budget", "inner-epochs"])
 def test_bare_updater_chunked_equals_unchunked_in_float64(tiny_policy_dir, split):
-    batch = synthetic_batch(LENS, seed=3)
-    whole = bare(tiny_policy_dir, Split(rows=16, n_mini=2, mu_iterations=split.mu_iterations), Needs(pi_old=True))
+    batch = synthetic_batch(UNEQUAL, seed=1)
+    whole = bare(tiny_policy_dir, Split(rows=8, mu_iterations=split.mu_iterations), Needs(pi_old=True))
     chunked = bare(tiny_policy_dir, split, Needs(pi_old=True))
     before = params_of(whole.policy)
     whole.update(batch)
     result = chunked.update(batch)
-    assert len(result.steps) == 2 * split.mu_iterations and not any(s.skipped for s in result.steps)
-    assert chunked.last_plan.real_chunks > 2  # really split
-    assert max_rel_delta(before, params_of(whole.policy), params_of(chunked.policy)) < 1e-12
+    assert len(result.steps) == split.mu_iterations and not any(s.skipped for s in result.steps)
+    assert chunked.last_plan.real_chunks > 1  # really split
+    assert max_rel_delta(before, params_of(whole.policy), params_of(chunked.policy)) < 1e-12  # float64
     assert chunked.state_dict()["loop_progress"]["loop_step"] == 1
 
 

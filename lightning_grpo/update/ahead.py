@@ -178,7 +178,10 @@ class AheadPass:
         if self.skips_first_mini(needs, plan.n_epochs):  # also when the probe passed during this pass
             for record in self.records.values():  # mini-batch 0 trains at pi_old itself: it routes naturally too
                 record.drop(r for rows in plan.rows[0] for r in rows)
-        out = [self._pi_old(plan.rows[mini][micro], lengths) for _, mini, micro in plan.training_walk()]
+        laid: dict[tuple[int, int], Tensor | None] = {}  # each chunk laid out once: every epoch reuses its record
+        for mini, micro in plan.walk():
+            laid[mini, micro] = self._pi_old(plan.rows[mini][micro], lengths)
+        out = [laid[mini, micro] for _, mini, micro in plan.training_walk()]
         _sync(out)
         self.last_seconds = time.perf_counter() - start
         return out

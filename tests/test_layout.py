@@ -1,0 +1,32 @@
+"""The package stays readable: no file over 400 lines, no function over 60 (STYLE.md, issue 27)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "lightning_grpo"
+MAX_FILE, MAX_FUNCTION = 400, 60
+
+
+def test_no_file_over_400_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_FILE}
+    assert not long, f"over {MAX_FILE} lines (split by concept): {long}"
+
+
+def test_no_function_over_60_lines():
+    long = {}
+    for p in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION:
+                    long[f"{p.relative_to(PACKAGE)}:{node.name}"] = n
+    assert not long, f"over {MAX_FUNCTION} lines: {long}"
+
+
+def test_the_update_package_imports_no_lightning_module():
+    """``update/`` is the Lightning-free core (tests/test_updater.py also checks what importing it loads)."""
+    for p in (PACKAGE / "update").rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in names), p
