@@ -41,7 +41,7 @@ _EXPORTS = {
     "SamplingConfig": "lightning_grpo.rollout.base",
     "Prompt": "lightning_grpo.rollout.base",
     "Rollout": "lightning_grpo.rollout.base",
-    "build_engine": "lightning_grpo.rollout",
+    "build_engine": "lightning_grpo.rollout.build",
     "HFEngine": "lightning_grpo.rollout.hf",
     "ReplayEngine": "lightning_grpo.rollout.replay",
     "VLLMEngine": "lightning_grpo.rollout.vllm",
@@ -127,8 +127,8 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.plot import plot_curves
     from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, load_policy
     from lightning_grpo.progress import GRPOProgressBar, GRPORichProgressBar
-    from lightning_grpo.rollout import build_engine
     from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
+    from lightning_grpo.rollout.build import build_engine
     from lightning_grpo.rollout.hf import HFEngine
     from lightning_grpo.rollout.replay import ReplayEngine
     from lightning_grpo.rollout.vllm import VLLMEngine
