@@ -41,7 +41,8 @@ def child(a: argparse.Namespace) -> dict:
     from lightning_grpo.chunks import ChunkPlan, sequence_lengths
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+    from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the machine is shared: one thread keeps wall time proportional to work done

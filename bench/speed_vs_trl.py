@@ -67,7 +67,8 @@ def runs_of(precisions: list[str]) -> list[Run]:
 # -- shared by both sides ----------------------------------------------------------------------------------------------
 def policy_dir() -> Path:
     """The benchmark policy, built once into the tiny-policy cache (random init, seed 0)."""
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, resolve_path
+    from lightning_grpo.policy import PolicyConfig, resolve_path
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     return resolve_path(PolicyConfig(path="tiny:bench-qwen2-30m", tiny=TinyPolicySpec(**POLICY)))
 

@@ -22,7 +22,7 @@ _EXPORTS = {
     "RolloutConfig": "lightning_grpo.config",
     "ConfigError": "lightning_grpo.config",
     "PolicyConfig": "lightning_grpo.policy",
-    "TinyPolicySpec": "lightning_grpo.policy",
+    "TinyPolicySpec": "lightning_grpo.tiny.spec",
     "load_policy": "lightning_grpo.policy",
     # data and rewards
     "PromptDataModule": "lightning_grpo.data.prompts",
@@ -125,7 +125,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.objectives.base import Objective
     from lightning_grpo.objectives.opd import OPDConfig
     from lightning_grpo.plot import plot_curves
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, load_policy
+    from lightning_grpo.policy import PolicyConfig, load_policy
     from lightning_grpo.progress import GRPOProgressBar, GRPORichProgressBar
     from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
     from lightning_grpo.rollout.build import build_engine
@@ -133,3 +133,4 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.rollout.replay import ReplayEngine
     from lightning_grpo.rollout.vllm import VLLMEngine
     from lightning_grpo.summary import RunSummary
+    from lightning_grpo.tiny.spec import TinyPolicySpec

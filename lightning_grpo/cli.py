@@ -38,8 +38,9 @@ from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
 from lightning_grpo.plot import build_parser as plot_parser
 from lightning_grpo.plot import main as plot_main
-from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.summary import RunSummary
+from lightning_grpo.tiny.spec import TinyPolicySpec
 
 TRAINER_DEFAULTS = {
     # Under manual optimization Lightning counts logging in batches = loop steps: log every one.

@@ -10,8 +10,9 @@ from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.old_logprobs import NondeterministicForwardError
-from lightning_grpo.policy import PolicyConfig, build_tiny_policy
+from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.routing import ReplayHooks, RoutingReplayError, find_routers, replayed_scores
+from lightning_grpo.tiny.build import build_tiny_policy
 
 LENS = [20, 35, 12, 40, 28, 33, 17, 38, 3, 25, 9, 31, 22, 6, 14, 27]  # 16 unequal completions
 

@@ -1,0 +1,15 @@
+"""Tiny policies built locally, for tests, quickstarts and benchmarks; never entered on the real-model path.
+
+``policy.resolve_path`` hands a ``tiny:<name>`` path to ``build.tiny_folder`` and nothing else imports this
+package, so loading a model folder or Hub id never loads the builder, its warm starts, or the built-in tasks
+they train on (tests/test_imports.py checks it). Nothing here imports ``policy.py``.
+
+- ``spec.py``: ``TinyPolicySpec``, the shape (``policy.tiny`` in a config; no torch, so the CLI parses it cheaply).
+- ``tokenizer.py``: the character tokenizer (``make_char_tokenizer``) and its chat template.
+- ``build.py``: ``build_tiny_policy`` (random init at the spec's seed) and the cache (``tiny_folder``).
+- ``vlm.py``: the tiny Qwen2.5-VL (small vision tower, local image processor).
+- ``warm.py``: the supervised warm starts (``warm_start``, ``warm_start_vision``, their loop ``sft``) and
+  ``greedy_accuracy``.
+
+This ``__init__`` imports nothing: ``import lightning_grpo.tiny.spec`` (what a config needs) stays a dataclass.
+"""
