@@ -8,7 +8,8 @@ and chat template all load from that one folder, which the vLLM engine is built 
 ``tiny:<name>`` builds a small random-init model with a locally made character tokenizer into
 a cache folder once (``lightning_grpo/tiny/``), then loads it through the very same
 ``from_pretrained`` path. Only a ``tiny:`` path imports anything under ``lightning_grpo/tiny/``
-(tests/test_imports.py checks that loading a folder does not).
+(tests/test_imports.py checks that loading a folder does not; jsonargparse reads ``tiny/spec.py`` to parse
+``policy.tiny``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Tiny policies built locally, for tests, quickstarts and benchmarks; never entered on the real-model path.
 
-``policy.resolve_path`` hands a ``tiny:<name>`` path to ``build.tiny_folder`` and nothing else imports this
-package, so loading a model folder or Hub id never loads the builder, its warm starts, or the built-in tasks
-they train on (tests/test_imports.py checks it). Nothing here imports ``policy.py``.
+``policy.resolve_path`` hands a ``tiny:<name>`` path to ``build.tiny_folder``; that is the package's only way in to the
+builder, so loading a model folder or Hub id never loads it, its warm starts, or the built-in tasks they train on
+(tests/test_imports.py checks that ``load_policy`` on a folder imports nothing under ``lightning_grpo.tiny``). The
+config layer (``PolicyConfig.tiny``'s type, the CLI's ``--model.policy.tiny.help``, docgen) reads ``spec.py`` alone.
+Nothing here imports ``policy.py``.
 
 - ``spec.py``: ``TinyPolicySpec``, the shape (``policy.tiny`` in a config; no torch, so the CLI parses it cheaply).
 - ``tokenizer.py``: the character tokenizer (``make_char_tokenizer``) and its chat template.

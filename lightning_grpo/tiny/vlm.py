@@ -56,7 +56,8 @@ def build_tiny_vlm(out_dir: str | os.PathLike, spec: TinyPolicySpec) -> Path:
             "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
             "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
             "max_position_embeddings": spec.max_position_embeddings, "attention_dropout": spec.dropout,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section(head_dim)},
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": mrope_section(head_dim)},
             "tie_word_embeddings": True, **specials,
         },
         # A small vision tower: 2 blocks of width 32 (head_dim 32, as vLLM's CPU attention needs), one windowed.

@@ -90,7 +90,8 @@ def _sft_batch(tokenizer, items: list[TaskItem]) -> tuple[torch.Tensor, torch.Te
     return sft_rows(tokenizer, [encode_prompt(tokenizer, item.text) for item in items], [item.answer for item in items])
 
 
-def sft_rows(tokenizer, prompts: list[list[int]], answers: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sft_rows(tokenizer, prompts: list[list[int]], answers: list[str]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, labels)`` of right-padded ``prompt + answer + eos`` rows, labels -100 except on
     the answer and EOS (the warm starts' supervised rows, text or image prompts alike)."""
     rows, targets = [], []
