@@ -34,7 +34,8 @@ def child(n_mini: int, rows: int, completion: int, vocab: int, chunk_rows: int, 
     from lightning_grpo.batch import RolloutBatch
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+    from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the machine is shared: one thread keeps wall time proportional to work done

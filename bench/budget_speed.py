@@ -40,7 +40,8 @@ def child(a: argparse.Namespace) -> dict:
     from bench.oom_acceptance import batch_of
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+    from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.tiny.spec import TinyPolicySpec
     from lightning_grpo.update.plan import ChunkPlan, sequence_lengths
 
     torch.manual_seed(0)

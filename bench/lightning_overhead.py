@@ -61,8 +61,9 @@ def build():
     from lightning_grpo.data.prompts import PromptDataModule, PromptRecord
     from lightning_grpo.data.rewards import RewardSpec
     from lightning_grpo.module import GRPOModule
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+    from lightning_grpo.policy import PolicyConfig
     from lightning_grpo.rollout.hf import HFEngine
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     torch.manual_seed(0)
     module = GRPOModule(policy=PolicyConfig(path="tiny:bench-overhead", tiny=TinyPolicySpec(**SPEC)),

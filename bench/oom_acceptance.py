@@ -63,7 +63,8 @@ def child(arm: str, a: argparse.Namespace) -> dict:
 
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+    from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     torch.manual_seed(0)
     spec = TinyPolicySpec(hidden_size=a.hidden, num_layers=a.layers, num_heads=a.hidden // 64, num_kv_heads=1,

@@ -57,7 +57,8 @@ def setup(rows: int, completion: int, spec: dict = SPEC):
     from lightning_grpo.batch import RolloutBatch
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+    from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     module = GRPOModule(policy=PolicyConfig(path="tiny:bench-precision", tiny=TinyPolicySpec(**spec)),
                         rl=GRPOConfig(batch_per_replica=rows, group_size=rows // 2))

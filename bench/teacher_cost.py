@@ -53,7 +53,8 @@ def build(kind: str, teacher_spec: dict | None, kl: str, rows: int, completion: 
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
     from lightning_grpo.objectives.opd import OPDConfig
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+    from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     base = TinyPolicySpec(vocab_size=vocab, max_position_embeddings=completion + 64)
     student = PolicyConfig(path="tiny:bench-student", tiny=replace(base, **STUDENT))

@@ -113,7 +113,7 @@ def run(a) -> dict:
 
 
 def _settings(trainer, digest: str) -> dict:
-    """The knobs the comparison depends on, read from the live trainer (see ``speed_vs_trl.SETTINGS``)."""
+    """The knobs the comparison depends on, read from the live trainer (see ``speed_report.SETTINGS``)."""
     import torch
 
     args, model = trainer.args, trainer.model

@@ -51,7 +51,8 @@ def child(n_micro: int, rows: int, completion: int, vocab: int) -> dict:
     from lightning_grpo.batch import RolloutBatch
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+    from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     torch.manual_seed(0)
     spec = TinyPolicySpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,

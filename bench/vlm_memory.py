@@ -60,7 +60,8 @@ def child(n_micro: int, rows: int, side: int, completion: int) -> dict:
 
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+    from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     torch.manual_seed(0)
     spec = TinyPolicySpec(arch="qwen2_5_vl", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,

@@ -40,8 +40,10 @@ SEQUENCE = "(12+34)*56-78=90; 3*3*3=27"
 
 
 def build(layers: int, hidden: int, folder: str):
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, build_tiny_policy, load_policy
+    from lightning_grpo.policy import PolicyConfig, load_policy
     from lightning_grpo.rollout.vllm import VLLMConfig, VLLMEngine
+    from lightning_grpo.tiny.build import build_tiny_policy
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     spec = TinyPolicySpec(
         hidden_size=hidden, num_layers=layers, num_heads=hidden // 32, num_kv_heads=1, intermediate_size=2 * hidden

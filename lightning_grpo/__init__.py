@@ -22,7 +22,7 @@ _EXPORTS = {
     "RolloutConfig": "lightning_grpo.config",
     "ConfigError": "lightning_grpo.config",
     "PolicyConfig": "lightning_grpo.policy",
-    "TinyPolicySpec": "lightning_grpo.policy",
+    "TinyPolicySpec": "lightning_grpo.tiny.spec",
     "load_policy": "lightning_grpo.policy",
     # data and rewards
     "PromptDataModule": "lightning_grpo.data.prompts",
@@ -41,7 +41,7 @@ _EXPORTS = {
     "SamplingConfig": "lightning_grpo.rollout.base",
     "Prompt": "lightning_grpo.rollout.base",
     "Rollout": "lightning_grpo.rollout.base",
-    "build_engine": "lightning_grpo.rollout",
+    "build_engine": "lightning_grpo.rollout.build",
     "HFEngine": "lightning_grpo.rollout.hf",
     "ReplayEngine": "lightning_grpo.rollout.replay",
     "VLLMEngine": "lightning_grpo.rollout.vllm",
@@ -125,11 +125,12 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.objectives.base import Objective
     from lightning_grpo.objectives.opd import OPDConfig
     from lightning_grpo.plot import plot_curves
-    from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, load_policy
+    from lightning_grpo.policy import PolicyConfig, load_policy
     from lightning_grpo.progress import GRPOProgressBar, GRPORichProgressBar
-    from lightning_grpo.rollout import build_engine
     from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
+    from lightning_grpo.rollout.build import build_engine
     from lightning_grpo.rollout.hf import HFEngine
     from lightning_grpo.rollout.replay import ReplayEngine
     from lightning_grpo.rollout.vllm import VLLMEngine
     from lightning_grpo.summary import RunSummary
+    from lightning_grpo.tiny.spec import TinyPolicySpec

@@ -37,8 +37,10 @@ from lightning_grpo.module import GRPOModule
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
 from lightning_grpo.plot import build_parser as plot_parser
-from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+from lightning_grpo.plot import main as plot_main
+from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.summary import RunSummary
+from lightning_grpo.tiny.spec import TinyPolicySpec
 
 TRAINER_DEFAULTS = {
     # Under manual optimization Lightning counts logging in batches = loop steps: log every one.
@@ -271,8 +273,6 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] == "plot":
-        from lightning_grpo.plot import main as plot_main
-
         plot_main(argv[1:])
         return
     if os.getcwd() not in sys.path:  # `--model.class_path my_pkg.MyModule` from the working folder, as `python -m`

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from lightning_grpo.vision import vision_tower
+
 
 def single_process(t: Tensor) -> Tensor:
     """A reduction over data-parallel ranks when there is one process: the tensor itself."""
@@ -63,8 +65,6 @@ def shard_fsdp2(model: nn.Module, mesh) -> nn.Module:
 
     if is_fsdp2(model):
         return model
-    from lightning_grpo.vision import vision_tower
-
     # A VLM's vision blocks stay in the root group: a chunk without pixels (a DP filler, text-only rows) skips the
     # tower, and a group of its own would then all-gather on one rank and not on the other (a collective mismatch).
     tower = vision_tower(model)

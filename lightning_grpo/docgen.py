@@ -30,8 +30,9 @@ from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.lora import LoraConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.objectives.opd import OPDConfig
-from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.summary import RunSummary
+from lightning_grpo.tiny.spec import TinyPolicySpec
 
 DATACLASS_SECTIONS = (
     ("model.rl", GRPOConfig),

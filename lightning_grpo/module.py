@@ -41,6 +41,7 @@ from lightning_grpo.precision import check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
+from lightning_grpo.rollout.build import build_engine
 from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.scoring import ChunkScorer
 from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder, Split, Updater, batch_needs
@@ -128,8 +129,6 @@ class GRPOModule(UpdateModule):
 
     def build_engine(self, will_sleep: bool = True) -> RolloutEngine:
         """The rollout engine (``rollout.engine``). ``will_sleep``: whether the hand-off puts it to sleep."""
-        from lightning_grpo.rollout import build_engine
-
         return build_engine(self.rollout_cfg, self, will_sleep=will_sleep)
 
     def compute_rewards(self, rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, float]]:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import time
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
+
+from lightning_grpo.checkpoint.signals import Preempted
+from lightning_grpo.plot import PlotError, plot_curves
 
 
 class RunSummary(Callback):
@@ -62,8 +66,6 @@ class RunSummary(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        from lightning_grpo.checkpoint.signals import Preempted
-
         if isinstance(exception, Preempted):  # a preempted run still says what it did and where it resumes from
             report = self.report(trainer)
             if trainer.is_global_zero:
@@ -98,10 +100,6 @@ class RunSummary(Callback):
 
     def _curves(self, trainer: Trainer) -> str:
         """The summary's last line: where the curves PNG is, or the command that makes it (rank 0 only)."""
-        from lightning.pytorch.loggers import CSVLogger
-
-        from lightning_grpo.plot import PlotError, plot_curves
-
         csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
         if csv_logger is None:
             return ""  # no CSV to plot (e.g. only W&B, which draws its own curves)

@@ -20,6 +20,7 @@ from dataclasses import replace
 from torch import nn
 
 from lightning_grpo.rollout.base import SamplingConfig
+from lightning_grpo.vision import step_prompts
 
 VAL_SEED = 0
 """Seed of the validation draw (greedy needs none; it keeps the engines off the global RNG)."""
@@ -41,8 +42,6 @@ def greedy_scores(module, records: Sequence) -> dict[str, float]:
         ``val/reward`` (mean total reward), ``val/<name>`` for each reward part ``reward/<name>``,
         ``val/len_mean`` (completion tokens) and ``val/stop_frac`` (share that ended on EOS).
     """
-    from lightning_grpo.vision import step_prompts
-
     # The encoding training uses (a VLM's image placeholders expanded); unreadable images as data.on_bad_record says.
     prompts, skipped = step_prompts(records, module.tokenizer, getattr(module, "vision", None), module._on_bad_record())
     prompts = [p for i, p in enumerate(prompts) if i not in skipped]

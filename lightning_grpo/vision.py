@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.data.images import load_images
-from lightning_grpo.rollout.base import Prompt
+from lightning_grpo.data.images import BadImageError, load_images
+from lightning_grpo.rollout.base import Prompt, Rollout
 
 IMAGE_TOKEN = "<|image_pad|>"
 """The placeholder token Qwen-VL chat templates put where an image goes (one per image before expansion)."""
@@ -212,8 +212,6 @@ def step_prompts(records, tokenizer, vision: VisionProcessor | None, on_bad_reco
     """``(prompts, skipped)``: the engine prompts of ``records`` (placeholders expanded for a VLM) and the indices of
     the records skipped for an unreadable image (``on_bad_record="skip"``; with ``"error"`` the ``BadImageError``,
     naming record id and path, propagates)."""
-    from lightning_grpo.data.images import BadImageError
-
     prompts, skipped = [], []
     for i, record in enumerate(records):
         prompt = record.to_prompt(tokenizer)
@@ -236,8 +234,6 @@ def with_skipped_groups(rollouts: list, prompts: Sequence[Prompt], skipped: Sequ
     """``(rollouts of every prompt, live [N] bool)``: each skipped prompt's group is put back in place as empty
     completions of a one-token prompt with no image, so the collected batch keeps its configured size. Those rows
     carry no completion token: they add nothing to the loss or to the divisor (their advantage is set to 0)."""
-    from lightning_grpo.rollout.base import Rollout
-
     out, live, it = [], [], iter(rollouts)
     for i, p in enumerate(prompts):
         if i in skipped:

@@ -48,7 +48,7 @@ def tiny_policy_dir(tmp_path_factory):
     """A small Qwen2 policy folder (hidden 64, head_dim 32) with the char tokenizer."""
     from helpers import SMALL
 
-    from lightning_grpo.policy import build_tiny_policy
+    from lightning_grpo.tiny.build import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-policy"), SMALL)
 
@@ -58,7 +58,7 @@ def tiny_chat_policy_dir(tmp_path_factory):
     """The small Qwen2 policy with a chat template on its char tokenizer (``role: content`` lines)."""
     from helpers import SMALL_CHAT
 
-    from lightning_grpo.policy import build_tiny_policy
+    from lightning_grpo.tiny.build import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-chat-policy"), SMALL_CHAT)
 
@@ -70,7 +70,7 @@ def tiny_teacher_dir(tmp_path_factory):
 
     from helpers import SMALL
 
-    from lightning_grpo.policy import build_tiny_policy
+    from lightning_grpo.tiny.build import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-teacher"), replace(SMALL, seed=1))
 
@@ -114,6 +114,6 @@ def tiny_vlm_dir(tmp_path_factory):
     tokenizer plus vision tokens, a multimodal chat template and a Qwen2-VL image processor (saved locally)."""
     from helpers import SMALL_VLM
 
-    from lightning_grpo.policy import build_tiny_policy
+    from lightning_grpo.tiny.build import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-vlm"), SMALL_VLM)

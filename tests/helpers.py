@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.policy import TinyPolicySpec
+from lightning_grpo.tiny.spec import TinyPolicySpec
 
 SMALL = TinyPolicySpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 SMALL_CHAT = dataclasses.replace(SMALL, chat_template=True)
@@ -200,7 +200,7 @@ def build_moe_policy(out, arch: str = "qwen3_moe", router_scale: float = ROUTER_
     """Build ``MOE`` as ``arch``, scale its routers, set extra config fields (e.g. output_router_logits), save."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_grpo.policy import build_tiny_policy
+    from lightning_grpo.tiny.build import build_tiny_policy
 
     folder = build_tiny_policy(out, replace(MOE, arch=arch))
     model = AutoModelForCausalLM.from_pretrained(folder)

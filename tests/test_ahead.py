@@ -8,7 +8,9 @@ from helpers import SMALL, clone, params_of, synthetic_batch
 
 from lightning_grpo.config import ConfigError, GRPOConfig
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.policy import PolicyConfig, TinyPolicySpec, build_tiny_policy
+from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.tiny.build import build_tiny_policy
+from lightning_grpo.tiny.spec import TinyPolicySpec
 from lightning_grpo.update.ahead import (
     AheadPass,
     ForwardNoisePolicy,
@@ -265,9 +267,10 @@ def arith_run(policy_dir, freeze: bool, steps: int = 30) -> tuple[float, float, 
     from lightning_grpo.config import RolloutConfig
     from lightning_grpo.data.prompts import PromptStream
     from lightning_grpo.data.rewards import RewardSpec
-    from lightning_grpo.data.tasks import ArithTask, greedy_accuracy, warm_start
+    from lightning_grpo.data.tasks import ArithTask
     from lightning_grpo.metrics import roll_up
     from lightning_grpo.rollout.hf import HFEngine
+    from lightning_grpo.tiny.warm import greedy_accuracy, warm_start
 
     torch.manual_seed(0)
     rl = GRPOConfig(batch_per_replica=64, group_size=8, mini_batch_per_replica=8, freeze_pi_old=freeze)

@@ -10,14 +10,19 @@ from helpers import SMALL, SMALL_CHAT
 from lightning.pytorch import Trainer
 
 from lightning_grpo.config import GRPOConfig, RolloutConfig
-from lightning_grpo.data.chat import ChatTemplateError, encode, fit_items
+from lightning_grpo.data.chat import ChatTemplateError, encode, encode_prompt, fit_items
+from lightning_grpo.data.items import TaskItem
 from lightning_grpo.data.prompts import PromptDataModule, PromptRecord
 from lightning_grpo.data.rewards import RewardSpec
-from lightning_grpo.data.tasks import TaskItem
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig, load_policy
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3="}]
+
+
+def test_encode_prompt_is_plain_characters(tiny_policy_dir):
+    _, tok = load_policy(PolicyConfig(path=str(tiny_policy_dir)))
+    assert tok.convert_ids_to_tokens(encode_prompt(tok, "12+3=")) == list("12+3=")
 
 
 def test_chat_prompts_go_through_the_chat_template(tiny_chat_policy_dir):

@@ -277,7 +277,7 @@ def test_resume_onto_another_base_is_refused(tmp_path, tiny_policy_dir, tiny_cha
     fit_tiny(job_module(tiny_policy_dir), tmp_path / "a", 1, [saver])
     from helpers import SMALL
 
-    from lightning_grpo.policy import build_tiny_policy
+    from lightning_grpo.tiny.build import build_tiny_policy
 
     other = build_tiny_policy(tmp_path / "other", dataclasses.replace(SMALL, seed=1))  # same shapes, other weights
     with pytest.raises(ValueError, match="trained on another base model"):

@@ -16,7 +16,8 @@ from lightning_grpo.module import GRPOModule
 from lightning_grpo.objectives.kl import reverse_kl
 from lightning_grpo.objectives.opd import OPDConfig, OPDObjective
 from lightning_grpo.objectives.teacher import VocabularyMismatchError
-from lightning_grpo.policy import PolicyConfig, build_tiny_policy
+from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.tiny.build import build_tiny_policy
 
 UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]  # completion lengths: chunk token counts differ a lot
 

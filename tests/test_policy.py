@@ -15,14 +15,8 @@ from helpers import HUB_COMMIT, SMALL, cache_hub_model
 
 from lightning_grpo import policy as policy_mod
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.policy import (
-    TINY_CHAT_TEMPLATE,
-    PolicyConfig,
-    PolicyNotFoundError,
-    load_policy,
-    resolve_path,
-    with_seed,
-)
+from lightning_grpo.policy import PolicyConfig, PolicyNotFoundError, load_policy, resolve_path, with_seed
+from lightning_grpo.tiny.tokenizer import TINY_CHAT_TEMPLATE
 
 REPO = "tiny-org/tiny-chat"
 

@@ -20,7 +20,8 @@ from lightning_grpo import precision as precision_mod
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.policy import PolicyConfig, build_tiny_policy
+from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.tiny.build import build_tiny_policy
 
 UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]  # completion lengths: the 4 chunks' token counts differ a lot
 # Error of the gradient stepped on vs the fp32 unchunked step, max |g - g32| / max |g32|, with n_micro = 4. Measured

@@ -10,7 +10,7 @@ import torch
 
 from lightning_grpo.data.preference_module import PreferenceDataModule
 from lightning_grpo.data.preferences import PreferenceDataError, PreferencePair, builtin_pairs, encode_pairs, load_pairs
-from lightning_grpo.policy import make_char_tokenizer
+from lightning_grpo.tiny.tokenizer import make_char_tokenizer
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}a:{% endif %}")

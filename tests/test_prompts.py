@@ -6,9 +6,9 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_grpo.data.items import TaskItem
 from lightning_grpo.data.prompts import PromptDataModule, PromptRecord, PromptStream
 from lightning_grpo.data.sources import PromptDataError, load_items
-from lightning_grpo.data.tasks import TaskItem
 
 GSM8K = "tests/data/gsm8k_tiny.jsonl"
 

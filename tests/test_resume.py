@@ -18,7 +18,7 @@ from helpers import TINY_JOB, StepRecorder, fit_tiny, global_determinism_restore
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-import lightning_grpo.checkpoint.atomic as atomic_mod
+import lightning_grpo.checkpoint.checkpoint_io as checkpoint_io_mod
 from lightning_grpo.checkpoint import (
     AtomicCheckpointIO,
     GRPOCheckpoint,
@@ -55,7 +55,7 @@ def test_exception_inside_the_writer_leaves_the_previous_checkpoint(tmp_path, mo
         f.write(b"half a checkpoint")
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(atomic_mod.torch, "save", torn)
+    monkeypatch.setattr(checkpoint_io_mod.torch, "save", torn)
     for target in (first, tmp_path / checkpoint_name(2)):  # overwrite the same name, and write the next one
         with pytest.raises(OSError, match="injected"):
             io.save_checkpoint({"w": torch.zeros(4)}, target)
@@ -204,7 +204,7 @@ def test_a_save_failing_mid_write_keeps_the_previous_checkpoint_and_resume_repea
             raise OSError("injected failure while writing loop step 2")
         real_save(obj, f)
 
-    monkeypatch.setattr(atomic_mod.torch, "save", second_save_fails)
+    monkeypatch.setattr(checkpoint_io_mod.torch, "save", second_save_fails)
     crashed, cb = StepRecorder(), GRPOCheckpoint(every_n_loop_steps=1, keep_last=0)
     with pytest.raises(OSError, match="injected"):
         fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path / "crashed", loop_steps=2, callbacks=[crashed, cb])

@@ -214,8 +214,8 @@ def test_eos_and_stop_strings_behave_as_in_the_hf_engine(engine, tiny_policy_dir
     """Greedy on the same weights: the same tokens, text and finish reason from vLLM and transformers, whether a
     completion ends on EOS (kept), on a stop string (tokens up to the completing one, text cut before it) or at
     max_new_tokens."""
-    from lightning_grpo.data.tasks import warm_start
     from lightning_grpo.rollout.hf import HFEngine
+    from lightning_grpo.tiny.warm import warm_start
 
     model, tok = load_policy(PolicyConfig(path=str(tiny_policy_dir)))
     warm_start(model, tok, "arith", steps=40, seed=0)  # learns "digits, then EOS"

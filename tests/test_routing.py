@@ -8,8 +8,9 @@ from helpers import MOE, build_moe_policy, kernel_noise, max_rel_delta, params_o
 
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.policy import PolicyConfig, build_tiny_policy
+from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.routing import ReplayHooks, RoutingReplayError, find_routers, replayed_scores
+from lightning_grpo.tiny.build import build_tiny_policy
 from lightning_grpo.update.ahead import NondeterministicForwardError
 from lightning_grpo.update.plan import ChunkPlan
 

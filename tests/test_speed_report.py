@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.speed_report import combine
-from bench.speed_vs_trl import SETTINGS, Run, reward_check
+from bench.speed_report import SETTINGS, combine
+from bench.speed_vs_trl import Run, reward_check
 
 BASE = {k: f"v-{k}" for k in SETTINGS} | {"params": 1000, "gradient_checkpointing": False}
 

@@ -1,19 +1,10 @@
 import pytest
-import torch
 
+from lightning_grpo.data.items import TaskItem
 from lightning_grpo.data.rewards import math_answer
-from lightning_grpo.data.tasks import (
-    GSM8K_TEMPLATE,
-    ArithTask,
-    TaskItem,
-    encode_prompt,
-    get_task,
-    greedy_accuracy,
-    render_gsm8k,
-    warm_start,
-)
-from lightning_grpo.policy import CHARS, PolicyConfig, load_policy
+from lightning_grpo.data.tasks import GSM8K_TEMPLATE, ArithTask, get_task, render_gsm8k
 from lightning_grpo.rollout.base import Prompt, Rollout
+from lightning_grpo.tiny.tokenizer import CHARS
 
 
 def test_arith_items_are_deterministic_and_correct():
@@ -57,42 +48,3 @@ def test_render_gsm8k():
     assert item == TaskItem(GSM8K_TEMPLATE.format(prompt="Tom has 3 apples and buys 5. How many?"), "8")
     completion = Rollout(Prompt(0, [1], item.text, item.answer), [2], "3 plus 5 is 8\n#### 8", "stop")
     assert math_answer([completion]) == [1.0]
-
-
-@pytest.fixture
-def policy(tiny_policy_dir):
-    return load_policy(PolicyConfig(path=str(tiny_policy_dir)))
-
-
-def test_encode_prompt_is_plain_characters(policy):
-    _, tok = policy
-    assert tok.convert_ids_to_tokens(encode_prompt(tok, "12+3=")) == list("12+3=")
-
-
-def test_warm_start_lowers_the_loss_and_leaves_rng_and_mode_alone(policy):
-    model, tok = policy
-    model.eval()
-    rng_before = torch.get_rng_state()
-    short = warm_start(model, tok, "arith", steps=1, seed=0, batch_size=8)
-    longer = warm_start(model, tok, ArithTask(), steps=12, seed=0, batch_size=8, lr=1e-2)
-    assert longer.steps == 12 and longer.seconds > 0
-    assert longer.loss < short.loss
-    assert torch.equal(torch.get_rng_state(), rng_before)
-    assert not model.training
-
-
-def test_greedy_accuracy_is_a_fraction(policy):
-    model, tok = policy
-    acc = greedy_accuracy(model, tok, ArithTask().items(10, seed=0), max_new_tokens=3)
-    assert 0.0 <= acc <= 1.0
-
-
-@pytest.mark.slow
-def test_default_warm_start_teaches_part_of_arith(tmp_path):
-    """A 30-step warm start of the default tiny policy solves some, not all, of arith_small (GRPO's headroom)."""
-    from lightning_grpo.policy import build_tiny_policy
-
-    model, tok = load_policy(PolicyConfig(path=str(build_tiny_policy(tmp_path))))
-    warm_start(model, tok, "arith_small", steps=30, seed=0)
-    acc = greedy_accuracy(model, tok, get_task("arith_small").items(256, seed=99))
-    assert 0.15 <= acc <= 0.9

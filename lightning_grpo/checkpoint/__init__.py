@@ -4,16 +4,19 @@
   into every checkpoint Lightning writes, and the per-rank RNG streams; parameters with NaN/inf are never saved.
 - ``callback.py``: ``GRPOCheckpoint``, the cadence in loop steps, keep-last of the run's own files, the config
   beside each file, the emergency save on SIGTERM / SIGUSR1.
-- ``atomic.py``: ``AtomicCheckpointIO`` (same-folder temp file + ``os.replace``; ``weights_only=True`` loads,
-  verified against the manifest; a full disk says so, naming the file).
-- ``paths.py``: checkpoint names, lineages (which run owns a file), pruning, and ``--ckpt_path last``.
+- ``atomic.py``: ``atomic_write`` (same-folder temp file + ``os.replace``; a full disk says so, naming the file).
+- ``checkpoint_io.py``: ``AtomicCheckpointIO`` (Lightning's checkpoint IO writing through ``atomic_write``;
+  ``weights_only=True`` loads, verified against the manifest).
+- ``paths.py``: checkpoint names, lineages (which run owns a file), pruning, the newest intact file of a lineage.
+- ``resume.py``: ``--ckpt_path last`` (``resolve_ckpt_path``: which folders a trainer searches, which file it resumes).
 - ``integrity.py``: the manifest beside each checkpoint (run ids, SHA-256) and its verification.
 - ``lock.py``: one live run per checkpoint folder.
 - ``signals.py``: SIGTERM / SIGUSR1 recorded, acted on at the next safe point, Lightning's handlers kept.
 """
 
-from lightning_grpo.checkpoint.atomic import AtomicCheckpointIO, atomic_write
+from lightning_grpo.checkpoint.atomic import atomic_write
 from lightning_grpo.checkpoint.callback import GRPOCheckpoint, resolved_config
+from lightning_grpo.checkpoint.checkpoint_io import AtomicCheckpointIO
 from lightning_grpo.checkpoint.integrity import DamagedCheckpointError, Manifest, manifest_path, read_manifest
 from lightning_grpo.checkpoint.lock import FolderInUseError
 from lightning_grpo.checkpoint.paths import (
@@ -23,8 +26,8 @@ from lightning_grpo.checkpoint.paths import (
     find_last_checkpoint,
     lineage_entries,
     loop_step_of,
-    resolve_ckpt_path,
 )
+from lightning_grpo.checkpoint.resume import resolve_ckpt_path
 from lightning_grpo.checkpoint.signals import Preempted
 from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError
 

@@ -24,7 +24,8 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_grpo.checkpoint.atomic import DISK_FULL, AtomicCheckpointIO, atomic_write, disk_full
+from lightning_grpo.checkpoint.atomic import DISK_FULL, atomic_write, disk_full
+from lightning_grpo.checkpoint.checkpoint_io import AtomicCheckpointIO
 from lightning_grpo.checkpoint.integrity import Manifest, digest, write_manifest
 from lightning_grpo.checkpoint.lock import FolderInUseError, FolderLock
 from lightning_grpo.checkpoint.paths import (

@@ -19,6 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_grpo.checkpoint.atomic import atomic_write
+
 MANIFEST_FORMAT = 1
 _verified: set[tuple[str, int, int, str]] = set()  # (path, size, mtime_ns, sha256) read back intact in this process
 
@@ -54,8 +56,6 @@ def manifest_path(ckpt: Path) -> Path:
 
 
 def write_manifest(ckpt: Path, manifest: Manifest) -> None:
-    from lightning_grpo.checkpoint.atomic import atomic_write
-
     text = json.dumps(dataclasses.asdict(manifest), indent=1).encode()
     atomic_write(manifest_path(ckpt), lambda f: f.write(text))
 

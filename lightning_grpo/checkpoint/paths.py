@@ -7,8 +7,9 @@ Ownership: each fit has a run id, and each chain of fits a **lineage** id (the f
 inherited by every resume). A checkpoint's name carries its lineage
 (``loop-step-000020-1a2b3c4d.ckpt``) and its manifest (``integrity.py``) both ids. A run prunes only
 its own lineage's files, and ``last`` resumes the latest lineage of the folder (or the run's own),
-falling back past damaged files. Names without a lineage (``loop-step-000020.ckpt``) are from before
-ownership existed: they form one lineage of their own, never pruned by a newer run.
+falling back past damaged files (``resolve_last``; which folders a trainer searches is ``resume.py``'s).
+Names without a lineage (``loop-step-000020.ckpt``) are from before ownership existed: they form one
+lineage of their own, never pruned by a newer run.
 """
 
 from __future__ import annotations
@@ -17,12 +18,8 @@ import logging
 import os
 import re
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from lightning.pytorch import Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_grpo.checkpoint.atomic import fsync_dir
 from lightning_grpo.checkpoint.integrity import DamagedCheckpointError, Manifest, manifest_path, problem, read_manifest
@@ -165,40 +162,3 @@ def resolve_last(dirs: list[str | os.PathLike], lineage: str | None = LATEST) ->
         raise DamagedCheckpointError("ckpt_path='last': every checkpoint of the latest run is damaged:\n  "
                                      + "\n  ".join(damaged) + "\npass --ckpt_path <file> to resume another one")
     return None
-
-
-def search_dirs(trainer: Trainer) -> list[Path]:
-    """Where ``last`` looks: each GRPOCheckpoint's explicit dirpath, else ``checkpoints/`` of every run version."""
-    from lightning_grpo.checkpoint.callback import GRPOCheckpoint
-
-    explicit = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, GRPOCheckpoint) and cb.explicit_dirpath]
-    if explicit:
-        return explicit
-    logger = trainer.logger
-    root = Path(getattr(logger, "root_dir", None) or trainer.default_root_dir)
-    return [root / "checkpoints", *sorted(root.glob("*/checkpoints"))]
-
-
-def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, trainer: Trainer) -> str | os.PathLike | None:
-    """``"last"`` -> the newest intact checkpoint of the latest lineage (None, with a warning, when there is none).
-
-    A trainer whose ``GRPOCheckpoint`` already belongs to a lineage (a second ``fit``) resumes that lineage.
-    Any other value is returned unchanged.
-    """
-    if ckpt_path != "last":
-        return ckpt_path
-    from lightning_grpo.checkpoint.callback import GRPOCheckpoint
-
-    dirs = search_dirs(trainer)
-    own = next((cb.lineage for cb in trainer.callbacks if isinstance(cb, GRPOCheckpoint) and cb.lineage), LATEST)
-    found = resolve_last(dirs, own)
-    if found is None:  # like Lightning: "last" may be set before the first run of a job
-        log.warning("ckpt_path='last': no complete checkpoint under %s; starting from scratch",
-                    ", ".join(str(d) for d in dirs))
-        return None
-    others = sorted({e.lineage or "(no id)" for e in entries(dirs)} - {found.lineage or "(no id)"})
-    saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(found.saved_at / 1e9))
-    rank_zero_info(f"ckpt_path='last': resuming run {found.lineage or '(no id)'} from {found.path} (loop step "
-                   f"{found.loop_step}, saved {saved})"
-                   + (f"; the folder also holds run(s) {', '.join(others)}" if others else ""))
-    return str(found.path)

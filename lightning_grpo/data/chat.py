@@ -3,7 +3,7 @@
 A conversational prompt (TRL's format: ``[{"role": "user", "content": "..."}]``) becomes the string
 ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` and is then
 tokenized without extra special tokens (the template places them), the way TRL does it. A plain
-string is tokenized as it is (``tasks.encode_prompt``, the encoding the warm start trains on).
+string is tokenized as it is (``encode_prompt``, the encoding the warm starts train on too).
 
 ``fit_items`` checks a prompt set against the policy once, before training: chat prompts need a
 chat template, and a prompt longer than ``rollout.max_prompt_tokens`` is dropped (counted and
@@ -16,11 +16,17 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from lightning_grpo.data.tasks import TaskItem, encode_prompt
+from lightning_grpo.data.items import TaskItem
 
 
 class ChatTemplateError(ValueError):
     """Chat-message prompts met a tokenizer without a chat template; the message gives the fixes."""
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Prompt token ids of a plain string. The one place prompt text becomes tokens, so warm start and rollouts
+    agree."""
+    return list(tokenizer(text)["input_ids"])
 
 
 def is_messages(value: Any) -> bool:

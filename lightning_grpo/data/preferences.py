@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_grpo.data.tasks import encode_prompt, get_task
+from lightning_grpo.data.chat import encode_prompt
+from lightning_grpo.data.tasks import get_task
 
 
 class PreferenceDataError(ValueError):

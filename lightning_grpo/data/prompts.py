@@ -21,10 +21,10 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_grpo.data.chat import encode, fit_items
+from lightning_grpo.data.items import TaskItem
 from lightning_grpo.data.seam import PromptConsumer, PromptProvider
 from lightning_grpo.data.sources import PromptDataError, load_items
 from lightning_grpo.data.steps import Fixed, Steps, step_loader
-from lightning_grpo.data.tasks import TaskItem
 from lightning_grpo.rollout.base import Prompt
 
 
@@ -46,7 +46,7 @@ class PromptRecord:
     the prompt is generated from or one of its chunks is scored (``data/images.py``)."""
 
     def to_prompt(self, tokenizer) -> Prompt:
-        """The engine's ``Prompt``: chat-templated when it has messages, else ``tasks.encode_prompt`` (the encoding
+        """The engine's ``Prompt``: chat-templated when it has messages, else ``chat.encode_prompt`` (the encoding
         ``warm_start`` trains on). Image placeholders stay single tokens until ``vision.VisionProcessor`` expands
         them."""
         ids, text = encode(tokenizer, self.text, self.messages)

@@ -22,7 +22,8 @@ from typing import Any
 
 from lightning_grpo.data.chat import is_messages, with_system
 from lightning_grpo.data.images import as_refs, count_image_parts, split_inline_images, text_of, with_image_parts
-from lightning_grpo.data.tasks import TEMPLATES, Split, TaskItem, get_task
+from lightning_grpo.data.items import Split, TaskItem
+from lightning_grpo.data.tasks import TEMPLATES, get_task
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 """File suffix -> the ``datasets`` builder that reads it."""

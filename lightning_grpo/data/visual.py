@@ -7,8 +7,7 @@ tells: only the pixels do, so a rising reward means the policy reads the image. 
 PNG bytes (a few hundred bytes each), exactly like a ``datasets`` Image column, and are decoded
 per chunk like any other.
 
-``warm_start_vision`` is the supervised warm start of a tiny VLM on such a task (teaches the
-answer format, as ``tasks.warm_start`` does for text), cached with the tiny build.
+``tiny.warm.warm_start_vision`` is the supervised warm start of a tiny VLM on such a task.
 """
 
 from __future__ import annotations
@@ -17,10 +16,8 @@ import io
 import random
 from dataclasses import dataclass
 
-from torch import nn
-
 from lightning_grpo.data.images import with_image_parts
-from lightning_grpo.data.tasks import Split, TaskItem, WarmStartResult
+from lightning_grpo.data.items import Split, TaskItem
 
 COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (40, 60, 230), "yellow": (230, 220, 30)}
 
@@ -60,35 +57,3 @@ class ColorTask:
             png = square_png(COLORS[color], rng)
             out.append(TaskItem(self.question, color, {"color": color}, with_image_parts(self.question, 1), (png,)))
         return out
-
-
-def warm_start_vision(model: nn.Module, tokenizer, vision, task, steps: int = 30, seed: int = 0,
-                      batch_size: int = 16, lr: float = 3e-3) -> WarmStartResult:
-    """Supervised pass on ``task``'s train split (prompt with its image -> ``answer<eos>``), like ``tasks.warm_start``.
-
-    The global RNG is untouched (forked) and the model's mode restored. The loss covers the answer only.
-    """
-    from lightning_grpo.data.tasks import get_task, sft
-
-    task = get_task(task) if isinstance(task, str) else task
-    items = task.items(steps * batch_size, seed, "train")
-
-    def batch_of(step: int):
-        ids, mask, labels, images = _sft_rows(tokenizer, vision, items[step * batch_size : (step + 1) * batch_size])
-        return ids, mask, labels, vision.materialize(images, ids).as_kwargs()
-
-    return sft(model, steps, seed, lr, batch_of)
-
-
-def _sft_rows(tokenizer, vision, items: list[TaskItem]):
-    """Right-padded ``prompt (placeholders expanded) + answer + eos`` rows, labels -100 off the answer."""
-    from lightning_grpo.data.chat import encode
-    from lightning_grpo.data.tasks import sft_rows
-    from lightning_grpo.rollout.base import Prompt
-
-    prompts = []
-    for i, item in enumerate(items):
-        ids, text = encode(tokenizer, item.text, item.messages)
-        prompts.append(vision.expand(Prompt(i, ids, text, images=item.images)).token_ids)
-    return (*sft_rows(tokenizer, prompts, [item.answer for item in items]), [item.images for item in items])
-

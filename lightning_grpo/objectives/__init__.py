@@ -54,6 +54,8 @@ def build_objective(name: str, module) -> Objective:
     return objective
 
 
+# The builders import their objective when called: this ``__init__`` runs before every ``objectives.base`` import,
+# and importing opd here would hand each of those the teacher and policy stack (no circle either way).
 def _grpo(module) -> Objective:
     from lightning_grpo.objectives.grpo import GRPOObjective
 

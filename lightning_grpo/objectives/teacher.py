@@ -115,6 +115,7 @@ class VLLMTeacher:
     def __init__(self, config: PolicyConfig, vllm=None) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
+        # Only a vLLM teacher loads the vLLM engine module (no circle: rollout.vllm imports no objective).
         from lightning_grpo.rollout.vllm import VLLMEngine
 
         path = resolve_path(config)

@@ -1,45 +1,11 @@
-"""Rollout engines behind one protocol: transformers (default on CPU), vLLM, replay."""
+"""Rollout engines behind one protocol: transformers (default on CPU), vLLM, replay.
+
+The package itself holds only the protocol and its data types (``base.py``), so any module can import
+them; ``build.py``'s ``build_engine`` picks an engine by name and imports the engines (and the policy).
+"""
 
 from __future__ import annotations
 
-import os
-
 from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
 
-__all__ = ["Prompt", "Rollout", "RolloutEngine", "SamplingConfig", "build_engine"]
-
-
-def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
-    """The engine ``cfg.engine`` names, bound to ``module``'s policy and tokenizer.
-
-    ``will_sleep=False`` (nothing will put the engine to sleep: ``colocated_offload=false``, disaggregated, or
-    no hand-off at all) builds a vLLM engine without sleep mode, which then reserves no memory for it, unless
-    ``vllm.enable_sleep_mode`` is set explicitly. ``cfg`` itself is never changed.
-    """
-    if cfg.engine == "replay":
-        from lightning_grpo.rollout.replay import ReplayEngine
-
-        return ReplayEngine(cfg.replay_path, eos_token_id=module.tokenizer.eos_token_id)
-    if cfg.engine == "hf":
-        from lightning_grpo.rollout.hf import HFEngine
-
-        return HFEngine(module.policy, module.tokenizer, vision=getattr(module, "vision", None))
-    if cfg.engine == "vllm":
-        from dataclasses import replace
-
-        from lightning_grpo.config import VLLMConfig
-        from lightning_grpo.policy import resolve_path
-        from lightning_grpo.rollout.vllm import VLLMEngine
-
-        vllm = cfg.vllm or VLLMConfig()
-        if vllm.enable_sleep_mode is None and not will_sleep:  # an explicit choice is the user's
-            vllm = replace(vllm, enable_sleep_mode=False)
-        if vllm.distributed_executor_backend == "external_launcher" and module._trainer is not None:
-            # vLLM's torchrun-style launcher reads RANK and LOCAL_RANK; Lightning's own launcher and SLURM set neither
-            os.environ.setdefault("RANK", str(module.global_rank))
-            os.environ.setdefault("LOCAL_RANK", str(module.local_rank))
-        lora = module.policy_cfg.lora
-        rank = lora.rank if lora is not None and lora.sync == "adapter" else None  # merge: a plain engine
-        return VLLMEngine(str(resolve_path(module.policy_cfg)), vllm,
-                          sampler_logprobs=module.rl.use_rollout_logprobs_for_loss, lora_rank=rank)
-    raise ValueError(f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'replay'")
+__all__ = ["Prompt", "Rollout", "RolloutEngine", "SamplingConfig"]

@@ -26,9 +26,11 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_grpo.distributed import is_fsdp2
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop, cut_before_forbidden
 from lightning_grpo.rollout.sampler import InverseCDFSampler, RowStreams, row_seeds
 from lightning_grpo.rollout.sleep import SleepState
+from lightning_grpo.rollout.weight_sync import named_weights
 
 
 class HFEngine:
@@ -182,8 +184,6 @@ class HFEngine:
 
     def weight_names(self) -> list[str]:
         """Every parameter and persistent buffer the engine generates with (what a full sync must rewrite)."""
-        from lightning_grpo.rollout.weight_sync import named_weights
-
         return [name for name, _ in named_weights(self.model)]
 
 
@@ -234,8 +234,6 @@ def _default_eos(model: nn.Module, tokenizer) -> list[int]:
 
 
 def _fsdp2_sharded(model: nn.Module) -> bool:
-    from lightning_grpo.distributed import is_fsdp2
-
     return is_fsdp2(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 

@@ -43,6 +43,8 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.config import ConfigError, VLLMConfig
+from lightning_grpo.data.images import load_images
+from lightning_grpo.lora import write_adapter_folder
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop, cut_before_forbidden
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.sleep import SleepState
@@ -217,8 +219,6 @@ class AdapterSlot:
     def publish(self, llm_engine, tensors: dict[str, Tensor], config_json: str) -> None:
         from vllm.lora.request import LoRARequest
 
-        from lightning_grpo.lora import write_adapter_folder
-
         self.published += 1
         folder = write_adapter_folder(tensors, config_json, self.root / f"adapter-{self.published}")
         request = LoRARequest(f"policy-{self.published}", self.published, str(folder))
@@ -262,8 +262,6 @@ def vllm_request(prompt: Prompt, image_token_id: int | None = None) -> dict:
         return {"prompt_token_ids": list(prompt.token_ids)}
     if image_token_id is None:
         raise ValueError(f"prompt id={prompt.id} has images but the engine's model is text-only")
-    from lightning_grpo.data.images import load_images
-
     ids = prompt.token_ids
     collapsed = [t for i, t in enumerate(ids) if not (t == image_token_id and i and ids[i - 1] == image_token_id)]
     return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": load_images(prompt.images, prompt.id)}}

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+from lightning_grpo.tiny.spec import TinyPolicySpec
+from lightning_grpo.tiny.tokenizer import make_char_tokenizer
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 TINY_VLM_CHAT_TEMPLATE = (
@@ -36,12 +39,10 @@ def mrope_section(head_dim: int) -> list[int]:
     return [half - 2 * hw, hw, hw]
 
 
-def build_tiny_vlm(out_dir: str | os.PathLike, spec) -> Path:
-    """Build a random-init Qwen2.5-VL shaped by ``spec`` (a ``TinyPolicySpec``) and save it to ``out_dir``."""
+def build_tiny_vlm(out_dir: str | os.PathLike, spec: TinyPolicySpec) -> Path:
+    """Build a random-init Qwen2.5-VL shaped by ``spec`` and save it to ``out_dir``."""
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from lightning_grpo.policy import make_char_tokenizer
 
     tok = make_char_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
@@ -55,7 +56,8 @@ def build_tiny_vlm(out_dir: str | os.PathLike, spec) -> Path:
             "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
             "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
             "max_position_embeddings": spec.max_position_embeddings, "attention_dropout": spec.dropout,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section(head_dim)},
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": mrope_section(head_dim)},
             "tie_word_embeddings": True, **specials,
         },
         # A small vision tower: 2 blocks of width 32 (head_dim 32, as vLLM's CPU attention needs), one windowed.

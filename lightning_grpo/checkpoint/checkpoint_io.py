@@ -1,0 +1,53 @@
+"""``AtomicCheckpointIO``: Lightning's checkpoint IO with atomic writes and verified, code-free loads.
+
+- Saves go through ``atomic.atomic_write`` (same-folder temp file + ``os.replace``), which also records
+  each file's SHA-256 and size for the manifest ``GRPOCheckpoint`` writes beside it.
+- Loads use ``torch.load(weights_only=True)`` whatever the caller asks, after verifying the file against
+  its manifest (``integrity.py``); a damaged file names the previous checkpoint of its run (``paths.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from typing_extensions import override
+
+from lightning_grpo.checkpoint.atomic import atomic_write
+from lightning_grpo.checkpoint.integrity import check_intact
+from lightning_grpo.checkpoint.paths import previous_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` with a same-folder temp file + ``os.replace``, and ``weights_only=True`` loads.
+
+    Lightning's own ``_atomic_save`` stages through fsspec, which on a local disk writes the temp file
+    under ``/tmp`` and moves it: across filesystems that move is a copy, so a crash can leave a torn file.
+    Remote (``scheme://``) paths keep Lightning's behaviour.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, tuple[str, int]] = {}
+        """SHA-256 and size of each file this IO wrote, by path (read by GRPOCheckpoint for the manifest)."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        self.written[str(path)] = atomic_write(path, lambda f: torch.save(checkpoint, f))
+
+    @override
+    def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if weights_only is False:
+            log.warning("AtomicCheckpointIO loads with weights_only=True only (nothing in a checkpoint may run code)")
+        if "://" not in str(path) and Path(path).exists():  # a missing file: Lightning's own "not found" error
+            check_intact(Path(path), previous_checkpoint(Path(path)))
+        return super().load_checkpoint(path, map_location=map_location, weights_only=True)

@@ -1,0 +1,46 @@
+"""``build_engine``: the rollout engine ``rollout.engine`` names, bound to a module's policy and tokenizer.
+
+Kept out of ``rollout/__init__.py``: it imports the engines and ``policy.py``, which themselves build on
+``rollout.base``, and anything importing ``rollout.base`` runs the package's ``__init__`` first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from lightning_grpo.config import VLLMConfig
+from lightning_grpo.policy import resolve_path
+from lightning_grpo.rollout.base import RolloutEngine
+from lightning_grpo.rollout.hf import HFEngine
+from lightning_grpo.rollout.replay import ReplayEngine
+
+
+def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
+    """The engine ``cfg.engine`` names, bound to ``module``'s policy and tokenizer.
+
+    ``will_sleep=False`` (nothing will put the engine to sleep: ``colocated_offload=false``, disaggregated, or
+    no hand-off at all) builds a vLLM engine without sleep mode, which then reserves no memory for it, unless
+    ``vllm.enable_sleep_mode`` is set explicitly. ``cfg`` itself is never changed.
+    """
+    if cfg.engine == "replay":
+        return ReplayEngine(cfg.replay_path, eos_token_id=module.tokenizer.eos_token_id)
+    if cfg.engine == "hf":
+        return HFEngine(module.policy, module.tokenizer, vision=getattr(module, "vision", None))
+    if cfg.engine == "vllm":
+        # Deferred: `import lightning_grpo.rollout.build` (every GRPOModule does) never loads the vLLM engine module
+        # unless a vLLM engine is built. No cycle: rollout.vllm imports nothing that imports this module.
+        from lightning_grpo.rollout.vllm import VLLMEngine
+
+        vllm = cfg.vllm or VLLMConfig()
+        if vllm.enable_sleep_mode is None and not will_sleep:  # an explicit choice is the user's
+            vllm = replace(vllm, enable_sleep_mode=False)
+        if vllm.distributed_executor_backend == "external_launcher" and module._trainer is not None:
+            # vLLM's torchrun-style launcher reads RANK and LOCAL_RANK; Lightning's own launcher and SLURM set neither
+            os.environ.setdefault("RANK", str(module.global_rank))
+            os.environ.setdefault("LOCAL_RANK", str(module.local_rank))
+        lora = module.policy_cfg.lora
+        rank = lora.rank if lora is not None and lora.sync == "adapter" else None  # merge: a plain engine
+        return VLLMEngine(str(resolve_path(module.policy_cfg)), vllm,
+                          sampler_logprobs=module.rl.use_rollout_logprobs_for_loss, lora_rank=rank)
+    raise ValueError(f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'replay'")
