@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_grpo.checks import is_finite, is_int, raise_problems
 from lightning_grpo.lora import LoraConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,6 +70,31 @@ class TinyPolicySpec:
     chat_template: bool = False
     """Give the char tokenizer ``TINY_CHAT_TEMPLATE`` (a plain-text chat format), so chat-message prompts work."""
 
+    def __post_init__(self) -> None:
+        raise_problems("policy.tiny config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line (shapes transformers would refuse later)."""
+        p = [f"{name}={getattr(self, name)!r}: must be an integer >= 1"
+             for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                          "max_position_embeddings", "num_experts", "experts_per_token")
+             if not is_int(getattr(self, name)) or getattr(self, name) < 1]
+        if not p and self.hidden_size % self.num_heads:
+            p.append(f"hidden_size={self.hidden_size}: must divide by num_heads={self.num_heads} (head_dim)")
+        if not p and self.num_heads % self.num_kv_heads:
+            p.append(f"num_kv_heads={self.num_kv_heads}: must divide num_heads={self.num_heads}")
+        if not p and self.experts_per_token > self.num_experts:
+            p.append(f"experts_per_token={self.experts_per_token}: must not exceed num_experts={self.num_experts}")
+        if self.vocab_size is not None and (not is_int(self.vocab_size) or self.vocab_size < 1):
+            p.append(f"vocab_size={self.vocab_size!r}: must be a positive integer or null (the tokenizer's size)")
+        if not is_finite(self.dropout) or not 0 <= self.dropout < 1:
+            p.append(f"dropout={self.dropout!r}: must be in [0, 1)")
+        if not is_finite(self.router_jitter) or self.router_jitter < 0:
+            p.append(f"router_jitter={self.router_jitter!r}: must be a finite number >= 0 (0 = off)")
+        if not is_finite(self.init_std) or self.init_std <= 0:
+            p.append(f"init_std={self.init_std!r}: must be a finite number > 0")
+        return p
+
 
 @dataclass
 class PolicyConfig:
@@ -103,10 +129,16 @@ class PolicyConfig:
     freezes it; its merger (the projection into the language model) trains either way."""
 
     def __post_init__(self) -> None:
+        raise_problems("policy config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line (the model itself is checked when it loads)."""
+        p = []
         if not self.path:
-            raise ValueError("policy.path='': give a Hugging Face Hub id, a model folder or 'tiny:<name>'")
-        if self.warm_start_steps < 0:
-            raise ValueError(f"policy.warm_start_steps={self.warm_start_steps}: must be >= 0")
+            p.append("policy.path='': give a Hugging Face Hub id, a model folder or 'tiny:<name>'")
+        if not is_int(self.warm_start_steps) or self.warm_start_steps < 0:
+            p.append(f"policy.warm_start_steps={self.warm_start_steps}: must be >= 0")
+        return p
 
 
 def make_char_tokenizer():
