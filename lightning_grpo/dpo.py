@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from lightning_grpo.accumulate import DeferredAccumulator
 from lightning_grpo.checkpoint.state import LoopState
-from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.checks import is_finite, is_int, raise_problems
+from lightning_grpo.chunks import ChunkPlan
 from lightning_grpo.config import OptimConfig
 from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
 from lightning_grpo.determinism import run_seed
