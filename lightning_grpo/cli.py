@@ -26,6 +26,7 @@ from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfig
 from torch.optim import Optimizer
 
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
+from lightning_grpo.checks import retired_key
 from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
@@ -173,6 +174,8 @@ class GRPOCLI(LightningCLI):
         except argparse.ArgumentError as err:
             if not self.auto_configure_optimizers and re.search(r'key "(optimizer|lr_scheduler)"', str(err)):
                 config_error(f"--optimizer/--lr_scheduler: {OPTIMIZER_REFUSED}")
+            if (retired := retired_key(str(err))) is not None:  # a removed field: say what replaced it
+                config_error(retired)
             config_error(err)
 
     def _default_help_class(self, args):

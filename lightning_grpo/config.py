@@ -2,25 +2,19 @@
 
 Each dataclass validates itself in ``__post_init__``, so jsonargparse (and any Python
 caller) refuses a bad config before a model is built. Every problem is collected and
-reported at once as ``field=value: rule; fix`` lines in one ``ValueError``.
+reported at once as ``field=value: rule; fix`` lines in one ``ConfigError`` (``checks.py``).
 Derived counts (``n_mini``, ``n_micro``, per-rank sizes) are methods, never fields.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lightning_grpo.checks import ConfigError, is_finite, is_int, raise_problems, retire
 
-class ConfigError(ValueError):
-    """A config broke one or more rules; the message lists each as ``field=value: rule``."""
-
-
-def _raise_if(problems: list[str], where: str) -> None:
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        raise ConfigError(f"invalid {where} ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{lines}")
+__all__ = ["ConfigError", "GRPOConfig", "OptimConfig", "RankSizes", "RolloutConfig", "VLLMConfig",
+           "check_sampler_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +26,15 @@ class RankSizes:
     micro: int
 
 
+GRAD_ACCUM_RETIRED = (
+    "rl.grad_accum is retired for GRPO and was removed: the accumulation count is derived, n_micro = "
+    "mini_batch_per_replica / micro_batch_per_replica. Set micro_batch_per_replica (trajectories per "
+    "forward/backward) or max_tokens_per_micro instead"
+)
+"""Why ``rl.grad_accum`` is refused (from Python and from the CLI) and what to set instead."""
+
+
+@retire("rl", "rl config", grad_accum=GRAD_ACCUM_RETIRED)
 @dataclass
 class GRPOConfig:
     """The ``rl`` section: how a collected batch is sized, split and optimized."""
@@ -83,8 +86,6 @@ class GRPOConfig:
     them in the probe and every later forward of the row (any chunk split, token budget, inner epoch); rollout =
     take them from the rollout engine (needs an engine that returns routing; vLLM CPU 0.32 cannot). Refused on a
     model without MoE layers. See docs/moe.md."""
-    grad_accum: int = 1
-    """Retired for GRPO: the accumulation count is derived as n_micro. Set micro_batch_per_replica instead."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,7 +108,7 @@ class GRPOConfig:
 
     @property
     def n_micro(self) -> int:
-        """Forward/backward chunks per optimizer step (the trainer's ``grad_accum``)."""
+        """Forward/backward chunks per optimizer step: the accumulation count (the retired ``rl.grad_accum``)."""
         return self.mini_batch // self.micro_batch
 
     @property
@@ -132,11 +133,6 @@ class GRPOConfig:
         """Prompts per loop step (per replica): batch_per_replica / group_size."""
         return self.batch_per_replica // self.group_size
 
-    @property
-    def clip_high(self) -> float:
-        """Upper clip range in use: epsilon_high, or epsilon when it is None."""
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
     def rank_sizes(self, dp_size: int) -> RankSizes:
         """Sizes of one rank's share; raises ConfigError if they do not divide by ``dp_size``."""
         self.validate(dp_size)
@@ -147,69 +143,83 @@ class GRPOConfig:
     # -- validation ----------------------------------------------------------------------------------------------
     def validate(self, dp_size: int = 1) -> None:
         """Raise one ConfigError listing every broken rule (``dp_size`` adds the per-rank rules)."""
+        raise_problems("rl config", self.problems(dp_size))
+
+    def problems(self, dp_size: int = 1) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line; the per-rank rules once the rest hold."""
+        p = self._size_problems() + self._loss_problems() + self._pi_old_problems()
+        if not p and dp_size > 1:
+            p += self._rank_problems(dp_size)
+        return p
+
+    def _size_problems(self) -> list[str]:
+        """The batch, its group, mini-batch and chunk sizes, and the passes over it."""
         p: list[str] = []
         b, mini, micro, g = self.batch_per_replica, self.mini_batch_per_replica, self.micro_batch_per_replica, self.group_size
-        if not _is_int(g) or g < 2:
+        if not is_int(g) or g < 2:
             p.append(f"group_size={g}: must be an integer >= 2 (a group of one has no relative advantage)")
-        if not _is_int(b) or b <= 0:
+        if not is_int(b) or b <= 0:
             p.append(f"batch_per_replica={b}: must be a positive integer")
-        elif _is_int(g) and g >= 2 and b % g:
+        elif is_int(g) and g >= 2 and b % g:
             p.append(f"batch_per_replica={b}: must be a multiple of group_size={g}; try {max(g, b - b % g)}")
-        if not _is_int(mini) or mini < 0:
+        if not is_int(mini) or mini < 0:
             p.append(f"mini_batch_per_replica={mini}: must be >= 0 (0 = whole batch)")
-        elif _is_int(b) and b > 0 and mini > b:
+        elif is_int(b) and b > 0 and mini > b:
             p.append(f"mini_batch_per_replica={mini}: must not exceed batch_per_replica={b}")
-        elif _is_int(b) and b > 0 and mini and b % mini:
+        elif is_int(b) and b > 0 and mini and b % mini:
             p.append(f"mini_batch_per_replica={mini} must divide batch_per_replica={b} (a ragged step changes its token mean)")
-        if not _is_int(micro) or micro < 0:
+        if not is_int(micro) or micro < 0:
             p.append(f"micro_batch_per_replica={micro}: must be >= 0 (0 = one chunk per step)")
         elif not p and micro > self.mini_batch:
             p.append(f"micro_batch_per_replica={micro}: must not exceed the mini-batch ({self.mini_batch})")
         elif not p and micro and self.mini_batch % micro:
             p.append(f"micro_batch_per_replica={micro} must divide the mini-batch ({self.mini_batch}) exactly")
-        if not _finite(self.epsilon) or not 0 < self.epsilon < 1:
-            p.append(f"epsilon={self.epsilon}: must be in (0, 1) so the clip range 1 - epsilon stays positive")
-        if self.epsilon_high is not None and (not _finite(self.epsilon_high) or self.epsilon_high <= 0):
-            p.append(f"epsilon_high={self.epsilon_high}: must be > 0 (or null for symmetric clipping)")
-        if not _finite(self.beta) or self.beta < 0:
-            p.append(f"beta={self.beta}: must be a finite number >= 0 (0 = no KL, no reference model)")
-        if not _finite(self.max_grad_norm) or self.max_grad_norm < 0:
-            p.append(f"max_grad_norm={self.max_grad_norm}: must be a finite number >= 0 (0 = no clipping)")
-        if not _finite(self.logits_keep_mb) or self.logits_keep_mb < 0:
-            p.append(f"logits_keep_mb={self.logits_keep_mb}: must be a finite number >= 0 (0 = always recompute)")
-        if self.scale_rewards not in ("group", "batch", "none"):
-            p.append(f"scale_rewards={self.scale_rewards!r}: must be one of 'group', 'batch', 'none'")
-        if not isinstance(self.freeze_pi_old, bool):
-            p.append(f"freeze_pi_old={self.freeze_pi_old!r}: must be true or false")
-        if self.max_consecutive_skips is not None and (not _is_int(self.max_consecutive_skips)
-                                                       or self.max_consecutive_skips < 0):
-            p.append(f"max_consecutive_skips={self.max_consecutive_skips!r}: must be an integer >= 0 "
-                     "(0 = stop at the first skipped step) or null (never stop)")
         for name in ("max_tokens_per_micro", "max_tokens_per_ahead_micro"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 p.append(f"{name}={value}: must be an integer >= 0 (tokens per chunk; 0 = off)")
         if self.max_tokens_per_micro and self.micro_batch_per_replica:
             p.append(f"max_tokens_per_micro={self.max_tokens_per_micro} with micro_batch_per_replica="
                      f"{self.micro_batch_per_replica}: two ways to cut a mini-batch into chunks; set one, the other 0")
-        if not _is_int(self.mu_iterations) or self.mu_iterations < 1:
+        if not is_int(self.mu_iterations) or self.mu_iterations < 1:
             p.append(f"mu_iterations={self.mu_iterations}: must be an integer >= 1 (passes over each collected batch)")
+        return p
+
+    def _loss_problems(self) -> list[str]:
+        """The clip range, KL weight, advantage scaling, gradient clip and the skip limit."""
+        p: list[str] = []
+        if not is_finite(self.epsilon) or not 0 < self.epsilon < 1:
+            p.append(f"epsilon={self.epsilon}: must be in (0, 1) so the clip range 1 - epsilon stays positive")
+        if self.epsilon_high is not None and (not is_finite(self.epsilon_high) or self.epsilon_high <= 0):
+            p.append(f"epsilon_high={self.epsilon_high}: must be > 0 (or null for symmetric clipping)")
+        for name, zero in (("beta", "no KL, no reference model"), ("max_grad_norm", "no clipping"),
+                           ("logits_keep_mb", "always recompute")):
+            value = getattr(self, name)
+            if not is_finite(value) or value < 0:
+                p.append(f"{name}={value}: must be a finite number >= 0 (0 = {zero})")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            p.append(f"scale_rewards={self.scale_rewards!r}: must be one of 'group', 'batch', 'none'")
+        skips = self.max_consecutive_skips
+        if skips is not None and (not is_int(skips) or skips < 0):
+            p.append(f"max_consecutive_skips={skips!r}: must be an integer >= 0 "
+                     "(0 = stop at the first skipped step) or null (never stop)")
+        return p
+
+    def _pi_old_problems(self) -> list[str]:
+        """Where pi_old comes from, and the routing replay that needs it."""
+        p: list[str] = []
+        if not isinstance(self.freeze_pi_old, bool):
+            p.append(f"freeze_pi_old={self.freeze_pi_old!r}: must be true or false")
         if self.routing_replay not in ("off", "ahead", "rollout"):
             p.append(f"routing_replay={self.routing_replay!r}: must be one of 'off', 'ahead', 'rollout'")
         elif self.routing_replay == "ahead" and (self.use_rollout_logprobs_for_loss or not self.freeze_pi_old):
             knob = "use_rollout_logprobs_for_loss=true" if self.use_rollout_logprobs_for_loss else "freeze_pi_old=false"
             p.append(f"routing_replay='ahead': it records routing in the ahead pass, which {knob} turns off; "
                      "use routing_replay='rollout' (routing from the engine) or 'off'")
-        if self.grad_accum != 1:
-            p.append(
-                f"grad_accum={self.grad_accum}: rl.grad_accum is retired for GRPO; the accumulation count is derived. "
-                "Set micro_batch_per_replica (trajectories per forward/backward) instead"
-            )
-        if not p and dp_size > 1:
-            p += self._rank_problems(dp_size)
-        _raise_if(p, "rl config")
+        return p
 
     def _rank_problems(self, dp: int) -> list[str]:
+        """Sizes that must split evenly over ``dp`` data-parallel ranks."""
         p = []
         if self.prompts_per_batch % dp:
             p.append(
@@ -247,8 +257,12 @@ class OptimConfig:
     (16-mixed: the scaler must unscale before our clip); False = torch's default kernel (foreach on CUDA). Same hyper-parameters either way."""
 
     def __post_init__(self) -> None:
+        raise_problems("optim config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line."""
         p = []
-        if not _finite(self.lr) or self.lr <= 0:
+        if not is_finite(self.lr) or self.lr <= 0:
             p.append(f"lr={self.lr}: must be a finite number > 0")
         if self.weight_decay < 0:
             p.append(f"weight_decay={self.weight_decay}: must be >= 0")
@@ -261,15 +275,7 @@ class OptimConfig:
         elif self.total_steps and self.schedule != "constant" and self.warmup_steps >= self.total_steps:
             p.append(f"warmup_steps={self.warmup_steps}: must be below total_steps={self.total_steps}, or the "
                      f"{self.schedule} decay never starts")
-        _raise_if(p, "optim config")
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        return p
 
 
 @dataclass
@@ -304,6 +310,10 @@ class VLLMConfig:
     """Extra ``vllm.LLM`` keyword arguments, passed through unchanged."""
 
     def __post_init__(self) -> None:
+        raise_problems("vllm config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line."""
         p = []
         if not 0 < self.gpu_memory_utilization <= 1:
             p.append(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
@@ -315,7 +325,7 @@ class VLLMConfig:
             p.append(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be >= 1 or None (auto)")
         if self.logprobs_mode not in ("auto", "processed_logprobs", "raw_logprobs"):
             p.append(f"logprobs_mode={self.logprobs_mode!r}: must be 'auto', 'processed_logprobs' or 'raw_logprobs'")
-        _raise_if(p, "vllm config")
+        return p
 
 
 def check_sampler_logprobs(rl: GRPOConfig, rollout: RolloutConfig) -> None:
@@ -324,12 +334,12 @@ def check_sampler_logprobs(rl: GRPOConfig, rollout: RolloutConfig) -> None:
     mode = rollout.vllm.logprobs_mode if rollout.vllm is not None else "auto"
     warped = rollout.temperature != 1.0 or rollout.top_p < 1.0 or rollout.top_k > 0
     if rollout.engine == "vllm" and rl.use_rollout_logprobs_for_loss and mode == "raw_logprobs" and warped:
-        raise ConfigError(
-            "invalid rollout config (1 problem):\n  - vllm.logprobs_mode='raw_logprobs': with "
+        raise_problems("rollout config", [(
+            "vllm.logprobs_mode='raw_logprobs': with "
             f"rl.use_rollout_logprobs_for_loss=true and temperature={rollout.temperature}, top_p={rollout.top_p}, "
             f"top_k={rollout.top_k} the loss would take log-softmax of the unwarped logits as pi_old; set "
             "vllm.logprobs_mode to 'auto' or 'processed_logprobs'"
-        )
+        )])
 
 
 @dataclass
@@ -362,24 +372,28 @@ class RolloutConfig:
     """Prompts over max_prompt_tokens: drop (counted in data/long_prompts_dropped, warned once) or error at setup."""
 
     def __post_init__(self) -> None:
+        raise_problems("rollout config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line."""
         p = []
         if self.max_new_tokens < 1:
             p.append(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.max_prompt_tokens is not None and (not _is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1):
+        if self.max_prompt_tokens is not None and (not is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1):
             p.append(f"max_prompt_tokens={self.max_prompt_tokens}: must be a positive integer or null (the context)")
         if self.long_prompts not in ("drop", "error"):
             p.append(f"long_prompts={self.long_prompts!r}: must be 'drop' or 'error'")
         if self.stop is not None and (not isinstance(self.stop, (list, tuple))
                                       or not all(isinstance(x, str) and x for x in self.stop)):
             p.append(f"stop={self.stop!r}: must be a list of non-empty strings (or null)")
-        if not _finite(self.temperature) or self.temperature <= 0:
+        if not is_finite(self.temperature) or self.temperature <= 0:
             p.append(f"temperature={self.temperature}: must be > 0 for GRPO sampling (greedy groups have no spread)")
         if not 0 < self.top_p <= 1:
             p.append(f"top_p={self.top_p}: must be in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             p.append(f"top_k={self.top_k}: must be an integer >= 0 (0 = off)")
-        if not _finite(self.sync_bucket_mb) or self.sync_bucket_mb <= 0:
+        if not is_finite(self.sync_bucket_mb) or self.sync_bucket_mb <= 0:
             p.append(f"sync_bucket_mb={self.sync_bucket_mb}: must be > 0")
         if self.engine == "replay" and not self.replay_path:
             p.append("replay_path=None: engine=replay needs a JSONL file of recorded rollouts")
-        _raise_if(p, "rollout config")
+        return p

@@ -212,7 +212,7 @@ def _derived(cls: type, problems: list[str]) -> Iterator[tuple[str, str]]:
     for name, member in inspect.getmembers(cls):
         if name.startswith("_"):
             continue
-        if isinstance(member, property) or (inspect.isfunction(member) and name not in ("validate",)):
+        if isinstance(member, property) or (inspect.isfunction(member) and name not in ("validate", "problems")):
             doc = inspect.getdoc(member)
             if not doc:
                 problems.append(f"{cls.__module__}.{cls.__name__}.{name}: add a docstring (derived value)")

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.base import UpdateModule
-from lightning_grpo.config import ConfigError, OptimConfig
+from lightning_grpo.checks import is_finite, is_int, raise_problems
+from lightning_grpo.config import OptimConfig
 from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
 from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import token_logprobs
@@ -63,33 +64,35 @@ class DPOConfig:
 
     def validate(self, dp_size: int = 1) -> None:
         """Raise one ConfigError listing every broken rule (``dp_size`` adds the per-rank rule)."""
+        raise_problems("dpo config", self.problems(dp_size))
+
+    def problems(self, dp_size: int = 1) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line."""
         p = []
         b, k = self.batch_size, self.grad_accum
-        if not _is_int(b) or b < 1:
+        if not is_int(b) or b < 1:
             p.append(f"batch_size={b}: must be a positive integer")
-        if not _is_int(k) or k < 1:
+        if not is_int(k) or k < 1:
             p.append(f"grad_accum={k}: must be a positive integer (train calls per optimizer step)")
-        elif _is_int(b) and b >= 1 and b % k:
+        elif is_int(b) and b >= 1 and b % k:
             p.append(f"grad_accum={k} must divide batch_size={b} (a ragged chunk changes nothing here, but every "
                      "rank must run the same number of train calls)")
-        elif _is_int(b) and b >= 1 and dp_size > 1 and (b // k) % dp_size:
+        elif is_int(b) and b >= 1 and dp_size > 1 and (b // k) % dp_size:
             p.append(f"batch_size={b} / grad_accum={k} = {b // k} pairs per train call must split evenly over DP "
                      f"size {dp_size}")
-        if not _finite(self.beta) or self.beta <= 0:
+        if not is_finite(self.beta) or self.beta <= 0:
             p.append(f"beta={self.beta}: must be a finite number > 0")
         if self.loss_type not in ("sigmoid", "ipo"):
             p.append(f"loss_type={self.loss_type!r}: must be 'sigmoid' or 'ipo'")
-        if not _finite(self.label_smoothing) or not 0 <= self.label_smoothing < 0.5:
+        if not is_finite(self.label_smoothing) or not 0 <= self.label_smoothing < 0.5:
             p.append(f"label_smoothing={self.label_smoothing}: must be in [0, 0.5)")
         elif self.label_smoothing and self.loss_type != "sigmoid":
             p.append(f"label_smoothing={self.label_smoothing}: applies to loss_type='sigmoid' only")
-        if not _finite(self.max_grad_norm) or self.max_grad_norm < 0:
+        if not is_finite(self.max_grad_norm) or self.max_grad_norm < 0:
             p.append(f"max_grad_norm={self.max_grad_norm}: must be a finite number >= 0 (0 = no clipping)")
-        if self.max_length is not None and (not _is_int(self.max_length) or self.max_length < 2):
+        if self.max_length is not None and (not is_int(self.max_length) or self.max_length < 2):
             p.append(f"max_length={self.max_length}: must be an integer >= 2 or null")
-        if p:
-            raise ConfigError("invalid dpo config ({} problem{}):\n{}".format(
-                len(p), "s" * (len(p) > 1), "\n".join(f"  - {x}" for x in p)))
+        return p
 
     def pairs_per_rank(self, dp_size: int) -> int:
         """Pairs of one optimizer step on each of ``dp_size`` data-parallel ranks (batch_size / dp_size)."""
@@ -97,12 +100,6 @@ class DPOConfig:
         return self.batch_size // dp_size
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 # The sections' defaults: instances, so `--help` and `--print_config` show every field (copied, never mutated).

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.config import _raise_if
+from lightning_grpo.checks import is_int, raise_problems
 
 ADAPTER_NAME = "default"
 ALL_LINEAR = "all-linear"
@@ -54,8 +54,12 @@ class LoraConfig:
     engines or layers without LoRA support)."""
 
     def __post_init__(self) -> None:
+        raise_problems("policy.lora config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line (target names are checked at setup)."""
         p = []
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+        if not is_int(self.rank) or self.rank < 1:
             p.append(f"rank={self.rank!r}: must be an integer >= 1")
         if not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
             p.append(f"alpha={self.alpha!r}: must be > 0")
@@ -70,7 +74,7 @@ class LoraConfig:
                 p.append(f"target_modules={self.target_modules!r}: not a valid regex ({err}); give a list of names")
         if self.sync not in ("adapter", "merge"):
             p.append(f"sync={self.sync!r}: must be 'adapter' or 'merge'")
-        _raise_if(p, "policy.lora config")
+        return p
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
+from lightning_grpo.checks import is_int, raise_problems
 from lightning_grpo.lora import LoraConfig
 from lightning_grpo.vision import VisionProcessor, freeze_vision_tower, is_vision_config
 
@@ -64,10 +65,16 @@ class PolicyConfig:
     freezes it; its merger (the projection into the language model) trains either way."""
 
     def __post_init__(self) -> None:
+        raise_problems("policy config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line (the model itself is checked when it loads)."""
+        p = []
         if not self.path:
-            raise ValueError("policy.path='': give a Hugging Face Hub id, a model folder or 'tiny:<name>'")
-        if self.warm_start_steps < 0:
-            raise ValueError(f"policy.warm_start_steps={self.warm_start_steps}: must be >= 0")
+            p.append("policy.path='': give a Hugging Face Hub id, a model folder or 'tiny:<name>'")
+        if not is_int(self.warm_start_steps) or self.warm_start_steps < 0:
+            p.append(f"policy.warm_start_steps={self.warm_start_steps}: must be >= 0")
+        return p
 
 
 def with_seed(cfg: PolicyConfig, seed: int) -> PolicyConfig:

@@ -180,6 +180,18 @@ def test_parse_and_load_errors_are_short_too(flag, says, capsys):
     assert len(err.splitlines()) <= 6 and "Traceback" not in err and "usage:" not in err and "NoneType" not in err
 
 
+@pytest.mark.parametrize("how", ["flag", "yaml"])
+def test_the_retired_rl_grad_accum_is_refused_by_name_with_what_replaces_it(how, tmp_path, capsys):
+    retired = tmp_path / "retired.yaml"
+    retired.write_text("model:\n  rl:\n    grad_accum: 4\n")
+    extra = ["--model.rl.grad_accum=4"] if how == "flag" else ["--config", str(retired)]
+    code, out, err = _run(["fit", "--config", QUICKSTART, *extra], capsys)
+    assert code == 2
+    assert err.startswith("lightning-grpo: error: rl.grad_accum is retired for GRPO and was removed")
+    assert "n_micro = mini_batch_per_replica / micro_batch_per_replica. Set micro_batch_per_replica" in err
+    assert len(err.splitlines()) <= 3 and "Traceback" not in err + out and "usage:" not in err
+
+
 @pytest.mark.parametrize("flag", ["--optimizer=Adam", "--optimizer.lr=0.1", "--optimizer=SGD", "--lr_scheduler=ConstantLR"])
 def test_optimizer_flags_are_refused_with_a_pointer_to_model_optim(flag, capsys):
     code, _, err = _run(["fit", "--config", QUICKSTART, flag], capsys)

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -60,6 +61,17 @@ def test_all_problems_reported_at_once():
         GRPOConfig(epsilon=2.0, beta=-1.0, grad_accum=2)
     msg = str(err.value)
     assert "3 problems" in msg and "epsilon=2.0" in msg and "beta=-1.0" in msg and "grad_accum=2" in msg
+
+
+def test_the_retired_grad_accum_is_refused_by_name_with_what_replaces_it():
+    assert "grad_accum" not in {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert not hasattr(GRPOConfig, "clip_high")  # unused; the objective reads epsilon_high itself
+    for value in (1, 4):  # even the old default: the knob is gone, not ignored
+        with pytest.raises(ConfigError) as err:
+            GRPOConfig(grad_accum=value)
+        msg = str(err.value)
+        assert f"grad_accum={value}: rl.grad_accum is retired for GRPO and was removed" in msg
+        assert "n_micro = mini_batch_per_replica / micro_batch_per_replica" in msg and "1 problem" in msg
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_grpo.checks import raise_problems
 from lightning_grpo.data.answers import NUMBER, answers_match, extract_answer, extract_reference, normalize_answer
 from lightning_grpo.data.reward_calls import RewardError, RewardFunction, as_values, call_reward, inspect_reward
 from lightning_grpo.rollout.base import Rollout
@@ -60,12 +61,22 @@ class RewardSpec:
     then names its sample. Off: one batch call, and a failure is reported at once with the function's traceback."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight):
-            raise ValueError(f"reward {self.name!r}: weight={self.weight!r} must be a finite number")
-        if self.timeout_s is not None and (not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0):
-            raise ValueError(f"reward {self.name!r}: timeout_s={self.timeout_s!r} must be > 0 seconds (or null)")
+        p = self.problems()
         # Import and signature problems surface here, at config load, not at the first loop step.
-        object.__setattr__(self, "_function", load_reward(self.name))
+        try:
+            object.__setattr__(self, "_function", load_reward(self.name))
+        except ValueError as err:  # every problem of the name is a ValueError naming it (load_reward)
+            p.append(str(err))
+        raise_problems("rewards config", p)
+
+    def problems(self) -> list[str]:
+        """Every broken rule of the weight and time limit as a ``field=value: rule`` line (the name: at load)."""
+        p = []
+        if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight):
+            p.append(f"reward {self.name!r}: weight={self.weight!r} must be a finite number")
+        if self.timeout_s is not None and (not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0):
+            p.append(f"reward {self.name!r}: timeout_s={self.timeout_s!r} must be > 0 seconds (or null)")
+        return p
 
     @property
     def function(self) -> RewardFunction:

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.config import ConfigError, GRPOConfig, VLLMConfig
+from lightning_grpo.checks import raise_problems
+from lightning_grpo.config import GRPOConfig, VLLMConfig
 from lightning_grpo.distributed import single_process
 from lightning_grpo.objectives.base import PolicyView, Reduction, nonzero
 from lightning_grpo.objectives.grpo import ChunkStats, DPMean, GRPOObjective
@@ -63,9 +64,13 @@ class OPDConfig:
     """Float32 logits of one chunk of positions in the full KL, in MiB (memory only: the result is unchanged)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.teacher, dict):
+            self.teacher = PolicyConfig(**self.teacher)
+        raise_problems("opd config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule of this section as a ``field=value: rule; fix`` line."""
         p = []
-        if self.teacher is not None and not isinstance(self.teacher, PolicyConfig):
-            self.teacher = PolicyConfig(**self.teacher) if isinstance(self.teacher, dict) else self.teacher
         if self.kl == "full" and self.teacher_engine == "vllm":
             p.append("kl='full' with teacher_engine='vllm': vLLM returns the sampled token's logprob only; use "
                      "kl=sampled, or teacher_engine=hf for the full-vocabulary KL")
@@ -76,12 +81,10 @@ class OPDConfig:
             p.append(f"beta_opd={self.beta_opd}: must be a finite number >= 0")
         if not (math.isfinite(self.kl_chunk_mb) and self.kl_chunk_mb > 0):
             p.append(f"kl_chunk_mb={self.kl_chunk_mb}: must be > 0")
-        if p:
-            raise ConfigError("invalid opd config ({} problem{}):\n{}".format(
-                len(p), "s" * (len(p) > 1), "\n".join(f"  - {x}" for x in p)))
+        return p
 
     def validate_with(self, rl: GRPOConfig) -> None:
-        """Rules that need the ``rl`` section too (checked when the module is built)."""
+        """Rules that need the ``rl`` section too (checked when the module is built), raised as one ConfigError."""
         p = []
         if self.teacher is None:
             p.append("opd.teacher=None: objective=opd needs a teacher (opd.teacher.path: a Hugging Face folder or "
@@ -91,9 +94,7 @@ class OPDConfig:
                      "opd.use_rewards=false leaves out; set rl.beta=0 (the teacher is the anchor) or use_rewards=true")
         if not self.use_rewards and rl.use_rollout_logprobs_for_loss:
             p.append("rl.use_rollout_logprobs_for_loss=true: distillation alone has no ratio, so pi_old is never used")
-        if p:
-            raise ConfigError("invalid opd config ({} problem{}):\n{}".format(
-                len(p), "s" * (len(p) > 1), "\n".join(f"  - {x}" for x in p)))
+        raise_problems("opd config", p)
 
 
 @dataclass(frozen=True)

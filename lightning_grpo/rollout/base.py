@@ -8,6 +8,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from lightning_grpo.checks import is_finite, is_int, raise_problems
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -34,6 +36,24 @@ class SamplingConfig:
     """Tokens a completion may not hold (a VLM's vision tokens: an image placeholder in a completion would claim an
     image that is not there). A completion ends right before the first one it samples (``finish_reason="length"``);
     sampling itself is untouched, so sampler logprobs still equal the policy's (no renormalization)."""
+
+    def __post_init__(self) -> None:
+        raise_problems("sampling config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule as a ``field=value: rule`` line (``RolloutConfig`` checks the user's values first)."""
+        p = []
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            p.append(f"max_new_tokens={self.max_new_tokens!r}: must be an integer >= 1")
+        if not is_finite(self.temperature) or self.temperature < 0:
+            p.append(f"temperature={self.temperature!r}: must be a finite number >= 0 (0 = greedy)")
+        if not is_finite(self.top_p) or not 0 < self.top_p <= 1:
+            p.append(f"top_p={self.top_p!r}: must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            p.append(f"top_k={self.top_k!r}: must be an integer >= 0 (0 = off)")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            p.append(f"stop={self.stop!r}: must be non-empty strings")
+        return p
 
 
 @dataclass(frozen=True)

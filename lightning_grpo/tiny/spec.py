@@ -1,13 +1,16 @@
 """``TinyPolicySpec``: the shape of a locally built tiny policy (``policy.tiny`` in a config).
 
-A plain dataclass with no imports of ours and no torch: ``PolicyConfig`` names it as the type of its ``tiny``
-field, and the CLI parses it, without loading the builder (``build.py``) or the warm starts (``warm.py``).
+A plain dataclass with no torch and no import of ours but the dependency-free ``checks.py`` (its validation):
+``PolicyConfig`` names it as the type of its ``tiny`` field, and the CLI parses it, without loading the builder
+(``build.py``) or the warm starts (``warm.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from lightning_grpo.checks import is_finite, is_int, raise_problems
 
 
 @dataclass
@@ -47,3 +50,28 @@ class TinyPolicySpec:
     ``seed_everything``), 0 outside a module. Part of the cache key, as every field here."""
     chat_template: bool = False
     """Give the char tokenizer ``TINY_CHAT_TEMPLATE`` (a plain-text chat format), so chat-message prompts work."""
+
+    def __post_init__(self) -> None:
+        raise_problems("policy.tiny config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line (shapes transformers would refuse later)."""
+        p = [f"{name}={getattr(self, name)!r}: must be an integer >= 1"
+             for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                          "max_position_embeddings", "num_experts", "experts_per_token")
+             if not is_int(getattr(self, name)) or getattr(self, name) < 1]
+        if not p and self.hidden_size % self.num_heads:
+            p.append(f"hidden_size={self.hidden_size}: must divide by num_heads={self.num_heads} (head_dim)")
+        if not p and self.num_heads % self.num_kv_heads:
+            p.append(f"num_kv_heads={self.num_kv_heads}: must divide num_heads={self.num_heads}")
+        if not p and self.experts_per_token > self.num_experts:
+            p.append(f"experts_per_token={self.experts_per_token}: must not exceed num_experts={self.num_experts}")
+        if self.vocab_size is not None and (not is_int(self.vocab_size) or self.vocab_size < 1):
+            p.append(f"vocab_size={self.vocab_size!r}: must be a positive integer or null (the tokenizer's size)")
+        if not is_finite(self.dropout) or not 0 <= self.dropout < 1:
+            p.append(f"dropout={self.dropout!r}: must be in [0, 1)")
+        if not is_finite(self.router_jitter) or self.router_jitter < 0:
+            p.append(f"router_jitter={self.router_jitter!r}: must be a finite number >= 0 (0 = off)")
+        if not is_finite(self.init_std) or self.init_std <= 0:
+            p.append(f"init_std={self.init_std!r}: must be a finite number > 0")
+        return p

@@ -17,7 +17,7 @@ plan sets each window's count before it opens (``open_window``).
 * The step's order is fixed: unscale (a GradScaler, fp16) -> x 1/sum -> norm -> clip -> step.
   Clipping before the scale (or before unscaling) clips at the wrong scale and silently changes
   the update. The step *driver* owns the first and last stage (see ``plain_step`` and
-  ````precision.PluginStep````, which goes through Lightning's precision plugin).
+  ``precision.PluginStep``, which goes through Lightning's precision plugin).
 * A non-finite chunk loss poisons its whole window: grads are zeroed, the divisor resets, and
   the remaining calls of that window are discarded, so the optimizer never steps on a mixture
   of two mini-batches. A non-finite gradient norm at the step skips that step (a GradScaler
@@ -94,7 +94,7 @@ class DeferredAccumulator:
             rank. The poison decision must be collective: a rank that abandons its window while another
             goes on to the synced backward leaves that one waiting in the all-reduce.
         step: runs the optimizer step around ``finish`` (``plain_step(optimizer)`` by default; under a
-            Trainer, ````precision.PluginStep```` through the precision plugin, which unscales fp16 first).
+            Trainer, ``precision.PluginStep`` through the precision plugin, which unscales fp16 first).
         clip: ``clip(max_norm, total_norm)``; default ``torch.nn.utils.clip_grads_with_norm_`` (under a
             Trainer: ``LightningModule.clip_gradients``, the precision plugin's clipping).
     """
