@@ -134,9 +134,9 @@ def test_training_forwards_replay_the_ahead_record(moe_policy_dir, split):
                 if r in routes:
                     assert torch.equal(forward[i, :lengths[r]].to(torch.int16), routes[r][layer]), (split, k, r)
                     checked += 1
-    trained_at_pi_old = set() if plan.n_epochs > 1 else set(sum(plan.rows[0], ()))  # mini-batch 0, one epoch
+    trained_at_pi_old = set() if plan.mu_iterations > 1 else set(sum(plan.rows[0], ()))  # mini-batch 0, one epoch
     assert set(routes) == set(range(16)) - trained_at_pi_old
-    assert checked == 2 * plan.n_epochs * len(routes)
+    assert checked == 2 * plan.mu_iterations * len(routes)
     if "budget" in split:
         assert plan.n_chunks(1) > 1  # the budget really cut the windows
     assert module.routing.metrics()["moe/route_flip_frac"] > 0  # natural routing had moved: replay mattered

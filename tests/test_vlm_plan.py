@@ -130,7 +130,7 @@ def test_inner_epochs_rematerialize_one_chunk_at_a_time(tiny_vlm_dir, budget):
     module.vision.materialize = materialize
     result = module.updater.update(batch)
     plan = module.updater.last_plan
-    assert plan.n_epochs == 2 and len(result.steps) == 4 and not any(s.skipped for s in result.steps)
+    assert plan.mu_iterations == 2 and len(result.steps) == 4 and not any(s.skipped for s in result.steps)
     real_chunks = plan.real_chunks
     # ahead pass scores mini-batch 1 (and 0 for the later epoch's replay when it needs one), training scores every
     # chunk of both epochs: at least 2 x the chunks of one epoch, each with its own pixels.

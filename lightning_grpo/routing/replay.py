@@ -99,7 +99,7 @@ class RoutingReplay:
         """Take the ahead pass's per-row records and prepare each window's aux-loss constants."""
         self._routes = routes if self.mode != "off" else None
         self._walk = [(mini, plan.rows[mini][micro]) for _, mini, micro in plan.training_walk()]
-        self._windows, self._aux_values, self._steps = {}, [], plan.n_epochs * plan.n_mini
+        self._windows, self._aux_values, self._steps = {}, [], plan.mu_iterations * plan.n_mini
         if self.aux is None:
             return
         for mini, micro in plan.walk():  # every epoch revisits the same windows: their constants are per mini

@@ -151,9 +151,9 @@ class AheadPass:
     def probe_passed(self) -> bool:
         return self._probe is not None and self._probe.passed
 
-    def skips_first_mini(self, needs: Needs, epochs: int = 1) -> bool:
+    def skips_first_mini(self, needs: Needs, mu_iterations: int = 1) -> bool:
         """Whether mini-batch 0 goes unrecorded (``Needs.skips_first_mini``, once the probe has passed)."""
-        return self.skip_first_mini and needs.skips_first_mini(self.probe_passed, epochs)
+        return self.skip_first_mini and needs.skips_first_mini(self.probe_passed, mu_iterations)
 
     def compute(self, batch: RolloutBatch, plan: ChunkPlan, needs: Needs,
                 ahead: ChunkPlan | None = None) -> list[Tensor | None]:
@@ -170,12 +170,12 @@ class AheadPass:
         with eval_mode(self.model), torch.no_grad():
             if ahead is None:  # asked per chunk: once the probe passes, the rest of mini-batch 0 is skipped
                 for mini, micro in plan.walk():
-                    if not (mini == 0 and self.skips_first_mini(needs, plan.n_epochs)):
+                    if not (mini == 0 and self.skips_first_mini(needs, plan.mu_iterations)):
                         self._score(batch, plan.rows[mini][micro], lengths)
             else:  # empty chunks run too: every rank takes the same number of forwards
                 for _, micro in ahead.walk():
                     self._score(batch, ahead.rows[0][micro], lengths)
-        if self.skips_first_mini(needs, plan.n_epochs):  # also when the probe passed during this pass
+        if self.skips_first_mini(needs, plan.mu_iterations):  # also when the probe passed during this pass
             for record in self.records.values():  # mini-batch 0 trains at pi_old itself: it routes naturally too
                 record.drop(r for rows in plan.rows[0] for r in rows)
         laid: dict[tuple[int, int], Tensor | None] = {}  # each chunk laid out once: every epoch reuses its record

@@ -130,11 +130,11 @@ class ChunkPlan:
             for mi in range(n_mini)
         ))
 
-    def with_epochs(self, epochs: int, seed: int) -> ChunkPlan:
-        """``epochs`` passes over the same chunks: epoch 0 in mini-batch order, each later one in an order drawn from
-        ``seed`` (the same on every rank, so the ranks' windows stay aligned)."""
+    def with_mu_iterations(self, mu_iterations: int, seed: int) -> ChunkPlan:
+        """``mu_iterations`` inner epochs over the same chunks: epoch 0 in mini-batch order, each later one in an
+        order drawn from ``seed`` (the same on every rank, so the ranks' windows stay aligned)."""
         gen = torch.Generator().manual_seed(seed)
-        later = [tuple(torch.randperm(self.n_mini, generator=gen).tolist()) for _ in range(epochs - 1)]
+        later = [tuple(torch.randperm(self.n_mini, generator=gen).tolist()) for _ in range(mu_iterations - 1)]
         return replace(self, order=(tuple(range(self.n_mini)), *later))
 
     # -- shape ---------------------------------------------------------------------------------------------------
@@ -143,7 +143,8 @@ class ChunkPlan:
         return len(self.rows)
 
     @property
-    def n_epochs(self) -> int:
+    def mu_iterations(self) -> int:
+        """Inner epochs over the batch (``rl.mu_iterations``)."""
         return len(self.order)
 
     def n_chunks(self, mini: int) -> int:

@@ -44,7 +44,7 @@ class Split:
     ahead_budget: int = 0
     """Token budget per ahead-pass chunk; 0 = the ahead pass walks the training chunks."""
     mu_iterations: int = 1
-    """Epochs over the same chunks (inner epochs)."""
+    """Inner epochs over the same chunks (``rl.mu_iterations``)."""
 
     @classmethod
     def of(cls, rl, dp_size: int = 1) -> Split:
@@ -154,7 +154,7 @@ class Updater:
         plan, ahead = plan_update(batch, s.n_mini, s.n_micro, s.max_tokens_per_micro, ahead_rows, s.ahead_budget,
                                   self.dp.max, expected_rows=s.rows)
         if s.mu_iterations > 1:  # the later epochs' mini-batch order: the same on every rank, new every loop step
-            plan = plan.with_epochs(s.mu_iterations, seed=self.seed * 1_000_003 + self.loop_step)
+            plan = plan.with_mu_iterations(s.mu_iterations, seed=self.seed * 1_000_003 + self.loop_step)
         return plan, ahead
 
     # -- resume ---------------------------------------------------------------------------------------------------
