@@ -10,8 +10,9 @@ from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.dpo import DPOConfig
 from lightning_grpo.lora import LoraConfig
 from lightning_grpo.objectives.opd import OPDConfig
-from lightning_grpo.policy import PolicyConfig, TinyPolicySpec
+from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.base import SamplingConfig
+from lightning_grpo.tiny.spec import TinyPolicySpec
 
 # (config class, overrides breaking several rules, a fragment naming each broken rule's field=value)
 SEVERAL = [
