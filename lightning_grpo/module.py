@@ -6,6 +6,10 @@ One ``training_step`` consumes one collected batch: rollout -> rewards -> advant
 so ``trainer.max_steps`` is in optimizer steps = loop steps x mu_iterations x n_mini);
 ``loop_step`` counts collected batches and is the logged x-axis (``step``).
 
+This file is Lightning wiring, read top-down: build the parts (``configure_model``), then per loop step collect ->
+update -> report. The update itself is an ``Updater`` (``update/``, no Lightning; docs/update.md) and what every
+module shares (optimizer, precision step, DP ops, checkpoint state) is ``base.UpdateModule``.
+
 The module owns its state: ``on_save_checkpoint`` writes loop progress, accumulator, probe, data
 position and per-rank RNG into every checkpoint Lightning writes (``checkpoint/state.py``), so a plain
 ``ModelCheckpoint`` resumes exactly. It keeps its engine current through a ``WeightPublisher``

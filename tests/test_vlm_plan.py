@@ -73,8 +73,9 @@ def test_filler_chunks_on_an_image_batch_materialize_nothing_and_add_zero(tiny_v
     real = budgeted.vision.materialize
     budgeted.vision.materialize = lambda images, *a, **k: (materialized.append(len(images)), real(images, *a, **k))[1]
     scored = []
-    score = budgeted.logprobs
-    monkeypatch.setattr(budgeted, "logprobs", lambda m, chunk, *a: (scored.append(len(chunk)), score(m, chunk, *a))[1])
+    score = budgeted.scorer.logprobs
+    monkeypatch.setattr(budgeted.scorer, "logprobs",
+                        lambda m, chunk, *a: (scored.append(len(chunk)), score(m, chunk, *a))[1])
     before = params_of(whole.policy)
     whole.updater.update(batch)
     result = budgeted.updater.update(batch)

@@ -101,7 +101,7 @@ class CollectedBatchLoop:
         self.accumulator = accumulator
         self.forward_chunk = forward_chunk
         self.chunk_scope = chunk_scope or _no_scope
-        """Entered around chunk k's forward and backward (MoE routing replay of record k; ``routing.py``)."""
+        """Entered around chunk k's forward and backward (MoE routing replay of record k; ``routing/replay.py``)."""
         self.max_consecutive_skips = max_consecutive_skips
         self.progress = LoopProgress()
         self.last_nonfinite = ""  # where the last non-finite value came from, for the error
