@@ -13,8 +13,8 @@ from typing import Literal
 
 from lightning_grpo.checks import ConfigError, is_finite, is_int, raise_problems, retire
 
-__all__ = ["ConfigError", "GRPOConfig", "OptimConfig", "RankSizes", "RolloutConfig", "VLLMConfig",
-           "check_sampler_logprobs"]
+__all__ = ["LOSS_FORMS", "LOSS_TYPES", "RATIO_LEVELS", "ConfigError", "GRPOConfig", "OptimConfig", "RankSizes",
+           "RolloutConfig", "VLLMConfig", "check_sampler_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,23 @@ class RankSizes:
     batch: int
     mini: int
     micro: int
+
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "seq-mean-token-sum")
+"""``rl.loss_type``: how per-token losses become the step's loss (TRL's names; verl's where TRL has none)."""
+RATIO_LEVELS = ("token", "sequence")
+"""``rl.ratio_level``: the importance ratio per token (PPO, GRPO) or per sequence (GSPO)."""
+LOSS_FORMS = ("ppo_clip", "cispo")
+"""``rl.loss``: the clipped surrogate, or CISPO's truncated importance weight on a REINFORCE term."""
+PEER_LOSS_NAMES = {
+    "bnpo": "TRL's bnpo divides by each micro-batch's own token count, so its step changes with the chunking; here "
+            "chunking is exact: use 'dapo' (bnpo's step at one chunk per step on one rank)",
+    "token-mean": "verl's token-mean is 'dapo' here",
+    "seq-mean-token-mean": "verl's seq-mean-token-mean is 'grpo' here",
+    "seq-mean-token-sum-norm": "verl's seq-mean-token-sum-norm is 'dr_grpo' here (loss_scale_factor = "
+                               "rollout.max_new_tokens; dr_grpo also divides by the number of sequences)",
+}
+"""Peer names that are not ``rl.loss_type`` values, and what to set instead (docs/objectives.md)."""
 
 
 GRAD_ACCUM_RETIRED = (
@@ -58,11 +75,22 @@ class GRPOConfig:
     group_size: int = 8
     """Completions drawn per prompt (the GRPO group)."""
     epsilon: float = 0.2
-    """Lower clip range: the ratio is clipped below at 1 - epsilon."""
+    """Lower clip range: the ratio is clipped below at 1 - epsilon; in (0, 1), or (0, 1] with loss=cispo (1.0: none)."""
     epsilon_high: float | None = None
     """Upper clip range (1 + epsilon_high); None = epsilon (symmetric clip)."""
     beta: float = 0.0
     """Weight of the k3 KL penalty to the reference policy; 0 = no reference model is built."""
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "seq-mean-token-sum"] = "dapo"
+    """How per-token losses become the step's loss (TRL's names): dapo = token mean over the optimizer step's
+    completion tokens (all ranks); grpo = each sequence's token mean, then the mean over sequences; dr_grpo = token
+    sum over rollout.max_new_tokens x sequences (Dr. GRPO); seq-mean-token-sum = each sequence's token sum, mean over
+    sequences (verl's name). Exact under any chunking. See docs/objectives.md ("GRPO's loss family")."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or per sequence (GSPO: exp of the mean over the sequence's tokens of
+    logp - logp_old, clipped per sequence; TRL's importance_sampling_level). GSPO clips far tighter (3e-4 / 4e-4)."""
+    loss: Literal["ppo_clip", "cispo"] = "ppo_clip"
+    """ppo_clip: -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A). cispo: -sg(clip(r, 1 - epsilon, 1 + epsilon_high))
+    A log pi, a gradient through every token (MiniMax-M1; epsilon 1.0 = no lower bound, as MiniMax-M1 and TRL)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this after normalization; 0 disables clipping."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -147,7 +175,7 @@ class GRPOConfig:
 
     def problems(self, dp_size: int = 1) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line; the per-rank rules once the rest hold."""
-        p = self._size_problems() + self._loss_problems() + self._pi_old_problems()
+        p = self._size_problems() + self._loss_problems() + self._family_problems() + self._pi_old_problems()
         if not p and dp_size > 1:
             p += self._rank_problems(dp_size)
         return p
@@ -188,7 +216,10 @@ class GRPOConfig:
     def _loss_problems(self) -> list[str]:
         """The clip range, KL weight, advantage scaling, gradient clip and the skip limit."""
         p: list[str] = []
-        if not is_finite(self.epsilon) or not 0 < self.epsilon < 1:
+        if self.loss == "cispo":  # CISPO truncates a weight: a lower bound of 0 (epsilon 1.0) is no bound (MiniMax-M1)
+            if not is_finite(self.epsilon) or not 0 < self.epsilon <= 1:
+                p.append(f"epsilon={self.epsilon}: with loss='cispo' must be in (0, 1] (1.0 = no lower bound)")
+        elif not is_finite(self.epsilon) or not 0 < self.epsilon < 1:
             p.append(f"epsilon={self.epsilon}: must be in (0, 1) so the clip range 1 - epsilon stays positive")
         if self.epsilon_high is not None and (not is_finite(self.epsilon_high) or self.epsilon_high <= 0):
             p.append(f"epsilon_high={self.epsilon_high}: must be > 0 (or null for symmetric clipping)")
@@ -203,6 +234,22 @@ class GRPOConfig:
         if skips is not None and (not is_int(skips) or skips < 0):
             p.append(f"max_consecutive_skips={skips!r}: must be an integer >= 0 "
                      "(0 = stop at the first skipped step) or null (never stop)")
+        return p
+
+    def _family_problems(self) -> list[str]:
+        """The loss family: divisor, ratio level and surrogate, and the combinations that make no sense."""
+        p: list[str] = []
+        if self.loss_type not in LOSS_TYPES:
+            hint = PEER_LOSS_NAMES.get(self.loss_type, "the divisor of the step's loss")
+            p.append(f"loss_type={self.loss_type!r}: must be one of {', '.join(map(repr, LOSS_TYPES))}; {hint}")
+        if self.ratio_level not in RATIO_LEVELS:
+            p.append(f"ratio_level={self.ratio_level!r}: must be 'token' or 'sequence' (GSPO)")
+        if self.loss not in LOSS_FORMS:
+            p.append(f"loss={self.loss!r}: must be 'ppo_clip' or 'cispo'")
+        elif self.loss == "cispo" and self.ratio_level == "sequence":
+            p.append("ratio_level='sequence' with loss='cispo': CISPO weighs each token's gradient by that token's own "
+                     "truncated ratio (MiniMax-M1); a sequence ratio has no published CISPO form. Set "
+                     "ratio_level='token', or loss='ppo_clip' for GSPO")
         return p
 
     def _pi_old_problems(self) -> list[str]:

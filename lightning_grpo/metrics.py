@@ -100,11 +100,11 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
 # Unlisted names (reward/<name>, rates, shares) are means over ranks, exact because every rank holds the same
 # number of trajectories and groups. grpo/loss is one of them: rank r reports S_r / N_bar (its loss sum over the
 # DP-mean divisor N_bar), so the mean over ranks is sum(S_r) / sum(N_r), the whole batch's token mean.
-RANK_SUM = frozenset({"grpo/tokens", "grpo/n", "grpo/chunks", "grpo/empty_chunks", "grpo/oversized_rows",
+RANK_SUM = frozenset({"grpo/tokens", "grpo/n", "grpo/seqs", "grpo/chunks", "grpo/empty_chunks", "grpo/oversized_rows",
                       "dpo/pairs"})
 """Counts of this rank's share: summed, they count the whole collected batch."""
-RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/ratio_mean", "grpo/kl", "grpo/kl_old", "opd/kl",
-                                 "opd/teacher_logprob"})
+RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/clip_frac_low", "grpo/clip_frac_high", "grpo/ratio_mean",
+                                 "grpo/kl", "grpo/kl_old", "opd/kl", "opd/teacher_logprob"})
 """Per-token figures of this rank's tokens: weighted by ``grpo/tokens`` (ranks hold unequal token counts)."""
 RANK_MAX = frozenset({"grpo/ratio_max", "reward/max", "completion/len_max", "grpo/ahead_seconds"})
 RANK_MIN = frozenset({"reward/min"})

@@ -45,6 +45,12 @@ BAD_RL = [
     (dict(max_tokens_per_ahead_micro=-5), "max_tokens_per_ahead_micro=-5"),
     (dict(mu_iterations=0), "mu_iterations=0: must be an integer >= 1"),
     (dict(mu_iterations=1.5), "mu_iterations=1.5"),
+    (dict(loss_type="bnpo"), "loss_type='bnpo': must be one of 'dapo', 'grpo', 'dr_grpo', 'seq-mean-token-sum'"),
+    (dict(ratio_level="seq"), "ratio_level='seq': must be 'token' or 'sequence'"),
+    (dict(loss="sapo"), "loss='sapo': must be 'ppo_clip' or 'cispo'"),
+    (dict(loss="cispo", ratio_level="sequence"), "ratio_level='sequence' with loss='cispo'"),
+    (dict(loss="cispo", epsilon=1.5), "epsilon=1.5: with loss='cispo' must be in (0, 1]"),
+    (dict(epsilon=1.0), "epsilon=1.0: must be in (0, 1)"),
 ]
 
 

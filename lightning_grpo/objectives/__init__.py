@@ -60,7 +60,9 @@ def _grpo(module) -> Objective:
     from lightning_grpo.objectives.grpo import GRPOObjective
 
     rl = module.rl
-    return GRPOObjective(rl.epsilon, rl.epsilon_high, rl.beta, dp_mean=module.dp_mean)
+    return GRPOObjective(rl.epsilon, rl.epsilon_high, rl.beta, dp_mean=module.dp_mean, loss_type=rl.loss_type,
+                         ratio_level=rl.ratio_level, loss=rl.loss,
+                         max_completion_length=module.rollout_cfg.max_new_tokens)  # Dr. GRPO's constant
 
 
 def _opd(module) -> Objective:

@@ -1,9 +1,10 @@
-"""The GRPO objective: clipped surrogate against pi_old, optional k3 KL, token-mean loss.
+"""The GRPO objective family: a clipped (PPO) or CISPO surrogate against pi_old, per token or per sequence, an
+optional k3 KL, and one of four divisors (``rl.loss_type``).
 
-Tensors in, ``(loss, denom, stats)`` out. ``loss`` is the chunk's own token mean and
-``denom`` the divisor it used (the DP mean of masked completion tokens), so the
-accumulator can recover the chunk sum as ``loss * denom`` and defer the batch division
-to the optimizer step.
+Tensors in, ``(loss, denom, stats)`` out. ``loss`` is the chunk's sum over the divisor ``denom`` (a DP mean: the
+step's completion tokens by default), so the accumulator recovers the chunk sum as ``loss * denom`` and defers the
+division to the optimizer step. Every divisor below is a sum over rows and a chunk is a set of whole rows
+(``ChunkPlan``), so a per-sequence mean or a per-sequence ratio is exact under any chunking.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.config import LOSS_FORMS, LOSS_TYPES, RATIO_LEVELS
 from lightning_grpo.distributed import single_process
 from lightning_grpo.objectives.base import PolicyView, Reduction
 
@@ -31,47 +33,71 @@ class ChunkStats:
         "loss": ("grpo/loss", "denom"), "denom": ("grpo/denom", "sum"), "tokens": ("grpo/tokens", "sum"),
         "n": ("grpo/n", "sum"), "clip_frac": ("grpo/clip_frac", "tokens"), "ratio_mean": ("grpo/ratio_mean", "tokens"),
         "ratio_max": ("grpo/ratio_max", "max"), "kl": ("grpo/kl", "tokens"), "kl_old": ("grpo/kl_old", "tokens"),
+        "clip_frac_low": ("grpo/clip_frac_low", "tokens"), "clip_frac_high": ("grpo/clip_frac_high", "tokens"),
+        "seqs": ("grpo/seqs", "sum"),
     }
     """Field -> (metric, reduction): the loss weighted by the divisor, per-token figures by this rank's tokens."""
 
     loss: Tensor
     denom: Tensor
-    """Divisor the loss was normalized by (DP-mean masked completion tokens)."""
+    """Divisor the loss was normalized by (a DP mean: completion tokens, sequences, or sequences x max length)."""
     tokens: Tensor
     """This rank's masked completion tokens."""
     n: Tensor
     """Trajectories in the chunk."""
     clip_frac: Tensor
-    """Fraction of this rank's tokens whose ratio was clipped."""
+    """Fraction of this rank's tokens whose ratio was clipped (low + high)."""
     ratio_mean: Tensor
-    """Token mean of the ratio over this rank's tokens."""
+    """Token mean of the ratio over this rank's tokens (a sequence ratio counts once per token of its sequence)."""
     ratio_max: Tensor
     """Largest ratio on a counted token (-inf on an empty chunk)."""
     kl: Tensor
     """Token mean of the k3 KL (0 when beta == 0)."""
     kl_old: Tensor | None = None
     """Token mean of the k3 estimate of KL(pi_old || pi): how far the policy moved from the one that sampled."""
+    clip_frac_low: Tensor | None = None
+    """Fraction of tokens clipped below (ppo_clip: ratio < 1 - epsilon and A < 0; cispo: weight truncated below)."""
+    clip_frac_high: Tensor | None = None
+    """Fraction of tokens clipped above (ppo_clip: ratio > 1 + epsilon_high and A > 0; cispo: weight truncated)."""
+    seqs: Tensor | None = None
+    """This rank's sequences with at least one counted token (the unit of the per-sequence divisors)."""
 
 
 class GRPOObjective:
-    """Clipped surrogate (PPO-style, per token) with an optional k3 KL penalty.
+    """Clipped surrogate (PPO-style) or CISPO, per-token or per-sequence ratio, optional k3 KL, four divisors.
 
     Args:
         epsilon: lower clip range (ratio >= 1 - epsilon).
         epsilon_high: upper clip range (ratio <= 1 + epsilon_high).
         beta: KL weight; 0 skips the KL term (no reference logprobs needed).
         dp_mean: all-reduce mean over data-parallel ranks for the divisor.
+        loss_type: the divisor (``rl.loss_type``): dapo, grpo, dr_grpo or seq-mean-token-sum.
+        ratio_level: token (PPO/GRPO) or sequence (GSPO: the length-normalized sequence ratio).
+        loss: ppo_clip (``-min(r A, clip(r) A)``) or cispo (``-sg(clip(r)) A log pi``).
+        max_completion_length: Dr. GRPO's constant (``rollout.max_new_tokens``); needed by dr_grpo only.
     """
 
     name = "grpo"
     stats = ChunkStats  # names every grpo/* figure of a loop step where no chunk stepped
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
-                 dp_mean: DPMean = single_process) -> None:
+                 dp_mean: DPMean = single_process, *, loss_type: str = "dapo", ratio_level: str = "token",
+                 loss: str = "ppo_clip", max_completion_length: int | None = None) -> None:
+        for knob, value, known in (("loss_type", loss_type, LOSS_TYPES), ("ratio_level", ratio_level, RATIO_LEVELS),
+                                   ("loss", loss, LOSS_FORMS)):
+            if value not in known:
+                raise ValueError(f"GRPOObjective({knob}={value!r}): must be one of {', '.join(map(repr, known))}")
+        if loss_type == "dr_grpo" and not max_completion_length:
+            raise ValueError("GRPOObjective(loss_type='dr_grpo') needs max_completion_length (rollout.max_new_tokens)")
+        if loss == "cispo" and ratio_level == "sequence":
+            raise ValueError("GRPOObjective(loss='cispo', ratio_level='sequence'): CISPO weighs each token by its own "
+                             "ratio; use ratio_level='token'")
         self.epsilon = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.beta = beta
         self.dp_mean = dp_mean
+        self.loss_type, self.ratio_level, self.loss = loss_type, ratio_level, loss
+        self.max_completion_length = max_completion_length
 
     def needs_old_logprobs(self) -> bool:
         """The ratio consumes pi_old, so mini-batching needs it frozen (the ahead pass)."""
@@ -110,10 +136,14 @@ class GRPOObjective:
         """
         old = logprobs.detach() if old_logprobs is None else old_logprobs
         m = mask.to(logprobs.dtype)
-        ratio = torch.exp(logprobs - old)  # [B, T-1]
+        ratio = self._ratio(logprobs, old, m)  # [B, T-1]
         adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [B, 1]
         clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped * adv)
+        if self.loss == "cispo":
+            # CISPO (MiniMax-M1, arXiv 2506.13585): the truncated ratio, no gradient, weighs each token's REINFORCE term
+            per_token = -(clipped.detach() * adv) * logprobs
+        else:
+            per_token = -torch.min(ratio * adv, clipped * adv)
         kl = torch.zeros_like(per_token)
         if self.beta > 0:
             if ref_logprobs is None:
@@ -122,22 +152,57 @@ class GRPOObjective:
             kl = torch.exp(delta) - delta - 1  # k3 estimator: unbiased, always >= 0
             per_token = per_token + self.beta * kl
         tokens = m.sum()
-        denom = self.dp_mean(tokens.detach())
+        seqs = (m.sum(-1) > 0).to(m.dtype).sum()  # rows with a counted token: a DP filler row is no sequence
+        total, denom = self._sum_and_divisor(per_token, m, tokens, seqs)
         # Guard zero only: an all-masked chunk has denom 0 and loss 0, never 0/0. Under DP the divisor is a mean and
         # may be in (0, 1) (fewer tokens than ranks); clamping it to 1 would make loss * denom differ from the chunk sum.
-        loss = (per_token * m).sum() / torch.where(denom > 0, denom, torch.ones_like(denom))
+        loss = total / torch.where(denom > 0, denom, torch.ones_like(denom))
         with torch.no_grad():
-            is_clipped = ((ratio * adv) > (clipped * adv)).to(m.dtype) * m  # the min picked the clipped term
-            local = tokens.clamp(min=1)
-            stats = ChunkStats(
-                loss=loss.detach(),
-                denom=denom,
-                tokens=tokens,
-                n=torch.tensor(float(mask.shape[0]), dtype=torch.float32),  # 16-true sets a half default dtype
-                clip_frac=is_clipped.sum() / local,
-                ratio_mean=(ratio * m).sum() / local,
-                ratio_max=ratio.detach().masked_fill(~mask, float("-inf")).amax() if mask.numel() else tokens * 0,
-                kl=(kl * m).sum() / local,
-                kl_old=((ratio - 1 - (logprobs - old)) * m).sum() / local,  # k3, r = pi / pi_old
-            )
+            stats = self._stats(loss, denom, tokens, seqs, ratio, clipped, adv, kl, logprobs - old, m, mask)
         return loss, denom, stats
+
+    def _ratio(self, logprobs: Tensor, old: Tensor, m: Tensor) -> Tensor:
+        """``[B, T-1]`` ratio: per token, or GSPO's ``exp(mean_t(logp - old))`` repeated over its sequence."""
+        if self.ratio_level == "token":
+            return torch.exp(logprobs - old)  # [B, T-1]
+        lengths = m.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+        # GSPO (arXiv 2507.18071): s_i = exp(mean over the sequence's tokens of (logp - old)), length-normalized
+        log_ratio = ((logprobs - old) * m).sum(-1, keepdim=True) / lengths  # [B, 1]
+        return torch.exp(log_ratio).expand_as(m)  # [B, T-1]; the gradient reaches every token of the sequence
+
+    def _sum_and_divisor(self, per_token: Tensor, m: Tensor, tokens: Tensor, seqs: Tensor) -> tuple[Tensor, Tensor]:
+        """The chunk's sum under ``loss_type`` and its DP-mean divisor (one ``dp_mean`` call)."""
+        if self.loss_type == "dapo":  # today's expression, kept as is (bit-identical)
+            return (per_token * m).sum(), self.dp_mean(tokens.detach())
+        row_sum = (per_token * m).sum(-1)  # [B]
+        if self.loss_type == "grpo":  # each sequence's token mean, then the mean over sequences
+            return (row_sum / m.sum(-1).clamp(min=1)).sum(), self.dp_mean(seqs.detach())
+        if self.loss_type == "dr_grpo":  # token sum over a constant: max_new_tokens x sequences
+            return row_sum.sum(), self.dp_mean(seqs.detach() * self.max_completion_length)
+        return row_sum.sum(), self.dp_mean(seqs.detach())  # seq-mean-token-sum: each sequence's sum, mean over them
+
+    def _stats(self, loss, denom, tokens, seqs, ratio, clipped, adv, kl, log_ratio, m, mask) -> ChunkStats:
+        """The chunk's figures; per-token ones over this rank's tokens (``tokens`` weighs them in the roll-up)."""
+        local = tokens.clamp(min=1)
+        token_ratio = ratio if self.ratio_level == "token" else torch.exp(log_ratio)  # [B, T-1]
+        if self.loss == "cispo":  # the weight is truncated whatever the advantage's sign
+            low, high = (ratio < 1 - self.epsilon).to(m.dtype) * m, (ratio > 1 + self.epsilon_high).to(m.dtype) * m
+            is_clipped = low + high
+        else:
+            is_clipped = ((ratio * adv) > (clipped * adv)).to(m.dtype) * m  # the min picked the clipped term
+            low = ((ratio < 1 - self.epsilon) & (adv < 0)).to(m.dtype) * m
+            high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).to(m.dtype) * m
+        return ChunkStats(
+            loss=loss.detach(),
+            denom=denom,
+            tokens=tokens,
+            n=torch.tensor(float(mask.shape[0]), dtype=torch.float32),  # 16-true sets a half default dtype
+            clip_frac=is_clipped.sum() / local,
+            ratio_mean=(ratio * m).sum() / local,
+            ratio_max=ratio.detach().masked_fill(~mask, float("-inf")).amax() if mask.numel() else tokens * 0,
+            kl=(kl * m).sum() / local,
+            kl_old=((token_ratio - 1 - log_ratio) * m).sum() / local,  # k3, r = pi / pi_old per token
+            clip_frac_low=low.sum() / local,
+            clip_frac_high=high.sum() / local,
+            seqs=seqs,
+        )

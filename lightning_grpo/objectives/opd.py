@@ -94,6 +94,10 @@ class OPDConfig:
                      "opd.use_rewards=false leaves out; set rl.beta=0 (the teacher is the anchor) or use_rewards=true")
         if not self.use_rewards and rl.use_rollout_logprobs_for_loss:
             p.append("rl.use_rollout_logprobs_for_loss=true: distillation alone has no ratio, so pi_old is never used")
+        for knob, default in (("loss_type", "dapo"), ("ratio_level", "token"), ("loss", "ppo_clip")):
+            if getattr(rl, knob) != default:  # the KL term is a token mean: it shares the GRPO term's token divisor
+                p.append(f"rl.{knob}={getattr(rl, knob)!r}: objective=opd adds its token-mean KL to the default GRPO "
+                         f"term only (dapo, token ratio, ppo_clip); set rl.{knob}={default!r} or use objective=grpo")
         raise_problems("opd config", p)
 
 
@@ -182,7 +186,7 @@ class OPDObjective:
             tokens = m.sum()
             denom = self._dp_mean(tokens.detach())
             loss = self.config.beta_opd * (kl * m).sum() / nonzero(denom)
-            g = _neutral(loss, denom, tokens, mask.shape[0])
+            g = _neutral(loss, denom, tokens, m)
         with torch.no_grad():
             local = m.sum().clamp(min=1)
             stats = OPDStats(**{**g.__dict__, "loss": loss.detach()}, opd_kl=(kl.detach() * m).sum() / local,
@@ -212,8 +216,10 @@ def _scatter(values: Tensor, mask: Tensor) -> Tensor:
     return out.masked_scatter(mask, values)
 
 
-def _neutral(loss: Tensor, denom: Tensor, tokens: Tensor, rows: int) -> ChunkStats:
-    """GRPO's figures when there is no GRPO term: ratio 1, nothing clipped, no k3 KL."""
+def _neutral(loss: Tensor, denom: Tensor, tokens: Tensor, m: Tensor) -> ChunkStats:
+    """GRPO's figures when there is no GRPO term: ratio 1, nothing clipped, no k3 KL (``m``: the ``[B, T-1]`` mask)."""
     zero = tokens.new_zeros(())
-    return ChunkStats(loss=loss.detach(), denom=denom, tokens=tokens, n=torch.tensor(float(rows), dtype=torch.float32),
-                      clip_frac=zero, ratio_mean=zero + 1, ratio_max=zero + 1, kl=zero)
+    return ChunkStats(loss=loss.detach(), denom=denom, tokens=tokens,
+                      n=torch.tensor(float(m.shape[0]), dtype=torch.float32), clip_frac=zero, ratio_mean=zero + 1,
+                      ratio_max=zero + 1, kl=zero, clip_frac_low=zero, clip_frac_high=zero,
+                      seqs=(m.sum(-1) > 0).to(m.dtype).sum())
