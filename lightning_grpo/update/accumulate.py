@@ -101,8 +101,8 @@ class DeferredAccumulator:
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer, grad_accum: int, max_grad_norm: float = 0.0,
                  backward: Callable[[Tensor], None] | None = None, scheduler=None,
-                 grad_sync: GradSync = _no_sync_control,
-                 all_finite: Callable[[Tensor], bool] = _local_finite, step: StepDriver | None = None,
+                 grad_sync: GradSync | None = None,
+                 all_finite: Callable[[Tensor], bool] | None = None, step: StepDriver | None = None,
                  clip: Clip | None = None) -> None:
         if grad_accum < 1:
             raise ValueError(f"DeferredAccumulator(grad_accum={grad_accum}): must be >= 1")
@@ -112,8 +112,8 @@ class DeferredAccumulator:
         self.max_grad_norm = max_grad_norm
         self.backward = backward or (lambda loss: loss.backward())
         self.scheduler = scheduler
-        self.grad_sync = grad_sync
-        self.all_finite = all_finite
+        self.grad_sync = grad_sync or _no_sync_control  # None: one process, nothing to skip
+        self.all_finite = all_finite or _local_finite
         self.step = step or plain_step(optimizer)
         self.clip = clip or (lambda max_norm, norm: torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm))
         self._calls = 0  # calls taken into the current window

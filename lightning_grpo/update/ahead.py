@@ -192,9 +192,8 @@ class AheadPass:
         with contextlib.ExitStack() as stack:
             captures = [stack.enter_context(r.capture()) for r in self.recorders]
             logprobs = self.score(chunk)  # [B, T-1]
-        if self._probe is None:
-            route = captures[0].value if self.routing is not None else None
-            self._run_probe(chunk, logprobs, route)
+        if self._probe is None:  # the probe's train() re-score replays this chunk's routes (routing is recorder 0)
+            self._run_probe(chunk, logprobs, captures[0].value if self.routing is not None else None)
         self.records["pi_old"].put(rows, logprobs)
         for recorder, cap in zip(self.recorders, captures):
             self.records[recorder.name].put(rows, recorder.split(cap.value, rows, lengths))

@@ -120,9 +120,8 @@ class Updater:
         """Build the accumulator and loop around ``optimizer`` (``scheduler`` stepped with it). ``backward``, ``step``
         and ``clip`` default to plain torch; under a Trainer they go through the precision plugin."""
         acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.split.n_micro,
-                                  max_grad_norm=self.max_grad_norm, backward=backward, scheduler=scheduler, step=step,
-                                  clip=clip, **{k: v for k, v in (("grad_sync", self.dp.grad_sync),
-                                                                 ("all_finite", self.dp.all_finite)) if v is not None})
+                                  max_grad_norm=self.max_grad_norm, backward=backward, scheduler=scheduler,
+                                  grad_sync=self.dp.grad_sync, all_finite=self.dp.all_finite, step=step, clip=clip)
         scope = self.routing.scope if self.routing is not None else None
         self.loop = CollectedBatchLoop(acc, self.forward_chunk, scope, max_consecutive_skips=self.max_consecutive_skips)
         return self.loop
