@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_grpo.checks import ConfigError, is_finite, is_int, raise_problems, retire
-from lightning_grpo.rollout.vllm_config import VLLMConfig  # the rollout section's engine part; importable from here
+from lightning_grpo.rollout.rollout_config import RolloutConfig, check_sampler_logprobs  # importable from here
+from lightning_grpo.rollout.vllm_config import VLLMConfig
 
 __all__ = ["LOSS_FORMS", "LOSS_TYPES", "RATIO_LEVELS", "ConfigError", "GRPOConfig", "OptimConfig", "RankSizes",
            "RolloutConfig", "VLLMConfig", "check_sampler_logprobs"]
@@ -323,75 +324,4 @@ class OptimConfig:
         elif self.total_steps and self.schedule != "constant" and self.warmup_steps >= self.total_steps:
             p.append(f"warmup_steps={self.warmup_steps}: must be below total_steps={self.total_steps}, or the "
                      f"{self.schedule} decay never starts")
-        return p
-
-
-def check_sampler_logprobs(rl: GRPOConfig, rollout: RolloutConfig) -> None:
-    """Refuse vLLM raw sampler logprobs as pi_old when sampling warps the logits: they are of the plain logits,
-    while the update scores at the sampling temperature, so the ratio would compare unlike quantities."""
-    mode = rollout.vllm.logprobs_mode if rollout.vllm is not None else "auto"
-    warped = rollout.temperature != 1.0 or rollout.top_p < 1.0 or rollout.top_k > 0
-    if rollout.engine == "vllm" and rl.use_rollout_logprobs_for_loss and mode == "raw_logprobs" and warped:
-        raise_problems("rollout config", [(
-            "vllm.logprobs_mode='raw_logprobs': with "
-            f"rl.use_rollout_logprobs_for_loss=true and temperature={rollout.temperature}, top_p={rollout.top_p}, "
-            f"top_k={rollout.top_k} the loss would take log-softmax of the unwarped logits as pi_old; set "
-            "vllm.logprobs_mode to 'auto' or 'processed_logprobs'"
-        )])
-
-
-@dataclass
-class RolloutConfig:
-    """How rollouts are produced for each collected batch."""
-
-    engine: Literal["hf", "vllm", "replay"] = "hf"
-    """hf: transformers generate with the policy itself (CPU default); vllm: in-process vLLM; replay: a JSONL file."""
-    max_new_tokens: int = 32
-    """Completion length cap, in tokens."""
-    temperature: float = 1.0
-    """Sampling temperature (also used to score logprobs in the update, so ratios compare like with like)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    top_k: int = 0
-    """Sample among the k most likely tokens only; 0 = no top-k cut."""
-    replay_path: str | None = None
-    """JSONL of recorded rollouts when engine=replay."""
-    vllm: VLLMConfig | None = None
-    """How the vLLM engine is built when engine=vllm (None = VLLMConfig defaults)."""
-    sync_bucket_mb: float = 256.0
-    """Weight-sync bucket size in MiB: one engine call per bucket (decoder layers are never split)."""
-    stop: list[str] | None = None
-    """Stop strings: a completion ends with the token that completes one (kept, so it is trained on; the text handed
-    to rewards is cut before it), finish_reason "stop". The same on every engine. EOS always stops."""
-    max_prompt_tokens: int | None = None
-    """Longest prompt (in tokens, chat template included); None = the context (policy, or vllm.max_model_len) minus
-    max_new_tokens. Longer prompts follow long_prompts, checked once before training."""
-    long_prompts: Literal["drop", "error"] = "drop"
-    """Prompts over max_prompt_tokens: drop (counted in data/long_prompts_dropped, warned once) or error at setup."""
-
-    def __post_init__(self) -> None:
-        raise_problems("rollout config", self.problems())
-
-    def problems(self) -> list[str]:
-        """Every broken rule as a ``field=value: rule; fix`` line."""
-        p = []
-        if self.max_new_tokens < 1:
-            p.append(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.max_prompt_tokens is not None and (not is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1):
-            p.append(f"max_prompt_tokens={self.max_prompt_tokens}: must be a positive integer or null (the context)")
-        if self.long_prompts not in ("drop", "error"):
-            p.append(f"long_prompts={self.long_prompts!r}: must be 'drop' or 'error'")
-        if self.stop is not None and (not isinstance(self.stop, (list, tuple))
-                                      or not all(isinstance(x, str) and x for x in self.stop)):
-            p.append(f"stop={self.stop!r}: must be a list of non-empty strings (or null)")
-        if not is_finite(self.temperature) or self.temperature <= 0:
-            p.append(f"temperature={self.temperature}: must be > 0 for GRPO sampling (greedy groups have no spread)")
-        if not 0 < self.top_p <= 1:
-            p.append(f"top_p={self.top_p}: must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < 0:
-            p.append(f"top_k={self.top_k}: must be an integer >= 0 (0 = off)")
-        if not is_finite(self.sync_bucket_mb) or self.sync_bucket_mb <= 0:
-            p.append(f"sync_bucket_mb={self.sync_bucket_mb}: must be > 0")
-        if self.engine == "replay" and not self.replay_path:
-            p.append("replay_path=None: engine=replay needs a JSONL file of recorded rollouts")
         return p
