@@ -8,10 +8,11 @@ Derived counts (``n_mini``, ``n_micro``, per-rank sizes) are methods, never fiel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from lightning_grpo.checks import ConfigError, is_finite, is_int, raise_problems, retire
+from lightning_grpo.correction import RolloutCorrection
 from lightning_grpo.rollout.rollout_config import RolloutConfig, check_sampler_logprobs  # importable from here
 from lightning_grpo.rollout.vllm_config import VLLMConfig
 
@@ -51,9 +52,13 @@ GRAD_ACCUM_RETIRED = (
     "forward/backward) or max_tokens_per_micro instead"
 )
 """Why ``rl.grad_accum`` is refused (from Python and from the CLI) and what to set instead."""
+BYPASS_RENAMED = (
+    "rl.use_rollout_logprobs_for_loss was renamed: set rl.rollout_correction.mode=bypass (pi_old = the sampler's "
+    "logprobs), one of the rollout-correction modes (docs/objectives.md)"
+)
 
 
-@retire("rl", "rl config", grad_accum=GRAD_ACCUM_RETIRED)
+@retire("rl", "rl config", grad_accum=GRAD_ACCUM_RETIRED, use_rollout_logprobs_for_loss=BYPASS_RENAMED)
 @dataclass
 class GRPOConfig:
     """The ``rl`` section: how a collected batch is sized, split and optimized."""
@@ -99,8 +104,9 @@ class GRPOConfig:
     """Advantage scaling: divide by the group's reward std, the batch's, or not at all."""
     deterministic: bool = False
     """Deterministic kernels and seeding (see determinism.py); CUBLAS_WORKSPACE_CONFIG must come from the launch env."""
-    use_rollout_logprobs_for_loss: bool = False
-    """Use the engine's sampler logprobs as pi_old (no ahead pass); needs an engine that returns them."""
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    """Correct for the sampler != the trainer with the sampler's logprobs: mode off | tis | mask | icepop | bypass
+    (pi_old = the sampler's logprobs, no ahead pass), level, threshold, band. See docs/objectives.md."""
     freeze_pi_old: bool = True
     """Keep pi_old frozen across the window at n_mini > 1 (the ahead pass). Diagnostic only: false lets pi_old follow
     the drifting policy, so the ratio returns to 1 every mini-batch and the clip never binds (reproduces the collapse)."""
@@ -118,9 +124,21 @@ class GRPOConfig:
     model without MoE layers. See docs/moe.md."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.rollout_correction, dict):  # a Python caller's plain dict
+            self.rollout_correction = RolloutCorrection(**self.rollout_correction)
         self.validate()
 
     # -- derived counts ------------------------------------------------------------------------------------------
+    @property
+    def pi_old_is_sampler(self) -> bool:
+        """pi_old is the sampler's logprobs (``rollout_correction.mode=bypass``): no ahead pass."""
+        return self.rollout_correction.mode == "bypass"
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        """The engine must return its per-token logprobs (any rollout-correction mode but off)."""
+        return self.rollout_correction.needs_sampler_logprobs
+
     @property
     def mini_batch(self) -> int:
         """Trajectories per optimizer step, with the 0 sentinel resolved."""
@@ -156,7 +174,7 @@ class GRPOConfig:
     def needs_cached_old_logprobs(self) -> bool:
         """Several optimizer steps per batch and pi_old not from the sampler: the ahead pass must freeze pi_old."""
         several = self.n_mini > 1 or self.mu_iterations > 1
-        return several and not self.use_rollout_logprobs_for_loss and self.freeze_pi_old
+        return several and not self.pi_old_is_sampler and self.freeze_pi_old
 
     @property
     def prompts_per_batch(self) -> int:
@@ -261,8 +279,8 @@ class GRPOConfig:
             p.append(f"freeze_pi_old={self.freeze_pi_old!r}: must be true or false")
         if self.routing_replay not in ("off", "ahead", "rollout"):
             p.append(f"routing_replay={self.routing_replay!r}: must be one of 'off', 'ahead', 'rollout'")
-        elif self.routing_replay == "ahead" and (self.use_rollout_logprobs_for_loss or not self.freeze_pi_old):
-            knob = "use_rollout_logprobs_for_loss=true" if self.use_rollout_logprobs_for_loss else "freeze_pi_old=false"
+        elif self.routing_replay == "ahead" and (self.pi_old_is_sampler or not self.freeze_pi_old):
+            knob = "rollout_correction.mode='bypass'" if self.pi_old_is_sampler else "freeze_pi_old=false"
             p.append(f"routing_replay='ahead': it records routing in the ahead pass, which {knob} turns off; "
                      "use routing_replay='rollout' (routing from the engine) or 'off'")
         return p

@@ -100,13 +100,17 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
 # Unlisted names (reward/<name>, rates, shares) are means over ranks, exact because every rank holds the same
 # number of trajectories and groups. grpo/loss is one of them: rank r reports S_r / N_bar (its loss sum over the
 # DP-mean divisor N_bar), so the mean over ranks is sum(S_r) / sum(N_r), the whole batch's token mean.
-RANK_SUM = frozenset({"grpo/tokens", "grpo/n", "grpo/seqs", "grpo/chunks", "grpo/empty_chunks", "grpo/oversized_rows",
+RANK_SUM = frozenset({"grpo/tokens", "correction/tokens", "grpo/n", "grpo/seqs", "grpo/chunks", "grpo/empty_chunks", "grpo/oversized_rows",
                       "dpo/pairs"})
 """Counts of this rank's share: summed, they count the whole collected batch."""
 RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/clip_frac_low", "grpo/clip_frac_high", "grpo/ratio_mean",
                                  "grpo/kl", "grpo/kl_old", "opd/kl", "opd/teacher_logprob"})
 """Per-token figures of this rank's tokens: weighted by ``grpo/tokens`` (ranks hold unequal token counts)."""
-RANK_MAX = frozenset({"grpo/ratio_max", "reward/max", "completion/len_max", "grpo/ahead_seconds"})
+RANK_SAMPLED_WEIGHTED = frozenset({f"correction/{name}" for name in (
+    "is_weight_mean", "is_weight_sq_mean", "outside_frac", "logprob_gap_mean", "token_mult_prob_error",
+    "trainer_logprob_mean", "rollout_logprob_mean")})
+"""Rollout-correction means over this rank's sampled tokens (rejected ones too): weighted by ``correction/tokens``."""
+RANK_MAX = frozenset({"grpo/ratio_max", "correction/is_weight_max", "reward/max", "completion/len_max", "grpo/ahead_seconds"})
 RANK_MIN = frozenset({"reward/min"})
 RANK_SAME = frozenset({"step", "loop_step", "global_step"} | {
     f"{prefix}/{name}" for prefix in ("grpo", "dpo") for name in (
@@ -123,10 +127,11 @@ AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
 
 
 def rank_reduction(name: str) -> str:
-    """How metric ``name`` combines over ranks: sum, token, max, min, same, std or mean."""
+    """How metric ``name`` combines over ranks: sum, token, sampled, max, min, same, std or mean."""
     if name.startswith("grpo/epoch"):  # per inner epoch: each epoch trains the same rows, so the rank's tokens weigh
         return "token"
-    for kind, names in (("sum", RANK_SUM), ("token", RANK_TOKEN_WEIGHTED), ("max", RANK_MAX), ("min", RANK_MIN),
+    for kind, names in (("sum", RANK_SUM), ("token", RANK_TOKEN_WEIGHTED), ("sampled", RANK_SAMPLED_WEIGHTED),
+                        ("max", RANK_MAX), ("min", RANK_MIN),
                         ("same", RANK_SAME), ("std", RANK_POOLED_STD)):
         if name in names:
             return kind
@@ -151,24 +156,24 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
     if float(check[0]) != -float(check[1]):  # max == min: every rank logged the same names
         raise RuntimeError(f"combine_ranks: data-parallel ranks logged different metric names; this rank: {names}")
     kind = {n: rank_reduction(n) for n in names}
-    tokens = metrics.get("grpo/tokens", 0.0)
-    summed = [n for n in names if kind[n] in ("sum", "token", "std", "mean")]
+    weight = {"token": "grpo/tokens", "sampled": "correction/tokens"}  # the count each weighted mean is over
+    summed = [n for n in names if kind[n] in ("sum", "token", "sampled", "std", "mean")]
     maxed = [n for n in names if kind[n] in ("max", "min", "same")]
     local = {n: metrics[n] for n in names}
     for n in names:
-        if kind[n] == "token":
-            local[n] = metrics[n] * tokens  # this rank's sum over tokens
+        if kind[n] in weight:
+            local[n] = metrics[n] * metrics.get(weight[kind[n]], 0.0)  # this rank's sum over its tokens
         elif kind[n] == "std":  # this rank's sum of squared rewards
             local[n] = (rows - 1) * metrics[n] ** 2 + rows * metrics.get("reward/mean", 0.0) ** 2
         elif kind[n] == "min":
             local[n] = -metrics[n]
     out = dict(zip(summed, _reduced(all_reduce, [local[n] for n in summed], "sum")))
     out.update(zip(maxed, _reduced(all_reduce, [local[n] for n in maxed], "max")))
-    all_tokens = out.get("grpo/tokens", 0.0)
     for n in names:
         if kind[n] == "mean":
             out[n] /= world_size
-        elif kind[n] == "token":
+        elif kind[n] in weight:
+            all_tokens = out.get(weight[kind[n]], 0.0)
             out[n] = out[n] / all_tokens if all_tokens > 0 else (math.nan if math.isnan(out[n]) else 0.0)
         elif kind[n] == "min":
             out[n] = -out[n]

@@ -32,6 +32,7 @@ from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_sampler_logprobs
+from lightning_grpo.correction import derived_metrics
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
@@ -320,9 +321,9 @@ class GRPOModule(UpdateModule):
         """Score one chunk with the objective: it asks the policy (and reference, teacher) for what it needs."""
         chunk = chunk.to(self.device)
         vision = self.scorer.materialize(chunk)  # this chunk's pixels only; freed once its backward has run
-        if old_logprobs is None and self.rl.use_rollout_logprobs_for_loss:
+        if old_logprobs is None and self.rl.pi_old_is_sampler:
             if chunk.rollout_logprobs is None:
-                raise ValueError("rl.use_rollout_logprobs_for_loss=true but the engine returned no sampler logprobs")
+                raise ValueError("rl.rollout_correction.mode=bypass but the engine returned no sampler logprobs")
             old_logprobs = chunk.rollout_logprobs[:, 1:]
         loss, denom, stats = self.objective.chunk_loss(chunk, self.scorer.policy_view(chunk, vision), old_logprobs)
         if vision is None and self.vision is not None:  # no pixels: DDP still needs the vision side in the backward
@@ -344,6 +345,7 @@ class GRPOModule(UpdateModule):
         world = self.dp_size()
         if world > 1:  # one figure per metric for the whole job (reductions: docs/distributed.md)
             metrics = combine_ranks(metrics, self.dp_all_reduce, world, self.rl.rank_sizes(world).batch)
+        metrics |= derived_metrics(metrics)  # ratios of the job-wide means (correction/ess, *_ppl)
         self.publish(metrics, {"reward": metrics.get("reward/mean", math.nan), "loss": metrics.get("grpo/loss", math.nan)})
 
     # -- helpers ------------------------------------------------------------------------------------------------------
@@ -353,7 +355,7 @@ class GRPOModule(UpdateModule):
         # A distinct, reproducible seed per (seed, loop step, rank); the engines derive one stream per (prompt, sample).
         seed = (self.seed * 1_000_003 + step) * max(self.dp_size(), 1) + self.global_rank
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, logprobs=self.rl.use_rollout_logprobs_for_loss, seed=seed,
+                              top_k=r.top_k, logprobs=self.rl.needs_sampler_logprobs, seed=seed,
                               stop=tuple(r.stop or ()),
                               forbidden_token_ids=self.vision.special_ids if self.vision is not None else ())
 

@@ -218,11 +218,11 @@ class _Ratio:
 @pytest.mark.parametrize("rl,objective,expected", [
     ({"mini_batch_per_replica": 4}, _Ratio(), True),
     ({"mini_batch_per_replica": 0}, _Ratio(), False),  # n_mini == 1: pi_old == current, exactly
-    ({"mini_batch_per_replica": 4, "use_rollout_logprobs_for_loss": True}, _Ratio(), False),  # sampler pi_old
+    ({"mini_batch_per_replica": 4, "rollout_correction": {"mode": "bypass"}}, _Ratio(), False),  # sampler pi_old
     ({"mini_batch_per_replica": 4}, _NoRatio(), False),  # e.g. distillation: no ratio to clip
     ({"mini_batch_per_replica": 4, "freeze_pi_old": False}, _Ratio(), False),  # the diagnostic switch
     ({"mini_batch_per_replica": 0, "mu_iterations": 2}, _Ratio(), True),  # inner epochs: several steps per batch
-    ({"mini_batch_per_replica": 0, "mu_iterations": 2, "use_rollout_logprobs_for_loss": True}, _Ratio(), False),
+    ({"mini_batch_per_replica": 0, "mu_iterations": 2, "rollout_correction": {"mode": "bypass"}}, _Ratio(), False),
 ])
 def test_ahead_pass_gate(rl, objective, expected):
     assert batch_needs(GRPOConfig(batch_per_replica=16, group_size=2, **rl), objective).pi_old is expected
@@ -247,7 +247,7 @@ def test_n_mini_1_runs_no_ahead_pass_and_stays_byte_identical(tiny_policy_dir):
 
 
 def test_rollout_logprobs_path_runs_no_ahead_pass(tiny_policy_dir):
-    module = make(tiny_policy_dir, use_rollout_logprobs_for_loss=True)
+    module = make(tiny_policy_dir, rollout_correction={"mode": "bypass"})
     calls = count_scores(module)
     result = module.updater.update(synthetic_batch(LENS, with_logprobs=True))
     assert calls == [] and len(result.steps) == 4

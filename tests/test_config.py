@@ -134,7 +134,7 @@ def test_other_sections_validate(cls, overrides, fragment):
 
 @pytest.mark.parametrize("warp", [dict(temperature=0.7), dict(top_p=0.9), dict(top_k=20)])
 def test_raw_vllm_logprobs_as_pi_old_under_a_warped_sampler_are_refused(warp):
-    rl = GRPOConfig(use_rollout_logprobs_for_loss=True)
+    rl = GRPOConfig(rollout_correction={"mode": "bypass"})
     raw = RolloutConfig(engine="vllm", vllm=VLLMConfig(logprobs_mode="raw_logprobs"), **warp)
     with pytest.raises(ConfigError, match="vllm.logprobs_mode='raw_logprobs'.*set vllm.logprobs_mode to 'auto'"):
         check_sampler_logprobs(rl, raw)

@@ -277,8 +277,8 @@ def test_an_unsupported_moe_block_is_refused_naming_its_class(tmp_path):
 
 
 def test_config_refuses_ahead_replay_where_no_ahead_pass_runs():
-    with pytest.raises(ConfigError, match="routing_replay='ahead'.*use_rollout_logprobs_for_loss=true"):
-        GRPOConfig(batch_per_replica=8, group_size=2, routing_replay="ahead", use_rollout_logprobs_for_loss=True)
+    with pytest.raises(ConfigError, match="routing_replay='ahead'.*rollout_correction.mode='bypass'"):
+        GRPOConfig(batch_per_replica=8, group_size=2, routing_replay="ahead", rollout_correction={"mode": "bypass"})
     with pytest.raises(ConfigError, match="routing_replay='bogus'"):
         GRPOConfig(batch_per_replica=8, group_size=2, routing_replay="bogus")
 

@@ -326,14 +326,14 @@ def test_update_peak_rss_falls_with_n_micro_one_chunks_pixels_alive(monkeypatch)
 
 
 def test_rollout_logprobs_path_with_images(tiny_vlm_dir):
-    """use_rollout_logprobs_for_loss on image prompts: the engine's sampler logprobs (vision tokens suppressed) are
+    """rollout_correction.mode=bypass on image prompts: the engine's sampler logprobs (vision tokens suppressed) are
     pi_old; before any step they equal the policy's own scoring of the expanded rows, so the first ratio is 1."""
     from lightning_grpo.data.images import with_image_parts
     from lightning_grpo.data.prompts import PromptRecord
     from lightning_grpo.data.rewards import RewardSpec
     from lightning_grpo.rollout.hf import HFEngine
 
-    rl = GRPOConfig(batch_per_replica=8, group_size=4, mini_batch_per_replica=4, use_rollout_logprobs_for_loss=True)
+    rl = GRPOConfig(batch_per_replica=8, group_size=4, mini_batch_per_replica=4, rollout_correction={"mode": "bypass"})
     module = GRPOModule(policy=PolicyConfig(path=str(tiny_vlm_dir)), rl=rl, rollout=RolloutConfig(max_new_tokens=5),
                         rewards=[RewardSpec(name="exact")])
     module.configure_model()

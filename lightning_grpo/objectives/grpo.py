@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.config import LOSS_FORMS, LOSS_TYPES, RATIO_LEVELS
+from lightning_grpo.correction import Correction, RolloutCorrection, correct
 from lightning_grpo.distributed import single_process
 from lightning_grpo.objectives.base import PolicyView, Reduction
 
@@ -63,6 +64,44 @@ class ChunkStats:
     """This rank's sequences with at least one counted token (the unit of the per-sequence divisors)."""
 
 
+@dataclass(frozen=True)
+class CorrectedChunkStats(ChunkStats):
+    """``ChunkStats`` plus the rollout correction's figures (``rl.rollout_correction``), means over the chunk's
+    sampled completion tokens (rejected ones included), weighted by them in the roll-up."""
+
+    REDUCE: ClassVar[dict[str, Reduction]] = {
+        **ChunkStats.REDUCE, "sampled": ("correction/tokens", "sum"),
+        "is_weight": ("correction/is_weight_mean", "sampled"), "is_weight_sq": ("correction/is_weight_sq_mean", "sampled"),
+        "is_weight_max": ("correction/is_weight_max", "max"), "outside": ("correction/outside_frac", "sampled"),
+        "logprob_gap": ("correction/logprob_gap_mean", "sampled"),
+        "mult_prob_error": ("correction/token_mult_prob_error", "sampled"),
+        "trainer_logprob": ("correction/trainer_logprob_mean", "sampled"),
+        "rollout_logprob": ("correction/rollout_logprob_mean", "sampled"),
+    }
+
+    sampled: Tensor | None = None
+    """This rank's completion tokens before any rejection."""
+    is_weight: Tensor | None = None
+    """Mean weight on the surrogate (tis: min(rho, threshold); icepop: rho inside the band, else 0; mask: 1 or 0)."""
+    is_weight_sq: Tensor | None = None
+    """Mean squared weight (the effective sample size is mean^2 / this)."""
+    is_weight_max: Tensor | None = None
+    outside: Tensor | None = None
+    """Fraction of tokens whose rho left the band (mask: rejected; icepop: zeroed) or passed the threshold (tis)."""
+    logprob_gap: Tensor | None = None
+    """Mean |log pi_old - log pi_rollout|."""
+    mult_prob_error: Tensor | None = None
+    """Mean exp|log pi_old - log pi_rollout| (NeMo-RL's token_mult_prob_error)."""
+    trainer_logprob: Tensor | None = None
+    rollout_logprob: Tensor | None = None
+
+    @classmethod
+    def of(cls, base: ChunkStats, sums: dict[str, Tensor]) -> CorrectedChunkStats:
+        sampled = sums.pop("sampled")
+        means = {k: v if k == "is_weight_max" else v / sampled.clamp(min=1) for k, v in sums.items()}
+        return cls(**vars(base), sampled=sampled, **means)
+
+
 class GRPOObjective:
     """Clipped surrogate (PPO-style) or CISPO, per-token or per-sequence ratio, optional k3 KL, four divisors.
 
@@ -75,6 +114,7 @@ class GRPOObjective:
         ratio_level: token (PPO/GRPO) or sequence (GSPO: the length-normalized sequence ratio).
         loss: ppo_clip (``-min(r A, clip(r) A)``) or cispo (``-sg(clip(r)) A log pi``).
         max_completion_length: Dr. GRPO's constant (``rollout.max_new_tokens``); needed by dr_grpo only.
+        correction: ``rl.rollout_correction`` (None or mode off: none); needs the chunk's sampler logprobs.
     """
 
     name = "grpo"
@@ -82,7 +122,8 @@ class GRPOObjective:
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                  dp_mean: DPMean = single_process, *, loss_type: str = "dapo", ratio_level: str = "token",
-                 loss: str = "ppo_clip", max_completion_length: int | None = None) -> None:
+                 loss: str = "ppo_clip", max_completion_length: int | None = None,
+                 correction: RolloutCorrection | None = None) -> None:
         for knob, value, known in (("loss_type", loss_type, LOSS_TYPES), ("ratio_level", ratio_level, RATIO_LEVELS),
                                    ("loss", loss, LOSS_FORMS)):
             if value not in known:
@@ -98,6 +139,9 @@ class GRPOObjective:
         self.dp_mean = dp_mean
         self.loss_type, self.ratio_level, self.loss = loss_type, ratio_level, loss
         self.max_completion_length = max_completion_length
+        self.correction = correction if correction is not None and correction.mode != "off" else None
+        if self.correction is not None:
+            self.stats = CorrectedChunkStats
 
     def needs_old_logprobs(self) -> bool:
         """The ratio consumes pi_old, so mini-batching needs it frozen (the ahead pass)."""
@@ -115,7 +159,8 @@ class GRPOObjective:
         """Score ``chunk`` with the policy (and the reference when beta > 0), then the loss below."""
         logprobs = policy.logprobs(chunk)
         ref = policy.reference(chunk) if self.beta > 0 and policy.reference is not None else None
-        return self(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref)
+        rollout = chunk.rollout_logprobs[:, 1:] if chunk.rollout_logprobs is not None else None
+        return self(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref, rollout)
 
     def __call__(
         self,
@@ -124,6 +169,7 @@ class GRPOObjective:
         advantages: Tensor,
         old_logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None,
+        rollout_logprobs: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, ChunkStats]:
         """Loss of one chunk.
 
@@ -133,8 +179,12 @@ class GRPOObjective:
             advantages: ``[B]``.
             old_logprobs: ``[B, T-1]`` pi_old; None = ``logprobs.detach()`` (exact when nothing moved).
             ref_logprobs: ``[B, T-1]`` reference policy, required when beta > 0.
+            rollout_logprobs: ``[B, T-1]`` the sampler's logprobs, required by a rollout correction.
         """
         old = logprobs.detach() if old_logprobs is None else old_logprobs
+        corr = self._correction(logprobs, old, rollout_logprobs, mask)
+        if corr is not None and corr.keep is not None:
+            mask = corr.keep  # rejected tokens leave the loss and its divisor
         m = mask.to(logprobs.dtype)
         ratio = self._ratio(logprobs, old, m)  # [B, T-1]
         adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [B, 1]
@@ -144,6 +194,8 @@ class GRPOObjective:
             per_token = -(clipped.detach() * adv) * logprobs
         else:
             per_token = -torch.min(ratio * adv, clipped * adv)
+        if corr is not None and corr.weight is not None:
+            per_token = per_token * corr.weight  # the surrogate only: the KL to the reference is not sampled
         kl = torch.zeros_like(per_token)
         if self.beta > 0:
             if ref_logprobs is None:
@@ -159,7 +211,19 @@ class GRPOObjective:
         loss = total / torch.where(denom > 0, denom, torch.ones_like(denom))
         with torch.no_grad():
             stats = self._stats(loss, denom, tokens, seqs, ratio, clipped, adv, kl, logprobs - old, m, mask)
+            if corr is not None:
+                stats = CorrectedChunkStats.of(stats, dict(corr.stats))
         return loss, denom, stats
+
+    def _correction(self, logprobs: Tensor, old: Tensor, rollout: Tensor | None, mask: Tensor) -> Correction | None:
+        """rho = pi_old / pi_rollout per token (bypass: pi_old is the sampler's, so the current policy stands in)."""
+        if self.correction is None:
+            return None
+        if rollout is None:
+            raise ValueError(f"rl.rollout_correction.mode={self.correction.mode!r} needs the sampler's logprobs, and "
+                             "this chunk has none (Rollout.logprobs; a replay file's 'logprobs' field)")
+        trainer = logprobs.detach() if self.correction.mode == "bypass" else old
+        return correct(self.correction, trainer, rollout.to(trainer.dtype), mask)
 
     def _ratio(self, logprobs: Tensor, old: Tensor, m: Tensor) -> Tensor:
         """``[B, T-1]`` ratio: per token, or GSPO's ``exp(mean_t(logp - old))`` repeated over its sequence."""

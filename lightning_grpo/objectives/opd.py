@@ -92,8 +92,13 @@ class OPDConfig:
         if not self.use_rewards and rl.beta > 0:
             p.append(f"rl.beta={rl.beta}: the k3 KL to the initial policy belongs to the GRPO term, which "
                      "opd.use_rewards=false leaves out; set rl.beta=0 (the teacher is the anchor) or use_rewards=true")
-        if not self.use_rewards and rl.use_rollout_logprobs_for_loss:
-            p.append("rl.use_rollout_logprobs_for_loss=true: distillation alone has no ratio, so pi_old is never used")
+        mode = rl.rollout_correction.mode
+        if not self.use_rewards and mode != "off":
+            p.append(f"rl.rollout_correction.mode={mode!r}: distillation alone has no ratio, so pi_old is never used; "
+                     "set it to 'off' or opd.use_rewards=true")
+        elif mode not in ("off", "bypass"):
+            p.append(f"rl.rollout_correction.mode={mode!r}: objective=opd adds its KL to the uncorrected GRPO term; "
+                     "set 'off' or 'bypass', or use objective=grpo")
         for knob, default in (("loss_type", "dapo"), ("ratio_level", "token"), ("loss", "ppo_clip")):
             if getattr(rl, knob) != default:  # the KL term is a token mean: it shares the GRPO term's token divisor
                 p.append(f"rl.{knob}={getattr(rl, knob)!r}: objective=opd adds its token-mean KL to the default GRPO "

@@ -26,7 +26,7 @@ class SamplingConfig:
     top_k: int = 0
     """Keep only the k most likely tokens; 0 = off."""
     logprobs: bool = False
-    """Return the sampler's per-token logprobs (needed by ``use_rollout_logprobs_for_loss``)."""
+    """Return the sampler's per-token logprobs (needed by ``rl.rollout_correction``)."""
     seed: int | None = None
     """Seed of this draw: completion j of prompt p draws from a stream seeded by (seed, p.id, j)
     (``rollout/sampler.py``). None = unseeded (the engines take one number from torch's global generator)."""

@@ -24,7 +24,9 @@ def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
     ``vllm.enable_sleep_mode`` is set explicitly. ``cfg`` itself is never changed.
     """
     if cfg.engine == "replay":
-        return ReplayEngine(cfg.replay_path, eos_token_id=module.tokenizer.eos_token_id)
+        return ReplayEngine(cfg.replay_path, eos_token_id=module.tokenizer.eos_token_id,
+                            need_logprobs=f"rl.rollout_correction.mode={module.rl.rollout_correction.mode!r}"
+                            if module.rl.needs_sampler_logprobs else None)
     if cfg.engine == "hf":
         return HFEngine(module.policy, module.tokenizer, vision=getattr(module, "vision", None))
     if cfg.engine == "vllm":
@@ -42,5 +44,5 @@ def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
         lora = module.policy_cfg.lora
         rank = lora.rank if lora is not None and lora.sync == "adapter" else None  # merge: a plain engine
         return VLLMEngine(str(resolve_path(module.policy_cfg)), vllm,
-                          sampler_logprobs=module.rl.use_rollout_logprobs_for_loss, lora_rank=rank)
+                          sampler_logprobs=module.rl.needs_sampler_logprobs, lora_rank=rank)
     raise ValueError(f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'replay'")

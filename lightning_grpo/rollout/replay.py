@@ -29,7 +29,8 @@ class ReplayEngine:
     holds_weights = False
     """Recorded rollouts: no weights go stale, so no weight publisher is needed."""
 
-    def __init__(self, path: str | Path, eos_token_id: int | None = None) -> None:
+    def __init__(self, path: str | Path, eos_token_id: int | None = None, need_logprobs: str | None = None) -> None:
+        """``need_logprobs``: the knob that consumes sampler logprobs (every record must then carry them)."""
         self.path = Path(path)
         self.eos_token_id = eos_token_id
         self.groups: list[list[dict]] = []
@@ -41,6 +42,10 @@ class ReplayEngine:
             missing = [k for k in REQUIRED if k not in rec]
             if missing:
                 raise ValueError(f"{self.path}:{lineno}: replay record lacks {missing}; each line needs {REQUIRED}")
+            if need_logprobs and "logprobs" not in rec:
+                raise ValueError(f"{self.path}:{lineno}: the record has no 'logprobs' field, which {need_logprobs} "
+                                 "needs (the sampler's logprob of each completion token); record them, or set "
+                                 "rl.rollout_correction.mode=off")
             if "logprobs" in rec and len(rec["logprobs"]) != len(rec["completion_ids"]):
                 raise ValueError(f"{self.path}:{lineno}: {len(rec['logprobs'])} logprobs for "
                                  f"{len(rec['completion_ids'])} completion tokens")

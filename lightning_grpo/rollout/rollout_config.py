@@ -21,11 +21,12 @@ def check_sampler_logprobs(rl: GRPOConfig, rollout: RolloutConfig) -> None:
     while the update scores at the sampling temperature, so the ratio would compare unlike quantities."""
     mode = rollout.vllm.logprobs_mode if rollout.vllm is not None else "auto"
     warped = rollout.temperature != 1.0 or rollout.top_p < 1.0 or rollout.top_k > 0
-    if rollout.engine == "vllm" and rl.use_rollout_logprobs_for_loss and mode == "raw_logprobs" and warped:
+    if rollout.engine == "vllm" and rl.needs_sampler_logprobs and mode == "raw_logprobs" and warped:
         raise_problems("rollout config", [(
             "vllm.logprobs_mode='raw_logprobs': with "
-            f"rl.use_rollout_logprobs_for_loss=true and temperature={rollout.temperature}, top_p={rollout.top_p}, "
-            f"top_k={rollout.top_k} the loss would take log-softmax of the unwarped logits as pi_old; set "
+            f"rl.rollout_correction.mode={rl.rollout_correction.mode!r} and temperature={rollout.temperature}, "
+            f"top_p={rollout.top_p}, top_k={rollout.top_k} the loss would compare log-softmax of the unwarped logits "
+            "with the trainer's; set "
             "vllm.logprobs_mode to 'auto' or 'processed_logprobs'"
         )])
 

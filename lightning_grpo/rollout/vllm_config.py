@@ -37,7 +37,7 @@ class VLLMConfig:
     """Reuse KV blocks of shared prompt prefixes (a weight sync resets them)."""
     logprobs_mode: Literal["auto", "processed_logprobs", "raw_logprobs"] = "auto"
     """processed: log-softmax after temperature/top-k/top-p (what was sampled, as HFEngine); raw: of the plain
-    logits; auto: processed when the run consumes sampler logprobs (rl.use_rollout_logprobs_for_loss), else raw
+    logits; auto: processed when the run consumes sampler logprobs (rl.rollout_correction.mode other than off), else raw
     (vLLM then skips a full-vocabulary log-softmax per decode step)."""
     engine_kwargs: dict = field(default_factory=dict)
     """Extra ``vllm.LLM`` keyword arguments, passed through unchanged."""

@@ -293,7 +293,7 @@ def _sync(out: list[Tensor | None]) -> None:
 
 def warn_if_unfrozen(rl) -> None:
     """The diagnostic switch is off-label: say so once, when the module is built."""
-    if rl.steps_per_loop_step > 1 and not rl.freeze_pi_old and not rl.use_rollout_logprobs_for_loss:
+    if rl.steps_per_loop_step > 1 and not rl.freeze_pi_old and not rl.pi_old_is_sampler:
         log.warning("rl.freeze_pi_old=false at n_mini=%d, mu_iterations=%d: pi_old follows the drifting policy, the "
                     "ratio returns to 1 on every mini-batch and the clip never binds. Diagnostic only; keep it true to "
                     "train.", rl.n_mini, rl.mu_iterations)

@@ -70,12 +70,12 @@ class Needs:
 def batch_needs(rl, objective, routing=None, recorders: bool = False) -> Needs:
     """The one place that decides what a collected batch needs, from the config, the objective and MoE routing.
 
-    ``rl``: n_mini, mu_iterations, freeze_pi_old, use_rollout_logprobs_for_loss and the micro split
+    ``rl``: n_mini, mu_iterations, freeze_pi_old, pi_old_is_sampler and the micro split
     (``GRPOConfig``); ``routing``: the policy's ``RoutingReplay`` or None; ``recorders``: whether the module added
     recorders of its own (``GRPOModule.configure_recorders``).
     """
     several_steps = rl.n_mini > 1 or rl.mu_iterations > 1
-    frozen = several_steps and rl.freeze_pi_old and not rl.use_rollout_logprobs_for_loss
+    frozen = several_steps and rl.freeze_pi_old and not rl.pi_old_is_sampler
     pi_old = frozen and objective.needs_old_logprobs()
     aux = routing is not None and routing.aux is not None
     routes = aux and routing.mode != "off" and several_chunks(rl)
