@@ -51,6 +51,19 @@ def synthetic_batch(completion_lens: list[int], prompt_len: int = 4, vocab: int 
     )
 
 
+def with_sampler_logprobs(batch: RolloutBatch, model: torch.nn.Module, sigma: float = 0.3, seed: int = 0,
+                          ) -> RolloutBatch:
+    """``batch`` with sampler logprobs = ``model``'s own plus N(0, sigma) noise per completion token: a sampler that
+    is not the trainer (bf16, another kernel), so rho = pi_old / pi_rollout spreads around 1."""
+    from lightning_grpo.logprobs import token_logprobs
+
+    with torch.no_grad():
+        lp = token_logprobs(model, batch.input_ids, batch.attention_mask, positions=batch.completion_mask[:, 1:])
+    noise = torch.randn(lp.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * sigma
+    sampler = torch.cat([torch.zeros_like(lp[:, :1]), lp + noise.to(lp.dtype)], dim=1)
+    return replace(batch, rollout_logprobs=sampler.masked_fill(~batch.completion_mask, 0))
+
+
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
