@@ -217,18 +217,43 @@ def _strategy(case: str):
     return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if case.startswith("fsdp2") else "ddp"
 
 
+FAMILY = {  # grpo-<name>-m<n>: the loss family and rollout corrections (tests/test_objectives_distributed.py)
+    "grpo": {"loss_type": "grpo"}, "drgrpo": {"loss_type": "dr_grpo"}, "seqsum": {"loss_type": "seq-mean-token-sum"},
+    "gspo": {"ratio_level": "sequence"}, "cispo": {"loss": "cispo"},
+    "tis": {"rollout_correction": {"mode": "tis", "threshold": 1.3}},
+    "tisseq": {"loss_type": "grpo", "rollout_correction": {"mode": "tis", "level": "sequence", "threshold": 1.5}},
+    "maskgeo": {"rollout_correction": {"mode": "mask", "level": "geometric", "band": [0.9, 1.1]}},
+    "icepop": {"loss": "cispo", "rollout_correction": {"mode": "icepop"}},
+    "bypass": {"ratio_level": "sequence", "rollout_correction": {"mode": "bypass"}},
+}
+FAMILY_LR = {"grpo": 0.2, "drgrpo": 1.5, "seqsum": 0.05, "gspo": 0.5, "cispo": 0.5, "tis": 0.4, "tisseq": 0.1,
+             "maskgeo": 0.8, "icepop": 0.2, "bypass": 0.3}
+"""SGD rates that make each family case's update ~0.15 (measured on one rank; their gradients differ in scale)."""
+
+
+def objective_batch(case: str, module):
+    """The whole fixed batch of an objective case; grpo cases carry sampler logprobs (the initial policy's plus
+    noise, the same on every rank: each starts from the same weights)."""
+    from helpers import with_sampler_logprobs
+
+    batch = synthetic_batch(LENGTHS, seed=BATCH_SEED)
+    return with_sampler_logprobs(batch, module.policy, sigma=0.5) if case.startswith("grpo") else batch
+
+
 def objective_lr(case: str) -> float:
     """SGD step size of an objective case: updates of ~0.15 (measured on one rank), far above float32 rounding."""
     if case.startswith("dpo"):
         return 0.1
+    if case.startswith("grpo"):
+        return FAMILY_LR[case.split("-")[1]]
     return 1.0 if "rewards" in case else 30.0 if "full" in case else 4.0
 
 
 def run_objective_case(case: str, policy: str, teacher: str, out: Path, rank: int) -> None:
     """``opd-<kl>-m<n>`` / ``dpo-m<n>``: one step on this rank's share of the fixed batch, as ``one_rank_objective``."""
     module = objective_module(case, policy, teacher)
-    if case.startswith("opd"):
-        module.collect = lambda records: (_share(synthetic_batch(LENGTHS, seed=BATCH_SEED), module), {})
+    if case.startswith(("opd", "grpo")):
+        module.collect = lambda records: (_share(objective_batch(case, module), module), {})
     else:
         module.encode = lambda pairs, real=module.encode: _share(real(dpo_pairs()), module)
     module.configure_optimizers = lambda: torch.optim.SGD(module.policy.parameters(), lr=objective_lr(case))
@@ -241,7 +266,8 @@ def run_objective_case(case: str, policy: str, teacher: str, out: Path, rank: in
 
 
 def objective_module(case: str, policy: str, teacher: str):
-    """The module of an objective case (also the 1-rank reference): 8 trajectories or pairs, n_micro chunks."""
+    """The module of an objective case (also the 1-rank reference): 8 trajectories or pairs, n_micro chunks
+    (``grpo-<family>-m<n>``: n_mini = 2, so pi_old is frozen and the second mini-batch's ratio is off 1)."""
     from lightning_grpo.dpo import DPOConfig, DPOModule
     from lightning_grpo.objectives.opd import OPDConfig
 
@@ -249,6 +275,10 @@ def objective_module(case: str, policy: str, teacher: str):
     if case.startswith("dpo"):
         return DPOModule(PolicyConfig(path=policy, dtype="float32"),
                          DPOConfig(batch_size=len(LENGTHS), grad_accum=n_micro, max_grad_norm=0.0, beta=0.5))
+    if case.startswith("grpo"):
+        rl = GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, mini_batch_per_replica=4,
+                        micro_batch_per_replica=4 // n_micro, max_grad_norm=0.0, **FAMILY[case.split("-")[1]])
+        return GRPOModule(policy=PolicyConfig(path=policy, dtype="float32"), rl=rl, rollout=RolloutConfig())
     rl = GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, micro_batch_per_replica=len(LENGTHS) // n_micro,
                     max_grad_norm=0.0)
     opd = OPDConfig(teacher=PolicyConfig(path=teacher, dtype="float32"), kl=case.split("-")[1],
@@ -273,7 +303,7 @@ def _share(batch, module):
 
 
 def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None = None) -> None:
-    if case.startswith(("opd-", "dpo-")):
+    if case.startswith(("opd-", "dpo-", "grpo-")):
         return run_objective_case(case, policy, teacher, out, rank)
     if case == "ddp-vllm-fit":
         return run_vllm_fit(case, policy, out, rank)

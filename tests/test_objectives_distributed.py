@@ -1,4 +1,5 @@
-"""OPD and DPO on 2 CPU gloo ranks (DDP) equal one rank on the same batch, to 1e-6.
+"""OPD, DPO and GRPO's loss family and rollout corrections on 2 CPU gloo ranks (DDP) equal one rank on the same
+batch, to 1e-6.
 
 The same harness as test_distributed.py: two ``dist_worker.py`` processes started the way torchrun
 starts them, each a real ``Trainer.fit`` of one step on its share of a fixed batch whose long sequences
@@ -10,11 +11,12 @@ from __future__ import annotations
 import dist_worker as W
 import pytest
 import torch
-from helpers import max_rel_delta, params_of, synthetic_batch
+from helpers import max_rel_delta, params_of
 from test_distributed import launch_two_ranks
 
 TOL = 1e-6
-CASES = ["opd-full-m1", "opd-full-m4", "opd-sampled-m4", "opd-full-rewards-m2", "dpo-m1", "dpo-m4"]
+CASES = ["opd-full-m1", "opd-full-m4", "opd-sampled-m4", "opd-full-rewards-m2", "dpo-m1", "dpo-m4",
+         *(f"grpo-{name}-m{n}" for name in W.FAMILY for n in (1, 2))]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,10 @@ def one_rank(policy_dir, teacher_dir, case: str):
     module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=W.objective_lr(case)))
     if case.startswith("dpo"):
         module.update(module.encode(W.dpo_pairs()))  # DPO: the reference pass, then the updater
+    elif case.startswith("grpo"):  # n_mini=2: 2-rank mini-batch m holds rows 2m, 2m+1 of each rank's half
+        module.updater.update(W.objective_batch(case, module).select(torch.tensor([0, 1, 4, 5, 2, 3, 6, 7])))
     else:
-        module.updater.update(synthetic_batch(W.LENGTHS, seed=W.BATCH_SEED))
+        module.updater.update(W.objective_batch(case, module))
     return before, params_of(module.policy)
 
 
@@ -50,5 +54,8 @@ def test_metrics_combine_to_the_whole_batch(two_ranks):
     opd = two_ranks("opd-full-m4")["metrics"]
     assert opd["grpo/tokens"] == sum(W.LENGTHS) and opd["grpo/n"] == len(W.LENGTHS)
     assert opd["grpo/loss"] == pytest.approx(opd["opd/kl"], rel=1e-5)  # beta_opd = 1: the loss is the token-mean KL
+    tis = two_ranks("grpo-tis-m2")["metrics"]
+    assert tis["correction/tokens"] == sum(W.LENGTHS) and 0 < tis["correction/outside_frac"] < 1
+    assert 0 < tis["correction/ess"] <= 1
     dpo = two_ranks("dpo-m4")["metrics"]
     assert dpo["dpo/pairs"] == len(W.LENGTHS) and dpo["dpo/optimizer_steps"] == 1.0
