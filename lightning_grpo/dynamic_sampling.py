@@ -64,8 +64,9 @@ class Refill:
     """Informative groups missing from this rank's batch (padded)."""
 
     def metrics(self) -> dict[str, float]:
-        return {f"data/dynamic_{name}": float(getattr(self, name))
-                for name in ("groups_dropped", "rounds", "prompts_drawn", "short")}
+        return {"data/dynamic_groups_dropped": float(self.groups_dropped),
+                "data/dynamic_refill_rounds": float(self.rounds),
+                "data/dynamic_prompts_drawn": float(self.prompts_drawn), "data/dynamic_batch_short": float(self.short)}
 
 
 def informative(rewards: Tensor, group_size: int) -> Tensor:

@@ -51,8 +51,8 @@ def test_half_flat_groups_are_refilled_to_full_batches_of_informative_groups(tin
         assert bool((grouped.amax(1) != grouped.amin(1)).all())  # every trained group has variance
         assert bool((batch.group_ids.view(-1, 4) % 2 == 0).all())  # the even (informative) ids only
     for row in rec.metrics:  # round 0: one of 2 groups flat; one refill round (2 prompts) brings the other
-        assert (row["data/dynamic_groups_dropped"], row["data/dynamic_rounds"]) == (2.0, 1.0)
-        assert (row["data/dynamic_prompts_drawn"], row["data/dynamic_short"], row["reward/frac_zero_std"]) == (2, 0, 0)
+        assert (row["data/dynamic_groups_dropped"], row["data/dynamic_refill_rounds"]) == (2.0, 1.0)
+        assert (row["data/dynamic_prompts_drawn"], row["data/dynamic_batch_short"], row["reward/frac_zero_std"]) == (2, 0, 0)
     refill_ids = [int(i) for b in m.batches for i in b.group_ids.unique() if i < 0]
     assert refill_ids == [-2, -4]  # the refill lane's ids: its own, never a loop step's
 
@@ -93,7 +93,7 @@ def test_cannot_fill_warns_with_the_counts_trains_on_what_there_is_and_ends(tiny
         fit_tiny(m, tmp_path, loop_steps=2, callbacks=[rec])
     assert [len(b) for b in m.batches] == [8, 8]  # the config's size: padded with the first flat groups
     assert all(not bool(b.completion_mask.any()) for b in m.batches)  # nothing counts: no divisor, no gradient
-    assert [r["data/dynamic_short"] for r in rec.metrics] == [2.0, 2.0]
+    assert [r["data/dynamic_batch_short"] for r in rec.metrics] == [2.0, 2.0]
     assert [r["data/dynamic_prompts_drawn"] for r in rec.metrics] == [4.0, 4.0]
     assert [r["grpo/tokens"] for r in rec.metrics] == [0.0, 0.0]
 
