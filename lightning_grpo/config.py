@@ -13,11 +13,15 @@ from typing import Literal
 
 from lightning_grpo.checks import ConfigError, is_finite, is_int, raise_problems, retire
 from lightning_grpo.correction import RolloutCorrection
-from lightning_grpo.rollout.rollout_config import RolloutConfig, check_sampler_logprobs  # importable from here
+from lightning_grpo.rollout.rollout_config import (  # importable from here
+    RolloutConfig,
+    check_overlong,
+    check_sampler_logprobs,
+)
 from lightning_grpo.rollout.vllm_config import VLLMConfig
 
 __all__ = ["LOSS_FORMS", "LOSS_TYPES", "RATIO_LEVELS", "ConfigError", "GRPOConfig", "OptimConfig", "RankSizes",
-           "RolloutConfig", "VLLMConfig", "check_sampler_logprobs"]
+           "RolloutConfig", "VLLMConfig", "check_overlong", "check_sampler_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,21 @@ class GRPOConfig:
     them in the probe and every later forward of the row (any chunk split, token budget, inner epoch); rollout =
     take them from the rollout engine (needs an engine that returns routing; vLLM CPU 0.32 cannot). Refused on a
     model without MoE layers. See docs/moe.md."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards all agree (advantage 0, nothing to learn) and refill from
+    further prompts until the batch holds prompts_per_batch informative groups or max_refill_rounds refills were
+    drawn; a batch still short trains on what there is (warned; the rest pads with groups that count nowhere)."""
+    max_refill_rounds: int = 3
+    """Refill rounds per loop step under dynamic_sampling; each draws another prompts_per_batch prompts (all ranks
+    draw while any rank is short)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: over the last overlong_buffer tokens before rollout.max_new_tokens the reward
+    falls linearly to -overlong_penalty (eq. 13); 0 = off."""
+    overlong_penalty: float = 1.0
+    """The penalty at rollout.max_new_tokens (overlong_buffer > 0)."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit rollout.max_new_tokens without EOS or a stop string out of the loss and its divisor;
+    their rewards still count in their group's advantages (TRL's knob)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rollout_correction, dict):  # a Python caller's plain dict
@@ -196,6 +215,7 @@ class GRPOConfig:
     def problems(self, dp_size: int = 1) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line; the per-rank rules once the rest hold."""
         p = self._size_problems() + self._loss_problems() + self._family_problems() + self._pi_old_problems()
+        p += self._shaping_problems()
         if not p and dp_size > 1:
             p += self._rank_problems(dp_size)
         return p
@@ -283,6 +303,20 @@ class GRPOConfig:
             knob = "rollout_correction.mode='bypass'" if self.pi_old_is_sampler else "freeze_pi_old=false"
             p.append(f"routing_replay='ahead': it records routing in the ahead pass, which {knob} turns off; "
                      "use routing_replay='rollout' (routing from the engine) or 'off'")
+        return p
+
+    def _shaping_problems(self) -> list[str]:
+        """Dynamic sampling, overlong shaping, truncated completions (the buffer's bound is in check_overlong)."""
+        p: list[str] = []
+        for name in ("dynamic_sampling", "mask_truncated_completions"):
+            if not isinstance(getattr(self, name), bool):
+                p.append(f"{name}={getattr(self, name)!r}: must be true or false")
+        if not is_int(self.max_refill_rounds) or self.max_refill_rounds < 0:
+            p.append(f"max_refill_rounds={self.max_refill_rounds!r}: must be an integer >= 0 (0 = filter, never refill)")
+        if not is_int(self.overlong_buffer) or self.overlong_buffer < 0:
+            p.append(f"overlong_buffer={self.overlong_buffer!r}: must be an integer >= 0 (tokens; 0 = off)")
+        if not is_finite(self.overlong_penalty) or self.overlong_penalty < 0:
+            p.append(f"overlong_penalty={self.overlong_penalty!r}: must be a finite number >= 0")
         return p
 
     def _rank_problems(self, dp: int) -> list[str]:

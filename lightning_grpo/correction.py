@@ -63,10 +63,12 @@ class RolloutCorrection:
 
     @property
     def needs_sampler_logprobs(self) -> bool:
+        """The engine must return its per-token logprobs (every mode but off)."""
         return self.mode != "off"
 
     @property
     def bounds(self) -> tuple[float, float]:
+        """The band in force: ``band``, else the mode's default (no bound for the modes without one)."""
         return self.band if self.band is not None else DEFAULT_BAND.get(self.mode, (0.0, math.inf))
 
     def problems(self) -> list[str]:

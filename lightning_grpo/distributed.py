@@ -156,6 +156,10 @@ class DataParallelOps:
         """``op`` (sum, mean, max, min) of ``t`` over data-parallel ranks, on the host."""
         return self.trainer.strategy.reduce(t.to(self.device, copy=True), reduce_op=op).cpu()
 
+    def dp_total(self, count: int) -> int:
+        """``count`` summed over data-parallel ranks (``count`` itself in one process)."""
+        return count if self.dp_size() == 1 else int(self.dp_all_reduce(torch.tensor(float(count)), "sum"))
+
     def dp_all_finite(self, loss: Tensor) -> bool:
         """Finite on every rank (one tiny all-reduce per chunk under DP): every rank poisons the same window."""
         finite = torch.isfinite(loss).to(torch.float32)

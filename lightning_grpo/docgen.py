@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from lightning_grpo.checkpoint import GRPOCheckpoint
 from lightning_grpo.cli import TRAINER_DEFAULTS
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
+from lightning_grpo.correction import RolloutCorrection
 from lightning_grpo.data.preference_module import PreferenceDataModule
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
@@ -37,6 +38,7 @@ from lightning_grpo.tiny.spec import TinyPolicySpec
 DATACLASS_SECTIONS = (
     ("model.rl", GRPOConfig),
     ("model.optim", OptimConfig),
+    ("model.rl.rollout_correction", RolloutCorrection),
     ("model.rollout", RolloutConfig),
     ("model.rollout.vllm", VLLMConfig),
     ("model.policy", PolicyConfig),

@@ -100,8 +100,9 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
 # Unlisted names (reward/<name>, rates, shares) are means over ranks, exact because every rank holds the same
 # number of trajectories and groups. grpo/loss is one of them: rank r reports S_r / N_bar (its loss sum over the
 # DP-mean divisor N_bar), so the mean over ranks is sum(S_r) / sum(N_r), the whole batch's token mean.
-RANK_SUM = frozenset({"grpo/tokens", "correction/tokens", "grpo/n", "grpo/seqs", "grpo/chunks", "grpo/empty_chunks", "grpo/oversized_rows",
-                      "dpo/pairs"})
+RANK_SUM = frozenset({"grpo/tokens", "correction/tokens", "grpo/n", "grpo/seqs", "grpo/chunks", "grpo/empty_chunks",
+                      "grpo/oversized_rows", "dpo/pairs", "data/dynamic_groups_dropped", "data/dynamic_prompts_drawn",
+                      "data/dynamic_batch_short", "completion/truncated_masked"})
 """Counts of this rank's share: summed, they count the whole collected batch."""
 RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/clip_frac_low", "grpo/clip_frac_high", "grpo/ratio_mean",
                                  "grpo/kl", "grpo/kl_old", "opd/kl", "opd/teacher_logprob"})
@@ -110,9 +111,10 @@ RANK_SAMPLED_WEIGHTED = frozenset({f"correction/{name}" for name in (
     "is_weight_mean", "is_weight_sq_mean", "outside_frac", "logprob_gap_mean", "token_mult_prob_error",
     "trainer_logprob_mean", "rollout_logprob_mean")})
 """Rollout-correction means over this rank's sampled tokens (rejected ones too): weighted by ``correction/tokens``."""
-RANK_MAX = frozenset({"grpo/ratio_max", "correction/is_weight_max", "reward/max", "completion/len_max", "grpo/ahead_seconds"})
+RANK_MAX = frozenset({"grpo/ratio_max", "correction/is_weight_max", "reward/max", "completion/len_max",
+                      "grpo/ahead_seconds"})
 RANK_MIN = frozenset({"reward/min"})
-RANK_SAME = frozenset({"step", "loop_step", "global_step"} | {
+RANK_SAME = frozenset({"step", "loop_step", "global_step", "data/dynamic_refill_rounds"} | {
     f"{prefix}/{name}" for prefix in ("grpo", "dpo") for name in (
         "denom", "grad_norm", "grad_norm_max", "lr", "lr_max", "optimizer_steps", "skipped_windows",
         "consecutive_skips", "discarded_chunks")

@@ -31,12 +31,13 @@ from lightning_grpo.advantages import dp_batch_std, group_advantages
 from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
-from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_sampler_logprobs
+from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
 from lightning_grpo.correction import derived_metrics
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.distributed import data_parallel_mesh, shard_fsdp2
+from lightning_grpo.dynamic_sampling import Groups, completion_metrics, counted_only, fill, overlong_of, scatter
 from lightning_grpo.handoff import attach_handoff
 from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
 from lightning_grpo.objectives import OBJECTIVES, Objective, Stats, build_objective
@@ -53,7 +54,6 @@ from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder,
 from lightning_grpo.update.ahead import warn_if_unfrozen
 from lightning_grpo.validation import greedy_scores
 from lightning_grpo.vision import VisionProcessor, step_prompts, touch_vision, with_skipped_groups
-
 
 # The sections' defaults: instances rather than None, so `--help` and `--print_config` show every field.
 # Shared between modules, hence copied by GRPOModule.__init__ and never mutated.
@@ -96,7 +96,8 @@ class GRPOModule(UpdateModule):
         super().__init__(policy, optim, seed)
         self.rl = copy.deepcopy(rl or GRPOConfig())
         self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
-        check_sampler_logprobs(self.rl, self.rollout_cfg)  # a config error: before any model is built
+        check_sampler_logprobs(self.rl, self.rollout_cfg)  # config errors: before any model is built
+        check_overlong(self.rl, self.rollout_cfg)
         warn_if_unfrozen(self.rl)
         self.opd_cfg = copy.deepcopy(opd)
         self.objective = self.configure_objective(objective)
@@ -171,6 +172,9 @@ class GRPOModule(UpdateModule):
         column a reward function requires exists. Raises before any step runs."""
         dm = self._datamodule()
         if not isinstance(dm, PromptProvider):
+            if self.rl.dynamic_sampling:
+                raise ValueError(f"rl.dynamic_sampling=true refills from the datamodule's refill lane, which "
+                                 f"{type(dm).__name__} lacks (not a PromptProvider); use PromptDataModule")
             return
         if self.vision is None and dm.has_images:
             raise ValueError(
@@ -289,29 +293,41 @@ class GRPOModule(UpdateModule):
 
     # -- the phases ---------------------------------------------------------------------------------------------------
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
-        """Generate ``group_size`` completions per prompt, score them, normalize per group."""
+        """Generate ``group_size`` completions per prompt, score them, normalize per group (``rl.dynamic_sampling``:
+        only groups whose rewards differ, refilled from further prompts; ``dynamic_sampling.py``)."""
+        groups, metrics = self.draw(records)
+        if self.rl.dynamic_sampling:
+            groups, refill = fill(groups, self.rl.group_size, len(records), self.rl.max_refill_rounds, self._refill,
+                                  self.dp_total)
+            metrics.update(refill.metrics())
+        trained, g = groups.trained, self.rl.group_size
+        across = self.rl.scale_rewards == "batch" and self.dp_size() > 1  # the std of every rank's trained rewards
+        batch_std = dp_batch_std(groups.rewards[trained], self.dp_all_reduce) if across else None
+        rows = trained if bool(trained.any()) else groups.live  # nothing to train: the statistics of what was drawn
+        advantages, adv_stats = group_advantages(groups.rewards[rows], g, self.rl.scale_rewards, batch_std=batch_std)
+        advantages = scatter(advantages, rows).masked_fill(~trained, 0.0)
+        batch = pack_rollouts(groups.rollouts, advantages, groups.rewards, self.tokenizer.pad_token_id, self._context())
+        metrics.update({k: float(v) for k, v in adv_stats.items()})
+        metrics.update(completion_metrics(groups, batch, self.rl, self.rollout_cfg.max_new_tokens))
+        metrics["data/bad_records_skipped"] = self._data_counter("bad_records_skipped")
+        return counted_only(batch, groups, self.rl.mask_truncated_completions), metrics
+
+    def draw(self, records) -> tuple[Groups, dict[str, float]]:
+        """``group_size`` completions per record, scored and shaped (overlong penalty); a skipped bad record's
+        group keeps its rows (the batch size is the config's) with nothing to learn from."""
         # A VLM's image placeholders are expanded here (its images decoded): an unreadable one is met at this step.
         prompts, skipped = step_prompts(records, self.tokenizer, self.vision, self._on_bad_record())
         live = [p for i, p in enumerate(prompts) if i not in skipped]
         rollouts = self.engine.generate(live, self.rl.group_size, self.sampling())
         rewards, metrics = self.compute_rewards(rollouts)
-        across = self.rl.scale_rewards == "batch" and self.dp_size() > 1  # the std of every rank's rewards
-        advantages, adv_stats = group_advantages(rewards, self.rl.group_size, self.rl.scale_rewards,
-                                                 batch_std=dp_batch_std(rewards, self.dp_all_reduce) if across else None)
+        rewards = rewards + overlong_of(rollouts, self.rl, self.rollout_cfg.max_new_tokens)
         keep = torch.ones(len(rollouts), dtype=torch.bool)
-        if skipped:  # skipped groups keep their rows (the batch size is the config's) with nothing to learn from
+        if skipped:
             self._datamodule().bad_records_skipped += len(skipped)  # a PromptProvider counter
             rollouts, keep = with_skipped_groups(rollouts, prompts, skipped, self.rl.group_size,
                                                  self.tokenizer.eos_token_id)
-            advantages, rewards = _scatter(advantages, keep), _scatter(rewards, keep)
-        batch = pack_rollouts(rollouts, advantages, rewards, self.tokenizer.pad_token_id, self._context())
-        lengths = batch.completion_mask.sum(-1).float()[keep]
-        metrics.update({k: float(v) for k, v in adv_stats.items()})
-        metrics["completion/len_mean"], metrics["completion/len_max"] = float(lengths.mean()), float(lengths.max())
-        stopped = [r.finish_reason == "stop" for r, k in zip(rollouts, keep.tolist()) if k]
-        metrics["completion/stop_frac"] = sum(stopped) / len(stopped)
-        metrics["data/bad_records_skipped"] = self._data_counter("bad_records_skipped")
-        return batch, metrics
+            rewards = scatter(rewards, keep)
+        return Groups(rollouts, rewards, keep, keep), metrics
 
     def update(self, batch: RolloutBatch) -> LoopResult:
         """Consume one collected batch (this rank's share) as mu_iterations x n_mini optimizer steps."""
@@ -359,6 +375,11 @@ class GRPOModule(UpdateModule):
                               stop=tuple(r.stop or ()),
                               forbidden_token_ids=self.vision.special_ids if self.vision is not None else ())
 
+    def _refill(self, generate: bool) -> Groups | None:
+        """One refill round: every rank advances the refill cursor; a rank already full generates nothing."""
+        records = self._datamodule().refill_records()
+        return self.draw(records)[0] if generate else None
+
     def _on_bad_record(self) -> str:
         dm = self._datamodule()
         return dm.on_bad_record if isinstance(dm, PromptProvider) else "error"
@@ -372,13 +393,6 @@ class GRPOModule(UpdateModule):
 
     def _context(self) -> int | None:
         return getattr(self.policy.config, "max_position_embeddings", None)
-
-
-def _scatter(values: Tensor, keep: Tensor) -> Tensor:
-    """``[len(keep)]``: ``values`` at the kept rows, 0 at the others."""
-    out = values.new_zeros(keep.shape)
-    out[keep] = values
-    return out
 
 
 def _source_name(dm) -> str:

@@ -1,94 +1,27 @@
 """Prompts with deterministic ids, one list per loop step, sharded over data-parallel ranks.
 
-The prompt stream is one global sequence: epoch ``e`` is the source in the order of a
-permutation seeded by ``seed + e``, and stream position ``p`` is epoch ``p // n``,
-slot ``p % n``. Loop step ``s`` takes positions ``s*P .. s*P + P - 1`` (``P`` =
-``prompts_per_step``); rank ``r`` of ``W`` takes the contiguous slice ``r*P/W ..
-(r+1)*P/W - 1`` of them. A prompt's id *is* its position, so ids are unique across
-ranks, monotonic, identical in two runs, and a group (one prompt's completions)
-never spans two ranks. Resuming from ``state_dict`` continues at the next step.
+The stream and its ids are ``data/stream.py``'s. Resuming from ``state_dict`` continues at the next step, and
+the refill lane (dynamic sampling) at its next round.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_grpo.data.chat import encode, fit_items
+from lightning_grpo.data.chat import fit_items
 from lightning_grpo.data.items import TaskItem
 from lightning_grpo.data.seam import PromptConsumer, PromptProvider
 from lightning_grpo.data.sources import PromptDataError, load_items
 from lightning_grpo.data.steps import Fixed, Steps, step_loader
-from lightning_grpo.rollout.base import Prompt
+from lightning_grpo.data.stream import PromptRecord, PromptStream
 
-
-@dataclass  # not frozen: Lightning's 64-true/16-true/bf16-true input conversion rebuilds dataclasses in a batch
-class PromptRecord:
-    """One prompt of the stream (treat as read-only)."""
-
-    id: int
-    """Global stream position: unique across ranks, the same in every run (the group id of its completions)."""
-    text: str
-    answer: str | None = None
-    """Reference answer for verifiable rewards, if the source has one."""
-    meta: dict = field(default_factory=dict)
-    """Source extras: ``source_index`` (row in the source), ``epoch``, and the row's other columns."""
-    messages: list[dict] | None = None
-    """Chat messages of a conversational prompt; None = plain text."""
-    images: tuple = ()
-    """Image references (paths, bytes, PIL images) in the order of the messages' image parts; decoded only when
-    the prompt is generated from or one of its chunks is scored (``data/images.py``)."""
-
-    def to_prompt(self, tokenizer) -> Prompt:
-        """The engine's ``Prompt``: chat-templated when it has messages, else ``chat.encode_prompt`` (the encoding
-        ``warm_start`` trains on). Image placeholders stay single tokens until ``vision.VisionProcessor`` expands
-        them."""
-        ids, text = encode(tokenizer, self.text, self.messages)
-        return Prompt(self.id, ids, text, self.answer, self.meta, self.messages, tuple(self.images))
-
-    @classmethod
-    def of(cls, position: int, item: TaskItem, **extra: Any) -> PromptRecord:
-        """The record at stream position (or held-out index) ``position`` of ``item``; ``extra`` joins its meta."""
-        return cls(position, item.text, item.answer, {**extra, **item.meta}, item.messages, item.images)
-
-
-class PromptStream:
-    """The global prompt stream over ``items`` (see the module docstring); pure, no state.
-
-    ``rows[i]`` is item i's row in the source (``source_index``); None = its position in ``items``.
-    """
-
-    def __init__(self, items: Sequence[TaskItem], seed: int = 0, shuffle: bool = True,
-                 rows: Sequence[int] | None = None) -> None:
-        self.items, self.seed, self.shuffle = items, seed, shuffle
-        self.rows = rows
-        self._orders: dict[int, list[int]] = {}
-
-    def record(self, position: int) -> PromptRecord:
-        epoch, slot = divmod(position, len(self.items))
-        index = self._order(epoch)[slot]
-        row = index if self.rows is None else self.rows[index]
-        return PromptRecord.of(position, self.items[index], source_index=row, epoch=epoch)
-
-    def step(self, step: int, prompts_per_step: int, rank: int = 0, world_size: int = 1) -> list[PromptRecord]:
-        """Rank ``rank``'s share of loop step ``step``: ids ``step*P + rank*P/W + i``."""
-        per_rank = prompts_per_step // world_size
-        start = step * prompts_per_step + rank * per_rank
-        return [self.record(p) for p in range(start, start + per_rank)]
-
-    def _order(self, epoch: int) -> list[int]:
-        if epoch not in self._orders:
-            order = list(range(len(self.items)))
-            if self.shuffle:
-                random.Random(self.seed + epoch).shuffle(order)
-            self._orders = {epoch: order}  # one epoch cached: a step spans at most two, each built once per epoch
-        return self._orders[epoch]
+__all__ = ["HOLDOUT_SEED", "PromptDataModule", "PromptRecord", "PromptStream"]  # the stream's names, from here too
 
 
 def _name(source: Any) -> str:
@@ -196,6 +129,9 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         self._val_items: list[TaskItem] | None = None
         self._prepared: tuple | None = None
         self._consumed = 0
+        self._refill: PromptStream | None = None  # the refill lane (dynamic sampling), over the training items
+        self._refill_rounds = 0  # refill rounds drawn, every rank alike (each rank takes its share of a round)
+        self._rounds_at: dict[int, int] = {}  # refill rounds drawn before the current loop step (its boundary)
 
     # -- setup -------------------------------------------------------------------------------------------------------
     @override
@@ -245,6 +181,7 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         if val is None:  # hold val_size rows of the source out of training
             items, rows, val = self._hold_out(items, rows)
         self._stream = PromptStream(items, self.seed, self.shuffle, rows)
+        self._refill = PromptStream(items, self.seed, self.shuffle, rows, lane="refill")
         self._val_items = val
 
     def _hold_out(self, items: list[TaskItem], rows: list[int]) -> tuple[list[TaskItem], list[int], list[TaskItem]]:
@@ -308,6 +245,13 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         self._ensure_setup()
         return self._stream.step(step, self.prompts_per_step, self.rank, self.world_size)
 
+    def refill_records(self) -> list[PromptRecord]:
+        """This rank's share of the next refill round (dynamic sampling): ``prompts_per_step`` prompts of the refill
+        lane over all ranks, sharded like a loop step. Every rank calls it once per round, so the cursor agrees."""
+        self._ensure_setup()
+        self._refill_rounds += 1
+        return self._refill.step(self._refill_rounds - 1, self.prompts_per_step, self.rank, self.world_size)
+
     def val_batches(self) -> list[list[PromptRecord]]:
         """This rank's held-out prompts, one list per validation step; ids are held-out indices.
 
@@ -353,8 +297,9 @@ class PromptDataModule(PromptProvider, LightningDataModule):
 
     def mark_consumed(self, batch: Sequence[PromptRecord]) -> None:
         """Record that ``batch`` (one step's records) was used; loops without a Trainer call this themselves."""
-        if batch:
-            self._consumed = max(self._consumed, batch[0].id // self.prompts_per_step + 1)
+        if batch and batch[0].id // self.prompts_per_step + 1 > self._consumed:
+            self._rounds_at = {batch[0].id // self.prompts_per_step: self._refill_rounds}  # this step's boundary
+            self._consumed = batch[0].id // self.prompts_per_step + 1
 
     # -- checkpoint ----------------------------------------------------------------------------------------------
     @override
@@ -363,8 +308,10 @@ class PromptDataModule(PromptProvider, LightningDataModule):
 
     def state_dict_at(self, position: int) -> dict[str, Any]:
         """``state_dict()`` as it was after ``position`` loop steps (a checkpoint written inside a loop step
-        records the state before it, so the resume draws that step's prompts again)."""
-        return {"position": position, "prompts_per_step": self.prompts_per_step, "seed": self.seed}
+        records the state before it, so the resume draws that step's prompts again, and its refills)."""
+        rounds = self._rounds_at.get(position, self._refill_rounds)
+        return {"position": position, "prompts_per_step": self.prompts_per_step, "seed": self.seed,
+                "refill_rounds": rounds}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -376,3 +323,4 @@ class PromptDataModule(PromptProvider, LightningDataModule):
             )
         self.prompts_per_step = self.prompts_per_step or saved
         self._consumed = int(state_dict["position"])
+        self._refill_rounds, self._rounds_at = int(state_dict.get("refill_rounds", 0)), {}

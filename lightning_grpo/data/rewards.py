@@ -229,3 +229,17 @@ def _values(spec: RewardSpec, rollouts: Sequence[Rollout], should_stop: Callable
         except RewardError as err:
             raise RewardError(f"{err} [per_sample: sample {i}, prompt id {r.prompt.id}]") from err.__cause__
     return torch.cat(out)  # [N]
+
+
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), added to each completion's reward.
+
+    ``[N]`` float32: 0 up to ``max_new_tokens - buffer`` tokens, then falling linearly to ``-penalty`` at
+    ``max_new_tokens`` (a completion cut by a stop string after it would be longer: held at ``-penalty``).
+    ``buffer == 0``: all zeros (off).
+    """
+    if buffer == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    start = max_new_tokens - buffer
+    over = (lengths.to(torch.float64) - start).clamp(min=0, max=buffer)  # tokens into the buffer
+    return (-over / buffer * penalty).to(torch.float32)

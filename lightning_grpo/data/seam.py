@@ -2,7 +2,7 @@
 
 ``PromptDataModule`` is a ``PromptProvider``; ``GRPOModule`` is a ``PromptConsumer``. Either side may be
 the user's own class: a datamodule that is not a ``PromptProvider`` is simply not asked (no chat fitting, no
-column check, no counters), a module that is not a ``PromptConsumer`` must be given ``prompts_per_step``.
+column check, no counters, no dynamic sampling), a module that is not a ``PromptConsumer`` must be given ``prompts_per_step``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ class PromptProvider:
 
     def prepare_prompts(self, tokenizer, max_tokens: int | None, on_long: str = "drop") -> None:
         """Fit the prompts to the policy once, before training; raise before any step runs."""
+        raise NotImplementedError
+
+    def refill_records(self) -> list:
+        """This rank's share of the next refill round (``rl.dynamic_sampling``): further prompts, never the loop
+        steps' own; checkpointed with the datamodule's state so a resume draws the same ones."""
         raise NotImplementedError
 
 

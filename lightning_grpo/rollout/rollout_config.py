@@ -1,7 +1,8 @@
 """``RolloutConfig``: how rollouts are produced (the ``rollout`` section; ``lightning_grpo.config`` re-exports it).
 
 A plain dataclass beside the engines, like ``VLLMConfig``: it imports nothing but ``checks.py`` and
-``vllm_config.py``. ``check_sampler_logprobs`` is the one rule that reads two sections (``rl`` and ``rollout``).
+``vllm_config.py``. ``check_sampler_logprobs`` and ``check_overlong`` are the rules that read two sections (``rl`` and
+``rollout``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ def check_sampler_logprobs(rl: GRPOConfig, rollout: RolloutConfig) -> None:
             f"top_p={rollout.top_p}, top_k={rollout.top_k} the loss would compare log-softmax of the unwarped logits "
             "with the trainer's; set "
             "vllm.logprobs_mode to 'auto' or 'processed_logprobs'"
+        )])
+
+
+def check_overlong(rl: GRPOConfig, rollout: RolloutConfig) -> None:
+    """Refuse an overlong buffer as long as the completion: the penalty would start before the first token."""
+    if rl.overlong_buffer and rl.overlong_buffer >= rollout.max_new_tokens:
+        raise_problems("rl config", [(
+            f"overlong_buffer={rl.overlong_buffer}: must be below rollout.max_new_tokens={rollout.max_new_tokens} "
+            "(the penalty ramps over the last overlong_buffer tokens); lower it or set 0 (off)"
         )])
 
 
