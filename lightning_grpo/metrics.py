@@ -104,7 +104,7 @@ RANK_SUM = frozenset({"grpo/tokens", "grpo/n", "grpo/seqs", "grpo/chunks", "grpo
                       "dpo/pairs"})
 """Counts of this rank's share: summed, they count the whole collected batch."""
 RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/clip_frac_low", "grpo/clip_frac_high", "grpo/ratio_mean",
-                                 "grpo/kl", "grpo/kl_old", "opd/kl", "opd/teacher_logprob"})
+                                 "grpo/kl", "grpo/kl_old", "grpo/entropy", "opd/kl", "opd/teacher_logprob"})
 """Per-token figures of this rank's tokens: weighted by ``grpo/tokens`` (ranks hold unequal token counts)."""
 RANK_MAX = frozenset({"grpo/ratio_max", "reward/max", "completion/len_max", "grpo/ahead_seconds"})
 RANK_MIN = frozenset({"reward/min"})

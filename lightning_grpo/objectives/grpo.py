@@ -10,7 +10,7 @@ division to the optimizer step. Every divisor below is a sum over rows and a chu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -20,6 +20,7 @@ from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.config import LOSS_FORMS, LOSS_TYPES, RATIO_LEVELS
 from lightning_grpo.distributed import single_process
 from lightning_grpo.objectives.base import PolicyView, Reduction
+from lightning_grpo.objectives.entropy import token_mean, top_entropy_mask
 
 # Reduces a scalar tensor to its mean over data-parallel ranks (identity on one device).
 DPMean = Callable[[Tensor], Tensor]
@@ -35,6 +36,7 @@ class ChunkStats:
         "ratio_max": ("grpo/ratio_max", "max"), "kl": ("grpo/kl", "tokens"), "kl_old": ("grpo/kl_old", "tokens"),
         "clip_frac_low": ("grpo/clip_frac_low", "tokens"), "clip_frac_high": ("grpo/clip_frac_high", "tokens"),
         "seqs": ("grpo/seqs", "sum"),
+        "entropy": ("grpo/entropy", "tokens"),
     }
     """Field -> (metric, reduction): the loss weighted by the divisor, per-token figures by this rank's tokens."""
 
@@ -61,6 +63,8 @@ class ChunkStats:
     """Fraction of tokens clipped above (ppo_clip: ratio > 1 + epsilon_high and A > 0; cispo: weight truncated)."""
     seqs: Tensor | None = None
     """This rank's sequences with at least one counted token (the unit of the per-sequence divisors)."""
+    entropy: Tensor | None = None
+    """Token mean of the policy's entropy on the counted tokens (NaN when the policy view cannot measure it)."""
 
 
 class GRPOObjective:
@@ -75,6 +79,8 @@ class GRPOObjective:
         ratio_level: token (PPO/GRPO) or sequence (GSPO: the length-normalized sequence ratio).
         loss: ppo_clip (``-min(r A, clip(r) A)``) or cispo (``-sg(clip(r)) A log pi``).
         max_completion_length: Dr. GRPO's constant (``rollout.max_new_tokens``); needed by dr_grpo only.
+        entropy_coef: entropy bonus: ``coef * H`` is subtracted from every counted token's loss (same divisor).
+        top_entropy_quantile: train the surrogate only on each sequence's top share of tokens by entropy (1.0 = all).
     """
 
     name = "grpo"
@@ -82,7 +88,8 @@ class GRPOObjective:
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                  dp_mean: DPMean = single_process, *, loss_type: str = "dapo", ratio_level: str = "token",
-                 loss: str = "ppo_clip", max_completion_length: int | None = None) -> None:
+                 loss: str = "ppo_clip", max_completion_length: int | None = None, entropy_coef: float = 0.0,
+                 top_entropy_quantile: float = 1.0) -> None:
         for knob, value, known in (("loss_type", loss_type, LOSS_TYPES), ("ratio_level", ratio_level, RATIO_LEVELS),
                                    ("loss", loss, LOSS_FORMS)):
             if value not in known:
@@ -98,6 +105,10 @@ class GRPOObjective:
         self.dp_mean = dp_mean
         self.loss_type, self.ratio_level, self.loss = loss_type, ratio_level, loss
         self.max_completion_length = max_completion_length
+        if not entropy_coef >= 0 or not 0 < top_entropy_quantile <= 1:
+            raise ValueError(f"GRPOObjective(entropy_coef={entropy_coef}, top_entropy_quantile={top_entropy_quantile})"
+                             ": entropy_coef must be >= 0 and top_entropy_quantile in (0, 1]")
+        self.entropy_coef, self.top_entropy_quantile = entropy_coef, top_entropy_quantile
 
     def needs_old_logprobs(self) -> bool:
         """The ratio consumes pi_old, so mini-batching needs it frozen (the ahead pass)."""
@@ -113,9 +124,16 @@ class GRPOObjective:
     def chunk_loss(self, chunk: RolloutBatch, policy: PolicyView,
                    old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, ChunkStats]:
         """Score ``chunk`` with the policy (and the reference when beta > 0), then the loss below."""
-        logprobs = policy.logprobs(chunk)
+        uses_entropy = self.entropy_coef > 0 or self.top_entropy_quantile < 1
+        if policy.logprobs_and_entropy is not None:  # the entropy comes from the same head pass (logprobs.py)
+            logprobs, entropy = policy.logprobs_and_entropy(chunk, self.entropy_coef > 0)
+        elif uses_entropy:
+            raise ValueError("GRPOObjective(entropy_coef > 0 or top_entropy_quantile < 1) needs a PolicyView with "
+                             "logprobs_and_entropy")
+        else:
+            logprobs, entropy = policy.logprobs(chunk), None
         ref = policy.reference(chunk) if self.beta > 0 and policy.reference is not None else None
-        return self(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref)
+        return self(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref, entropy=entropy)
 
     def __call__(
         self,
@@ -124,6 +142,8 @@ class GRPOObjective:
         advantages: Tensor,
         old_logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None,
+        *,
+        entropy: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, ChunkStats]:
         """Loss of one chunk.
 
@@ -133,6 +153,8 @@ class GRPOObjective:
             advantages: ``[B]``.
             old_logprobs: ``[B, T-1]`` pi_old; None = ``logprobs.detach()`` (exact when nothing moved).
             ref_logprobs: ``[B, T-1]`` reference policy, required when beta > 0.
+            entropy: ``[B, T-1]`` the policy's entropy (logged; with grad when entropy_coef > 0), required when
+                entropy_coef > 0 or top_entropy_quantile < 1.
         """
         old = logprobs.detach() if old_logprobs is None else old_logprobs
         m = mask.to(logprobs.dtype)
@@ -144,6 +166,10 @@ class GRPOObjective:
             per_token = -(clipped.detach() * adv) * logprobs
         else:
             per_token = -torch.min(ratio * adv, clipped * adv)
+        if (self.entropy_coef > 0 or self.top_entropy_quantile < 1) and entropy is None:
+            raise ValueError("GRPOObjective(entropy_coef > 0 or top_entropy_quantile < 1) needs the policy's entropy")
+        if self.top_entropy_quantile < 1:  # the surrogate on high-entropy tokens only; the KL and divisor stay whole
+            per_token = per_token * top_entropy_mask(entropy, mask, self.top_entropy_quantile)
         kl = torch.zeros_like(per_token)
         if self.beta > 0:
             if ref_logprobs is None:
@@ -151,6 +177,8 @@ class GRPOObjective:
             delta = ref_logprobs - logprobs
             kl = torch.exp(delta) - delta - 1  # k3 estimator: unbiased, always >= 0
             per_token = per_token + self.beta * kl
+        if self.entropy_coef > 0:  # a bonus: lower loss for a higher-entropy policy, under the loss's own divisor
+            per_token = per_token - self.entropy_coef * entropy
         tokens = m.sum()
         seqs = (m.sum(-1) > 0).to(m.dtype).sum()  # rows with a counted token: a DP filler row is no sequence
         total, denom = self._sum_and_divisor(per_token, m, tokens, seqs)
@@ -159,6 +187,7 @@ class GRPOObjective:
         loss = total / torch.where(denom > 0, denom, torch.ones_like(denom))
         with torch.no_grad():
             stats = self._stats(loss, denom, tokens, seqs, ratio, clipped, adv, kl, logprobs - old, m, mask)
+            stats = replace(stats, entropy=token_mean(entropy, m, tokens))
         return loss, denom, stats
 
     def _ratio(self, logprobs: Tensor, old: Tensor, m: Tensor) -> Tensor:

@@ -32,6 +32,7 @@ from lightning_grpo.checks import raise_problems
 from lightning_grpo.config import GRPOConfig, VLLMConfig
 from lightning_grpo.distributed import single_process
 from lightning_grpo.objectives.base import PolicyView, Reduction, nonzero
+from lightning_grpo.objectives.entropy import token_mean
 from lightning_grpo.objectives.grpo import ChunkStats, DPMean, GRPOObjective
 from lightning_grpo.objectives.kl import CHUNK_BYTES, chunk_tokens, completion_hidden, reverse_kl
 from lightning_grpo.objectives.teacher import HFTeacher, VLLMTeacher, check_same_vocab, model_vocab_size
@@ -94,7 +95,8 @@ class OPDConfig:
                      "opd.use_rewards=false leaves out; set rl.beta=0 (the teacher is the anchor) or use_rewards=true")
         if not self.use_rewards and rl.use_rollout_logprobs_for_loss:
             p.append("rl.use_rollout_logprobs_for_loss=true: distillation alone has no ratio, so pi_old is never used")
-        for knob, default in (("loss_type", "dapo"), ("ratio_level", "token"), ("loss", "ppo_clip")):
+        for knob, default in (("loss_type", "dapo"), ("ratio_level", "token"), ("loss", "ppo_clip"),
+                              ("entropy_coef", 0.0), ("top_entropy_quantile", 1.0)):
             if getattr(rl, knob) != default:  # the KL term is a token mean: it shares the GRPO term's token divisor
                 p.append(f"rl.{knob}={getattr(rl, knob)!r}: objective=opd adds its token-mean KL to the default GRPO "
                          f"term only (dapo, token ratio, ppo_clip); set rl.{knob}={default!r} or use objective=grpo")
@@ -222,4 +224,4 @@ def _neutral(loss: Tensor, denom: Tensor, tokens: Tensor, m: Tensor) -> ChunkSta
     return ChunkStats(loss=loss.detach(), denom=denom, tokens=tokens,
                       n=torch.tensor(float(m.shape[0]), dtype=torch.float32), clip_frac=zero, ratio_mean=zero + 1,
                       ratio_max=zero + 1, kl=zero, clip_frac_low=zero, clip_frac_high=zero,
-                      seqs=(m.sum(-1) > 0).to(m.dtype).sum())
+                      seqs=(m.sum(-1) > 0).to(m.dtype).sum(), entropy=token_mean(None, m, tokens))  # not measured
