@@ -37,7 +37,7 @@ from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.distributed import data_parallel_mesh, shard_fsdp2
 from lightning_grpo.handoff import attach_handoff
-from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
+from lightning_grpo.metrics import combine_ranks, completion_metrics, plan_metrics, roll_up
 from lightning_grpo.objectives import OBJECTIVES, Objective, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_seed
@@ -304,11 +304,9 @@ class GRPOModule(UpdateModule):
                                                  self.tokenizer.eos_token_id)
             advantages, rewards = _scatter(advantages, keep), _scatter(rewards, keep)
         batch = pack_rollouts(rollouts, advantages, rewards, self.tokenizer.pad_token_id, self._context())
-        lengths = batch.completion_mask.sum(-1).float()[keep]
+        lengths = batch.completion_mask.sum(-1)[keep]
         metrics.update({k: float(v) for k, v in adv_stats.items()})
-        metrics["completion/len_mean"], metrics["completion/len_max"] = float(lengths.mean()), float(lengths.max())
-        stopped = [r.finish_reason == "stop" for r, k in zip(rollouts, keep.tolist()) if k]
-        metrics["completion/stop_frac"] = sum(stopped) / len(stopped)
+        metrics.update(completion_metrics(lengths, [r.finish_reason for r, k in zip(rollouts, keep.tolist()) if k]))
         metrics["data/bad_records_skipped"] = self._data_counter("bad_records_skipped")
         return batch, metrics
 
