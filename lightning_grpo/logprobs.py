@@ -16,7 +16,8 @@ tokens, inside one autograd function:
   size cost page faults on every call (CPU) or allocator traffic (GPU).
 
 Entropy of the policy at the same positions (``H = logsumexp - sum(p * logits)``) comes from the same chunk pass on
-request: one dot product per row of ``exp(logits - max)`` with ``logits - max``, no second head matmul. It carries no
+request: a dot product per row of ``exp(logits - max)`` with ``logits - max`` (cache-sized row blocks), no second head
+matmul and no second chunk buffer (bench/entropy_cost.py). It carries no
 gradient there; ``entropy="grad"`` (an entropy bonus) adds a checkpointed autograd pass of the head for it instead,
 one chunk alive at a time.
 
@@ -167,21 +168,29 @@ def _chunk_logits(h: Tensor, w_c: Tensor, b_c: Tensor | None, temperature: float
 
 
 def _chunk_forward(h, w_c, b_c, targets, temperature, plan, entropy: bool = False):
-    """(logprobs [C], logsumexp [C], exp(logits - max) [C, V], its row sums [C], entropy [C] or None) of one chunk.
-
-    Without ``entropy`` everything happens in the one logits buffer. With it, ``x = logits - max`` must outlive the
-    exponential: ``H = log Z - sum(exp(x) * x) / Z`` (``Z = sum(exp(x))``) is one fused dot product per row, no log
-    over the vocabulary; the price is a second buffer of the chunk's size until the dot product is done.
-    """
+    """(logprobs [C], logsumexp [C], exp(logits - max) [C, V], its row sums [C], entropy [C] or None) of one chunk."""
     logits = _chunk_logits(h, w_c, b_c, temperature, plan)
     picked = logits.gather(1, targets[:, None])[:, 0]
     top = logits.amax(dim=-1, keepdim=True)  # [C, 1]
     shifted = logits.sub_(top)
-    unnormalized = shifted.exp() if entropy else shifted.exp_()  # in place unless the entropy still needs x
+    dots = _exp_dots(shifted) if entropy else None  # before the exponential below overwrites x
+    unnormalized = shifted.exp_()  # in place: the logits are not needed again
     total = unnormalized.sum(dim=-1)
-    log_total = total.log()
-    ent = log_total - torch.linalg.vecdot(unnormalized, shifted) / total if entropy else None
-    return picked - (top[:, 0] + log_total), top[:, 0] + log_total, unnormalized, total, ent
+    lse = top[:, 0] + total.log()
+    ent = None if dots is None else total.log() - dots / total  # H = log Z - sum(exp(x) x) / Z
+    return picked - lse, lse, unnormalized, total, ent
+
+
+def _exp_dots(x: Tensor, block_bytes: int = 1 << 20) -> Tensor:
+    """``[C]`` ``sum_v exp(x) * x`` per row, in row blocks of ~1 MiB: each block's exponential stays in cache and
+    no second ``[C, V]`` buffer exists. The entropy is ``log Z - this / Z`` with ``x = logits - max``: no log over
+    the vocabulary. The chunk's own in-place exponential runs after, unchanged, so the logprobs keep their bits."""
+    rows = max(1, block_bytes // (x.shape[1] * x.element_size()))
+    out = x.new_empty(x.shape[0])
+    for s in range(0, x.shape[0], rows):
+        xb = x[s:s + rows]
+        out[s:s + rows] = torch.bmm(xb.exp()[:, None, :], xb[:, :, None])[:, 0, 0]  # batched dot, no temporary
+    return out
 
 
 def _entropy_with_grad(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, plan: _Plan) -> Tensor:
