@@ -102,6 +102,13 @@ class GRPOConfig:
     loss: Literal["ppo_clip", "cispo"] = "ppo_clip"
     """ppo_clip: -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A). cispo: -sg(clip(r, 1 - epsilon, 1 + epsilon_high))
     A log pi, a gradient through every token (MiniMax-M1; epsilon 1.0 = no lower bound, as MiniMax-M1 and TRL)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: coef x the policy's entropy is subtracted from each completion token's loss, under the loss's own
+    divisor. > 0 adds a checkpointed pass of the LM head for the entropy's gradient. grpo/entropy is logged always."""
+    top_entropy_quantile: float = 1.0
+    """Train the surrogate only on each sequence's top share of completion tokens by entropy (Wang et al. 2025,
+    "Beyond the 80/20 rule"; TRL's name), in (0, 1]; 1.0 = every token. Per sequence, not over the batch as in the
+    paper and TRL, so it is exact under any chunking (docs/objectives.md). The KL term and the divisor are unchanged."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this after normalization; 0 disables clipping."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -290,6 +297,11 @@ class GRPOConfig:
             p.append("ratio_level='sequence' with loss='cispo': CISPO weighs each token's gradient by that token's own "
                      "truncated ratio (MiniMax-M1); a sequence ratio has no published CISPO form. Set "
                      "ratio_level='token', or loss='ppo_clip' for GSPO")
+        if not is_finite(self.entropy_coef) or self.entropy_coef < 0:
+            p.append(f"entropy_coef={self.entropy_coef}: must be a finite number >= 0 (0 = no entropy bonus)")
+        if not is_finite(self.top_entropy_quantile) or not 0 < self.top_entropy_quantile <= 1:
+            p.append(f"top_entropy_quantile={self.top_entropy_quantile}: must be in (0, 1] (the share of each "
+                     "sequence's tokens trained; 1.0 = all, the paper's 0.2 = the top 20% by entropy)")
         return p
 
     def _pi_old_problems(self) -> list[str]:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.data.rewards import overlong_penalty
+from lightning_grpo.metrics import length_metrics
 from lightning_grpo.rollout.base import Rollout
 
 
@@ -142,10 +143,9 @@ def counted_only(batch: RolloutBatch, groups: Groups, mask_truncated: bool) -> R
 def completion_metrics(groups: Groups, batch: RolloutBatch, rl, max_new_tokens: int) -> dict[str, float]:
     """Lengths and endings of the real completions (placeholders left out), and what shaping did to them."""
     live = groups.live
-    lengths = batch.completion_mask.sum(-1).float()[live]
+    reasons = [r.finish_reason for r, real in zip(groups.rollouts, live.tolist()) if real]
+    out = length_metrics(batch.completion_mask.sum(-1)[live], reasons)
     stopped = torch.tensor([r.finish_reason == "stop" for r in groups.rollouts])[live]
-    out = {"completion/len_mean": float(lengths.mean()), "completion/len_max": float(lengths.max()),
-           "completion/stop_frac": float(stopped.float().mean())}
     if rl.overlong_buffer:
         out["reward/overlong_penalty_mean"] = float(overlong_of(groups.rollouts, rl, max_new_tokens)[live].mean())
     if rl.mask_truncated_completions:  # trained rows whose completion leaves the loss

@@ -15,6 +15,12 @@ tokens, inside one autograd function:
   Every vocabulary-wide step works in place on the chunk's one buffer: fresh buffers of that
   size cost page faults on every call (CPU) or allocator traffic (GPU).
 
+Entropy of the policy at the same positions (``H = logsumexp - sum(p * logits)``) comes from the same chunk pass on
+request: a dot product per row of ``exp(logits - max)`` with ``logits - max`` (cache-sized row blocks), no second head
+matmul and no second chunk buffer (bench/entropy_cost.py). It carries no
+gradient there; ``entropy="grad"`` (an entropy bonus) adds a checkpointed autograd pass of the head for it instead,
+one chunk alive at a time.
+
 Equal to the plain path (``log_softmax(model(x).logits / T)`` gathered) in value and gradient,
 including the head weight's gradient when it is tied to the input embedding (autograd sums both
 uses). Models that transform logits after the head (softcapping, a logit scale) are scored
@@ -27,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 CHUNK_BYTES = 64 << 20
 """Float32 logits of one head chunk (512 tokens at a 32k vocabulary): the working set of forward and backward."""
@@ -49,7 +56,8 @@ def token_logprobs(
     chunk_bytes: int = CHUNK_BYTES,
     keep_bytes: int = KEEP_BYTES,
     model_inputs: dict | None = None,
-) -> Tensor:
+    entropy: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``log p(input_ids[:, t+1] | input_ids[:, :t+1])`` at the scored positions: ``[B, T-1]``, zeros elsewhere.
 
     Args:
@@ -65,9 +73,12 @@ def token_logprobs(
         model_inputs: extra inputs of a vision-language model (pixels, image grids). The hidden states then come
             from the whole base model (vision tower + language model, ``model.base_model``, which merges the image
             features into the sequence); the LM head is still applied fused, to the scored positions only.
+        entropy: None = logprobs only; ``"value"`` = also the policy's entropy at the scored positions (same
+            temperature, no gradient); ``"grad"`` = the entropy with its gradient (an entropy bonus).
 
     Returns:
-        float32 logprobs (float64 for a float64 model); differentiable w.r.t. the model's parameters.
+        float32 logprobs (float64 for a float64 model); differentiable w.r.t. the model's parameters. With
+        ``entropy``: ``(logprobs, entropy)``, both ``[B, T-1]``, zeros at unscored positions.
     """
     targets = input_ids[:, 1:]  # [B, T-1]
     if positions is None:
@@ -77,29 +88,42 @@ def token_logprobs(
     if head is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits[:, :-1][positions]  # [N,V]
         picked = _plain_logprobs(logits, targets[positions], temperature)
-        return _scatter(picked, positions)
+        if entropy is None:
+            return _scatter(picked, positions)
+        ent = _plain_entropy(logits, temperature)
+        return _scatter(picked, positions), _scatter(ent if entropy == "grad" else ent.detach(), positions)
     decoder = _vision_language_base(model) if extra else model.get_decoder()
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state  # [B, T, H]
     h = hidden[:, :-1][positions]  # [N, H]: only the scored positions meet the head
     picked = head_logprobs(h, head.weight, head.bias, targets[positions], temperature=temperature,
-                           chunk_bytes=chunk_bytes, keep_bytes=keep_bytes)
-    return _scatter(picked, positions)
+                           chunk_bytes=chunk_bytes, keep_bytes=keep_bytes, entropy=entropy)
+    if entropy is None:
+        return _scatter(picked, positions)
+    return _scatter(picked[0], positions), _scatter(picked[1], positions)
 
 
 def head_logprobs(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, temperature: float = 1.0,
-                  chunk_bytes: int = CHUNK_BYTES, keep_bytes: int = KEEP_BYTES) -> Tensor:
+                  chunk_bytes: int = CHUNK_BYTES, keep_bytes: int = KEEP_BYTES,
+                  entropy: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """``log_softmax((h @ weight.T + bias) / temperature)[n, targets[n]]``: ``[N]``, chunked, fused backward.
 
     Under autocast the head matmuls run in the autocast dtype (as ``nn.Linear`` would), the softmax in float32.
+    ``entropy`` (None, ``"value"`` or ``"grad"``): also return the softmax's entropy ``[N]`` (see ``token_logprobs``).
     """
     plan = _Plan.of(h, weight, chunk_bytes, keep_bytes)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
     if needs_grad:
-        return _FusedHeadLogprobs.apply(h, weight, bias, targets, temperature, plan)
+        out = _FusedHeadLogprobs.apply(h, weight, bias, targets, temperature, plan, entropy == "value")
+        if entropy == "grad":  # the fused backward has no entropy term: autograd through a checkpointed head pass
+            return out, _entropy_with_grad(h, weight, bias, temperature, plan)
+        return out
     with torch.no_grad():  # scoring only (ahead pass, reference model): nothing to keep
         w_c, b_c = _cast(weight, bias, plan)
-        return torch.cat([_chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan)[0]
-                          for s, e in plan.bounds]) if plan.bounds else h.new_zeros(0, dtype=plan.out_dtype)
+        parts = [_chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan, entropy is not None)
+                 for s, e in plan.bounds]
+        empty = h.new_zeros(0, dtype=plan.out_dtype)
+        lp = torch.cat([p[0] for p in parts]) if parts else empty
+        return lp if entropy is None else (lp, torch.cat([p[4] for p in parts]) if parts else empty)
 
 
 class _Plan:
@@ -143,36 +167,72 @@ def _chunk_logits(h: Tensor, w_c: Tensor, b_c: Tensor | None, temperature: float
     return logits
 
 
-def _chunk_forward(h, w_c, b_c, targets, temperature, plan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(logprobs [C], logsumexp [C], exp(logits - max) [C, V], its row sums [C]) of one chunk, in one buffer."""
+def _chunk_forward(h, w_c, b_c, targets, temperature, plan, entropy: bool = False):
+    """(logprobs [C], logsumexp [C], exp(logits - max) [C, V], its row sums [C], entropy [C] or None) of one chunk."""
     logits = _chunk_logits(h, w_c, b_c, temperature, plan)
     picked = logits.gather(1, targets[:, None])[:, 0]
     top = logits.amax(dim=-1, keepdim=True)  # [C, 1]
-    unnormalized = logits.sub_(top).exp_()  # in place: the logits are not needed again
+    shifted = logits.sub_(top)
+    dots = _exp_dots(shifted) if entropy else None  # before the exponential below overwrites x
+    unnormalized = shifted.exp_()  # in place: the logits are not needed again
     total = unnormalized.sum(dim=-1)
     lse = top[:, 0] + total.log()
-    return picked - lse, lse, unnormalized, total
+    ent = None if dots is None else total.log() - dots / total  # H = log Z - sum(exp(x) x) / Z
+    return picked - lse, lse, unnormalized, total, ent
+
+
+def _exp_dots(x: Tensor, block_bytes: int = 1 << 20) -> Tensor:
+    """``[C]`` ``sum_v exp(x) * x`` per row, in row blocks of ~1 MiB: each block's exponential stays in cache and
+    no second ``[C, V]`` buffer exists. The entropy is ``log Z - this / Z`` with ``x = logits - max``: no log over
+    the vocabulary. The chunk's own in-place exponential runs after, unchanged, so the logprobs keep their bits."""
+    rows = max(1, block_bytes // (x.shape[1] * x.element_size()))
+    out = x.new_empty(x.shape[0])
+    for s in range(0, x.shape[0], rows):
+        xb = x[s:s + rows]
+        out[s:s + rows] = torch.bmm(xb.exp()[:, None, :], xb[:, :, None])[:, 0, 0]  # batched dot, no temporary
+    return out
+
+
+def _entropy_with_grad(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, plan: _Plan) -> Tensor:
+    """``[N]`` entropy through autograd, per chunk under activation checkpointing: one chunk's logits alive at a time
+    (forward keeps none, backward recomputes each). Costs a second head pass; only an entropy bonus asks for it."""
+    w_c, b_c = _cast(weight, bias, plan)  # differentiable casts (no copy without autocast)
+    parts = [checkpoint(_chunk_entropy, h[s:e], w_c, b_c, temperature, plan, use_reentrant=False)
+             for s, e in plan.bounds]
+    return torch.cat(parts) if parts else h.new_zeros(0, dtype=plan.out_dtype)
+
+
+def _chunk_entropy(h: Tensor, w_c: Tensor, b_c: Tensor | None, temperature: float, plan: _Plan) -> Tensor:
+    logp = _chunk_logits(h, w_c, b_c, temperature, plan).log_softmax(-1)  # [C, V]
+    return -(logp.exp() * logp).sum(-1)
 
 
 class _FusedHeadLogprobs(torch.autograd.Function):
     """The LM head + log-softmax + gather of the scored tokens, with an in-place softmax gradient."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, temperature, plan):
-        out, lses, kept = [], [], []
+    def forward(ctx, h, weight, bias, targets, temperature, plan, entropy=False):
+        out, lses, kept, ents = [], [], [], []
         w_c, b_c = _cast(weight, bias, plan)
         for i, (s, e) in enumerate(plan.bounds):
-            lp, lse, unnormalized, total = _chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan)
+            lp, lse, unnormalized, total, ent = _chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan,
+                                                               entropy)
             out.append(lp)
             lses.append(lse)
+            ents.append(ent)
             kept.append((unnormalized, total) if i >= plan.first_kept else None)  # the rest: recomputed in backward
         ctx.save_for_backward(h, weight, bias, targets, torch.cat(lses) if lses else h.new_zeros(0))
         ctx.temperature, ctx.plan, ctx.kept = temperature, plan, kept
-        return torch.cat(out) if out else h.new_zeros(0, dtype=plan.out_dtype)
+        lp = torch.cat(out) if out else h.new_zeros(0, dtype=plan.out_dtype)
+        if not entropy:
+            return lp
+        ent = torch.cat(ents) if ents else h.new_zeros(0, dtype=plan.out_dtype)
+        ctx.mark_non_differentiable(ent)  # a logged figure; the bonus takes the autograd path (_entropy_with_grad)
+        return lp, ent
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_):
         h, weight, bias, targets, lse = ctx.saved_tensors
         plan, temperature = ctx.plan, ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -199,7 +259,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
             del d  # before the next chunk allocates its own
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def _backward_matmuls(d: Tensor, h: Tensor, w_c: Tensor, grad_h: Tensor | None, grad_w: Tensor | None,
@@ -224,6 +284,16 @@ def _plain_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tens
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def _plain_entropy(logits: Tensor, temperature: float) -> Tensor:
+    """``[N]`` entropy of ``softmax(logits / T)``, differentiable (the plain path's counterpart of ``_chunk_forward``)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = logits.log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def _scatter(values: Tensor, positions: Tensor) -> Tensor:

@@ -90,6 +90,20 @@ def plan_metrics(plan) -> dict[str, float]:
             "grpo/oversized_rows": float(plan.oversized)}
 
 
+def length_metrics(lengths: torch.Tensor, finish_reasons: list[str]) -> dict[str, float]:
+    """Length figures of this rank's completions (TRL's ``completions/*``): ``lengths`` ``[B]`` completion tokens,
+    ``finish_reasons`` ``"stop"`` (EOS or a stop string) or ``"length"`` (cut at ``rollout.max_new_tokens``).
+
+    ``completion/terminated_len_mean`` is NaN when no completion terminated (TRL logs 0, which reads as a length).
+    """
+    stopped = torch.tensor([r == "stop" for r in finish_reasons], dtype=torch.bool)
+    lengths = lengths.double()
+    return {"completion/len_mean": float(lengths.mean()), "completion/len_min": float(lengths.min()),
+            "completion/len_max": float(lengths.max()), "completion/stop_frac": float(stopped.double().mean()),
+            "completion/clipped_frac": float((~stopped).double().mean()),
+            "completion/terminated_len_mean": float(lengths[stopped].mean()) if stopped.any() else math.nan}
+
+
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
     return float(num / den) if float(den) > 0 else 0.0
 
@@ -105,7 +119,7 @@ RANK_SUM = frozenset({"grpo/tokens", "correction/tokens", "grpo/n", "grpo/seqs",
                       "data/dynamic_batch_short", "completion/truncated_masked"})
 """Counts of this rank's share: summed, they count the whole collected batch."""
 RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/clip_frac_low", "grpo/clip_frac_high", "grpo/ratio_mean",
-                                 "grpo/kl", "grpo/kl_old", "opd/kl", "opd/teacher_logprob"})
+                                 "grpo/kl", "grpo/kl_old", "grpo/entropy", "opd/kl", "opd/teacher_logprob"})
 """Per-token figures of this rank's tokens: weighted by ``grpo/tokens`` (ranks hold unequal token counts)."""
 RANK_SAMPLED_WEIGHTED = frozenset({f"correction/{name}" for name in (
     "is_weight_mean", "is_weight_sq_mean", "outside_frac", "logprob_gap_mean", "token_mult_prob_error",
@@ -113,7 +127,9 @@ RANK_SAMPLED_WEIGHTED = frozenset({f"correction/{name}" for name in (
 """Rollout-correction means over this rank's sampled tokens (rejected ones too): weighted by ``correction/tokens``."""
 RANK_MAX = frozenset({"grpo/ratio_max", "correction/is_weight_max", "reward/max", "completion/len_max",
                       "grpo/ahead_seconds"})
-RANK_MIN = frozenset({"reward/min"})
+RANK_MIN = frozenset({"reward/min", "completion/len_min"})
+RANK_WEIGHTED = {"completion/terminated_len_mean": "completion/stop_frac"}
+"""Means over a subset of each rank's rows, weighted by the subset's share (ranks hold equal row counts)."""
 RANK_SAME = frozenset({"step", "loop_step", "global_step", "data/dynamic_refill_rounds"} | {
     f"{prefix}/{name}" for prefix in ("grpo", "dpo") for name in (
         "denom", "grad_norm", "grad_norm_max", "lr", "lr_max", "optimizer_steps", "skipped_windows",
@@ -129,7 +145,9 @@ AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
 
 
 def rank_reduction(name: str) -> str:
-    """How metric ``name`` combines over ranks: sum, token, sampled, max, min, same, std or mean."""
+    """How metric ``name`` combines over ranks: sum, token, sampled, weighted, max, min, same, std or mean."""
+    if name in RANK_WEIGHTED:
+        return "weighted"
     if name.startswith("grpo/epoch"):  # per inner epoch: each epoch trains the same rows, so the rank's tokens weigh
         return "token"
     for kind, names in (("sum", RANK_SUM), ("token", RANK_TOKEN_WEIGHTED), ("sampled", RANK_SAMPLED_WEIGHTED),
@@ -159,7 +177,7 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
         raise RuntimeError(f"combine_ranks: data-parallel ranks logged different metric names; this rank: {names}")
     kind = {n: rank_reduction(n) for n in names}
     weight = {"token": "grpo/tokens", "sampled": "correction/tokens"}  # the count each weighted mean is over
-    summed = [n for n in names if kind[n] in ("sum", "token", "sampled", "std", "mean")]
+    summed = [n for n in names if kind[n] in ("sum", "token", "sampled", "weighted", "std", "mean")]
     maxed = [n for n in names if kind[n] in ("max", "min", "same")]
     local = {n: metrics[n] for n in names}
     for n in names:
@@ -169,8 +187,12 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
             local[n] = (rows - 1) * metrics[n] ** 2 + rows * metrics.get("reward/mean", 0.0) ** 2
         elif kind[n] == "min":
             local[n] = -metrics[n]
+        elif kind[n] == "weighted":  # a rank with none of the subset (NaN mean) adds nothing
+            share = metrics.get(RANK_WEIGHTED[n], 0.0)
+            local[n] = metrics[n] * share if share > 0 else 0.0
     out = dict(zip(summed, _reduced(all_reduce, [local[n] for n in summed], "sum")))
     out.update(zip(maxed, _reduced(all_reduce, [local[n] for n in maxed], "max")))
+    shares = {n: out.get(RANK_WEIGHTED[n], 0.0) for n in names if kind[n] == "weighted"}  # summed, before the means
     for n in names:
         if kind[n] == "mean":
             out[n] /= world_size
@@ -179,6 +201,8 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
             out[n] = out[n] / all_tokens if all_tokens > 0 else (math.nan if math.isnan(out[n]) else 0.0)
         elif kind[n] == "min":
             out[n] = -out[n]
+        elif kind[n] == "weighted":
+            out[n] = out[n] / shares[n] if shares[n] > 0 else math.nan
     for n in (n for n in names if kind[n] == "std"):
         count, mean = rows * world_size, out.get("reward/mean", 0.0)
         out[n] = math.sqrt(max(out[n] - count * mean * mean, 0.0) / (count - 1)) if count > 1 else 0.0

@@ -47,7 +47,9 @@ class ChunkScorer:
         return PolicyView(model=self.policy, temperature=self.temperature(),
                           logprobs=lambda c: self.logprobs(self.policy, c, pixels(c)),
                           reference=(lambda c: self.reference_logprobs(c, pixels(c))) if self.has_reference else None,
-                          call=lambda fn, *args: root_call(self.policy, fn, *args))
+                          call=lambda fn, *args: root_call(self.policy, fn, *args),
+                          logprobs_and_entropy=lambda c, grad: self.logprobs(self.policy, c, pixels(c),
+                                                                             "grad" if grad else "value"))
 
     def reference_logprobs(self, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
         """``[B, T-1]`` logprobs of the frozen reference: the copy, or under LoRA the policy with its adapter off."""
@@ -57,14 +59,16 @@ class ChunkScorer:
         with torch.no_grad(), eval_mode(self.policy), lora.reference_mode(self.policy):
             return self.logprobs(self.policy, chunk, vision)
 
-    def logprobs(self, model: nn.Module, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
+    def logprobs(self, model: nn.Module, chunk: RolloutBatch, vision: VisionInputs | None = None,
+                 entropy: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """``[B, T-1]`` logprobs of the completion tokens at the sampling temperature, 0 at prompt and padding. A chunk
-        with images is scored with ``vision`` (materialized here when not given)."""
+        with images is scored with ``vision`` (materialized here when not given). ``entropy`` (``"value"``/``"grad"``):
+        also the policy's entropy there, ``(logprobs, entropy)`` (``logprobs.token_logprobs``)."""
         vision = vision if vision is not None else self.materialize(chunk)
         extra = None if vision is None else {k: v.to(self.device()) for k, v in vision.as_kwargs().items()}
         return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
                          positions=chunk.completion_mask[:, 1:], temperature=self.temperature(),
-                         keep_bytes=self.keep_bytes(), model_inputs=extra)
+                         keep_bytes=self.keep_bytes(), model_inputs=extra, entropy=entropy)
 
     def materialize(self, chunk: RolloutBatch) -> VisionInputs | None:
         """The pixels of ``chunk``'s rows (decoded and processed now), or None for a chunk without images."""

@@ -25,6 +25,7 @@ QUICK = {  # name -> extra arguments; each about 10-35 s on 2 cores
     "update_memory": [],
     "ahead_pass": [],
     "vlm_memory": [],
+    "entropy_cost": [],
 }
 
 

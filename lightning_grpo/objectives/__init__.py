@@ -63,7 +63,8 @@ def _grpo(module) -> Objective:
     return GRPOObjective(rl.epsilon, rl.epsilon_high, rl.beta, dp_mean=module.dp_mean, loss_type=rl.loss_type,
                          ratio_level=rl.ratio_level, loss=rl.loss,
                          max_completion_length=module.rollout_cfg.max_new_tokens,  # Dr. GRPO's constant
-                         correction=rl.rollout_correction)
+                         correction=rl.rollout_correction, entropy_coef=rl.entropy_coef,
+                         top_entropy_quantile=rl.top_entropy_quantile)
 
 
 def _opd(module) -> Objective:

@@ -42,6 +42,9 @@ class PolicyView:
         reference: ``chunk -> [B, T-1]`` logprobs of the frozen initial policy, no grad; None when the module
             built no reference (``rl.beta == 0``).
         call: ``call(fn, *args)`` runs ``fn(*args)`` as a forward of ``model`` (FSDP2 gathers its root around it).
+        logprobs_and_entropy: ``(chunk, grad) -> ([B, T-1] logprobs, [B, T-1] entropy)`` from one head pass: the
+            logprobs exactly as ``logprobs`` gives them, the entropy of the policy at the same positions and
+            temperature, with grad only when ``grad`` (an entropy bonus). None: the view cannot measure entropy.
     """
 
     model: nn.Module
@@ -49,6 +52,7 @@ class PolicyView:
     logprobs: Callable[[RolloutBatch], Tensor]
     reference: Callable[[RolloutBatch], Tensor] | None
     call: Callable[..., Any]
+    logprobs_and_entropy: Callable[[RolloutBatch, bool], tuple[Tensor, Tensor]] | None = None
 
 
 @runtime_checkable

@@ -10,7 +10,7 @@ division to the optimizer step. Every divisor below is a sum over rows and a chu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -21,6 +21,7 @@ from lightning_grpo.config import LOSS_FORMS, LOSS_TYPES, RATIO_LEVELS
 from lightning_grpo.correction import Correction, RolloutCorrection, correct
 from lightning_grpo.distributed import single_process
 from lightning_grpo.objectives.base import PolicyView, Reduction
+from lightning_grpo.objectives.entropy import token_mean, top_entropy_mask
 
 # Reduces a scalar tensor to its mean over data-parallel ranks (identity on one device).
 DPMean = Callable[[Tensor], Tensor]
@@ -36,6 +37,7 @@ class ChunkStats:
         "ratio_max": ("grpo/ratio_max", "max"), "kl": ("grpo/kl", "tokens"), "kl_old": ("grpo/kl_old", "tokens"),
         "clip_frac_low": ("grpo/clip_frac_low", "tokens"), "clip_frac_high": ("grpo/clip_frac_high", "tokens"),
         "seqs": ("grpo/seqs", "sum"),
+        "entropy": ("grpo/entropy", "tokens"),
     }
     """Field -> (metric, reduction): the loss weighted by the divisor, per-token figures by this rank's tokens."""
 
@@ -62,6 +64,8 @@ class ChunkStats:
     """Fraction of tokens clipped above (ppo_clip: ratio > 1 + epsilon_high and A > 0; cispo: weight truncated)."""
     seqs: Tensor | None = None
     """This rank's sequences with at least one counted token (the unit of the per-sequence divisors)."""
+    entropy: Tensor | None = None
+    """Token mean of the policy's entropy on the counted tokens (NaN when the policy view cannot measure it)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ class GRPOObjective:
         loss: ppo_clip (``-min(r A, clip(r) A)``) or cispo (``-sg(clip(r)) A log pi``).
         max_completion_length: Dr. GRPO's constant (``rollout.max_new_tokens``); needed by dr_grpo only.
         correction: ``rl.rollout_correction`` (None or mode off: none); needs the chunk's sampler logprobs.
+        entropy_coef: entropy bonus: ``coef * H`` is subtracted from every counted token's loss (same divisor).
+        top_entropy_quantile: train the surrogate only on each sequence's top share of tokens by entropy (1.0 = all).
     """
 
     name = "grpo"
@@ -123,7 +129,8 @@ class GRPOObjective:
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                  dp_mean: DPMean = single_process, *, loss_type: str = "dapo", ratio_level: str = "token",
                  loss: str = "ppo_clip", max_completion_length: int | None = None,
-                 correction: RolloutCorrection | None = None) -> None:
+                 correction: RolloutCorrection | None = None, entropy_coef: float = 0.0,
+                 top_entropy_quantile: float = 1.0) -> None:
         for knob, value, known in (("loss_type", loss_type, LOSS_TYPES), ("ratio_level", ratio_level, RATIO_LEVELS),
                                    ("loss", loss, LOSS_FORMS)):
             if value not in known:
@@ -142,6 +149,10 @@ class GRPOObjective:
         self.correction = correction if correction is not None and correction.mode != "off" else None
         if self.correction is not None:
             self.stats = CorrectedChunkStats
+        if not entropy_coef >= 0 or not 0 < top_entropy_quantile <= 1:
+            raise ValueError(f"GRPOObjective(entropy_coef={entropy_coef}, top_entropy_quantile={top_entropy_quantile})"
+                             ": entropy_coef must be >= 0 and top_entropy_quantile in (0, 1]")
+        self.entropy_coef, self.top_entropy_quantile = entropy_coef, top_entropy_quantile
 
     def needs_old_logprobs(self) -> bool:
         """The ratio consumes pi_old, so mini-batching needs it frozen (the ahead pass)."""
@@ -157,10 +168,18 @@ class GRPOObjective:
     def chunk_loss(self, chunk: RolloutBatch, policy: PolicyView,
                    old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, ChunkStats]:
         """Score ``chunk`` with the policy (and the reference when beta > 0), then the loss below."""
-        logprobs = policy.logprobs(chunk)
+        uses_entropy = self.entropy_coef > 0 or self.top_entropy_quantile < 1
+        if policy.logprobs_and_entropy is not None:  # the entropy comes from the same head pass (logprobs.py)
+            logprobs, entropy = policy.logprobs_and_entropy(chunk, self.entropy_coef > 0)
+        elif uses_entropy:
+            raise ValueError("GRPOObjective(entropy_coef > 0 or top_entropy_quantile < 1) needs a PolicyView with "
+                             "logprobs_and_entropy")
+        else:
+            logprobs, entropy = policy.logprobs(chunk), None
         ref = policy.reference(chunk) if self.beta > 0 and policy.reference is not None else None
         rollout = chunk.rollout_logprobs[:, 1:] if chunk.rollout_logprobs is not None else None
-        return self(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref, rollout)
+        return self(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref, rollout,
+                    entropy=entropy)
 
     def __call__(
         self,
@@ -170,6 +189,8 @@ class GRPOObjective:
         old_logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None,
         rollout_logprobs: Tensor | None = None,
+        *,
+        entropy: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, ChunkStats]:
         """Loss of one chunk.
 
@@ -180,6 +201,8 @@ class GRPOObjective:
             old_logprobs: ``[B, T-1]`` pi_old; None = ``logprobs.detach()`` (exact when nothing moved).
             ref_logprobs: ``[B, T-1]`` reference policy, required when beta > 0.
             rollout_logprobs: ``[B, T-1]`` the sampler's logprobs, required by a rollout correction.
+            entropy: ``[B, T-1]`` the policy's entropy (logged; with grad when entropy_coef > 0), required when
+                entropy_coef > 0 or top_entropy_quantile < 1.
         """
         old = logprobs.detach() if old_logprobs is None else old_logprobs
         corr = self._correction(logprobs, old, rollout_logprobs, mask)
@@ -189,13 +212,7 @@ class GRPOObjective:
         ratio = self._ratio(logprobs, old, m)  # [B, T-1]
         adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [B, 1]
         clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
-        if self.loss == "cispo":
-            # CISPO (MiniMax-M1, arXiv 2506.13585): the truncated ratio, no gradient, weighs each token's REINFORCE term
-            per_token = -(clipped.detach() * adv) * logprobs
-        else:
-            per_token = -torch.min(ratio * adv, clipped * adv)
-        if corr is not None and corr.weight is not None:
-            per_token = per_token * corr.weight  # the surrogate only: the KL to the reference is not sampled
+        per_token = self._surrogate(logprobs, ratio, clipped, adv, mask, corr, entropy)
         kl = torch.zeros_like(per_token)
         if self.beta > 0:
             if ref_logprobs is None:
@@ -203,6 +220,8 @@ class GRPOObjective:
             delta = ref_logprobs - logprobs
             kl = torch.exp(delta) - delta - 1  # k3 estimator: unbiased, always >= 0
             per_token = per_token + self.beta * kl
+        if self.entropy_coef > 0:  # a bonus: lower loss for a higher-entropy policy, under the loss's own divisor
+            per_token = per_token - self.entropy_coef * entropy
         tokens = m.sum()
         seqs = (m.sum(-1) > 0).to(m.dtype).sum()  # rows with a counted token: a DP filler row is no sequence
         total, denom = self._sum_and_divisor(per_token, m, tokens, seqs)
@@ -211,9 +230,26 @@ class GRPOObjective:
         loss = total / torch.where(denom > 0, denom, torch.ones_like(denom))
         with torch.no_grad():
             stats = self._stats(loss, denom, tokens, seqs, ratio, clipped, adv, kl, logprobs - old, m, mask)
+            stats = replace(stats, entropy=token_mean(entropy, m, tokens))
             if corr is not None:
                 stats = CorrectedChunkStats.of(stats, dict(corr.stats))
         return loss, denom, stats
+
+    def _surrogate(self, logprobs: Tensor, ratio: Tensor, clipped: Tensor, adv: Tensor, mask: Tensor,
+                   corr: Correction | None, entropy: Tensor | None) -> Tensor:
+        """``[B, T-1]`` per-token surrogate: clipped or CISPO, times the correction's weight, on the kept tokens."""
+        if self.loss == "cispo":
+            # CISPO (MiniMax-M1, arXiv 2506.13585): the truncated ratio, no gradient, weighs each token's REINFORCE term
+            per_token = -(clipped.detach() * adv) * logprobs
+        else:
+            per_token = -torch.min(ratio * adv, clipped * adv)
+        if corr is not None and corr.weight is not None:
+            per_token = per_token * corr.weight  # the surrogate only: the KL to the reference is not sampled
+        if (self.entropy_coef > 0 or self.top_entropy_quantile < 1) and entropy is None:
+            raise ValueError("GRPOObjective(entropy_coef > 0 or top_entropy_quantile < 1) needs the policy's entropy")
+        if self.top_entropy_quantile < 1:  # the surrogate on high-entropy tokens only; the KL and divisor stay whole
+            per_token = per_token * top_entropy_mask(entropy, mask, self.top_entropy_quantile)
+        return per_token
 
     def _correction(self, logprobs: Tensor, old: Tensor, rollout: Tensor | None, mask: Tensor) -> Correction | None:
         """rho = pi_old / pi_rollout per token (bypass: pi_old is the sampler's, so the current policy stands in)."""

@@ -32,6 +32,7 @@ from lightning_grpo.checks import raise_problems
 from lightning_grpo.config import GRPOConfig, VLLMConfig
 from lightning_grpo.distributed import single_process
 from lightning_grpo.objectives.base import PolicyView, Reduction, nonzero
+from lightning_grpo.objectives.entropy import token_mean
 from lightning_grpo.objectives.grpo import ChunkStats, DPMean, GRPOObjective
 from lightning_grpo.objectives.kl import CHUNK_BYTES, chunk_tokens, completion_hidden, reverse_kl
 from lightning_grpo.objectives.teacher import HFTeacher, VLLMTeacher, check_same_vocab, model_vocab_size
@@ -99,7 +100,8 @@ class OPDConfig:
         elif mode not in ("off", "bypass"):
             p.append(f"rl.rollout_correction.mode={mode!r}: objective=opd adds its KL to the uncorrected GRPO term; "
                      "set 'off' or 'bypass', or use objective=grpo")
-        for knob, default in (("loss_type", "dapo"), ("ratio_level", "token"), ("loss", "ppo_clip")):
+        for knob, default in (("loss_type", "dapo"), ("ratio_level", "token"), ("loss", "ppo_clip"),
+                              ("entropy_coef", 0.0), ("top_entropy_quantile", 1.0)):
             if getattr(rl, knob) != default:  # the KL term is a token mean: it shares the GRPO term's token divisor
                 p.append(f"rl.{knob}={getattr(rl, knob)!r}: objective=opd adds its token-mean KL to the default GRPO "
                          f"term only (dapo, token ratio, ppo_clip); set rl.{knob}={default!r} or use objective=grpo")
@@ -227,4 +229,4 @@ def _neutral(loss: Tensor, denom: Tensor, tokens: Tensor, m: Tensor) -> ChunkSta
     return ChunkStats(loss=loss.detach(), denom=denom, tokens=tokens,
                       n=torch.tensor(float(m.shape[0]), dtype=torch.float32), clip_frac=zero, ratio_mean=zero + 1,
                       ratio_max=zero + 1, kl=zero, clip_frac_low=zero, clip_frac_high=zero,
-                      seqs=(m.sum(-1) > 0).to(m.dtype).sum())
+                      seqs=(m.sum(-1) > 0).to(m.dtype).sum(), entropy=token_mean(None, m, tokens))  # not measured
