@@ -33,7 +33,8 @@ from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
 from lightning_grpo.correction import derived_metrics
-from lightning_grpo.data.rewards import RewardSpec, check_reward_columns, score
+from lightning_grpo.data.fitting import fit_prompts
+from lightning_grpo.data.rewards import RewardSpec, score
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.distributed import data_parallel_mesh, shard_fsdp2
@@ -169,24 +170,8 @@ class GRPOModule(UpdateModule):
 
     def check_data(self) -> None:
         """Fit the datamodule's prompts to this policy (chat template, max_prompt_tokens) and check that every
-        column a reward function requires exists. Raises before any step runs."""
-        dm = self._datamodule()
-        if not isinstance(dm, PromptProvider):
-            if self.rl.dynamic_sampling:
-                raise ValueError(f"rl.dynamic_sampling=true refills from the datamodule's refill lane, which "
-                                 f"{type(dm).__name__} lacks (not a PromptProvider); use PromptDataModule")
-            return
-        if self.vision is None and dm.has_images:
-            raise ValueError(
-                f"data.source={_source_name(dm)} has prompts with images but policy.path="
-                f"{self.policy_cfg.path!r} is a text-only model; use a vision-language policy (Qwen2-VL, Qwen2.5-VL, "
-                "Qwen3-VL, or tiny.arch=qwen2_5_vl) or a text-only data source"
-            )
-        if dm.has_images and self.objective.name != "grpo":  # OPD scores hidden states, no pixels
-            raise ValueError(f"model.objective={self.objective.name} does not score prompts with images (data.source="
-                             f"{_source_name(dm)} has some); use model.objective=grpo for image prompts")
-        dm.prepare_prompts(self.tokenizer, self.max_prompt_tokens(), self.rollout_cfg.long_prompts)
-        check_reward_columns(self.reward_specs or [], dm.columns)
+        column a reward function requires exists. Raises before any step runs (``data/fitting.py``)."""
+        fit_prompts(self, self._datamodule())
 
     def max_prompt_tokens(self) -> int | None:
         """The prompt-length limit: ``rollout.max_prompt_tokens``, else the context left after the completion."""
@@ -393,8 +378,3 @@ class GRPOModule(UpdateModule):
 
     def _context(self) -> int | None:
         return getattr(self.policy.config, "max_position_embeddings", None)
-
-
-def _source_name(dm) -> str:
-    source = getattr(dm, "source", "?")
-    return repr(source) if isinstance(source, str) else f"<{type(source).__name__}>"
