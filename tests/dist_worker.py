@@ -225,9 +225,11 @@ FAMILY = {  # grpo-<name>-m<n>: the loss family and rollout corrections (tests/t
     "maskgeo": {"rollout_correction": {"mode": "mask", "level": "geometric", "band": [0.9, 1.1]}},
     "icepop": {"loss": "cispo", "rollout_correction": {"mode": "icepop"}},
     "bypass": {"ratio_level": "sequence", "rollout_correction": {"mode": "bypass"}},
+    "entropy": {"loss_type": "grpo", "entropy_coef": 0.05, "top_entropy_quantile": 0.5},
 }
 FAMILY_LR = {"grpo": 0.2, "drgrpo": 1.5, "seqsum": 0.05, "gspo": 0.5, "cispo": 0.5, "tis": 0.4, "tisseq": 0.1,
-             "maskgeo": 0.8, "icepop": 0.2, "bypass": 0.3}
+             "maskgeo": 0.8, "icepop": 0.2, "bypass": 0.3,
+             "entropy": 0.35}
 """SGD rates that make each family case's update ~0.15 (measured on one rank; their gradients differ in scale)."""
 
 

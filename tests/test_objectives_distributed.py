@@ -57,5 +57,7 @@ def test_metrics_combine_to_the_whole_batch(two_ranks):
     tis = two_ranks("grpo-tis-m2")["metrics"]
     assert tis["correction/tokens"] == sum(W.LENGTHS) and 0 < tis["correction/outside_frac"] < 1
     assert 0 < tis["correction/ess"] <= 1
+    entropy = two_ranks("grpo-entropy-m2")["metrics"]
+    assert entropy["grpo/entropy"] > 0 and entropy["grpo/tokens"] == sum(W.LENGTHS)
     dpo = two_ranks("dpo-m4")["metrics"]
     assert dpo["dpo/pairs"] == len(W.LENGTHS) and dpo["dpo/optimizer_steps"] == 1.0
