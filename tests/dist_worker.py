@@ -169,6 +169,26 @@ def run_fit(case: str, policy: str, out: Path, rank: int) -> None:
     torch.save(record, out / f"{case}.rank{rank}.pt")
 
 
+def run_dynamic_fit(case: str, policy: str, out: Path, rank: int) -> None:
+    """DAPO dynamic sampling on 2 ranks (test_dynamic_sampling.rank0_short): each rank draws one informative and one
+    flat group; rank 1's first refill round brings an informative group, rank 0's never do: rank 0 stays short,
+    rank 1 is full after one round, and both must agree to draw all max_refill_rounds rounds (rank 1 generating
+    nothing) without a hang."""
+    module = GRPOModule(policy=PolicyConfig(path=policy, dtype="float32"), optim=OptimConfig(lr=1e-3),
+                        rl=GRPOConfig(batch_per_replica=8, group_size=2, dynamic_sampling=True, max_refill_rounds=3),
+                        rollout=RolloutConfig(max_new_tokens=8), rewards=[RewardSpec("test_dynamic_sampling:rank0_short")])
+    trained = []
+    module.update = lambda batch, real=module.update: trained.append(batch) or real(batch)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=PromptDataModule("builtin:arith", builtin_size=64, val_size=0))
+    record = {"case": case, "params": full_params(module.policy), "metrics": dict(module.last_metrics),
+              "group_ids": trained[0].group_ids.tolist(), "rewards": trained[0].rewards.tolist(),
+              "trained_rows": trained[0].completion_mask.any(-1).tolist()}
+    torch.save(record, out / f"{case}.rank{rank}.pt")
+
+
 class EngineFollows(Callback):
     """After each publication (listed after the HandoffCallback): engine and trainer logprobs of a fixed sequence."""
 
@@ -309,6 +329,8 @@ def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None =
         return run_objective_case(case, policy, teacher, out, rank)
     if case == "ddp-vllm-fit":
         return run_vllm_fit(case, policy, out, rank)
+    if case == "ddp-dynamic-fit":
+        return run_dynamic_fit(case, policy, out, rank)
     if case.endswith("-fit"):
         return run_fit(case, policy, out, rank)
     strategy = _strategy(case)

@@ -23,6 +23,14 @@ def half_flat(rollouts):
     return [c if r.prompt.id % 2 == 0 else 0.5 for c, r in zip(char_codes(rollouts), rollouts)]
 
 
+def rank0_short(rollouts):
+    """half_flat, and flat on the refill lane positions q = -id - 1 with q % 4 in {0, 1}: on 2 ranks drawing 4 prompts
+    a round, rank 0's share of every refill round (tests/dist_worker.py ``run_dynamic_fit``)."""
+    def flat(i):
+        return i % 2 == 1 or (i < 0 and (-i - 1) % 4 < 2)
+    return [0.5 if flat(r.prompt.id) else c for c, r in zip(char_codes(rollouts), rollouts)]
+
+
 def all_flat(rollouts):
     return [1.0] * len(rollouts)
 
@@ -155,3 +163,19 @@ def test_an_overlong_buffer_as_long_as_the_completion_is_refused(tiny_policy_dir
     with pytest.raises(ConfigError, match=r"overlong_buffer=4: must be below rollout.max_new_tokens=4"):
         module(tiny_policy_dir, overlong_buffer=4)
     assert module(tiny_policy_dir, overlong_buffer=3).rl.overlong_buffer == 3
+
+
+def test_two_ranks_agree_on_refill_rounds_and_one_short_rank_does_not_hang(tmp_path, tiny_policy_dir):
+    """tests/dist_worker.py ``run_dynamic_fit``: rank 0 can never fill (its refills are flat), rank 1 fills after one
+    round; both draw the agreed 3 rounds, rank 1 generating nothing, and the step ends on both."""
+    from test_distributed import launch_two_ranks
+
+    launch_two_ranks(tmp_path, tiny_policy_dir, ["ddp-dynamic-fit"])
+    r0, r1 = (torch.load(tmp_path / f"ddp-dynamic-fit.rank{r}.pt", weights_only=False) for r in (0, 1))
+    for r in (r0, r1):  # one figure per metric for the job, the same on both ranks
+        assert r["metrics"]["data/dynamic_refill_rounds"] == 3.0 and r["metrics"]["data/dynamic_batch_short"] == 1.0
+    same = [k for k in r0["metrics"] if k not in WALL_CLOCK]
+    assert [r0["metrics"][k] for k in same] == [r1["metrics"][k] for k in same]
+    assert all(r1["trained_rows"]) and set(r1["group_ids"]) == {2, -4}  # rank 1: its even group and refill -4
+    assert sum(r0["trained_rows"]) == 2 and 0 in r0["group_ids"]  # rank 0: its one informative group, the rest padding
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])  # one model
