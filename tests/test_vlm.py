@@ -348,7 +348,7 @@ def test_rollout_logprobs_path_with_images(tiny_vlm_dir):
     def chunk_loss(chunk, policy, old):  # the objective's own scoring, with its inputs recorded
         lp, mask = policy.logprobs(chunk), chunk.completion_mask[:, 1:]
         first.append((lp.detach(), old, mask))
-        return objective(lp, mask, chunk.advantages, old)
+        return objective(lp, mask, chunk.advantages, old, None, chunk.rollout_logprobs[:, 1:])
 
     objective.chunk_loss = chunk_loss
     result = module.updater.update(batch)
