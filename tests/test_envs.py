@@ -360,3 +360,40 @@ def test_the_builtin_calculator_scores_one_submission():
     assert tools["multiply"].fn(a=123456, b=789) == 97406784
     assert tools["submit"].fn(answer=97406784) == "submitted" and env.reward == 1.0
     assert tools["submit"].fn(answer=1) == "already submitted" and env.reward == 1.0
+
+
+# -- the module: model.env wires episodes into a loop step --------------------------------------------------------------
+class AddOnly:
+    """An environment without a reward: the run's reward functions score its episodes."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def add(self, a: int, b: int) -> int:
+        """Add.
+
+        Args:
+            a: one.
+            b: two.
+        """
+        return a + b
+
+
+def test_a_grpo_loop_step_trains_on_episodes(tiny_chat_policy_dir, tmp_path):
+    from dataclasses import replace as dc_replace
+
+    from helpers import StepRecorder, fit_tiny, tiny_grpo_module
+
+    module = tiny_grpo_module(tiny_chat_policy_dir)  # rewards: helpers:digit_share on the last turn's text
+    module.env_cfg = EnvConfig(name="test_envs:AddOnly", parser="test_envs:add_every_turn", max_turns=2)
+    module.rollout_cfg = dc_replace(module.rollout_cfg, max_new_tokens=6, stop=[" ", "+"])  # short turns
+    steps = StepRecorder()
+    fit_tiny(module, tmp_path, loop_steps=2, callbacks=[steps])
+    for m in steps.metrics:
+        assert m["tools/call_frequency"] > 0 and 1 < m["episode/turns_mean"] <= 2 and "episode/truncated_frac" in m
+        assert m["reward/std"] > 0 and m["grpo/loss"] != 0.0
+        assert m["grpo/tokens"] == 8 * m["completion/len_mean"]  # lengths count model tokens, like the loss
+    bad = tiny_grpo_module(tiny_chat_policy_dir)
+    bad.env_cfg = EnvConfig(name="nowhere:Env")
+    with pytest.raises(ValueError, match="cannot import module 'nowhere'"):
+        fit_tiny(bad, tmp_path / "bad", loop_steps=1)

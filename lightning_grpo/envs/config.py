@@ -17,10 +17,10 @@ class EnvConfig:
     max_turns: int = 4
     """Model turns per episode at most; an episode still calling tools after its last turn counts as truncated."""
     max_tool_response_tokens: int = 64
-    """A tool result longer than this many tokens is cut (counted in ``episode/truncated_tool_results``)."""
+    """A tool result longer than this many tokens is cut (counted in ``episode/tool_results_cut``)."""
     max_total_tokens: int | None = None
-    """Prompt + every turn of an episode, in tokens, at most (the episode ends truncated there). None = the prompt
-    plus ``max_turns`` turns of ``rollout.max_new_tokens`` and their tool results, bounded by the model context."""
+    """Opening (prompt with the tool schemas) + every turn of an episode, in tokens, at most: a turn never runs past it
+    and reaching it ends the episode truncated. Never above the model context; None = the model context."""
     tool_timeout_s: float = 10.0
     """Seconds a tool call may run; past it the model reads a timeout error (a failure)."""
     parser: str = "hermes"
