@@ -57,5 +57,7 @@ def test_metrics_combine_to_the_whole_batch(two_ranks):
     tis = two_ranks("grpo-tis-m2")["metrics"]
     assert tis["correction/tokens"] == sum(W.LENGTHS) and 0 < tis["correction/outside_frac"] < 1
     assert 0 < tis["correction/ess"] <= 1
+    holes = two_ranks("grpo-holes-m2")["metrics"]  # tool tokens are in no divisor: 4 rows lose 4 tokens each
+    assert holes["grpo/tokens"] == sum(W.LENGTHS) - 4 * 4 == holes["correction/tokens"]
     dpo = two_ranks("dpo-m4")["metrics"]
     assert dpo["dpo/pairs"] == len(W.LENGTHS) and dpo["dpo/optimizer_steps"] == 1.0
