@@ -5,12 +5,13 @@ recognised but could not read (bad JSON, no name): the episode answers that one 
 call is feedback to the model, never a crashed rollout. Parsing reads text, but only to decide what to run: the
 trained record stays the sampled token ids (``episode.py``).
 
-Another family: register ``PARSERS["mine"] = my_parse`` (``(text) -> list[ToolCall | str]``) before the run and
+``pythonic`` reads ``name(arg=value)`` calls (Llama 3.2's pythonic format). Another family: register ``PARSERS["mine"] = my_parse`` (``(text) -> list[ToolCall | str]``) before the run and
 set ``model.env.parser: mine``, or give ``model.env.parser: my_pkg.module:my_parse``.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Callable
@@ -56,5 +57,25 @@ def parse_hermes(text: str) -> list[ToolCall | str]:
     return out
 
 
-PARSERS: dict[str, Parser] = {"hermes": parse_hermes, "qwen": parse_hermes}
+_PYTHONIC = re.compile(r"\b([A-Za-z_]\w*)\(([^()]*)\)")
+
+
+def parse_pythonic(text: str) -> list[ToolCall | str]:
+    """Python-call style, as Llama 3.2's pythonic format writes them (brackets optional): ``add(a=1, b=2)``, keyword
+    arguments with literal values. Every ``name(...)`` in the text is a call; one that is not keywords of literals
+    comes back as an error. A vocabulary without ``<``, ``>`` or ``"`` (the tiny policies') can still spell it."""
+    out: list[ToolCall | str] = []
+    for name, body in _PYTHONIC.findall(text):
+        try:
+            call = ast.parse(f"f({body})", mode="eval").body
+            if call.args or any(k.arg is None for k in call.keywords):
+                raise ValueError
+            out.append(ToolCall(name, {k.arg: ast.literal_eval(k.value) for k in call.keywords}))
+        except (SyntaxError, ValueError):  # literal_eval raises ValueError on a name or an expression
+            out.append(f"Error: could not read the call {name}({body}); write {name}(arg=value, ...) with keyword "
+                       "arguments and literal values")
+    return out
+
+
+PARSERS: dict[str, Parser] = {"hermes": parse_hermes, "qwen": parse_hermes, "pythonic": parse_pythonic}
 """Tool-call parsers by name (``model.env.parser``); add an entry for another chat-template family."""
