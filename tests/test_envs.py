@@ -386,15 +386,10 @@ class AddOnly:
 
 
 def test_a_grpo_loop_step_trains_on_episodes(tiny_chat_policy_dir, tmp_path):
-    from dataclasses import replace as dc_replace
+    from helpers import StepRecorder, fit_tiny
 
-    from helpers import StepRecorder, fit_tiny, tiny_grpo_module
-
-    module = tiny_grpo_module(tiny_chat_policy_dir)  # rewards: helpers:digit_share on the last turn's text
-    module.env_cfg = EnvConfig(name="test_envs:AddOnly", parser="test_envs:add_every_turn", max_turns=2)
-    module.rollout_cfg = dc_replace(module.rollout_cfg, max_new_tokens=6, stop=[" ", "+"])  # short turns
     steps = StepRecorder()
-    fit_tiny(module, tmp_path, loop_steps=2, callbacks=[steps])
+    fit_tiny(episode_module(tiny_chat_policy_dir), tmp_path, loop_steps=2, callbacks=[steps])
     for m in steps.metrics:
         assert m["tools/call_frequency"] > 0 and 1 < m["episode/turns_mean"] <= 2 and "episode/truncated_frac" in m
         assert m["reward/std"] > 0 and m["grpo/loss"] != 0.0
@@ -403,6 +398,37 @@ def test_a_grpo_loop_step_trains_on_episodes(tiny_chat_policy_dir, tmp_path):
     bad.env_cfg = EnvConfig(name="nowhere:Env")
     with pytest.raises(ValueError, match="cannot import module 'nowhere'"):
         fit_tiny(bad, tmp_path / "bad", loop_steps=1)
+
+
+def episode_module(policy_dir):
+    from dataclasses import replace as dc_replace
+
+    from helpers import tiny_grpo_module
+
+    module = tiny_grpo_module(policy_dir)  # rewards: helpers:digit_share on the last turn's text
+    module.env_cfg = EnvConfig(name="test_envs:AddOnly", parser="test_envs:add_every_turn", max_turns=2)
+    module.rollout_cfg = dc_replace(module.rollout_cfg, max_new_tokens=6, stop=[" ", "+"])  # short turns
+    return module
+
+
+def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
+    """Episodes are seeded per (loop step, turn, episode) and environments live one episode: a resume replays the
+    uninterrupted run row for row."""
+    from helpers import StepRecorder, fit_tiny, global_determinism_restored
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_dynamic_sampling import WALL_CLOCK
+
+    with global_determinism_restored():
+        whole, ckpt = StepRecorder(), ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}",
+                                                      every_n_train_steps=2, save_top_k=-1)
+        fit_tiny(episode_module(tiny_chat_policy_dir), tmp_path / "a", loop_steps=3, callbacks=[whole, ckpt])
+        resumed = StepRecorder()
+        fit_tiny(episode_module(tiny_chat_policy_dir), tmp_path / "b", loop_steps=3, callbacks=[resumed],
+                 ckpt_path=tmp_path / "ckpt" / "step=1.ckpt")
+    rows = [[{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in run] for run in (whole.metrics[1:],
+                                                                                            resumed.metrics)]
+    assert rows[0] == rows[1] and resumed.prompt_ids == whole.prompt_ids[1:]
+    assert all(r["tools/call_frequency"] > 0 for r in rows[1])
 
 
 def test_the_tools_quickstart_runs_as_shipped(tmp_path, monkeypatch):
