@@ -386,7 +386,7 @@ class AddOnly:
 
 
 def test_a_grpo_loop_step_trains_on_episodes(tiny_chat_policy_dir, tmp_path):
-    from helpers import StepRecorder, fit_tiny
+    from helpers import StepRecorder, fit_tiny, tiny_grpo_module
 
     steps = StepRecorder()
     fit_tiny(episode_module(tiny_chat_policy_dir), tmp_path, loop_steps=2, callbacks=[steps])
