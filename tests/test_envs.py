@@ -175,6 +175,38 @@ def test_chunked_equals_unchunked_on_multi_turn_episodes(gpt2_dir, episodes, los
             assert results[name][metric] == pytest.approx(results["whole"][metric], rel=1e-12), metric
 
 
+# -- the template's delta ---------------------------------------------------------------------------------------------
+THINKING_TEMPLATE = QWEN_LIKE_TEMPLATE.replace(
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}",
+    "{%- else %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and loop.last %}<think>\n\n</think>\n\n"
+    "{% endif %}{{ m.content }}")
+"""Qwen3's quirk: only the last assistant turn gets an (empty) think block, so rendering with and without the tool
+messages differs before the model's turn, and a plain diff of the two renderings would not be a suffix."""
+
+
+@pytest.mark.parametrize("template", [QWEN_LIKE_TEMPLATE, THINKING_TEMPLATE], ids=["qwen2.5", "qwen3-think"])
+def test_the_delta_is_the_templates_own_text_after_the_model_turn(template):
+    tok = bpe_tokenizer()
+    tok.chat_template = template
+    assert "<think>" in tok.apply_chat_template([{"role": "user", "content": "u"}, {"role": "assistant",
+                                                 "content": "a"}], tokenize=False) or template is QWEN_LIKE_TEMPLATE
+    delta = TurnDelta(tok, [], [tok.eos_token_id])
+    after = ("<|im_start|>user<tool_response>\n42\n</tool_response><tool_response>\n7\n</tool_response><|im_end|>\n"
+             "<|im_start|>assistant\n")  # both results in one user turn, then the next assistant opening
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    # the turn ended on the end-of-turn token: the delta goes on from the template's text after it
+    assert delta.ids([("add", "42"), ("add", "7")], tok.eos_token_id) == ids("\n" + after)
+    # the turn ended on a stop string: the template's end of turn is part of the delta
+    assert delta.ids([("add", "42"), ("add", "7")], ids(")")[-1]) == ids("<|im_end|>\n" + after)
+
+
+def test_a_template_that_rewrites_the_assistant_content_is_refused():
+    tok = bpe_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content | lower }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="does not render an assistant message's content verbatim"):
+        TurnDelta(tok, [], [tok.eos_token_id]).ids([("add", "1")], tok.eos_token_id)
+
+
 # -- tool calls: parsing, failures as feedback -------------------------------------------------------------------------
 def test_hermes_calls_are_parsed_and_malformed_ones_become_errors():
     text = ('a<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> b '
