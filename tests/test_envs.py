@@ -373,6 +373,12 @@ def test_a_bad_environment_is_refused_naming_the_fix(name, message):
         EpisodeRunner(EnvConfig(name=name), tok, [tok.eos_token_id])
 
 
+def test_max_total_tokens_below_the_tool_schemas_is_refused_at_setup():
+    tok = bpe_tokenizer()
+    with pytest.raises(ValueError, match=r"max_total_tokens=20 \(model context None\) leaves no room: an empty prompt"):
+        EpisodeRunner(EnvConfig(max_total_tokens=20), tok, [tok.eos_token_id])
+
+
 def test_a_tokenizer_without_chat_template_and_an_unknown_parser_are_refused():
     tok = bpe_tokenizer()
     with pytest.raises(ValueError, match="model.env.parser='mistral': not a registered parser"):

@@ -85,6 +85,11 @@ class EpisodeRunner:
         self.delta = TurnDelta(tokenizer, self.env_class.schemas, eos_token_ids)
         limits = [n for n in (cfg.max_total_tokens, context) if n is not None]
         self.max_total = min(limits) if limits else None
+        floor = len(first_prompt(tokenizer, [{"role": "user", "content": ""}], self.env_class.schemas))
+        if self.max_total is not None and self.max_total <= floor:  # no prompt could open an episode
+            raise ValueError(f"model.env.max_total_tokens={cfg.max_total_tokens} (model context {context}) leaves no "
+                             f"room: an empty prompt with the tool schemas already takes {floor} tokens; raise "
+                             "max_total_tokens (or leave it null: the model context)")
 
     def play(self, engine: RolloutEngine, prompts: Sequence[Prompt], group_size: int,
              sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
