@@ -22,7 +22,8 @@ class RolloutBatch:
     Attributes:
         input_ids: ``[N, T]`` token ids.
         attention_mask: ``[N, T]`` bool, True on real (prompt or completion) tokens.
-        completion_mask: ``[N, T]`` bool, True exactly on the tokens that count in the loss.
+        completion_mask: ``[N, T]`` bool, True exactly on the tokens that count in the loss: the sampled ones (a
+            multi-turn episode's tool and turn-separator tokens are False: holes inside the completion).
         advantages: ``[N]`` group-normalized advantage of each trajectory.
         rewards: ``[N]`` scalar reward of each trajectory (reporting only).
         group_ids: ``[N]`` int64 id of the prompt each trajectory answers.
@@ -94,9 +95,10 @@ def pack_rollouts(rollouts, advantages: Tensor, rewards: Tensor, pad_id: int, ma
         p = len(r.prompt.token_ids)
         input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         attention[i, : len(s)] = True
-        completion[i, p : len(s)] = True
+        sampled = torch.ones(len(s) - p, dtype=torch.bool) if r.model_mask is None else torch.tensor(r.model_mask)
+        completion[i, p : len(s)] = sampled  # environment tokens of an episode: context, outside the loss
         if logprobs is not None and r.token_ids:
-            logprobs[i, p : len(s)] = torch.tensor(r.logprobs, dtype=torch.float32)
+            logprobs[i, p : len(s)] = torch.tensor(r.logprobs, dtype=torch.float32).masked_fill(~sampled, 0.0)
     group_ids = torch.tensor([r.prompt.id for r in rollouts], dtype=torch.long)
     # Sample id = group_id * group_size + rank within the group: deterministic and unique.
     seen: dict[int, int] = {}

@@ -27,6 +27,7 @@ from lightning_grpo.data.preference_module import PreferenceDataModule
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.dpo import DPOConfig, DPOModule
+from lightning_grpo.envs.config import EnvConfig
 from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.lora import LoraConfig
 from lightning_grpo.module import GRPOModule
@@ -47,6 +48,7 @@ DATACLASS_SECTIONS = (
     ("model.rewards[i]", RewardSpec),
     ("model.opd", OPDConfig),
     ("model.dpo", DPOConfig),
+    ("model.env", EnvConfig),
 )
 """(key prefix, dataclass): one table each, in this order."""
 CLASS_SECTIONS = (

@@ -124,7 +124,9 @@ def _cat(groups: list[Groups]) -> Groups:
 # -- the rows that count ---------------------------------------------------------------------------------------------
 def overlong_of(rollouts: list[Rollout], rl, max_new_tokens: int) -> Tensor:
     """``[N]`` the overlong penalty of each completion under ``rl.overlong_buffer`` / ``rl.overlong_penalty``."""
-    lengths = torch.tensor([len(r.token_ids) for r in rollouts], dtype=torch.long)
+    # an episode's length is its model tokens: tool results are not the policy's verbosity
+    lengths = torch.tensor([len(r.token_ids) if r.model_mask is None else sum(r.model_mask) for r in rollouts],
+                           dtype=torch.long)
     return overlong_penalty(lengths, max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
 
 

@@ -39,6 +39,8 @@ from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.distributed import data_parallel_mesh, shard_fsdp2
 from lightning_grpo.dynamic_sampling import Groups, completion_metrics, counted_only, fill, overlong_of, scatter
+from lightning_grpo.envs.config import EnvConfig
+from lightning_grpo.envs.draw import draw_rollouts, episode_runner
 from lightning_grpo.handoff import attach_handoff
 from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
 from lightning_grpo.objectives import OBJECTIVES, Objective, Stats, build_objective
@@ -76,6 +78,7 @@ class GRPOModule(UpdateModule):
         objective: the loss, by name: ``grpo`` (clipped surrogate) or ``opd`` (on-policy distillation to a
             teacher, section ``opd``); see docs/objectives.md. From Python an ``Objective`` instance works too.
         opd: the teacher and distillation knobs, used when ``objective`` is ``opd``.
+        env: a multi-turn environment with tools (None = single-turn completions); docs/environments.md.
 
     Example::
 
@@ -93,14 +96,15 @@ class GRPOModule(UpdateModule):
 
     def __init__(self, policy: PolicyConfig = _POLICY, rl: GRPOConfig = _RL, optim: OptimConfig = _OPTIM,
                  rollout: RolloutConfig = _ROLLOUT, rewards: list[RewardSpec] | None = None,
-                 seed: int | None = None, objective: str | Objective = "grpo", opd: OPDConfig = _OPD) -> None:
+                 seed: int | None = None, objective: str | Objective = "grpo", opd: OPDConfig = _OPD,
+                 env: EnvConfig | None = None) -> None:
         super().__init__(policy, optim, seed)
         self.rl = copy.deepcopy(rl or GRPOConfig())
         self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
         check_sampler_logprobs(self.rl, self.rollout_cfg)  # config errors: before any model is built
         check_overlong(self.rl, self.rollout_cfg)
         warn_if_unfrozen(self.rl)
-        self.opd_cfg = copy.deepcopy(opd)
+        self.opd_cfg, self.env_cfg = copy.deepcopy(opd), copy.deepcopy(env)
         self.objective = self.configure_objective(objective)
         self.vision: VisionProcessor | None = None  # a vision-language policy's image side (None: text-only)
         self.lora_base: lora.BaseFingerprint | None = None  # the frozen base under policy.lora
@@ -172,6 +176,7 @@ class GRPOModule(UpdateModule):
         """Fit the datamodule's prompts to this policy (chat template, max_prompt_tokens) and check that every
         column a reward function requires exists. Raises before any step runs (``data/fitting.py``)."""
         fit_prompts(self, self._datamodule())
+        episode_runner(self)  # loads model.env: an environment that does not import is refused here
 
     def max_prompt_tokens(self) -> int | None:
         """The prompt-length limit: ``rollout.max_prompt_tokens``, else the context left after the completion."""
@@ -303,8 +308,9 @@ class GRPOModule(UpdateModule):
         # A VLM's image placeholders are expanded here (its images decoded): an unreadable one is met at this step.
         prompts, skipped = step_prompts(records, self.tokenizer, self.vision, self._on_bad_record())
         live = [p for i, p in enumerate(prompts) if i not in skipped]
-        rollouts = self.engine.generate(live, self.rl.group_size, self.sampling())
+        rollouts, episode_metrics = draw_rollouts(self, live)  # completions, or multi-turn episodes (model.env)
         rewards, metrics = self.compute_rewards(rollouts)
+        metrics.update(episode_metrics)
         rewards = rewards + overlong_of(rollouts, self.rl, self.rollout_cfg.max_new_tokens)
         keep = torch.ones(len(rollouts), dtype=torch.bool)
         if skipped:

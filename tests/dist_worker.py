@@ -246,10 +246,10 @@ FAMILY = {  # grpo-<name>-m<n>: the loss family and rollout corrections (tests/t
     "icepop": {"loss": "cispo", "rollout_correction": {"mode": "icepop"}},
     "bypass": {"ratio_level": "sequence", "rollout_correction": {"mode": "bypass"}},
     "entropy": {"loss_type": "grpo", "entropy_coef": 0.05, "top_entropy_quantile": 0.5},
+    "holes": {"rollout_correction": {"mode": "tis", "threshold": 1.3}},  # multi-turn rows: tool tokens in the middle
 }
 FAMILY_LR = {"grpo": 0.2, "drgrpo": 1.5, "seqsum": 0.05, "gspo": 0.5, "cispo": 0.5, "tis": 0.4, "tisseq": 0.1,
-             "maskgeo": 0.8, "icepop": 0.2, "bypass": 0.3,
-             "entropy": 0.35}
+             "maskgeo": 0.8, "icepop": 0.2, "bypass": 0.3, "entropy": 0.35, "holes": 0.4}
 """SGD rates that make each family case's update ~0.15 (measured on one rank; their gradients differ in scale)."""
 
 
@@ -259,7 +259,17 @@ def objective_batch(case: str, module):
     from helpers import with_sampler_logprobs
 
     batch = synthetic_batch(LENGTHS, seed=BATCH_SEED)
+    if "holes" in case:
+        batch = with_tool_turns(batch)
     return with_sampler_logprobs(batch, module.policy, sigma=0.5) if case.startswith("grpo") else batch
+
+
+def with_tool_turns(batch):
+    """Episodes: completion tokens 3-6 of every row longer than 8 become a tool result between two model turns
+    (context, mask 0), as ``pack_rollouts`` lays out ``Rollout.model_mask``; only rank 0's rows are that long."""
+    holes = torch.zeros_like(batch.completion_mask)
+    holes[[i for i, n in enumerate(LENGTHS) if n > 8], 4 + 3: 4 + 7] = True  # synthetic_batch's prompt_len is 4
+    return replace(batch, completion_mask=batch.completion_mask & ~holes)
 
 
 def objective_lr(case: str) -> float:

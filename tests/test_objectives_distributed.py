@@ -59,5 +59,7 @@ def test_metrics_combine_to_the_whole_batch(two_ranks):
     assert 0 < tis["correction/ess"] <= 1
     entropy = two_ranks("grpo-entropy-m2")["metrics"]
     assert entropy["grpo/entropy"] > 0 and entropy["grpo/tokens"] == sum(W.LENGTHS)
+    holes = two_ranks("grpo-holes-m2")["metrics"]  # tool tokens are in no divisor: 4 rows lose 4 tokens each
+    assert holes["grpo/tokens"] == sum(W.LENGTHS) - 4 * 4 == holes["correction/tokens"]
     dpo = two_ranks("dpo-m4")["metrics"]
     assert dpo["dpo/pairs"] == len(W.LENGTHS) and dpo["dpo/optimizer_steps"] == 1.0

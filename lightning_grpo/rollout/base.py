@@ -88,7 +88,10 @@ class Rollout:
     logprobs: list[float] | None = None
     """Sampler logprob of each completion token, when asked for."""
     reward: float | None = None
-    """Set by engines that serve recorded rewards (replay); None means 'score me'."""
+    """Set by engines that serve recorded rewards (replay) and by environments (``envs/``); None means 'score me'."""
+    model_mask: list[bool] | None = None
+    """Per completion token, True where the policy sampled it. None = all of them (a single-turn completion); a
+    multi-turn episode (``envs/episode.py``) holds tool results and turn separators as False: context only."""
 
 
 @runtime_checkable

@@ -1,0 +1,32 @@
+"""The module's one seam to environments: single-turn completions, or episodes when ``model.env`` is set."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_grpo.envs.episode import EpisodeRunner
+from lightning_grpo.rollout.base import Prompt, Rollout
+
+
+def episode_runner(module) -> EpisodeRunner | None:
+    """The module's runner, built once from ``module.env_cfg`` (None: single-turn). Loads the environment class, so
+    every refusal (import, tools, chat template) happens here, before the engine starts."""
+    if module.env_cfg is None:
+        return None
+    if getattr(module, "_episodes", None) is None:
+        tok = module.tokenizer
+        eos = [tok.eos_token_id, *_ids(getattr(getattr(module.policy, "generation_config", None), "eos_token_id", None))]
+        module._episodes = EpisodeRunner(module.env_cfg, tok, [i for i in eos if i is not None], module._context())
+    return module._episodes
+
+
+def draw_rollouts(module, prompts: Sequence[Prompt]) -> tuple[list[Rollout], dict[str, float]]:
+    """``group_size`` rollouts per prompt from ``module.engine``: completions, or episodes with their metrics."""
+    runner = episode_runner(module)
+    if runner is None:
+        return module.engine.generate(prompts, module.rl.group_size, module.sampling()), {}
+    return runner.play(module.engine, prompts, module.rl.group_size, module.sampling())
+
+
+def _ids(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]

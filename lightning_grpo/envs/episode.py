@@ -1,0 +1,176 @@
+"""Multi-turn episodes, token in token out: the record is the ids the sampler drew plus the environment's ids.
+
+Each turn, every live episode continues from its own token ids (``Prompt.token_ids`` = opening + turns so far),
+batched in one ``engine.generate`` call (episodes that ended drop out; both engines take token-id prompts). A
+turn's sampled ids, and their sampler logprobs, are appended as they are (``model_mask`` True). When the turn
+calls tools, their results go back as the chat template's delta for the new messages (``template.TurnDelta``),
+appended as ids with ``model_mask`` False: context for the next turn, never trained, never in a divisor. No
+model text is ever decoded and re-encoded into the record; the turn's text is only parsed for tool calls.
+
+Limits: ``max_turns`` (still calling tools after the last one: truncated), ``max_total_tokens`` (a turn never
+runs past it; reaching it truncates), ``max_tool_response_tokens`` (longer results cut). Truncations are counted
+(``episode/truncated_frac``, ``episode/tool_results_cut``), never silent.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from lightning_grpo.envs.config import EnvConfig
+from lightning_grpo.envs.environment import EnvClass, Environment, episode_reward, load_env, load_parser, row_of
+from lightning_grpo.envs.parse import ToolCall
+from lightning_grpo.envs.template import TurnDelta, first_prompt
+from lightning_grpo.envs.tools import Tool, ToolResult, call_tool
+from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
+from lightning_grpo.rollout.sampler import sample_seed
+
+
+@dataclass
+class _Episode:
+    prompt: Prompt  # the opening as a prompt: the dataset's messages rendered with the tool schemas
+    env: Environment
+    tools: dict[str, Tool]
+    ids: list[int] = field(default_factory=list)  # everything after the opening: model and environment ids
+    mask: list[bool] = field(default_factory=list)  # per id, True where the sampler drew it
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    calls: int = 0
+    failures: int = 0
+    cut_results: int = 0
+    truncated: bool = False
+    done: bool = False
+    with_logprobs: bool = True  # False once a turn came back without sampler logprobs (none asked for)
+    text: str = ""  # the last model turn's text (what reward functions read)
+
+    def length(self) -> int:
+        return len(self.prompt.token_ids) + len(self.ids)
+
+    def append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [sampled] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)  # 0: context, never read
+        self.with_logprobs &= logprobs is not None or not sampled
+
+    def rollout(self) -> Rollout:
+        return Rollout(prompt=self.prompt, token_ids=self.ids, text=self.text,
+                       finish_reason="length" if self.truncated else "stop",
+                       logprobs=self.logprobs if self.with_logprobs else None,
+                       reward=episode_reward(self.env), model_mask=self.mask)
+
+
+class EpisodeRunner:
+    """Plays ``group_size`` episodes per prompt with an engine; one instance per run (the env class loaded once).
+
+    Args:
+        cfg: the environment section (``model.env``).
+        tokenizer: the policy's tokenizer, with a chat template.
+        eos_token_ids: ids that end a model turn.
+        context: the model context in tokens (None = unknown): bounds ``max_total_tokens``.
+
+    Example::
+
+        runner = EpisodeRunner(EnvConfig(name="calculator"), tokenizer, [tokenizer.eos_token_id])
+        rollouts, metrics = runner.play(engine, prompts, group_size=4, sampling=SamplingConfig(seed=0))
+    """
+
+    def __init__(self, cfg: EnvConfig, tokenizer, eos_token_ids: Sequence[int], context: int | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"model.env.name={cfg.name!r}: the policy's tokenizer has no chat template, which renders "
+                             "the tool schemas and tool turns; use a chat model or set policy.chat_template")
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.env_class: EnvClass = load_env(cfg.name)
+        self.parse = load_parser(cfg.parser)
+        self.delta = TurnDelta(tokenizer, self.env_class.schemas, eos_token_ids)
+        limits = [n for n in (cfg.max_total_tokens, context) if n is not None]
+        self.max_total = min(limits) if limits else None
+        floor = len(first_prompt(tokenizer, [{"role": "user", "content": ""}], self.env_class.schemas))
+        if self.max_total is not None and self.max_total <= floor:  # no prompt could open an episode
+            raise ValueError(f"model.env.max_total_tokens={cfg.max_total_tokens} (model context {context}) leaves no "
+                             f"room: an empty prompt with the tool schemas already takes {floor} tokens; raise "
+                             "max_total_tokens (or leave it null: the model context)")
+
+    def play(self, engine: RolloutEngine, prompts: Sequence[Prompt], group_size: int,
+             sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
+        """``group_size`` episodes per prompt, prompt 0's group first, and their ``tools/*``, ``episode/*`` metrics."""
+        episodes = [self._start(p, p.id * group_size + j) for p in prompts for j in range(group_size)]
+        for turn in range(self.cfg.max_turns):
+            live = [e for e in episodes if not e.done]
+            if not live:
+                break
+            seed = None if sampling.seed is None else sample_seed(sampling.seed, turn, 0)  # a stream per turn
+            for max_new, group in self._by_budget(live, sampling.max_new_tokens):
+                turn_prompts = [replace(e.prompt, token_ids=e.prompt.token_ids + e.ids) for e in group]
+                outs = engine.generate(turn_prompts, 1, replace(sampling, max_new_tokens=max_new, seed=seed))
+                for e, out in zip(group, outs):
+                    self._after_turn(e, out, last_turn=turn == self.cfg.max_turns - 1)
+        return [e.rollout() for e in episodes], _metrics(episodes)
+
+    def _start(self, prompt: Prompt, row_id: int) -> _Episode:
+        env, tools = self.env_class.new()
+        observation = env.reset(**row_of(prompt.text, prompt.messages, prompt.answer, prompt.meta))
+        messages = [dict(m) for m in (prompt.messages or [{"role": "user", "content": prompt.text}])]
+        if observation:  # TRL's convention: the first observation extends the last user message
+            messages[-1]["content"] = f"{messages[-1]['content']}{observation}"
+        ids = first_prompt(self.tokenizer, messages, self.env_class.schemas)
+        if self.max_total is not None and len(ids) >= self.max_total:
+            raise ValueError(f"prompt id={prompt.id}: its opening (with the tool schemas) has {len(ids)} tokens, not "
+                             f"below model.env.max_total_tokens / the model context ({self.max_total}); raise "
+                             "max_total_tokens or shorten the prompt (rollout.max_prompt_tokens)")
+        return _Episode(replace(prompt, id=row_id, token_ids=ids), env, tools)
+
+    def _by_budget(self, live: list[_Episode], max_new: int) -> list[tuple[int, list[_Episode]]]:
+        """Live episodes grouped by the turn length they can afford: one batched call per group (usually one)."""
+        room = {id(e): max_new if self.max_total is None else min(max_new, self.max_total - e.length()) for e in live}
+        ordered = sorted(live, key=lambda e: -room[id(e)])
+        return [(n, list(g)) for n, g in itertools.groupby(ordered, key=lambda e: room[id(e)])]
+
+    def _after_turn(self, e: _Episode, out: Rollout, last_turn: bool) -> None:
+        e.append(out.token_ids, True, out.logprobs)
+        e.turns, e.text = e.turns + 1, out.text
+        if out.finish_reason == "length" or not out.token_ids:  # the turn did not end: per-turn or total budget
+            e.done = e.truncated = True
+            return
+        calls = self.parse(out.text)
+        if not calls:
+            e.done = True  # the answer turn
+            return
+        if last_turn:
+            e.done = e.truncated = True  # still working when max_turns ran out
+            return
+        results = [self._call(e, c) for c in calls]
+        delta = self.delta.ids(results, out.token_ids[-1])
+        if self.max_total is not None and e.length() + len(delta) >= self.max_total:
+            e.done = e.truncated = True  # no room left for the model to read the results and answer
+            return
+        e.append(delta, False)
+
+    def _call(self, e: _Episode, call: ToolCall | str) -> tuple[str, str]:
+        """``(tool name, result text)`` of one parsed call; every problem becomes an error result, counted."""
+        e.calls += 1
+        if isinstance(call, str):
+            result = ToolResult(call, True)  # the parser's error for a malformed call
+        elif call.name not in e.tools:
+            result = ToolResult(f"Error: unknown tool {call.name!r}; the tools are {sorted(e.tools)}", True)
+        else:
+            result = call_tool(e.tools[call.name], call.arguments, self.cfg.tool_timeout_s)
+        e.failures += result.failed
+        name = call.name if isinstance(call, ToolCall) else "error"
+        ids = self.tokenizer(result.text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.cfg.max_tool_response_tokens:
+            return name, result.text
+        e.cut_results += 1
+        return name, self.tokenizer.decode(ids[: self.cfg.max_tool_response_tokens]) + " [cut]"
+
+
+def _metrics(episodes: list[_Episode]) -> dict[str, float]:
+    """Per-episode means: every rank plays the same number of episodes, so the cross-rank mean is exact."""
+    n = max(len(episodes), 1)
+    return {
+        "tools/call_frequency": sum(e.calls for e in episodes) / n,
+        "tools/failure_frequency": sum(e.failures for e in episodes) / n,
+        "episode/turns_mean": sum(e.turns for e in episodes) / n,
+        "episode/truncated_frac": sum(e.truncated for e in episodes) / n,
+        "episode/tool_results_cut": sum(e.cut_results for e in episodes) / n,
+    }
