@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -53,7 +54,7 @@ def request_json(url: str, path: str, body: dict | None = None, timeout: float =
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")[:500]
         raise ServerError(f"{phase or path}: {url}{path} answered HTTP {err.code}: {detail}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as err:  # refused, reset, cut short, timeout
         reason = getattr(err, "reason", err)
         raise ServerError(f"{phase or path}: {url}{path} did not answer within {timeout:g}s ({reason})") from None
     return json.loads(raw) if raw else None
@@ -132,8 +133,13 @@ class ServerProcess:
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the in-process engine's setting; a server is a process
         return env
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+    def alive(self, wait_s: float = 0.0) -> bool:
+        """Whether the child runs; ``wait_s``: give a dying one that long to be reaped first."""
+        if self.proc is None:
+            return False
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=wait_s) if wait_s else self.proc.poll()
+        return self.proc.poll() is None
 
     def log_tail(self, n: int = 30) -> str:
         with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:

@@ -96,8 +96,10 @@ class VLLMServerEngine:
         """Weight dtype inside the server; ``push_weights`` casts to it."""
         self.model_name = self._served_model()
         self.probe_ids = _probe_ids(self.model_path)
-        self.version = 0
-        """Weight versions published; the server reports ``str(version)`` after each sync."""
+        reported = self._get("/weight_info", "weight_info")["weight_version"]
+        self.version = int(reported) if str(reported).isdigit() else 0
+        """Weight version the server holds from this client's syncs (it reports ``str(version)``); a server at a URL
+        that other clients already synced continues from its own count."""
         self.last_probe_error: float | None = None
         self._session = False
         self._bucket = 0
@@ -146,15 +148,19 @@ class VLLMServerEngine:
             self._post("/start_weight_update", {}, "start_weight_update")
             self._session, self._bucket = True, 0
         self._bucket += 1
-        blob = _safetensors_bytes(dict(named_tensors))
+        tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}
+        phase = f"update_weights (bucket {self._bucket})"
         if self.config.weight_transport == "http":
-            self._post("/update_weights", {"update_info": {"data": base64.b64encode(blob).decode()}},
-                       f"update_weights (bucket {self._bucket})")
+            from safetensors.torch import save
+
+            self._post("/update_weights", {"update_info": {"data": base64.b64encode(save(tensors)).decode()}}, phase)
             return
+        from safetensors.torch import save_file
+
         path = self._bucket_dir / f"bucket-{self._bucket}.safetensors"
-        path.write_bytes(blob)
+        save_file(tensors, str(path))  # tmpfs: a memory copy the server maps
         try:
-            self._post("/update_weights", {"update_info": {"path": str(path)}}, f"update_weights (bucket {self._bucket})")
+            self._post("/update_weights", {"update_info": {"path": str(path)}}, phase)
         finally:
             path.unlink(missing_ok=True)
 
@@ -238,7 +244,7 @@ class VLLMServerEngine:
         """A launched server that died: the error carries its exit code and last log lines."""
         if self.server is None:
             return err
-        if self.server.alive():
+        if self.server.alive(wait_s=2.0):  # a request cut short may beat the exit by a moment
             return ServerError(f"{err} (vllm serve still running; log: {self.server.log_path})")
         return ServerError(f"{err}\nvllm serve exited with code {self.server.proc.returncode}; its last log lines "
                            f"({self.server.log_path}):\n{self.server.log_tail()}")
@@ -279,12 +285,6 @@ def _probe_ids(model_path: Path) -> list[int]:
     vocab = json.loads((model_path / "config.json").read_text())
     vocab = vocab.get("vocab_size") or vocab.get("text_config", {}).get("vocab_size")
     return [(7 * i + 3) % vocab for i in range(PROBE_LENGTH)]
-
-
-def _safetensors_bytes(tensors: dict[str, Tensor]) -> bytes:
-    from safetensors.torch import save
-
-    return save({name: t.detach().cpu().contiguous() for name, t in tensors.items()})
 
 
 def _shm_root() -> str | None:
