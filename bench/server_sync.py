@@ -92,6 +92,33 @@ def measure(model, engines: dict, repeats: int) -> list[dict]:
     return rows, 1e3 * statistics.median(probe)
 
 
+def section(d: dict | None, md_table, load_range) -> str:
+    """The docs/benchmarks.md section (rendered by bench/report.py)."""
+    title = "## 3e. Weight sync into `vllm serve` (RL API, lightning_grpo_shm) vs the in-process reload"
+    if not d:
+        return f"{title}\n\nNot run."
+    rows = {r["mode"]: r for r in d["rows"]}
+    return "\n".join([
+        title,
+        "",
+        (f"`python -m bench.server_sync --repeats {d['repeats']}`: a {d['layers']}-layer policy (hidden {d['hidden']}, "
+         f"{d['parameters'] / 1e6:.1f}M parameters, float32) pushed with `push_weights` into an in-process vLLM engine "
+         "and into a launched `vllm serve` (one thread) through vLLM's RL API, each bucket a safetensors file in "
+         "/dev/shm (*shm*) or base64 in the request body (*http*, through a second client of the same server), modes "
+         "alternating within each repeat, median reported. A server sync includes its checks (`/weight_info` and the "
+         f"24-token logprob probe: {d['probe_ms']:.0f} ms of it). Server start {d['server_start_s']:.0f} s, "
+         f"in-process engine build {d['in_process_build_s']:.0f} s.{load_range(d)}"),
+        "",
+        md_table(d["rows"], [("mode", "mode"), ("MiB", "MiB"), ("buckets", "buckets"), ("median_s", "median s"),
+                             ("MiB_per_s", "MiB/s"), ("x_in_process", "x in-process"),
+                             ("max_abs_logprob_err", "max abs logprob error")]),
+        "",
+        f"server/shm / in-process = **{rows['server/shm']['x_in_process']:.2f}x** "
+        f"(without the probe: {(rows['server/shm']['median_s'] - d['probe_ms'] / 1e3) / rows['in-process']['median_s']:.2f}x); "
+        f"server/http / in-process = **{rows['server/http']['x_in_process']:.1f}x**.",
+    ])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)

@@ -38,7 +38,7 @@ CONFIG = ServerConfig(dtype="float32", max_model_len=256, enforce_eager=True, th
 
 @pytest.fixture(scope="module")
 def trainer(tiny_policy_dir):
-    model, tokenizer = load_policy(PolicyConfig(path=str(tiny_policy_dir)))
+    model, _ = load_policy(PolicyConfig(path=str(tiny_policy_dir)))
     return model
 
 

@@ -104,8 +104,10 @@ class ServerProcess:
     def start(self) -> None:
         """Start the child and wait until it answers /health (or fail with its last log lines)."""
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes it for its whole life
+        # preexec_fn makes one prctl() call between fork and exec, resolved beforehand (no dlopen in the child, so
+        # no loader lock another thread might hold): safe in a threaded parent
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
         log.close()
         _track(self)
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -163,12 +165,14 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _die_with_parent():
+    """The child's pre-exec step: ask for SIGTERM when the parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, in the parent
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _plugin_paths() -> list[str]:
