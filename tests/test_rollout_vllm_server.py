@@ -144,7 +144,9 @@ def test_a_port_in_use_is_refused_with_the_fix(tiny_policy_dir):
             ServerProcess(str(tiny_policy_dir), ServerConfig(port=port), "raw_logprobs")
 
 
-def test_sigterm_to_the_trainer_stops_its_server(tiny_policy_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_signalled_trainer_takes_its_server_down(sig, tiny_policy_dir, tmp_path):
+    """SIGTERM: the handler stops the server's group; SIGKILL (no handler runs): the child's PR_SET_PDEATHSIG."""
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
         import time
@@ -158,9 +160,9 @@ def test_sigterm_to_the_trainer_stops_its_server(tiny_policy_dir, tmp_path):
     run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         pgid = int(run.stdout.readline())
-        run.send_signal(signal.SIGTERM)
-        assert run.wait(timeout=60) == -signal.SIGTERM  # the trainer still dies of SIGTERM, after stopping the server
-        assert group_gone(pgid), "SIGTERM to the trainer left its vllm serve running"
+        run.send_signal(sig)
+        assert run.wait(timeout=60) == -sig  # the trainer still dies of the signal (after stopping the server)
+        assert group_gone(pgid, wait_s=30), f"{sig.name} to the trainer left its vllm serve running"
     finally:
         run.kill()
 
