@@ -144,25 +144,30 @@ def test_a_port_in_use_is_refused_with_the_fix(tiny_policy_dir):
             ServerProcess(str(tiny_policy_dir), ServerConfig(port=port), "raw_logprobs")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_a_signalled_trainer_takes_its_server_down(sig, tiny_policy_dir, tmp_path):
-    """SIGTERM: the handler stops the server's group; SIGKILL (no handler runs): the child's PR_SET_PDEATHSIG."""
+@pytest.mark.parametrize("end", ["exception", signal.SIGTERM, signal.SIGKILL], ids=["exception", "sigterm", "sigkill"])
+def test_a_trainer_that_dies_takes_its_server_down(end, tiny_policy_dir, tmp_path):
+    """An exception: the atexit hook; SIGTERM: the handler stops the server's group; SIGKILL (no handler runs): the
+    child's PR_SET_PDEATHSIG."""
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
-        import time
+        import sys, time
         from lightning_grpo.rollout.server_config import ServerConfig
         from lightning_grpo.rollout.vllm_server import VLLMServerEngine
         engine = VLLMServerEngine({str(tiny_policy_dir)!r}, ServerConfig(**{CONFIG.__dict__!r}))
         print(engine.server.proc.pid, flush=True)
+        if sys.argv[1] == "exception":
+            raise RuntimeError("the run failed")
         time.sleep(600)
     """))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    how = "exception" if end == "exception" else end.name
+    run = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True, env=env)
     try:
         pgid = int(run.stdout.readline())
-        run.send_signal(sig)
-        assert run.wait(timeout=60) == -sig  # the trainer still dies of the signal (after stopping the server)
-        assert group_gone(pgid, wait_s=30), f"{sig.name} to the trainer left its vllm serve running"
+        if end != "exception":
+            run.send_signal(end)
+        assert run.wait(timeout=60) == (1 if end == "exception" else -end)  # the trainer still dies as it would
+        assert group_gone(pgid, wait_s=30), f"{how} in the trainer left its vllm serve running"
     finally:
         run.kill()
 
