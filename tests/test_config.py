@@ -200,3 +200,8 @@ def test_server_config_refuses(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         ServerConfig(**kwargs)
+
+
+def test_unknown_engine_is_refused_at_load():
+    with pytest.raises(ValueError, match=r"engine='sglang': must be one of 'hf', 'vllm', 'vllm_server', 'replay'"):
+        RolloutConfig(engine="sglang")
