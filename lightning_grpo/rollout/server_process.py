@@ -19,6 +19,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -149,11 +150,14 @@ class ServerProcess:
         return "(no log)"
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to the child's whole process group, SIGKILL after ``grace_s``. Idempotent."""
+        """SIGTERM to the child's whole process group, SIGKILL after ``grace_s``. Idempotent.
+
+        The log folder goes with a server stopped while running; one that died keeps its log (errors cite it)."""
         _LIVE.discard(self)
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        was_running = self.proc.poll() is None
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)) if was_running else ():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
             try:
@@ -161,8 +165,10 @@ class ServerProcess:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        with contextlib.suppress(ProcessLookupError):  # engine-core/worker children left in the group
+        with contextlib.suppress(ProcessLookupError):  # engine-core/worker processes left in the group
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if was_running:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def _die_with_parent():

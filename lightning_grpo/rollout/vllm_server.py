@@ -104,7 +104,8 @@ class VLLMServerEngine:
         self._session = False
         self._bucket = 0
         self._sleep = SleepState()
-        self._bucket_dir = Path(tempfile.mkdtemp(prefix="lightning-grpo-sync-", dir=_shm_root()))
+        self._bucket_prefix = Path(_shm_root()) / f"lightning-grpo-sync-{os.getpid()}-{id(self):x}"
+        """Bucket files are this plus ``-<n>.safetensors``, each removed right after the server loaded it."""
         self._post("/init_weight_transfer_engine", {"init_info": {}}, "init_weight_transfer_engine")
 
     # -- generation ----------------------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class VLLMServerEngine:
             return
         from safetensors.torch import save_file
 
-        path = self._bucket_dir / f"bucket-{self._bucket}.safetensors"
+        path = Path(f"{self._bucket_prefix}-{self._bucket}.safetensors")
         save_file(tensors, str(path))  # tmpfs: a memory copy the server maps
         try:
             self._post("/update_weights", {"update_info": {"path": str(path)}}, phase)
@@ -223,9 +224,6 @@ class VLLMServerEngine:
         """Stop a launched server (its whole process group); a server at a URL is left running."""
         if self.server is not None:
             self.server.stop()
-        for leftover in self._bucket_dir.glob("*"):
-            leftover.unlink(missing_ok=True)
-        self._bucket_dir.rmdir()
 
     # -- HTTP ------------------------------------------------------------------------------------------------------
     def _post(self, path: str, body: dict, phase: str) -> object:
@@ -287,5 +285,5 @@ def _probe_ids(model_path: Path) -> list[int]:
     return [(7 * i + 3) % vocab for i in range(PROBE_LENGTH)]
 
 
-def _shm_root() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+def _shm_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
