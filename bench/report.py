@@ -60,7 +60,7 @@ def _load_range(d: dict | None) -> str:
 def render(results: Path) -> str:
     r = {n: load(results, n) for n in ("suite", "update_memory", "speed_vs_trl", "logprobs", "sampler",
                                        "engine_throughput", "ahead_pass", "lightning_overhead", "weight_sync",
-                                       "oom_acceptance", "budget_speed", "lora")}
+                                       "oom_acceptance", "budget_speed", "lora", "server_sync")}
     targets: list[dict] = []
     sections = [
         _memory(r["update_memory"], targets),
@@ -71,6 +71,7 @@ def render(results: Path) -> str:
         _overhead(r["lightning_overhead"], targets),
         _weight_sync(r["weight_sync"]),
         _lora(r["lora"]),
+        _server_sync(r["server_sync"]),
         _throughput(r["engine_throughput"]),
         budget_section(r["oom_acceptance"], r["budget_speed"]),
     ]
@@ -351,6 +352,12 @@ def _weight_sync(d: dict | None) -> str:
         "",
         f"Per-parameter / bucketed = **{d['per_parameter_over_bucketed']:.1f}x**.",
     ])
+
+
+def _server_sync(d: dict | None) -> str:
+    from bench.server_sync import section  # deferred: bench.server_sync imports torch
+
+    return section(d, md_table, _load_range)
 
 
 def _lora(d: dict | None) -> str:

@@ -38,6 +38,7 @@ SUITE: list[tuple[str, list[str]]] = [
     ("oom_acceptance", []),
     ("budget_speed", []),
     ("lora", []),
+    ("server_sync", ["--repeats", "3"]),
 ]
 
 

@@ -46,6 +46,8 @@ _EXPORTS = {
     "ReplayEngine": "lightning_grpo.rollout.replay",
     "VLLMEngine": "lightning_grpo.rollout.vllm",
     "VLLMConfig": "lightning_grpo.config",
+    "ServerConfig": "lightning_grpo.config",
+    "VLLMServerEngine": "lightning_grpo.rollout.vllm_server",
     # objectives: on-policy distillation (model.objective: opd) and DPO on the same accumulation
     "OPDConfig": "lightning_grpo.objectives.opd",
     "Objective": "lightning_grpo.objectives.base",
@@ -86,9 +88,11 @@ __all__ = [
     "RolloutEngine",
     "RunSummary",
     "SamplingConfig",
+    "ServerConfig",
     "TinyPolicySpec",
     "VLLMConfig",
     "VLLMEngine",
+    "VLLMServerEngine",
     "build_engine",
     "load_policy",
     "plot_curves",
@@ -114,7 +118,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.checkpoint import GRPOCheckpoint
     from lightning_grpo.cli import GRPOCLI
-    from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
+    from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
     from lightning_grpo.data.preference_module import PreferenceDataModule
     from lightning_grpo.data.prompts import PromptDataModule, PromptRecord
     from lightning_grpo.data.rewards import RewardError, RewardSpec, score
@@ -132,5 +136,6 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.rollout.hf import HFEngine
     from lightning_grpo.rollout.replay import ReplayEngine
     from lightning_grpo.rollout.vllm import VLLMEngine
+    from lightning_grpo.rollout.vllm_server import VLLMServerEngine
     from lightning_grpo.summary import RunSummary
     from lightning_grpo.tiny.spec import TinyPolicySpec

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
 from lightning_grpo.checks import retired_key
-from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
+from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.data.sources import PromptDataError
@@ -58,6 +58,7 @@ SECTIONS = {
     "model.optim": OptimConfig,
     "model.rollout": RolloutConfig,
     "model.rollout.vllm": VLLMConfig,
+    "model.rollout.server": ServerConfig,
     "model.rewards": RewardSpec,
     "model.opd": OPDConfig,
     "model.opd.teacher": PolicyConfig,

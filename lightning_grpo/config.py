@@ -18,10 +18,11 @@ from lightning_grpo.rollout.rollout_config import (  # importable from here
     check_overlong,
     check_sampler_logprobs,
 )
+from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_config import VLLMConfig
 
 __all__ = ["LOSS_FORMS", "LOSS_TYPES", "RATIO_LEVELS", "ConfigError", "GRPOConfig", "OptimConfig", "RankSizes",
-           "RolloutConfig", "VLLMConfig", "check_overlong", "check_sampler_logprobs"]
+           "RolloutConfig", "ServerConfig", "VLLMConfig", "check_overlong", "check_sampler_logprobs"]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from lightning_grpo.checkpoint import GRPOCheckpoint
 from lightning_grpo.cli import TRAINER_DEFAULTS
-from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
+from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
 from lightning_grpo.correction import RolloutCorrection
 from lightning_grpo.data.preference_module import PreferenceDataModule
 from lightning_grpo.data.prompts import PromptDataModule
@@ -42,6 +42,7 @@ DATACLASS_SECTIONS = (
     ("model.rl.rollout_correction", RolloutCorrection),
     ("model.rollout", RolloutConfig),
     ("model.rollout.vllm", VLLMConfig),
+    ("model.rollout.server", ServerConfig),
     ("model.policy", PolicyConfig),
     ("model.policy.tiny", TinyPolicySpec),
     ("model.policy.lora", LoraConfig),

@@ -182,8 +182,8 @@ class GRPOModule(UpdateModule):
         """The prompt-length limit: ``rollout.max_prompt_tokens``, else the context left after the completion."""
         if self.rollout_cfg.max_prompt_tokens is not None:
             return self.rollout_cfg.max_prompt_tokens
-        vllm = self.rollout_cfg.vllm if self.rollout_cfg.engine == "vllm" else None
-        contexts = [self._context(), vllm.max_model_len if vllm is not None else None]
+        engine = {"vllm": self.rollout_cfg.vllm, "vllm_server": self.rollout_cfg.server}.get(self.rollout_cfg.engine)
+        contexts = [self._context(), engine.max_model_len if engine is not None else None]
         context = min((c for c in contexts if c), default=None)
         return None if context is None else max(context - self.rollout_cfg.max_new_tokens, 1)
 

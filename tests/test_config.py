@@ -170,3 +170,38 @@ def test_bad_value_is_refused_at_parse_time():
     parser.add_argument("--rl", type=GRPOConfig, default=GRPOConfig())
     with pytest.raises(Exception, match="mini_batch_per_replica=12 must divide"):
         parser.instantiate_classes(parser.parse_args(["--rl.mini_batch_per_replica=12"]))
+
+
+def test_server_config_round_trips_through_yaml():
+    from jsonargparse import ArgumentParser
+
+    from lightning_grpo.config import ServerConfig
+
+    parser = ArgumentParser()
+    parser.add_argument("--rollout", type=RolloutConfig, default=RolloutConfig())
+    cfg = parser.parse_args(["--rollout.engine=vllm_server", "--rollout.server.url=http://10.0.0.2:8000",
+                             "--rollout.server.weight_transport=http", "--rollout.server.threads=1"])
+    again = parser.instantiate_classes(parser.parse_string(parser.dump(cfg))).rollout
+    assert again.engine == "vllm_server"
+    assert again.server == ServerConfig(url="http://10.0.0.2:8000", weight_transport="http", threads=1)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"url": "localhost:8000"}, r"url='localhost:8000': must start with http://"),
+    ({"launch": False}, r"launch=False with url=None: nothing to connect to; set url or launch: true"),
+    ({"port": 70000}, r"port=70000: must be in 1\.\.65535, or null"),
+    ({"threads": 0}, r"threads=0: must be an integer >= 1"),
+    ({"weight_transport": "nccl"}, r"weight_transport='nccl': must be 'shm' or 'http'"),
+    ({"sync_timeout_s": 0}, r"sync_timeout_s=0: must be a number of seconds > 0"),
+    ({"probe_tolerance": -1.0}, r"probe_tolerance=-1\.0: must be > 0"),
+])
+def test_server_config_refuses(kwargs, match):
+    from lightning_grpo.config import ServerConfig
+
+    with pytest.raises(ValueError, match=match):
+        ServerConfig(**kwargs)
+
+
+def test_unknown_engine_is_refused_at_load():
+    with pytest.raises(ValueError, match=r"engine='sglang': must be one of 'hf', 'vllm', 'vllm_server', 'replay'"):
+        RolloutConfig(engine="sglang")

@@ -137,3 +137,21 @@ def cut_at_stop(token_ids: Sequence[int], stop: Sequence[str], decode) -> tuple[
         hi, lo = (mid, lo) if any(s in prefix for s in stop) else (hi, mid + 1)
     text = decode(ids[:lo])
     return ids[:lo], text[: min(text.find(s) for s in stop if s in text)], True
+
+
+def finish_rollout(prompt: Prompt, ids: Sequence[int], text: str, finish: str, logprobs: Sequence[float] | None,
+                   sampling: SamplingConfig, decode) -> Rollout:
+    """An engine's raw completion as a ``Rollout``: cut before a forbidden token, then at the first stop string,
+    exactly as ``HFEngine`` does (``decode`` maps token ids to text; needed only with stop strings or forbidden
+    tokens). ``finish`` must be ``stop`` or ``length``."""
+    if finish not in ("stop", "length"):
+        raise RuntimeError(f"the engine finished prompt id={prompt.id} with reason {finish!r}")
+    ids, logprobs = list(ids), None if logprobs is None else list(logprobs)
+    ids, cut = cut_before_forbidden(ids, sampling.forbidden_token_ids)
+    if cut:  # a vision token: the completion ends before it, unfinished
+        text, finish = decode(ids), "length"
+        logprobs = None if logprobs is None else logprobs[: len(ids)]
+    if sampling.stop:  # tokens up to the one completing the stop string, text cut before it: exactly as HFEngine
+        ids, text, _ = cut_at_stop(ids, sampling.stop, decode)
+        logprobs = None if logprobs is None else logprobs[: len(ids)]
+    return Rollout(prompt=prompt, token_ids=ids, text=text, finish_reason=finish, logprobs=logprobs)

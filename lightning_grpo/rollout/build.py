@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from lightning_grpo.config import VLLMConfig
+from lightning_grpo.config import ServerConfig, VLLMConfig
 from lightning_grpo.policy import resolve_path
 from lightning_grpo.rollout.base import RolloutEngine
 from lightning_grpo.rollout.hf import HFEngine
@@ -45,4 +45,21 @@ def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
         rank = lora.rank if lora is not None and lora.sync == "adapter" else None  # merge: a plain engine
         return VLLMEngine(str(resolve_path(module.policy_cfg)), vllm,
                           sampler_logprobs=module.rl.needs_sampler_logprobs, lora_rank=rank)
-    raise ValueError(f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'replay'")
+    if cfg.engine == "vllm_server":
+        return _server_engine(cfg, module)
+    raise ValueError(f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'vllm_server', 'replay'")
+
+
+def _server_engine(cfg, module) -> RolloutEngine:
+    """A ``vllm serve`` engine whose syncs are checked against the policy's own logprobs (the probe)."""
+    from lightning_grpo.rollout.vllm_server import VLLMServerEngine, sequence_logprobs
+
+    if module._trainer is not None and module.trainer.world_size > 1:
+        raise ValueError(f"rollout.engine=vllm_server under {module.trainer.world_size} trainer ranks: one server "
+                         "per run is supported so far (every rank would sync it); use one trainer rank, or "
+                         "rollout.engine=vllm with vllm.distributed_executor_backend=external_launcher")
+    tokenizer = module.tokenizer
+    return VLLMServerEngine(str(resolve_path(module.policy_cfg)), cfg.server or ServerConfig(),
+                            reference=lambda ids: sequence_logprobs(module.policy, ids),
+                            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                            sampler_logprobs=module.rl.needs_sampler_logprobs)

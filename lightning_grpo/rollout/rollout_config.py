@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from lightning_grpo.checks import is_finite, is_int, raise_problems
+from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_config import VLLMConfig
 
 if TYPE_CHECKING:
@@ -45,8 +46,9 @@ def check_overlong(rl: GRPOConfig, rollout: RolloutConfig) -> None:
 class RolloutConfig:
     """How rollouts are produced for each collected batch."""
 
-    engine: Literal["hf", "vllm", "replay"] = "hf"
-    """hf: transformers generate with the policy itself (CPU default); vllm: in-process vLLM; replay: a JSONL file."""
+    engine: Literal["hf", "vllm", "vllm_server", "replay"] = "hf"
+    """hf: transformers generate with the policy itself (CPU default); vllm: in-process vLLM; vllm_server: a
+    ``vllm serve`` process (launched, or at a URL; see ``server``); replay: a JSONL file."""
     max_new_tokens: int = 32
     """Completion length cap, in tokens."""
     temperature: float = 1.0
@@ -59,6 +61,8 @@ class RolloutConfig:
     """JSONL of recorded rollouts when engine=replay."""
     vllm: VLLMConfig | None = None
     """How the vLLM engine is built when engine=vllm (None = VLLMConfig defaults)."""
+    server: ServerConfig | None = None
+    """The ``vllm serve`` engine when engine=vllm_server (None = ServerConfig defaults: launch one on a free port)."""
     sync_bucket_mb: float = 256.0
     """Weight-sync bucket size in MiB: one engine call per bucket (decoder layers are never split)."""
     stop: list[str] | None = None
@@ -93,6 +97,8 @@ class RolloutConfig:
             p.append(f"top_k={self.top_k}: must be an integer >= 0 (0 = off)")
         if not is_finite(self.sync_bucket_mb) or self.sync_bucket_mb <= 0:
             p.append(f"sync_bucket_mb={self.sync_bucket_mb}: must be > 0")
+        if self.engine not in ("hf", "vllm", "vllm_server", "replay"):
+            p.append(f"engine={self.engine!r}: must be one of 'hf', 'vllm', 'vllm_server', 'replay'")
         if self.engine == "replay" and not self.replay_path:
             p.append("replay_path=None: engine=replay needs a JSONL file of recorded rollouts")
         return p

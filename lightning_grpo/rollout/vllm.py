@@ -45,7 +45,7 @@ from torch import Tensor
 from lightning_grpo.config import ConfigError, VLLMConfig
 from lightning_grpo.data.images import load_images
 from lightning_grpo.lora import write_adapter_folder
-from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop, cut_before_forbidden
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_rollout
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.sleep import SleepState
 
@@ -120,8 +120,7 @@ class VLLMEngine:
         lora = self.adapters.request if self.adapters else None  # None: the base (no adapter published yet)
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         decode = self._decoder() if sampling.stop or sampling.forbidden_token_ids else None
-        return [_rollout(p, out.outputs[0], sampling.logprobs, sampling.stop, decode, sampling.forbidden_token_ids)
-                for p, out in zip(rows, outputs)]
+        return [_rollout(p, out.outputs[0], sampling, decode) for p, out in zip(rows, outputs)]
 
     def _decoder(self):
         """Token ids -> text as HFEngine decodes them (special tokens skipped), for the shared stop-string cut."""
@@ -323,19 +322,10 @@ def _sampling_params(s: SamplingConfig, seed: int):
     )
 
 
-def _rollout(prompt: Prompt, completion, with_logprobs: bool, stop=(), decode=None, forbidden=()) -> Rollout:
-    ids, text, finish = list(completion.token_ids), completion.text, completion.finish_reason
-    if finish not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished prompt id={prompt.id} with reason {finish!r}")
-    logprobs = [step[t].logprob for step, t in zip(completion.logprobs, ids)] if with_logprobs else None
-    ids, cut = cut_before_forbidden(ids, forbidden)
-    if cut:  # a vision token: the completion ends before it, unfinished
-        text, finish = decode(ids), "length"
-        logprobs = None if logprobs is None else logprobs[: len(ids)]
-    if stop:  # tokens up to the one completing the stop string, text cut before it: exactly as HFEngine
-        ids, text, _ = cut_at_stop(ids, stop, decode)
-        logprobs = None if logprobs is None else logprobs[: len(ids)]
-    return Rollout(prompt=prompt, token_ids=ids, text=text, finish_reason=finish, logprobs=logprobs)
+def _rollout(prompt: Prompt, completion, sampling: SamplingConfig, decode=None) -> Rollout:
+    ids = list(completion.token_ids)
+    logprobs = [step[t].logprob for step, t in zip(completion.logprobs, ids)] if sampling.logprobs else None
+    return finish_rollout(prompt, ids, completion.text, completion.finish_reason, logprobs, sampling, decode)
 
 
 @contextlib.contextmanager

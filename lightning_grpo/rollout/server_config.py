@@ -1,0 +1,80 @@
+"""``ServerConfig``: the ``vllm serve`` engine (``rollout.server``; ``lightning_grpo.config`` re-exports it).
+
+A plain dataclass beside the engines, like ``VLLMConfig``: it imports nothing but ``checks.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lightning_grpo.checks import is_finite, is_int, raise_problems
+
+BACKEND = "lightning_grpo_shm"
+"""The weight-transfer backend a server is started with (``--weight-transfer-config``; ``rollout/shm_transfer.py``)."""
+
+
+@dataclass
+class ServerConfig:
+    """The ``vllm serve`` engine (``rollout.engine: vllm_server``): a child process this run starts, or a URL."""
+
+    url: str | None = None
+    """A running server (``http://host:port``) to connect to; None = launch one as a child process (``launch``)."""
+    launch: bool = True
+    """With url=None: start ``vllm serve`` on the policy folder as a child of this run (stopped with it)."""
+    host: str = "127.0.0.1"
+    """Interface a launched server listens on."""
+    port: int | None = None
+    """Port of a launched server; None = a free one."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Server weight dtype; syncs cast to it. auto = vLLM's pick (0.32 downcasts float32 checkpoints to bf16)."""
+    max_model_len: int | None = None
+    """Context length (prompt + completion); None = the model's."""
+    enforce_eager: bool = False
+    """Skip torch.compile / CUDA graphs: faster start, slower decoding."""
+    threads: int | None = None
+    """CPU threads of a launched server (OMP_NUM_THREADS); None = vLLM's default."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache of a launched server in bytes; None = vLLM's sizing."""
+    gpus: str | None = None
+    """CUDA_VISIBLE_DEVICES of a launched server (e.g. "1" or "2,3"); None = inherited."""
+    extra_args: list[str] = field(default_factory=list)
+    """More ``vllm serve`` arguments for a launched server, passed through unchanged."""
+    weight_transport: Literal["shm", "http"] = "shm"
+    """How each weight bucket reaches the server: shm = a safetensors file in /dev/shm (same node only), http = its
+    bytes in the request body (any node, +33% base64)."""
+    startup_timeout_s: float = 300.0
+    """Seconds a launched server may take to answer /health (a URL: seconds to answer at all, 1/10 of this)."""
+    request_timeout_s: float = 600.0
+    """Seconds one generation request may take."""
+    sync_timeout_s: float = 120.0
+    """Seconds each phase of a weight sync (start, one bucket, finish, probe) may take."""
+    probe_tolerance: float | None = None
+    """Largest |server - trainer| logprob on the probe sequence after a sync; None = 1e-3 for a float32 server,
+    0.1 otherwise. Above it the engine is stale (a sync did not land) and the run stops."""
+
+    def __post_init__(self) -> None:
+        raise_problems("server config", self.problems())
+
+    def problems(self) -> list[str]:
+        """Every broken rule as a ``field=value: rule; fix`` line."""
+        p = []
+        if self.url is not None and not (isinstance(self.url, str) and self.url.startswith(("http://", "https://"))):
+            p.append(f"url={self.url!r}: must start with http:// or https:// (or be null to launch a server)")
+        if self.url is None and not self.launch:
+            p.append("launch=False with url=None: nothing to connect to; set url or launch: true")
+        if self.port is not None and (not is_int(self.port) or not 0 < self.port < 65536):
+            p.append(f"port={self.port!r}: must be in 1..65535, or null (a free port)")
+        if self.threads is not None and (not is_int(self.threads) or self.threads < 1):
+            p.append(f"threads={self.threads!r}: must be an integer >= 1 or null")
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
+            p.append(f"max_model_len={self.max_model_len!r}: must be >= 1 or null (the model's)")
+        if self.weight_transport not in ("shm", "http"):
+            p.append(f"weight_transport={self.weight_transport!r}: must be 'shm' or 'http'")
+        for name in ("startup_timeout_s", "request_timeout_s", "sync_timeout_s"):
+            value = getattr(self, name)
+            if not is_finite(value) or value <= 0:
+                p.append(f"{name}={value!r}: must be a number of seconds > 0")
+        if self.probe_tolerance is not None and (not is_finite(self.probe_tolerance) or self.probe_tolerance <= 0):
+            p.append(f"probe_tolerance={self.probe_tolerance!r}: must be > 0 or null (by dtype)")
+        return p

