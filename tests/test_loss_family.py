@@ -57,13 +57,18 @@ def reference_loss(lp, old, mask, adv, loss_type, ratio_level, loss, beta=0.0, r
             d = ref[i][keep] - lp_i
             per = per + beta * (torch.exp(d) - d - 1)
         per_seq.append(per)
+    return aggregate(per_seq, loss_type)
+
+
+def aggregate(per_seq: list, loss_type: str, max_len: int = MAX_LEN):
+    """The step loss from each sequence's per-token losses, as TRL's loss_type (verl's seq-mean-token-sum)."""
     n, tokens = len(per_seq), sum(len(p) for p in per_seq)
     if loss_type == "dapo":
         return sum(p.sum() for p in per_seq) / tokens
     if loss_type == "grpo":
         return sum(p.mean() for p in per_seq) / n
     if loss_type == "dr_grpo":
-        return sum(p.sum() for p in per_seq) / (n * MAX_LEN)
+        return sum(p.sum() for p in per_seq) / (n * max_len)
     return sum(p.sum() for p in per_seq) / n
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import max_rel_delta, params_of, synthetic_batch, with_sampler_logprobs
-from test_loss_family import COMBOS, bare
+from test_loss_family import COMBOS, aggregate, bare
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig, VLLMConfig, check_sampler_logprobs
@@ -65,14 +65,7 @@ def reference_loss(lp, old, roll, mask, adv, mode, level, loss_type="dapo", thre
             sur = sur * torch.where((rho >= 0.5) & (rho <= 5.0), rho, torch.zeros_like(rho))
         if len(sur):
             per_seq.append(sur)
-    n, tokens = len(per_seq), sum(len(p) for p in per_seq)
-    if loss_type == "dapo":
-        return sum(p.sum() for p in per_seq) / tokens
-    if loss_type == "grpo":
-        return sum(p.mean() for p in per_seq) / n
-    if loss_type == "dr_grpo":
-        return sum(p.sum() for p in per_seq) / (n * MAX_LEN)
-    return sum(p.sum() for p in per_seq) / n
+    return aggregate(per_seq, loss_type)
 
 
 def hand_tensors(seed: int = 0):
