@@ -25,8 +25,10 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfigCallback
 from torch.optim import Optimizer
 
+from lightning_grpo.alarm import SignalAlarm
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
 from lightning_grpo.checks import retired_key
+from lightning_grpo.completions import CompletionLog
 from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
@@ -154,6 +156,10 @@ class GRPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # Complete, atomic checkpoints once per loop step: `--checkpoint.every_n_loop_steps` (docs/checkpointing.md).
         parser.add_lightning_class_args(GRPOCheckpoint, "checkpoint")
+        # A few completions per loop step in completions.jsonl / W&B / the console (`--completions.*`), and a
+        # warning when the learning signal is gone (`--alarm.*`).
+        parser.add_lightning_class_args(CompletionLog, "completions")
+        parser.add_lightning_class_args(SignalAlarm, "alarm")
         modes = {"model": self.subclass_mode_model, "data": self.subclass_mode_data}
         for key, cls in self.default_classes.items():  # a config without class_path builds the CLI's default class
             if modes[key]:
