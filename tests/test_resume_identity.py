@@ -48,7 +48,7 @@ def test_a_resume_that_changes_seed_or_dtype_is_refused(change, one_step, tiny_p
 
 
 def test_a_checkpoint_without_an_identity_is_not_compared():
-    now = {"seed": 0, "policy.path": "p", "policy.dtype": "float32", "optim": {"lr": 1.0}}
+    now = {"seed": 0, "model": "qwen2, 10 parameters", "policy.dtype": "float32", "optim": {"lr": 1.0}}
     assert optim_changes(None, now) == {} and IDENTITY_KEY == "grpo_run"
-    with pytest.raises(ResumeMismatchError, match=r"policy.path: 'q' in the checkpoint, 'p' now"):
-        optim_changes({**now, "policy.path": "q"}, now)
+    with pytest.raises(ResumeMismatchError, match=r"model: 'llama, 12 parameters' in the checkpoint, 'qwen2, 10"):
+        optim_changes({**now, "model": "llama, 12 parameters"}, now)

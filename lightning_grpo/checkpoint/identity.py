@@ -3,10 +3,10 @@
 Lightning restores the optimizer's and scheduler's state from the checkpoint, learning rate included, so
 ``--model.optim.lr=0.005`` on a resume was ignored while config.yaml recorded 0.005; and a resume with another seed,
 dtype or model ran on silently, though nothing about it was the run it claimed to continue. Every checkpoint now
-records what the run *is* (``IDENTITY_KEY``: seed, policy path and dtype, the optimizer's hyper-parameters), and a
-resume compares:
+records what the run *is* (``IDENTITY_KEY``: seed, the model's architecture and size, its dtype, the optimizer's
+hyper-parameters), and a resume compares:
 
-- seed, ``policy.path``, ``policy.dtype`` differ: refused (``ResumeMismatchError``) before any state loads. The
+- seed, model (``model_type`` and parameter count: not the path, a folder may move), ``policy.dtype`` differ: refused (``ResumeMismatchError``) before any state loads. The
   sampling streams derive from the seed; the weights belong to that model in that dtype. Start a new run instead.
 - ``optim.lr``, ``weight_decay``, ``betas``, ``eps`` differ: applied once the optimizer state is restored, with a
   warning naming old and new and the LR the run then uses (the schedule's position is kept: lr = new x factor).
@@ -20,7 +20,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 IDENTITY_KEY = "grpo_run"
-FIXED = ("seed", "policy.path", "policy.dtype")
+FIXED = ("seed", "model", "policy.dtype")
 """What a resume may not change."""
 OPTIM = ("lr", "weight_decay", "betas", "eps")
 """Optimizer hyper-parameters a resume may change (applied with a warning)."""
@@ -33,23 +33,33 @@ class ResumeMismatchError(ValueError):
 def identity(module) -> dict[str, Any]:
     """What a checkpoint of ``module`` records about the run (plain values: ``weights_only`` loads them)."""
     o = module.optim_cfg
-    return {"seed": module.seed, "policy.path": module.policy_cfg.path, "policy.dtype": module.policy_cfg.dtype,
+    return {"seed": module.seed, "model": _model(module.policy), "policy.dtype": module.policy_cfg.dtype,
             "optim": {"lr": o.lr, "weight_decay": o.weight_decay, "betas": list(o.betas), "eps": o.eps}}
+
+
+def _model(policy) -> str | None:
+    """``"<model_type>, <n> parameters"``: another architecture or size, not another copy of the same one (a LoRA
+    resume onto other base weights is the adapter check's: ``checkpoint/adapter.py``)."""
+    if policy is None:
+        return None
+    kind = getattr(getattr(policy, "config", None), "model_type", type(policy).__name__)
+    return f"{kind}, {sum(p.numel() for p in policy.parameters()):,} parameters"
 
 
 def optim_changes(saved: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{name: (old, new)}`` of the optimizer hyper-parameters changed since ``saved``.
 
     Raises:
-        ResumeMismatchError: seed, policy path or dtype differ (all of them listed).
+        ResumeMismatchError: seed, model or dtype differ (all of them listed).
     """
     if not saved:  # a checkpoint from before identities were recorded: nothing to compare
         return {}
-    fixed = [f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in FIXED if k in saved and saved[k] != now[k]]
+    fixed = [f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in FIXED
+             if saved.get(k) is not None and now[k] is not None and saved[k] != now[k]]
     if fixed:
         raise ResumeMismatchError(
             f"this resume changes what the run is ({'; '.join(fixed)}). A resume continues one run exactly: give "
-            "the checkpoint's values back (drop --seed_everything / model.seed, model.policy.*), or start a new run "
+            "the checkpoint's values back (drop --seed_everything / model.seed; model.policy.path, .dtype), or start a new run "
             "without --ckpt_path")
     old = saved.get("optim", {})
     return {k: (old[k], now["optim"][k]) for k in OPTIM if k in old and old[k] != now["optim"][k]}
