@@ -45,6 +45,7 @@ from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
 from lightning_grpo.plot import build_parser as plot_parser
 from lightning_grpo.plot import main as plot_main
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.run_folder import RunFolderInUseError, explicit_version, refuse_reused_version
 from lightning_grpo.summary import RunSummary
 from lightning_grpo.tiny.spec import TinyPolicySpec
 
@@ -73,7 +74,8 @@ DEBUG_ENV = "LIGHTNING_GRPO_DEBUG"
 """Set to 1 to get the full traceback of a config error instead of its short report."""
 LOAD_ERRORS = (ValueError, TypeError, OSError, ImportError, MisconfigurationException)
 """Raised while the config's classes are built: the config is wrong (a bug shows its traceback with DEBUG_ENV)."""
-RUN_ERRORS = (ConfigError, PromptDataError, DeterminismError, MisconfigurationException, *USER_ERRORS)
+RUN_ERRORS = (ConfigError, PromptDataError, DeterminismError, MisconfigurationException, RunFolderInUseError,
+              *USER_ERRORS)
 """Config errors only the run can find (per-rank sizes need the DP size, data load at setup, Lightning's checks),
 and what a user causes mid-run (a reward function that raises, a damaged checkpoint: ``errors.py``)."""
 _PACKAGE = str(Path(__file__).parent)
@@ -164,6 +166,9 @@ class GRPOCLI(LightningCLI):
         # warning when the learning signal is gone (`--alarm.*`).
         parser.add_lightning_class_args(CompletionLog, "completions")
         parser.add_lightning_class_args(SignalAlarm, "alarm")
+        parser.add_argument("--overwrite_run", type=bool, default=False,
+                            help="Let a new fit replace the run in the folder an explicit "
+                                 "trainer.logger.init_args.version names (refused otherwise).")
         modes = {"model": self.subclass_mode_model, "data": self.subclass_mode_data}
         for key, cls in self.default_classes.items():  # a config without class_path builds the CLI's default class
             if modes[key]:
@@ -236,6 +241,8 @@ class GRPOCLI(LightningCLI):
         try:
             super()._run_subcommand(subcommand)
         except Exception as err:
+            if isinstance(err, RunFolderInUseError):  # that folder is another run's: leave it untouched
+                raise
             if (log := write_error_log(getattr(self, "trainer", None), err)) is not None:
                 err.add_note(f"full traceback: {log}")  # the short report names the file
             raise
@@ -252,6 +259,9 @@ class GRPOCLI(LightningCLI):
         self.trainer.callbacks.sort(key=lambda cb: isinstance(cb, Checkpoint))
         config = self.config_init[self.subcommand]
         config["ckpt_path"] = resolve_ckpt_path(config.get("ckpt_path"), self.trainer)  # "last" -> newest complete
+        # before anything is written: a new fit never lands on a run folder that already holds a run (run_folder.py)
+        refuse_reused_version(self.trainer.loggers, explicit_version(self.config[self.subcommand].get("trainer.logger")),
+                              resuming=config["ckpt_path"] is not None, overwrite=config.get("overwrite_run", False))
 
 
 class _SectionHelp(argparse.Action):
