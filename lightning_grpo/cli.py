@@ -10,6 +10,7 @@ lines (``LIGHTNING_GRPO_DEBUG=1`` shows the traceback), before any model is buil
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pickle
 import re
@@ -132,6 +133,7 @@ class GRPOCLI(LightningCLI):
         # In subclass mode the given classes are the defaults (a config without class_path builds them) and any
         # LightningModule / LightningDataModule may be named instead.
         self.default_classes = {"model": model_class, "data": datamodule_class}
+        _quiet_litlogger_tip()
         super().__init__(
             LightningModule if subclass_mode_model else model_class,
             LightningDataModule if subclass_mode_data else datamodule_class,
@@ -278,6 +280,19 @@ class _SectionHelp(argparse.Action):
         section.add_class_arguments(self.section, key)
         section.print_help()
         parser.exit()
+
+
+def _quiet_litlogger_tip() -> None:
+    """Drop Lightning's "Tip: ... try installing litlogger" line (an advert printed by every Trainer whose loggers
+    are not LitLogger, lightning/pytorch/trainer/connectors/logger_connector.py): our runs log to CSV or W&B."""
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero.filters):
+        rank_zero.addFilter(_NoLitLoggerTip())
+
+
+class _NoLitLoggerTip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
 
 
 def config_error(err: BaseException | str) -> NoReturn:

@@ -80,6 +80,7 @@ def test_a_user_error_after_setup_is_a_short_report(case, tmp_path):
     code, stderr = _fit(tmp_path, *(a.replace("{dir}", folder) for a in extra))
     report = _report(stderr)
     assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert "args parameter is intended" not in stderr and "litlogger" not in stderr  # no noise from our wiring
     assert 2 <= len(report) <= 6, "\n".join(report)
     for words in says:
         assert words.replace("{dir}", folder) in "\n".join(report), "\n".join(report)
