@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 from lightning_grpo.alarm import SignalAlarm
 from lightning_grpo.checkpoint import GRPOCheckpoint
-from lightning_grpo.completions import CompletionLog
 from lightning_grpo.cli import TRAINER_DEFAULTS
+from lightning_grpo.completions import CompletionLog
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
 from lightning_grpo.correction import RolloutCorrection
 from lightning_grpo.data.preference_module import PreferenceDataModule

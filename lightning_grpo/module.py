@@ -29,9 +29,9 @@ from torch import Tensor
 from lightning_grpo import lora
 from lightning_grpo.advantages import dp_batch_std, group_advantages
 from lightning_grpo.base import UpdateModule
-from lightning_grpo.completions import RewardParts, StepRows
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
+from lightning_grpo.completions import RewardParts, StepRows
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
 from lightning_grpo.correction import derived_metrics
 from lightning_grpo.data.fitting import fit_prompts

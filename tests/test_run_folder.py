@@ -23,7 +23,7 @@ def test_reusing_a_version_is_refused_before_anything_is_written(tmp_path, monke
         main(["fit", *QUICKSTART_ARGS, *SMALL, "--seed_everything=3"])
     err = capsys.readouterr().err
     assert stop.value.code == 2
-    assert f"version=0: runs/quickstart/version_0 already holds a run (metrics.csv, config.yaml" in err
+    assert "version=0: runs/quickstart/version_0 already holds a run (metrics.csv, config.yaml" in err
     assert "--overwrite_run=true" in err and "Traceback" not in err
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before  # untouched, no error.log
     main(["fit", *QUICKSTART_ARGS, *SMALL, "--seed_everything=3", "--overwrite_run=true"])

@@ -16,8 +16,8 @@ from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.handoff import CYCLE, ENGINE_SLEEP, TRAINER_ONLOAD, HandoffCallback
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
-from lightning_grpo.vision import step_prompts
 from lightning_grpo.validation import greedy_scores, pass_at_k, sampled_scores
+from lightning_grpo.vision import step_prompts
 
 PUBLISH, STEP = list(CYCLE[4:]), list(CYCLE[:4])  # wake weights, sync, offload, wake KV | generate, sleep, onload, train
 
