@@ -86,10 +86,10 @@ class UpdateModule(DataParallelOps, LightningModule):
     def on_train_start(self) -> None:
         opt = self.optimizers()
         plugin_step = PluginStep(self.trainer, self.policy, opt)  # unscale -> 1/sum -> clip -> step via the plugin
-        self.updater.attach(opt, self.lr_schedulers(), self.manual_backward, step=plugin_step, clip=plugin_step.clip)
         schedulers = self.lr_schedulers()
-        schedulers = [] if schedulers is None else schedulers if isinstance(schedulers, list) else [schedulers]
-        if (changed := apply_optim(self._optim_changes, opt, schedulers)) is not None:  # a resume under another lr
+        self.updater.attach(opt, schedulers, self.manual_backward, step=plugin_step, clip=plugin_step.clip)
+        listed = [] if schedulers is None else schedulers if isinstance(schedulers, list) else [schedulers]
+        if (changed := apply_optim(self._optim_changes, opt, listed)) is not None:  # a resume under another lr
             rank_zero_warn(changed)
         self._optim_changes = {}
         self._state.resume(self.trainer, self.updater, self.trainer.datamodule)
