@@ -68,3 +68,11 @@ def test_a_wandb_logger_gets_a_completions_table(tiny_policy_dir, tmp_path, monk
     table = json.loads(tables[0].read_text())
     assert table["columns"] == list(COLUMNS) and len(table["data"]) == 2
     assert len((tmp_path / "completions.jsonl").read_text().splitlines()) == 2  # W&B alone: its save_dir
+
+
+@pytest.mark.slow
+def test_the_cli_writes_completions_beside_the_metrics(quickstart_run):
+    """`lightning-grpo fit` adds CompletionLog: 4 samples per loop step in the run folder, steps as metrics.csv's."""
+    rows = [json.loads(line) for line in (quickstart_run.log_dir / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4
+    assert all(set(r["rewards"]) == {"arith"} for r in rows)
