@@ -36,10 +36,10 @@ def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, trainer: Trainer) -> 
     """``"last"`` -> the newest intact checkpoint of the latest lineage (None, with a warning, when there is none).
 
     A trainer whose ``GRPOCheckpoint`` already belongs to a lineage (a second ``fit``) resumes that lineage.
-    Any other value is returned unchanged once ``check_ckpt_file`` accepts it.
+    Any other value is returned unchanged (the CLI checks it first: ``check_ckpt_file``).
     """
     if ckpt_path != "last":
-        return ckpt_path if ckpt_path is None else check_ckpt_file(ckpt_path)
+        return ckpt_path
     dirs = search_dirs(trainer)
     own = next((cb.lineage for cb in trainer.callbacks if isinstance(cb, GRPOCheckpoint) and cb.lineage), LATEST)
     found = resolve_last(dirs, own)
