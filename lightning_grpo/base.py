@@ -20,8 +20,10 @@ import logging
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_grpo.checkpoint.identity import IDENTITY_KEY, apply_optim, identity, optim_changes
 from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.config import OptimConfig
 from lightning_grpo.determinism import run_seed
@@ -57,6 +59,7 @@ class UpdateModule(DataParallelOps, LightningModule):
         self.updater: Updater | None = None  # built by configure_model; the optimizer joins it in on_train_start
         self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
         self.last_metrics: dict[str, float] = {}
+        self._optim_changes: dict = {}  # optimizer hyper-parameters a resume changed (checkpoint/identity.py)
         self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
         self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
 
@@ -83,7 +86,12 @@ class UpdateModule(DataParallelOps, LightningModule):
     def on_train_start(self) -> None:
         opt = self.optimizers()
         plugin_step = PluginStep(self.trainer, self.policy, opt)  # unscale -> 1/sum -> clip -> step via the plugin
-        self.updater.attach(opt, self.lr_schedulers(), self.manual_backward, step=plugin_step, clip=plugin_step.clip)
+        schedulers = self.lr_schedulers()
+        self.updater.attach(opt, schedulers, self.manual_backward, step=plugin_step, clip=plugin_step.clip)
+        listed = [] if schedulers is None else schedulers if isinstance(schedulers, list) else [schedulers]
+        if (changed := apply_optim(self._optim_changes, opt, listed)) is not None:  # a resume under another lr
+            rank_zero_warn(changed)
+        self._optim_changes = {}
         self._state.resume(self.trainer, self.updater, self.trainer.datamodule)
         self.end_loop_step()
 
@@ -114,11 +122,14 @@ class UpdateModule(DataParallelOps, LightningModule):
             checkpoint[STATE_KEY] = {"refused": str(refused)}
             return
         self._state.write(self.trainer, checkpoint)
+        checkpoint[IDENTITY_KEY] = identity(self)  # a resume compares its config with it (checkpoint/identity.py)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
         if refused:  # written without weights on the way out of a failure: nothing to resume
             raise NonFiniteParametersError.loading(refused)
+        # seed/model/dtype changed: refused now; optimizer hyper-parameters: applied at on_train_start, with a warning
+        self._optim_changes = optim_changes(checkpoint.get(IDENTITY_KEY), identity(self))
         self._state.load(checkpoint)  # put back at on_train_start, once the updater has its loop
 
     # -- the batch boundary and the report -----------------------------------------------------------------------------

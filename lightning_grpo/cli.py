@@ -10,7 +10,9 @@ lines (``LIGHTNING_GRPO_DEBUG=1`` shows the traceback), before any model is buil
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import pickle
 import re
 import sys
 import traceback
@@ -25,14 +27,18 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfigCallback
 from torch.optim import Optimizer
 
+from lightning_grpo.alarm import SignalAlarm
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
+from lightning_grpo.checkpoint.resume import check_ckpt_file
 from lightning_grpo.checks import retired_key
+from lightning_grpo.completions import CompletionLog
 from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.data.sources import PromptDataError
 from lightning_grpo.determinism import DeterminismError
 from lightning_grpo.dpo import DPOConfig
+from lightning_grpo.errors import USER_ERRORS, write_error_log
 from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.objectives.opd import OPDConfig
@@ -40,6 +46,7 @@ from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
 from lightning_grpo.plot import build_parser as plot_parser
 from lightning_grpo.plot import main as plot_main
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.run_folder import RunFolderInUseError, explicit_version, refuse_reused_version
 from lightning_grpo.summary import RunSummary
 from lightning_grpo.tiny.spec import TinyPolicySpec
 
@@ -69,8 +76,10 @@ DEBUG_ENV = "LIGHTNING_GRPO_DEBUG"
 """Set to 1 to get the full traceback of a config error instead of its short report."""
 LOAD_ERRORS = (ValueError, TypeError, OSError, ImportError, MisconfigurationException)
 """Raised while the config's classes are built: the config is wrong (a bug shows its traceback with DEBUG_ENV)."""
-RUN_ERRORS = (ConfigError, PromptDataError, DeterminismError, MisconfigurationException)
-"""Config errors only the run can find (per-rank sizes need the DP size, data load at setup, Lightning's checks)."""
+RUN_ERRORS = (ConfigError, PromptDataError, DeterminismError, MisconfigurationException, RunFolderInUseError,
+              *USER_ERRORS)
+"""Config errors only the run can find (per-rank sizes need the DP size, data load at setup, Lightning's checks),
+and what a user causes mid-run (a reward function that raises, a damaged checkpoint: ``errors.py``)."""
 _PACKAGE = str(Path(__file__).parent)
 _UNION_NOISE = re.compile(r"Does not validate against any of the Union subtypes|^\s*Subtypes: |^\s*Errors:$|"
                           r"Expected a <class 'NoneType'>|NestedArg")
@@ -125,6 +134,7 @@ class GRPOCLI(LightningCLI):
         # In subclass mode the given classes are the defaults (a config without class_path builds them) and any
         # LightningModule / LightningDataModule may be named instead.
         self.default_classes = {"model": model_class, "data": datamodule_class}
+        _quiet_litlogger_tip()
         super().__init__(
             LightningModule if subclass_mode_model else model_class,
             LightningDataModule if subclass_mode_data else datamodule_class,
@@ -155,6 +165,13 @@ class GRPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # Complete, atomic checkpoints once per loop step: `--checkpoint.every_n_loop_steps` (docs/checkpointing.md).
         parser.add_lightning_class_args(GRPOCheckpoint, "checkpoint")
+        # A few completions per loop step in completions.jsonl / W&B / the console (`--completions.*`), and a
+        # warning when the learning signal is gone (`--alarm.*`).
+        parser.add_lightning_class_args(CompletionLog, "completions")
+        parser.add_lightning_class_args(SignalAlarm, "alarm")
+        parser.add_argument("--overwrite_run", type=bool, default=False,
+                            help="Let a new fit replace the run in the folder an explicit "
+                                 "trainer.logger.init_args.version names (refused otherwise).")
         modes = {"model": self.subclass_mode_model, "data": self.subclass_mode_data}
         for key, cls in self.default_classes.items():  # a config without class_path builds the CLI's default class
             if modes[key]:
@@ -169,7 +186,9 @@ class GRPOCLI(LightningCLI):
                                           help=OPTIMIZER_REFUSED, **common)
 
     def parse_arguments(self, parser, args) -> None:
-        args = self._default_help_class(sys.argv[1:] if args is None else args)
+        given, args = args, self._default_help_class(sys.argv[1:] if args is None else args)
+        if given is None and args == sys.argv[1:]:
+            args = None  # LightningCLI warns ("args parameter is intended ...") when args and sys.argv both come
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as err:
@@ -178,6 +197,22 @@ class GRPOCLI(LightningCLI):
             if (retired := retired_key(str(err))) is not None:  # a removed field: say what replaced it
                 config_error(retired)
             config_error(err)
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI torch.loads --ckpt_path while parsing (for hyper-parameters): check the file first, so a missing
+        # or damaged one is named with its fix instead of torch's "Unsupported operand 110".
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        try:
+            if ckpt_path not in (None, "last"):
+                check_ckpt_file(ckpt_path)
+            super()._parse_ckpt_path()
+        except RUN_ERRORS as err:
+            config_error(err)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # a zip archive, damaged inside
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            config_error(f"--ckpt_path={ckpt_path}: cannot be read as a checkpoint ({type(err).__name__}: {first}); "
+                         "the file is damaged. Resume from an earlier one (--ckpt_path=last: the newest intact one)")
 
     def _default_help_class(self, args):
         """``--model.help`` / ``--data.help`` without a class describe the default one, not the LightningModule base."""
@@ -205,6 +240,16 @@ class GRPOCLI(LightningCLI):
         except LOAD_ERRORS as err:
             config_error(err)
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception as err:
+            if isinstance(err, RunFolderInUseError):  # that folder is another run's: leave it untouched
+                raise
+            if (log := write_error_log(getattr(self, "trainer", None), err)) is not None:
+                err.add_note(f"full traceback: {log}")  # the short report names the file
+            raise
+
     def before_fit(self) -> None:
         if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
             self.trainer.callbacks.append(RunSummary())
@@ -217,6 +262,9 @@ class GRPOCLI(LightningCLI):
         self.trainer.callbacks.sort(key=lambda cb: isinstance(cb, Checkpoint))
         config = self.config_init[self.subcommand]
         config["ckpt_path"] = resolve_ckpt_path(config.get("ckpt_path"), self.trainer)  # "last" -> newest complete
+        # before anything is written: a new fit never lands on a run folder that already holds a run (run_folder.py)
+        refuse_reused_version(self.trainer.loggers, explicit_version(self.config[self.subcommand].get("trainer.logger")),
+                              resuming=config["ckpt_path"] is not None, overwrite=config.get("overwrite_run", False))
 
 
 class _SectionHelp(argparse.Action):
@@ -235,13 +283,28 @@ class _SectionHelp(argparse.Action):
         parser.exit()
 
 
+def _quiet_litlogger_tip() -> None:
+    """Drop Lightning's "Tip: ... try installing litlogger" line (an advert printed by every Trainer whose loggers
+    are not LitLogger, lightning/pytorch/trainer/connectors/logger_connector.py): our runs log to CSV or W&B."""
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero.filters):
+        rank_zero.addFilter(_NoLitLoggerTip())
+
+
+class _NoLitLoggerTip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
 def config_error(err: BaseException | str) -> NoReturn:
     """Report a config error in a few lines on stderr and exit 2 (``LIGHTNING_GRPO_DEBUG=1``: raise it instead)."""
     if isinstance(err, BaseException) and os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         raise err
     message = err if isinstance(err, str) else _innermost_message(err)
+    logged = [n for n in getattr(err, "__notes__", ()) if n.startswith("full traceback: ")]
+    where = f"{logged[0]} or {DEBUG_ENV}=1" if logged else f"full traceback: {DEBUG_ENV}=1"
     sys.stderr.write(f"lightning-grpo: error: {message.strip()}\n"
-                     f"  (all options: lightning-grpo fit --help; full traceback: {DEBUG_ENV}=1)\n")
+                     f"  (all options: lightning-grpo fit --help; {where})\n")
     raise SystemExit(2)
 
 
@@ -250,7 +313,9 @@ def _innermost_message(err: BaseException) -> str:
     if isinstance(err, argparse.ArgumentError):  # jsonargparse's parse errors name the key and what was expected
         return "\n".join(line for line in str(err).splitlines() if not _UNION_NOISE.search(line))
     chain = [err]
-    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and cause not in chain:
+    # `raise ... from None` hides the context on purpose: the message raised already says all of it
+    while (cause := chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else chain[-1].__context__)) \
+            is not None and cause not in chain:
         chain.append(cause)
     ours = [e for e in chain if e.__traceback__ and _PACKAGE in traceback.extract_tb(e.__traceback__)[-1].filename]
     origin = ours[-1] if ours else err

@@ -19,8 +19,10 @@ import sys
 import textwrap
 from collections.abc import Iterator
 
+from lightning_grpo.alarm import SignalAlarm
 from lightning_grpo.checkpoint import GRPOCheckpoint
 from lightning_grpo.cli import TRAINER_DEFAULTS
+from lightning_grpo.completions import CompletionLog
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
 from lightning_grpo.correction import RolloutCorrection
 from lightning_grpo.data.preference_module import PreferenceDataModule
@@ -59,6 +61,8 @@ CLASS_SECTIONS = (
                          "`model.dpo` and `model.optim`"),
     ("data", PreferenceDataModule, "preference pairs for DPO (`data.class_path: lightning_grpo.PreferenceDataModule`)"),
     ("checkpoint", GRPOCheckpoint, "complete, atomic checkpoints per loop step (the CLI adds it)"),
+    ("completions", CompletionLog, "a few completions per loop step in `completions.jsonl`, W&B and the console"),
+    ("alarm", SignalAlarm, "a warning when the learning signal is gone (the CLI adds it)"),
     ("trainer.callbacks", HandoffCallback, "the colocated hand-off; the CLI adds one unless the config lists it"),
     ("trainer.callbacks", RunSummary, "the end-of-run report; the CLI adds one with these defaults"),
 )

@@ -31,6 +31,7 @@ from lightning_grpo.advantages import dp_batch_std, group_advantages
 from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
+from lightning_grpo.completions import RewardParts, StepRows
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
 from lightning_grpo.correction import derived_metrics
 from lightning_grpo.data.fitting import fit_prompts
@@ -112,6 +113,7 @@ class GRPOModule(UpdateModule):
         self.routing: RoutingReplay | None = None  # MoE routing replay / aux loss: attached in configure_model
         self.scorer: ChunkScorer | None = None  # per-chunk logprobs of policy and reference: built in configure_model
         self._publisher: WeightPublisher = NoPublisher()  # found (or attached) when the engine is built
+        self.reward_parts, self.last_rows = RewardParts(), None  # what CompletionLog writes (completions.py)
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
     def configure_objective(self, objective: str | Objective) -> Objective:
@@ -151,6 +153,7 @@ class GRPOModule(UpdateModule):
         # Default: the built-in task reward. A SIGTERM (Lightning's flag) abandons a reward call still running.
         stop = (lambda: self.trainer.received_sigterm) if self._trainer is not None else None
         total, parts = score(rollouts, self.reward_specs or [RewardSpec()], should_stop=stop)
+        self.reward_parts.add(rollouts, parts)
         # Per function: the mean over the samples it scored (None = no opinion, NaN in ``parts``).
         metrics = {f"reward/{name}": float(v.nanmean()) for name, v in parts.items()}
         metrics["reward/none_frac"] = float(torch.stack(list(parts.values())).isnan().float().mean())
@@ -285,6 +288,7 @@ class GRPOModule(UpdateModule):
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate ``group_size`` completions per prompt, score them, normalize per group (``rl.dynamic_sampling``:
         only groups whose rewards differ, refilled from further prompts; ``dynamic_sampling.py``)."""
+        self.reward_parts = RewardParts()  # this step's, kept by last_rows
         groups, metrics = self.draw(records)
         if self.rl.dynamic_sampling:
             groups, refill = fill(groups, self.rl.group_size, len(records), self.rl.max_refill_rounds, self._refill,
@@ -300,6 +304,7 @@ class GRPOModule(UpdateModule):
         metrics.update({k: float(v) for k, v in adv_stats.items()})
         metrics.update(completion_metrics(groups, batch, self.rl, self.rollout_cfg.max_new_tokens))
         metrics["data/bad_records_skipped"] = self._data_counter("bad_records_skipped")
+        self.last_rows = StepRows(self.loop_step + 1, groups.rollouts, groups.rewards, advantages, self.reward_parts)
         return counted_only(batch, groups, self.rl.mask_truncated_completions), metrics
 
     def draw(self, records) -> tuple[Groups, dict[str, float]]:

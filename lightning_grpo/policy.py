@@ -14,6 +14,7 @@ a cache folder once (``lightning_grpo/tiny/``), then loads it through the very s
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -91,7 +92,7 @@ def resolve_path(cfg: PolicyConfig) -> Path:
     if not cfg.path.startswith("tiny:"):
         path = Path(cfg.path).expanduser()
         if path.is_dir():
-            return path
+            return check_model_folder(cfg.path, path)
         if HUB_ID.match(cfg.path):
             return hub_snapshot(cfg.path, cfg.revision, cfg.trust_remote_code)
         raise PolicyNotFoundError(
@@ -106,6 +107,28 @@ def resolve_path(cfg: PolicyConfig) -> Path:
     spec = with_seed(cfg, 0).tiny  # unseeded outside a module: 0, the same cache entry as an explicit 0
     return tiny_folder(cfg.path.split(":", 1)[1] or "default", spec, cfg.warm_start, cfg.warm_start_steps)
 
+
+def check_model_folder(given: str, path: Path) -> Path:
+    """A local ``policy.path`` must hold a model (``config.json`` naming its ``model_type``) and a tokenizer:
+    refused here, naming what the folder holds, instead of transformers' guess at the cause ("You need to have
+    sentencepiece or tiktoken installed")."""
+    config = path / "config.json"
+    try:
+        has_type = "model_type" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        has_type = False
+    missing = ([] if has_type else ["config.json with a model_type"]) + (
+        [] if any((path / f).is_file() for f in TOKENIZER_FILES) else [f"tokenizer file ({', '.join(TOKENIZER_FILES)})"])
+    if missing:
+        held = sorted(p.name for p in path.iterdir())[:8]
+        raise PolicyNotFoundError(
+            f"policy.path={given!r} is a folder but not a Hugging Face model: no {' and no '.join(missing)} (it "
+            f"holds {held or 'nothing'}). Give the folder save_pretrained wrote (config.json, weights, tokenizer files).")
+    return path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any one of them: a tokenizer transformers can load."""
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 """What a Hub model id looks like (``name`` or ``org/name``)."""

@@ -10,10 +10,18 @@ When it runs: Lightning's ``val_check_interval`` counts training batches, and un
 optimization one batch is one loop step, so ``trainer.val_check_interval: 10`` validates every 10
 loop steps whatever ``n_mini`` is. The draw is seeded on a private RNG stream, so validating does
 not change the training run's rollouts.
+
+With ``data.val_samples_per_prompt = k > 0`` each held-out prompt also gets k completions sampled at the training
+temperature (one seed for every validation, so two validations differ only by the policy): ``val/pass@k`` is the
+unbiased estimator of Chen et al. 2021 (arXiv 2107.03374, eq. 1) with n = k draws, ``val/pass@1`` its k = 1 value
+(the share of draws that pass), ``val/mean@k`` the mean total reward of the draws. A draw passes when its total
+reward is at least ``data.val_pass_reward``. Greedy ``val/reward`` says what the policy prefers; pass@k says what
+it can find, which is what GRPO's group sampling learns from.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -53,7 +61,28 @@ def greedy_scores(module, records: Sequence) -> dict[str, float]:
     metrics.update({f"val/{name}": value for name, value in parts.items()})
     metrics["val/len_mean"] = sum(len(r.token_ids) for r in rollouts) / len(rollouts)
     metrics["val/stop_frac"] = sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts)
+    dm = module._datamodule()
+    k = getattr(dm, "val_samples_per_prompt", 0)
+    if k > 0 and prompts:
+        metrics.update(sampled_scores(module, prompts, k, dm.val_pass_reward))
     return metrics
+
+
+def sampled_scores(module, prompts: Sequence, k: int, pass_reward: float) -> dict[str, float]:
+    """``val/pass@k``, ``val/pass@1``, ``val/mean@k`` of ``k`` completions per prompt at the training temperature."""
+    sampling = replace(module.sampling(), seed=VAL_SEED, logprobs=False)  # the same draw at every validation
+    rewards, _ = module.compute_rewards(module.engine.generate(prompts, k, sampling))
+    grouped = rewards.float().view(len(prompts), k)  # [P, k]
+    passed = (grouped >= pass_reward).sum(dim=1)  # [P]
+    return {"val/pass@k": sum(pass_at_k(k, int(c), k) for c in passed) / len(prompts),
+            "val/pass@1": float(passed.float().mean() / k), "val/mean@k": float(grouped.mean())}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` draws of which ``c`` pass: ``1 - C(n - c, k) / C(n, k)`` (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k(n={n}, c={c}, k={k}): needs 0 <= c <= n and 1 <= k <= n")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # exact integers: no float cancellation for large n
 
 
 class ValidationMeans(nn.Module):

@@ -113,3 +113,8 @@ RELEASE = __import__("threading").Event()
 def hangs(rollouts):
     RELEASE.wait()
     return [0.0] * len(rollouts)
+
+
+def beyond_float32(rollouts):
+    """1e39: finite in float64, inf in float32."""
+    return [1e39] * len(rollouts)

@@ -131,6 +131,13 @@ def test_jsonl_missing_key_names_file_line_key_and_fix(tmp_path):
         load_items(str(path), prompt_key="question", answer_key="solution")
 
 
+def test_jsonl_that_is_not_utf8_names_file_line_and_byte(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "caf\xe9"}\n')  # latin-1 e-acute on line 3
+    with pytest.raises(PromptDataError, match=r"p.jsonl:3: not UTF-8 \(byte 0xe9 at column 16\); save the file as UTF-8"):
+        load_items(str(path), answer_key=None)
+
+
 def test_jsonl_bad_rows(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n{not json\n')

@@ -88,7 +88,7 @@ def test_failing_batch_call_raises_at_once_with_its_own_traceback():
 
 def test_per_sample_functions_name_the_failing_sample():
     rollouts = [roll("4", pid=i) for i in range(10)]
-    with pytest.raises(RewardError, match=r"'reward_fns:fails_on_seven' raised ZeroDivisionError.*sample 7, prompt id 7"):
+    with pytest.raises(RewardError, match=r"(?s)'reward_fns:fails_on_seven' raised ZeroDivisionError.*sample 7, prompt id 7"):
         score(rollouts, [RewardSpec("reward_fns:fails_on_seven", per_sample=True)])
     _, per = score(rollouts[:7], [RewardSpec("reward_fns:length_reward", per_sample=True)])
     assert per["reward_fns:length_reward"].tolist() == [1.0] * 7

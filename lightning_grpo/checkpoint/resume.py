@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+import zipfile
 from pathlib import Path
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_grpo.checkpoint.callback import GRPOCheckpoint
+from lightning_grpo.checkpoint.integrity import DamagedCheckpointError
 from lightning_grpo.checkpoint.paths import LATEST, entries, resolve_last
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, trainer: Trainer) -> 
     """``"last"`` -> the newest intact checkpoint of the latest lineage (None, with a warning, when there is none).
 
     A trainer whose ``GRPOCheckpoint`` already belongs to a lineage (a second ``fit``) resumes that lineage.
-    Any other value is returned unchanged.
+    Any other value is returned unchanged (the CLI checks it first: ``check_ckpt_file``).
     """
     if ckpt_path != "last":
         return ckpt_path
@@ -51,3 +53,24 @@ def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, trainer: Trainer) -> 
                    f"{found.loop_step}, saved {saved})"
                    + (f"; the folder also holds run(s) {', '.join(others)}" if others else ""))
     return str(found.path)
+
+
+class CheckpointPathError(FileNotFoundError):
+    """``--ckpt_path`` names nothing on disk."""
+
+
+def check_ckpt_file(ckpt_path: str | os.PathLike) -> str | os.PathLike:
+    """Refuse, naming the file, a ``ckpt_path`` that is missing or is not a ``torch.save`` archive.
+
+    Before the model is built and before Lightning's ``torch.load``, whose errors name neither the file nor the
+    fix (``Invalid argument``, ``Unsupported operand 110``). Only the zip header is read: a damaged file whose
+    header survived is caught by its manifest (``integrity.py``). A folder (a sharded checkpoint) passes.
+    """
+    path = Path(ckpt_path).expanduser()
+    fix = "Give a checkpoint file a fit wrote (<log dir>/checkpoints/*.ckpt), or --ckpt_path=last for the newest intact one"
+    if not path.exists():
+        raise CheckpointPathError(f"--ckpt_path={ckpt_path}: no such file or folder. {fix}")
+    if path.is_file() and not zipfile.is_zipfile(path):
+        raise DamagedCheckpointError(f"--ckpt_path={ckpt_path}: not a PyTorch checkpoint ({path.stat().st_size} bytes, "
+                                     f"not the zip archive torch.save writes): damaged or another kind of file. {fix}")
+    return ckpt_path

@@ -64,6 +64,10 @@ class PromptDataModule(PromptProvider, LightningDataModule):
             ``val_split`` of ``source``, or else ``val_size`` rows held out of ``source`` (never trained on).
         val_split: split holding the held-out prompts (of ``val_source``, else of ``source``), e.g. ``test``.
         val_size: held-out prompts to use; 0 disables validation.
+        val_samples_per_prompt: k sampled completions per held-out prompt (the training temperature) beside the
+            greedy one, for ``val/pass@k`` (unbiased estimator), ``val/pass@1`` and ``val/mean@k``; 0 = greedy only.
+        val_pass_reward: a sampled completion passes when its total reward is at least this (1.0: a verifiable
+            reward's "correct").
         image_key: column of the prompt's images (paths, bytes, PIL images or a ``datasets`` Image column; one or a
             list; ``image`` is read when it is absent). Records keep references; pixels are decoded per chunk.
         on_bad_record: a record whose image cannot be read, met at the loop step that draws it: ``error`` stops
@@ -93,6 +97,8 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         val_source: str | Sequence[Mapping[str, Any]] | None = None,
         val_split: str | None = None,
         val_size: int = 64,
+        val_samples_per_prompt: int = 0,
+        val_pass_reward: float = 1.0,
         image_key: str = "images",
         on_bad_record: Literal["error", "skip"] = "error",
     ) -> None:
@@ -101,6 +107,10 @@ class PromptDataModule(PromptProvider, LightningDataModule):
             raise ValueError(f"PromptDataModule(prompts_per_step={prompts_per_step!r}): must be a positive integer")
         if val_size < 0:
             raise ValueError(f"PromptDataModule(val_size={val_size}): must be >= 0 (0 disables validation)")
+        if not isinstance(val_samples_per_prompt, int) or val_samples_per_prompt < 0:
+            raise ValueError(f"PromptDataModule(val_samples_per_prompt={val_samples_per_prompt!r}): must be an integer "
+                             ">= 0 (0 = greedy validation only)")
+        self.val_samples_per_prompt, self.val_pass_reward = val_samples_per_prompt, val_pass_reward
         if on_bad_record not in ("error", "skip"):
             raise ValueError(f"PromptDataModule(on_bad_record={on_bad_record!r}): must be 'error' or 'skip'")
         self.on_bad_record = on_bad_record
@@ -110,14 +120,8 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         self.split, self.val_split = split, val_split
         self.prompts_per_step = prompts_per_step
         self._load = {
-            "prompt_key": prompt_key,
-            "answer_key": answer_key,
-            "prompt_template": prompt_template,
-            "system_prompt": system_prompt,
-            "chat": chat,
-            "seed": seed,
-            "subset": subset,
-            "image_key": image_key,
+            "prompt_key": prompt_key, "answer_key": answer_key, "prompt_template": prompt_template,
+            "system_prompt": system_prompt, "chat": chat, "seed": seed, "subset": subset, "image_key": image_key,
         }
         self.seed, self.shuffle, self.builtin_size, self.val_size = seed, shuffle, builtin_size, val_size
         self.rank, self.world_size = 0, 1

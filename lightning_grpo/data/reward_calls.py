@@ -23,6 +23,7 @@ import inspect
 import math
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -102,9 +103,11 @@ def call_reward(rf: RewardFunction, rollouts: Sequence[Rollout], timeout_s: floa
             f"call is abandoned on a daemon thread. Make it faster or raise its timeout_s (rewards[*].timeout_s)"
         ) from None
     except Exception as err:
+        where = traceback.extract_tb(err.__traceback__)[-1]  # the line that raised: usually in the user's file
         raise RewardError(
-            f"reward function {rf.name!r} raised {type(err).__name__}: {err} (batch of {len(rollouts)} "
-            "completions; its own traceback is above)"
+            f"reward function {rf.name!r} raised {type(err).__name__}: {err}\n  at {where.filename}:{where.lineno} "
+            f"in {where.name} (a batch of {len(rollouts)} completions). Fix the function (model.rewards) or its "
+            "data columns"
         ) from err
 
 
@@ -170,6 +173,7 @@ def run_with_timeout(call: Callable[[], Any], timeout_s: float | None, thread_na
 
 
 _REAL = (bool, int, float, np.bool_, np.integer, np.floating)
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def as_values(name: str, raw: Any, rollouts: Sequence[Rollout]) -> Tensor:
@@ -200,5 +204,10 @@ def as_values(name: str, raw: Any, rollouts: Sequence[Rollout]) -> Tensor:
             raise RewardError(
                 f"reward function {name!r} returned {values[-1]} for sample {i} (prompt id {rollouts[i].prompt.id})"
                 f"{f' and {bad - 1} more' if bad > 1 else ''}; rewards must be finite (None means no opinion)"
+            )
+        if abs(values[-1]) > FLOAT32_MAX:  # finite in float64, inf in the float32 the advantages and loss use
+            raise RewardError(
+                f"reward function {name!r} returned {values[-1]:g} for sample {i} (prompt id {rollouts[i].prompt.id})"
+                f"; rewards must fit float32 (|reward| <= {FLOAT32_MAX:.3g}): scale the function's output down"
             )
     return torch.tensor(values, dtype=torch.float32)  # [N]

@@ -211,6 +211,9 @@ def score(rollouts: Sequence[Rollout], specs: Sequence[RewardSpec],
         per_function[spec.name] = values
         total += spec.weight * values.nan_to_num(0.0)
         opinions |= ~values.isnan()
+    if not bool(total.isfinite().all()):  # each value fits float32; weights times values may not
+        raise RewardError(f"the weighted sum of the reward functions {names} (weights {[s.weight for s in specs]}) "
+                          "overflows float32: lower the weights or the functions' scale")
     if not bool(opinions.all()):
         warnings.warn(f"{int((~opinions).sum())} of {len(rollouts)} completions got None from every reward function "
                       f"({names}); their total reward is 0", stacklevel=2)

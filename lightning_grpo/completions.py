@@ -1,0 +1,132 @@
+"""What the model writes: a few completions of every loop step, in ``completions.jsonl``, W&B and the console.
+
+Metrics say *that* reward rose; only the completions say *why* (a format hack, an answer copied from the prompt,
+one long repetition). ``GRPOModule.collect`` keeps the loop step's rows (``StepRows``: rollouts, rewards, the
+reward parts per function, advantages); ``CompletionLog`` picks ``samples_per_step`` of them, one per group
+first, and
+
+- appends them to ``<run folder>/completions.jsonl`` (one JSON object a line; append, so a resume into the same
+  folder loses nothing and a row's ``step`` is the loop step it was drawn at),
+- logs them as a W&B Table ``completions`` when a ``WandbLogger`` is attached,
+- prints one every ``log_completions_every`` loop steps.
+
+Rank 0 writes its own share of the batch (other ranks' rows would cost a gather for a few examples).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_grpo.rollout.base import Rollout
+
+FILE = "completions.jsonl"
+COLUMNS = ("step", "prompt_id", "prompt", "completion", "reward", "rewards", "advantage", "finish_reason")
+
+
+class RewardParts:
+    """Per-function rewards of the rollouts scored since ``clear``, found by the rollout object itself.
+
+    Dynamic sampling scores several draws in one loop step and keeps some groups of each, so the parts are kept
+    per rollout (by identity: a ``Rollout`` holds lists, it has no hash) rather than per draw. One per loop step.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[int, tuple[Rollout, dict[str, float]]] = {}
+
+    def add(self, rollouts: list[Rollout], parts: dict[str, Tensor]) -> None:
+        for i, r in enumerate(rollouts):  # the rollout is kept too: its id() is only unique while it lives
+            self._parts[id(r)] = (r, {name: float(v[i]) for name, v in parts.items()})
+
+    def of(self, rollout: Rollout) -> dict[str, float]:
+        return self._parts.get(id(rollout), (None, {}))[1]
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One loop step's rows on this rank (``N`` = its share of the collected batch, groups contiguous)."""
+
+    step: int
+    """The loop step the rows were drawn for, as metrics.csv's ``step`` counts it (1 for the first)."""
+    rollouts: list[Rollout]
+    """``[N]`` completions."""
+    rewards: Tensor
+    """``[N]`` total rewards (shaped)."""
+    advantages: Tensor
+    """``[N]`` advantages (0 on rows not trained)."""
+    parts: RewardParts
+    """Per-function rewards of the rows."""
+
+    def samples(self, n: int, group_size: int) -> list[dict]:
+        """Up to ``n`` rows as JSON-ready dicts: the first row of each group, then the second, ... (spread)."""
+        order = sorted(range(len(self.rollouts)), key=lambda i: (i % group_size, i // group_size))
+        return [self._row(i) for i in order[:n]]
+
+    def _row(self, i: int) -> dict:
+        r = self.rollouts[i]
+        return {"step": self.step, "prompt_id": r.prompt.id, "prompt": r.prompt.text, "completion": r.text,
+                "reward": float(self.rewards[i]), "rewards": self.parts.of(r), "advantage": float(self.advantages[i]),
+                "finish_reason": r.finish_reason}
+
+
+class CompletionLog(Callback):
+    """Writes a few completions of every loop step where a person can read them.
+
+    Args:
+        samples_per_step: rows written per loop step (0: none; the console line and the Table need rows).
+        log_completions_every: print one sample every this many loop steps (0: never).
+
+    Example::
+
+        Trainer(callbacks=[CompletionLog(samples_per_step=4, log_completions_every=10)])
+    """
+
+    def __init__(self, samples_per_step: int = 4, log_completions_every: int = 10) -> None:
+        if samples_per_step < 0 or log_completions_every < 0:
+            raise ValueError(f"CompletionLog(samples_per_step={samples_per_step}, log_completions_every="
+                             f"{log_completions_every}): both must be >= 0 (0 = off)")
+        self.samples_per_step, self.log_completions_every = samples_per_step, log_completions_every
+        self._path: Path | None = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        folder = trainer.log_dir  # on every rank: a broadcast under DDP
+        self._path = Path(folder) / FILE if folder is not None and trainer.is_global_zero else None
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        rows: StepRows | None = getattr(pl_module, "last_rows", None)
+        if not trainer.is_global_zero or rows is None or self.samples_per_step == 0:
+            return
+        samples = rows.samples(self.samples_per_step, pl_module.rl.group_size)
+        if self._path is not None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            with self._path.open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                data = [[json.dumps(s[c]) if c == "rewards" else s[c] for c in COLUMNS] for s in samples]
+                logger.log_table("completions", columns=list(COLUMNS), data=data)
+        every = self.log_completions_every
+        if every and samples and rows.step % every == 0:
+            _print(trainer, format_sample(samples[0]))
+
+
+def format_sample(sample: dict) -> str:
+    """One sample on two lines: the loop step, prompt and completion; the rewards and the advantage."""
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in sample["rewards"].items())
+    return (f"[completion, loop step {sample['step']}] {sample['prompt']!r} -> {sample['completion']!r}"
+            f" ({sample['finish_reason']})\n  reward {sample['reward']:.3f}{f' ({parts})' if parts else ''},"
+            f" advantage {sample['advantage']:+.3f}")
+
+
+def _print(trainer: Trainer, text: str) -> None:
+    """Above the progress bar when there is one (a plain print would break its line)."""
+    bar = trainer.progress_bar_callback
+    (bar.print if bar is not None and hasattr(bar, "print") else print)(text)

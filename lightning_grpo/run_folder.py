@@ -1,0 +1,50 @@
+"""A new fit never writes into a run folder that already holds a run, unless told to.
+
+``--trainer.logger.init_args.version=0`` names a folder; when ``version_0`` already holds a run, Lightning's
+CSVLogger warns that "previous log files will be deleted" and a new fit overwrites its metrics.csv, config.yaml and
+curves.png and mixes its checkpoints with the old run's. ``refuse_reused_version`` stops that before the fit writes
+anything: a resume (``--ckpt_path``) continues its run there, ``--overwrite_run=true`` says the old run may go, and
+without an explicit version the logger makes a fresh ``version_N`` as always.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+RUN_FILES = ("metrics.csv", "config.yaml", "hparams.yaml", "checkpoints", "completions.jsonl", "curves.png")
+"""What a run leaves in its folder."""
+
+
+class RunFolderInUseError(ValueError):
+    """A new fit was pointed at a run folder that already holds a run."""
+
+
+def refuse_reused_version(loggers, explicit_version: bool, resuming: bool, overwrite: bool) -> None:
+    """Raise ``RunFolderInUseError`` when a logger's explicitly chosen folder already holds a run.
+
+    Args:
+        loggers: the trainer's loggers (only CSV and TensorBoard loggers number their folders).
+        explicit_version: the config set ``trainer.logger.init_args.version`` (else the logger picks a new one).
+        resuming: ``--ckpt_path`` is given: the run continues in its own folder.
+        overwrite: ``--overwrite_run=true``.
+    """
+    if not explicit_version or resuming or overwrite:
+        return
+    for logger in loggers:
+        if not isinstance(logger, (CSVLogger, TensorBoardLogger)):
+            continue
+        folder = Path(logger.log_dir)
+        held = [name for name in RUN_FILES if (folder / name).exists()]
+        if held:
+            raise RunFolderInUseError(
+                f"trainer.logger version={logger.version!r}: {folder} already holds a run ({', '.join(held)}); a new "
+                "fit would overwrite it. Drop the version (a new version_N is made), choose another, resume that run "
+                "with --ckpt_path, or pass --overwrite_run=true to replace it")
+
+
+def explicit_version(logger_config) -> bool:
+    """Whether the CLI's ``trainer.logger`` config (one logger or a list) sets ``init_args.version``."""
+    configs = logger_config if isinstance(logger_config, list) else [logger_config]
+    return any(getattr(getattr(c, "init_args", None), "version", None) is not None for c in configs)

@@ -1,0 +1,78 @@
+"""Completions a person can read: completions.jsonl in the run folder (appended), a W&B Table, a console line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import fit_tiny, tiny_grpo_module
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from lightning_grpo.completions import COLUMNS, CompletionLog, RewardParts, StepRows, format_sample
+from lightning_grpo.rollout.base import Prompt, Rollout
+
+
+def _rows(n_groups: int = 3, group_size: int = 2) -> StepRows:
+    rollouts = [Rollout(Prompt(id=g, token_ids=[1], text=f"{g}+1="), [2], f"c{g}.{j}", "stop")
+                for g in range(n_groups) for j in range(group_size)]
+    parts = RewardParts()
+    parts.add(rollouts, {"arith": torch.arange(len(rollouts), dtype=torch.float32)})
+    rewards = torch.arange(len(rollouts), dtype=torch.float32) * 2
+    return StepRows(7, rollouts, rewards, rewards - 1, parts)
+
+
+def test_samples_spread_over_groups_and_carry_every_field():
+    samples = _rows().samples(4, group_size=2)
+    assert [s["completion"] for s in samples] == ["c0.0", "c1.0", "c2.0", "c0.1"]  # one per group first
+    assert samples[1] == {"step": 7, "prompt_id": 1, "prompt": "1+1=", "completion": "c1.0", "reward": 4.0,
+                          "rewards": {"arith": 2.0}, "advantage": 3.0, "finish_reason": "stop"}
+    assert set(samples[0]) == set(COLUMNS)
+    assert format_sample(samples[1]) == ("[completion, loop step 7] '1+1=' -> 'c1.0' (stop)\n"
+                                         "  reward 4.000 (arith 2.000), advantage +3.000")
+
+
+def test_bad_arguments_are_refused_naming_the_call():
+    with pytest.raises(ValueError, match=r"CompletionLog\(samples_per_step=-1"):
+        CompletionLog(samples_per_step=-1)
+
+
+@pytest.mark.slow
+def test_every_loop_step_appends_its_samples_and_the_console_shows_one(tiny_policy_dir, tmp_path, capsys):
+    """A file already in the run folder (a run resumed into it) keeps its lines: the log appends."""
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    path = tmp_path / "run" / "version_0" / "completions.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"step": 0, "earlier": true}\n')
+    fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path, loop_steps=2, logger=logger,
+             callbacks=[CompletionLog(samples_per_step=3, log_completions_every=2)])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0] == {"step": 0, "earlier": True}
+    assert [r["step"] for r in lines[1:]] == [1, 1, 1, 2, 2, 2]
+    row = lines[1]
+    assert set(row["rewards"]) == {"helpers:digit_share"} and row["prompt"] and isinstance(row["completion"], str)
+    assert row["reward"] == pytest.approx(row["rewards"]["helpers:digit_share"])  # one function of weight 1
+    out = capsys.readouterr().out
+    assert out.count("[completion, loop step") == 1 and "[completion, loop step 2]" in out  # every 2nd step
+
+
+@pytest.mark.slow
+def test_a_wandb_logger_gets_a_completions_table(tiny_policy_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="t")
+    fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path, loop_steps=1, logger=logger,
+             callbacks=[CompletionLog(samples_per_step=2)])
+    logger.experiment.finish()
+    tables = list(tmp_path.rglob("completions_*.table.json"))
+    assert len(tables) == 1
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == list(COLUMNS) and len(table["data"]) == 2
+    assert len((tmp_path / "completions.jsonl").read_text().splitlines()) == 2  # W&B alone: its save_dir
+
+
+@pytest.mark.slow
+def test_the_cli_writes_completions_beside_the_metrics(quickstart_run):
+    """`lightning-grpo fit` adds CompletionLog: 4 samples per loop step in the run folder, steps as metrics.csv's."""
+    rows = [json.loads(line) for line in (quickstart_run.log_dir / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4
+    assert all(set(r["rewards"]) == {"arith"} for r in rows)
