@@ -60,7 +60,7 @@ def _load_range(d: dict | None) -> str:
 def render(results: Path) -> str:
     r = {n: load(results, n) for n in ("suite", "update_memory", "speed_vs_trl", "logprobs", "sampler",
                                        "engine_throughput", "ahead_pass", "lightning_overhead", "weight_sync",
-                                       "oom_acceptance", "budget_speed", "lora", "server_sync")}
+                                       "oom_acceptance", "budget_speed", "lora", "server_sync", "packing")}
     targets: list[dict] = []
     sections = [
         _memory(r["update_memory"], targets),
@@ -74,6 +74,7 @@ def render(results: Path) -> str:
         _server_sync(r["server_sync"]),
         _throughput(r["engine_throughput"]),
         budget_section(r["oom_acceptance"], r["budget_speed"]),
+        packing_section(r["packing"], targets),
     ]
     return "\n\n".join([_header(r["suite"], r), _targets(targets), *sections, _reproduce()]) + "\n"
 
@@ -126,7 +127,7 @@ def _header(suite: dict | None, r: dict) -> str:
 
 
 def _targets(targets: list[dict]) -> str:
-    return "\n".join(["## Targets (issues 10 and 22)", "", md_table(targets, [("target", "target"), ("measured", "measured"),
+    return "\n".join(["## Targets (issues 10, 22 and 32)", "", md_table(targets, [("target", "target"), ("measured", "measured"),
                                                                        ("status", "status"), ("note", "why / note")])])
 
 
@@ -439,6 +440,55 @@ def budget_section(oom: dict | None, speed: dict | None) -> str:
         (f"fixed / token budget = **{ratio['cpu']:.2f}x** CPU time ({ratio['wall']:.2f}x wall) per loop step; "
          f"the budgeted plan pads {ratio['padded_tokens']:.2f}x fewer tokens ({speed['real_tokens']} real tokens "
          "a batch)."),
+    ]
+    return "\n".join(lines)
+
+
+def packing_section(d: dict | None, targets: list[dict]) -> str:
+    """Section 5b (issue 32): padding-free packed chunks vs padded ones on long-tail lengths."""
+    lines = ["## 5b. Padding-free packed chunks (`rl.packed`)", ""]
+    speed = {"target": "packed vs padded token-budget update, long tail: >= 1.8x less CPU time (issue 32)"}
+    flops = {"target": "packed update FLOPs <= 1.15x 6 x params x real tokens (issue 32)"}
+    if not d:
+        targets += [{**t, "measured": "-", "status": verdict(None), "note": ""} for t in (speed, flops)]
+        return "\n".join([*lines, "Not run."])
+    r = d["ratio"]
+    packed = next(x for x in d["results"] if x["arm"] == "packed")
+    targets += [
+        {**speed, "measured": f"{r['padded/packed cpu_s']:.2f}x ({r['fixed/packed cpu_s']:.2f}x vs the fixed split)",
+         "status": verdict(r["padded/packed cpu_s"] >= 1.8),
+         "note": "the padded budget already sorts rows by length (issue 15): packing removes only the padding left "
+                 "inside each chunk, and the LM head (most of this policy's FLOPs) was already padding-free"},
+        {**flops, "measured": f"{packed['flops_per_6nd']:.2f}x", "status": verdict(packed["flops_per_6nd"] <= 1.15),
+         "note": "SDPA counted as its full causal square; the fused head runs at completion positions only"},
+    ]
+    lines += [
+        (f"`{d['command']}`: {d['rows']} sequences, prompt {d['prompt']} tokens, completions around {d['median']} "
+         f"tokens with {d['tail_share']:.0%} of them {d['tail_factor']}x that (a long tail, shuffled), a policy of "
+         f"hidden {d['hidden']} x {d['layers']} layers, vocabulary {d['vocab']} ({d['params'] / 1e6:.1f}M "
+         f"parameters); {d['real_tokens']} real tokens a batch. One loop step's update (n_mini = 1): *padded* = "
+         f"`max_tokens_per_micro = {d['budget']}`, `packed = false` (rows sorted by length, each chunk padded to its "
+         f"longest); *packed* = the same budget counting real tokens, `packed = true`; *fixed* = `n_micro = 8`, "
+         f"padded. Median of {d['repeats']} loop steps, the arms interleaved round by round in one process, 1 "
+         f"thread. *tokens* = tokens the decoder processes; *FLOPs* = torch's FLOP counter over one update, and "
+         f"its ratio to 6 x params x real tokens (the fused head runs at completion positions only, so it can be "
+         f"under 1); *update peak* = peak RSS of the update over the RSS before it, each arm in a fresh process."
+         f"{_load_range(d)}"),
+        "",
+        md_table(d["results"], [("arm", "arm"), ("chunks", "chunks"), ("tokens", "tokens"), ("gflops", "GFLOPs"),
+                                ("flops_per_6nd", "FLOPs / 6ND"), ("cpu_s", "CPU s"), ("wall_s", "wall s"),
+                                ("update_peak_mb", "update peak MB")]),
+        "",
+        (f"padded / packed = **{r['padded/packed cpu_s']:.2f}x** CPU time ({r['padded/packed tokens']:.2f}x "
+         f"tokens); fixed / packed = **{r['fixed/packed cpu_s']:.2f}x** CPU time ({r['fixed/packed tokens']:.2f}x "
+         "tokens). The padded budget already sorts rows by length, so packing only removes the padding left inside "
+         "each length-sorted chunk; the LM head, the largest part of this policy's FLOPs, was already padding-free."),
+        "",
+        ("The attention of one packed chunk (its largest), decoder forward + backward: per-row SDPA (used) vs "
+         "transformers' packed path (restarting position ids, an `[R, R]` block-diagonal mask):"),
+        "",
+        md_table(d["attention"], [("attention", "attention"), ("rows", "rows"), ("real_tokens", "real tokens"),
+                                  ("cpu_s", "CPU s")]),
     ]
     return "\n".join(lines)
 

@@ -37,6 +37,7 @@ SUITE: list[tuple[str, list[str]]] = [
     ("weight_sync", ["--repeats", "3"]),
     ("oom_acceptance", []),
     ("budget_speed", []),
+    ("packing", []),
     ("lora", []),
     ("server_sync", ["--repeats", "3"]),
 ]

@@ -35,6 +35,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from lightning_grpo.packing import PackingError, pack, packed_attention
+
 CHUNK_BYTES = 64 << 20
 """Float32 logits of one head chunk (512 tokens at a 32k vocabulary): the working set of forward and backward."""
 KEEP_BYTES = 256 << 20
@@ -57,6 +59,7 @@ def token_logprobs(
     keep_bytes: int = KEEP_BYTES,
     model_inputs: dict | None = None,
     entropy: str | None = None,
+    packed: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``log p(input_ids[:, t+1] | input_ids[:, :t+1])`` at the scored positions: ``[B, T-1]``, zeros elsewhere.
 
@@ -75,6 +78,8 @@ def token_logprobs(
             features into the sequence); the LM head is still applied fused, to the scored positions only.
         entropy: None = logprobs only; ``"value"`` = also the policy's entropy at the scored positions (same
             temperature, no gradient); ``"grad"`` = the entropy with its gradient (an entropy bonus).
+        packed: run the decoder padding-free (``packing.py``: the rows' real tokens as one sequence, attention within
+            each row); the caller checked ``packing_problem``. Same values as padded, to rounding.
 
     Returns:
         float32 logprobs (float64 for a float64 model); differentiable w.r.t. the model's parameters. With
@@ -85,6 +90,9 @@ def token_logprobs(
         positions = torch.ones_like(targets, dtype=torch.bool)
     extra = model_inputs or {}
     head = _linear_head(model)
+    if packed and (head is None or extra):
+        raise PackingError(f"{type(model).__name__}: a packed forward needs a text-only model scored through the fused "
+                           "head (no images, no logit transform after the head); set rl.packed=false")
     if head is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits[:, :-1][positions]  # [N,V]
         picked = _plain_logprobs(logits, targets[positions], temperature)
@@ -92,14 +100,25 @@ def token_logprobs(
             return _scatter(picked, positions)
         ent = _plain_entropy(logits, temperature)
         return _scatter(picked, positions), _scatter(ent if entropy == "grad" else ent.detach(), positions)
-    decoder = _vision_language_base(model) if extra else model.get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state  # [B, T, H]
-    h = hidden[:, :-1][positions]  # [N, H]: only the scored positions meet the head
+    h = _scored_hidden(model, input_ids, attention_mask, positions, extra, packed)  # [N, H]
     picked = head_logprobs(h, head.weight, head.bias, targets[positions], temperature=temperature,
                            chunk_bytes=chunk_bytes, keep_bytes=keep_bytes, entropy=entropy)
     if entropy is None:
         return _scatter(picked, positions)
     return _scatter(picked[0], positions), _scatter(picked[1], positions)
+
+
+def _scored_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, positions: Tensor, extra: dict,
+                   packed: bool) -> Tensor:
+    """``[N, H]`` the decoder's last hidden states at the scored positions, in ``[B, T-1]`` row-major order."""
+    if packed:
+        rows = pack(input_ids, attention_mask)
+        with packed_attention(model):
+            hidden = model.get_decoder()(**rows.model_kwargs()).last_hidden_state  # [1, R, H]: real tokens only
+        return rows.gather(hidden, positions)
+    decoder = _vision_language_base(model) if extra else model.get_decoder()
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state  # [B, T, H]
+    return hidden[:, :-1][positions]  # only the scored positions meet the head
 
 
 def head_logprobs(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, temperature: float = 1.0,
@@ -307,6 +326,11 @@ def _vision_language_base(model: nn.Module) -> nn.Module:
     the LoRA wrapper, whose call returns logits: the transformers model sits under ``get_base_model()``."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return inner.base_model
+
+
+def fuses_head(model: nn.Module) -> bool:
+    """Whether ``token_logprobs`` scores ``model`` through the fused head (else from its own full logits)."""
+    return _linear_head(model) is not None
 
 
 def _linear_head(model: nn.Module) -> nn.Module | None:

@@ -43,9 +43,11 @@ from lightning_grpo.dynamic_sampling import Groups, completion_metrics, counted_
 from lightning_grpo.envs.config import EnvConfig
 from lightning_grpo.envs.draw import draw_rollouts, episode_runner
 from lightning_grpo.handoff import attach_handoff
+from lightning_grpo.logprobs import fuses_head
 from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
 from lightning_grpo.objectives import OBJECTIVES, Objective, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
+from lightning_grpo.packing import Packing
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_seed
 from lightning_grpo.precision import check_precision
 from lightning_grpo.progress import count_loop_steps
@@ -211,8 +213,10 @@ class GRPOModule(UpdateModule):
             # MoE routing: before FSDP2 shards the routers, and before an engine starts (refusals)
             self.routing = attach_routing(self.policy, self.rl, self.rollout_cfg.engine, self.dp_mean)
             has_ref = self.ref is not None or (lora.is_lora(self.policy) and self.objective.needs_reference())
+            packing = Packing.resolve(self.rl.packed, self.policy, self.vision is not None, self.routing is not None,
+                                      fuses_head(self.policy))  # refuses rl.packed=true where inexact
             self.scorer = ChunkScorer(self.policy, self.ref, self.vision, has_ref, lambda: self.rollout_cfg.temperature,
-                                      lambda: int(self.rl.logits_keep_mb * 2**20), lambda: self.device)
+                                      lambda: int(self.rl.logits_keep_mb * 2**20), lambda: self.device, packing)
             self.updater = self.configure_updater()
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
             return  # DDP wraps the whole module itself; one process needs nothing
@@ -233,7 +237,8 @@ class GRPOModule(UpdateModule):
                           dp_sum=lambda t: self.dp_mean(t) * self.dp_size(), routing=self.routing, recorders=extra)
         dp = DataParallel(max=(lambda t: self.dp_all_reduce(t, "max")) if self.dp_size() > 1 else (lambda t: t),
                           grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
-        return Updater(self.policy, self.forward_chunk, split=lambda: Split.of(self.rl, self.dp_size()),
+        split = lambda: Split.of(self.rl, self.dp_size(), self.scorer.packed)  # packed: budgets count real tokens
+        return Updater(self.policy, self.forward_chunk, split=split,
                        needs=lambda: batch_needs(self.rl, self.objective, self.routing, bool(extra)), ahead=ahead,
                        routing=self.routing, seed=self.seed, dp=dp, max_grad_norm=self.rl.max_grad_norm,
                        max_consecutive_skips=self.rl.max_consecutive_skips)

@@ -17,6 +17,7 @@ from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.objectives.base import PolicyView
+from lightning_grpo.packing import PADDED, Packing
 from lightning_grpo.update.ahead import eval_mode
 from lightning_grpo.vision import VisionInputs, VisionProcessor
 
@@ -32,13 +33,19 @@ class ChunkScorer:
         temperature: ``() -> float``, the sampling temperature (read at every call: the config may change).
         keep_bytes: ``() -> int``, the LM-head logits kept per slice (``rl.logits_keep_mb``).
         device: ``() -> torch.device`` where the policy is now.
+        packing: whether chunks are scored padding-free (``rl.packed`` resolved for this policy; ``packing.py``).
     """
 
     def __init__(self, policy: nn.Module, ref: nn.Module | None, vision: VisionProcessor | None, has_reference: bool,
                  temperature: Callable[[], float], keep_bytes: Callable[[], int],
-                 device: Callable[[], torch.device]) -> None:
+                 device: Callable[[], torch.device], packing: Packing = PADDED) -> None:
         self.policy, self.ref, self.vision, self.has_reference = policy, ref, vision, has_reference
-        self.temperature, self.keep_bytes, self.device = temperature, keep_bytes, device
+        self.temperature, self.keep_bytes, self.device, self.packing = temperature, keep_bytes, device, packing
+
+    @property
+    def packed(self) -> bool:
+        """Whether chunks are packed now (on the policy's current device)."""
+        return self.packing.on(self.device().type)
 
     def policy_view(self, chunk: RolloutBatch | None = None, vision: VisionInputs | None = None) -> PolicyView:
         """What an objective may ask of the policy (``objectives/base.py``). ``vision``: ``chunk``'s pixels,
@@ -68,7 +75,7 @@ class ChunkScorer:
         extra = None if vision is None else {k: v.to(self.device()) for k, v in vision.as_kwargs().items()}
         return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
                          positions=chunk.completion_mask[:, 1:], temperature=self.temperature(),
-                         keep_bytes=self.keep_bytes(), model_inputs=extra, entropy=entropy)
+                         keep_bytes=self.keep_bytes(), model_inputs=extra, entropy=entropy, packed=self.packed)
 
     def materialize(self, chunk: RolloutBatch) -> VisionInputs | None:
         """The pixels of ``chunk``'s rows (decoded and processed now), or None for a chunk without images."""

@@ -59,7 +59,8 @@ def window_stats(window) -> tuple[float, float, float]:
 
 @pytest.fixture(scope="module")
 def dropout_policy_dir(tmp_path_factory):
-    return build_tiny_policy(tmp_path_factory.mktemp("dropout-policy"), replace(SMALL, dropout=0.1))
+    # Attention dropout 0.3: at 0.1 the probe's 12 tokens all moved by < 0.05 nats on some seeds (padded or packed)
+    return build_tiny_policy(tmp_path_factory.mktemp("dropout-policy"), replace(SMALL, dropout=0.3))
 
 
 # -- the clip binds only with frozen pi_old -------------------------------------------------------------------------
@@ -352,5 +353,5 @@ def test_update_computes_one_plan_per_collected_batch_for_both_walks(tiny_policy
     module.updater.update(synthetic_batch(LENS, seed=6))
     assert len(plans) == 1 and module.updater.last_plan is plans[0][0]
     assert module.updater.last_plan.real_chunks > module.rl.n_mini  # data-dependent chunking really happened
-    rows = lambda walk: sorted(i for ids, _ in walk for i in ids)  # noqa: E731
+    rows = lambda walk: sorted(i for ids, _ in walk for i in ids)
     assert rows(ahead) == rows(train)[::2] == list(range(16))  # each row scored once, trained twice (mu=2)

@@ -26,6 +26,7 @@ QUICK = {  # name -> extra arguments; each about 10-35 s on 2 cores
     "ahead_pass": [],
     "vlm_memory": [],
     "entropy_cost": [],
+    "packing": ["--repeats", "1"],
 }
 
 

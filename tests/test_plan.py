@@ -100,8 +100,9 @@ def test_module_refuses_at_the_first_batch(tiny_policy_dir):
 
 
 # -- one optimizer step equals the unchunked step ---------------------------------------------------------------------
-def budget_module(policy_dir, budget=0, dtype="float32", **rl):
-    cfg = GRPOConfig(batch_per_replica=8, group_size=2, max_tokens_per_micro=budget, max_grad_norm=0.0, **rl)
+def budget_module(policy_dir, budget=0, dtype="float32", packed=False, **rl):
+    cfg = GRPOConfig(batch_per_replica=8, group_size=2, max_tokens_per_micro=budget, max_grad_norm=0.0, packed=packed,
+                     **rl)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype=dtype), rl=cfg, rollout=RolloutConfig())
     module.configure_model()
     module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=0.1))

@@ -8,6 +8,7 @@ from helpers import MOE, build_moe_policy, kernel_noise, max_rel_delta, params_o
 
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.packing import PackingError
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.routing import ReplayHooks, RoutingReplayError, find_routers, replayed_scores
 from lightning_grpo.tiny.build import build_tiny_policy
@@ -18,14 +19,24 @@ LENS = [20, 35, 12, 40, 28, 33, 17, 38, 3, 25, 9, 31, 22, 6, 14, 27]  # 16 unequ
 
 
 def make(policy_dir, mode="ahead", batch=16, mini=8, micro=0, lr=1e-3, opt=torch.optim.AdamW, dtype="float32", **rl):
+    # Padded in both modes: replay refuses packing (rl.packed=auto falls back), and off vs on must compare like chunks
     cfg = GRPOConfig(batch_per_replica=batch, group_size=2, mini_batch_per_replica=mini,
-                     micro_batch_per_replica=micro, routing_replay=mode, **rl)
+                     micro_batch_per_replica=micro, routing_replay=mode, packed=rl.pop("packed", False), **rl)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype=dtype), rl=cfg)
     module.configure_model()  # builds the policy and hooks its routers
     if dtype == "float64":  # the default grouped_mm experts kernel takes no float64
         module.policy.config._experts_implementation = "eager"
     module.updater.attach(opt(module.policy.parameters(), lr=lr))
     return module
+
+
+def test_replay_refuses_packing_and_auto_falls_back(moe_policy_dir):
+    """Routes are recorded per padded token: rl.packed=true is refused at setup, auto pads; without replay an MoE
+    policy packs (each token's experts do not depend on its neighbours)."""
+    with pytest.raises(PackingError, match="routing replay"):
+        make(moe_policy_dir, packed=True)
+    assert not make(moe_policy_dir, packed="auto").scorer.packed
+    assert make(moe_policy_dir, mode="off", packed="auto").scorer.packed
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ mini-batch into chunks:
   alone exceeds the budget makes a chunk over it, and it then sits alone (counted in ``oversized``).
   A VLM prompt's image placeholders are already expanded to the image's token count when the
   prompt is built (``vision.py``), so a row's cost counts its visual tokens as sequence tokens.
+* token-budgeted and packed (``rl.packed``, ``packing.py``): the same cut, a chunk's cost being its real tokens
+  (the sum of its rows' lengths): a packed forward pays no padding.
 
 Chunk counts then depend on the data, so under data parallelism every rank takes, per window,
 the max count over ranks (one small all-reduce per collected batch) and runs the missing ones as
@@ -207,15 +209,15 @@ def empty_chunk(batch: RolloutBatch) -> RolloutBatch:
 
 
 def plan_update(batch: RolloutBatch, n_mini: int, n_micro: int, budget: int = 0, ahead_rows: list[int] | None = None,
-                ahead_budget: int = 0, dp_max: DPMax = _one_rank,
-                expected_rows: int | None = None) -> tuple[ChunkPlan, ChunkPlan | None]:
+                ahead_budget: int = 0, dp_max: DPMax = _one_rank, expected_rows: int | None = None,
+                packed: bool = False) -> tuple[ChunkPlan, ChunkPlan | None]:
     """The training plan of one collected batch, and the ahead pass's own plan when it has a budget of its own.
 
     ``budget`` 0: fixed ``n_micro`` chunks per mini-batch. Otherwise each of the ``n_mini`` contiguous mini-batches
     is cut by ``token_chunks``. ``ahead_rows`` (the rows the ahead pass must score) with ``ahead_budget`` > 0 are cut
     the same way into one flat walk; else the ahead pass walks the training chunks. Budgeted counts are the max over
     ranks, the missing chunks ``EMPTY``: one all-reduce for both plans, after which every rank refuses together a
-    prompt longer than a budget (nobody is left waiting in a collective).
+    prompt longer than a budget (nobody is left waiting in a collective). ``packed``: a chunk costs its real tokens.
     """
     check_rows(len(batch), expected_rows)
     if not budget:
@@ -231,7 +233,7 @@ def plan_update(batch: RolloutBatch, n_mini: int, n_micro: int, budget: int = 0,
     if not groups:
         return plan, None
     lengths, prompts = sequence_lengths(batch)
-    cut = [token_chunks(lengths, rows, b) for rows, b in groups]
+    cut = [token_chunks(lengths, rows, b, packed) for rows, b in groups]
     counts = dp_max(torch.tensor([len(c) for c in cut] + [max(prompts, default=0)], dtype=torch.int64)).tolist()
     if budget:
         check_prompts(counts[-1], budget, "rl.max_tokens_per_micro")
@@ -269,9 +271,9 @@ def sequence_lengths(batch: RolloutBatch) -> tuple[list[int], list[int]]:
     return total.tolist(), (total - batch.completion_mask.sum(-1)).tolist()
 
 
-def token_chunks(lengths: list[int], rows, budget: int) -> list[Rows]:
-    """The fewest chunks of ``rows`` whose padded cost (rows x longest, at least 2 tokens) stays <= ``budget``,
-    balanced: among those, the smallest largest chunk cost. Deterministic.
+def token_chunks(lengths: list[int], rows, budget: int, packed: bool = False) -> list[Rows]:
+    """The fewest chunks of ``rows`` whose padded cost (rows x longest, at least 2 tokens; ``packed``: the sum of the
+    rows' lengths) stays <= ``budget``, balanced: among those, the smallest largest chunk cost. Deterministic.
 
     Sorting rows by length and cutting the sorted order into runs is what keeps padding small: a chunk pads to its
     own longest row, so rows of similar length belong together. Greedy runs give the fewest chunks; a bisection on
@@ -279,12 +281,13 @@ def token_chunks(lengths: list[int], rows, budget: int) -> list[Rows]:
     """
     ordered = sorted(rows, key=lambda r: (-lengths[r], r))  # longest first, ties by row: deterministic
     cost = [max(lengths[r], 2) for r in ordered]
-    fewest = len(_runs(cost, budget))
+    runs = _packed_runs if packed else _runs
+    fewest = len(runs(cost, budget))
     lo, hi = 1, budget  # the smallest cap that still needs no more than `fewest` runs
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if len(_runs(cost, mid)) <= fewest else (mid + 1, hi)
-    return [tuple(sorted(ordered[a:b])) for a, b in _runs(cost, lo)]
+        lo, hi = (lo, mid) if len(runs(cost, mid)) <= fewest else (mid + 1, hi)
+    return [tuple(sorted(ordered[a:b])) for a, b in runs(cost, lo)]
 
 
 def _runs(cost: list[int], cap: int) -> list[tuple[int, int]]:
@@ -293,5 +296,18 @@ def _runs(cost: list[int], cap: int) -> list[tuple[int, int]]:
     while a < len(cost):
         b = a + max(cap // cost[a], 1)
         runs.append((a, min(b, len(cost))))
+        a = b
+    return runs
+
+
+def _packed_runs(cost: list[int], cap: int) -> list[tuple[int, int]]:
+    """Greedy runs ``[a, b)`` with sum(cost[a:b]) <= cap (a single row always fits): a packed chunk's real tokens."""
+    runs, a = [], 0
+    while a < len(cost):
+        b, total = a + 1, cost[a]
+        while b < len(cost) and total + cost[b] <= cap:
+            total += cost[b]
+            b += 1
+        runs.append((a, b))
         a = b
     return runs

@@ -45,11 +45,13 @@ class Split:
     """Token budget per ahead-pass chunk; 0 = the ahead pass walks the training chunks."""
     mu_iterations: int = 1
     """Inner epochs over the same chunks (``rl.mu_iterations``)."""
+    packed: bool = False
+    """Chunks are packed (``rl.packed`` resolved for the policy): a token budget counts real tokens only."""
 
     @classmethod
-    def of(cls, rl, dp_size: int = 1) -> Split:
+    def of(cls, rl, dp_size: int = 1, packed: bool = False) -> Split:
         return cls(rl.rank_sizes(dp_size).batch, rl.n_mini, rl.n_micro, rl.max_tokens_per_micro, rl.ahead_budget,
-                   rl.mu_iterations)
+                   rl.mu_iterations, packed)
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class Updater:
             first = len(batch) // s.n_mini if self.ahead.skips_first_mini(needs, s.mu_iterations) else 0
             ahead_rows = list(range(first, len(batch)))
         plan, ahead = plan_update(batch, s.n_mini, s.n_micro, s.max_tokens_per_micro, ahead_rows, s.ahead_budget,
-                                  self.dp.max, expected_rows=s.rows)
+                                  self.dp.max, expected_rows=s.rows, packed=s.packed)
         if s.mu_iterations > 1:  # the later epochs' mini-batch order: the same on every rank, new every loop step
             plan = plan.with_mu_iterations(s.mu_iterations, seed=self.seed * 1_000_003 + self.loop_step)
         return plan, ahead
