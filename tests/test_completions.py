@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import wandb
 from helpers import fit_tiny, tiny_grpo_module
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
@@ -63,6 +64,7 @@ def test_a_wandb_logger_gets_a_completions_table(tiny_policy_dir, tmp_path, monk
     fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path, loop_steps=1, logger=logger,
              callbacks=[CompletionLog(samples_per_step=2)])
     logger.experiment.finish()
+    wandb.teardown()  # stop this process's wandb service (it would outlive the test in WANDB_SERVICE)
     tables = list(tmp_path.rglob("completions_*.table.json"))
     assert len(tables) == 1
     table = json.loads(tables[0].read_text())

@@ -60,7 +60,10 @@ def test_two_sweep_trials_run_offline_in_one_directory(tmp_path):
     first, last = grid(sweep)[0], grid(sweep)[-1]
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "quickstart.yaml").symlink_to(ROOT / "configs" / "quickstart.yaml")
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
+    # No inherited WANDB_* (an earlier in-process wandb run leaves WANDB_SERVICE set: a child would join that
+    # service and write its run elsewhere).
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env = {**inherited, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the venv's lightning-grpo
     runs = {}
     for i, params in enumerate((first, last)):
