@@ -29,11 +29,11 @@ from torch import Tensor, nn
 from lightning_grpo.distributed import is_fsdp2
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop, cut_before_forbidden
 from lightning_grpo.rollout.sampler import InverseCDFSampler, RowStreams, row_seeds
-from lightning_grpo.rollout.sleep import SleepState
+from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
 from lightning_grpo.rollout.weight_sync import named_weights
 
 
-class HFEngine:
+class HFEngine(BookkeptSleep):
     """Draws rollouts with transformers ``generate`` on the policy module itself (no copy).
 
     Args:
@@ -157,18 +157,7 @@ class HFEngine:
             logprobs=None if logprobs is None else logprobs[: len(ids)].tolist(),
         )
 
-    # -- hand-off hooks: the engine is the policy, so there is nothing to free or move ---------------------------
-    def sleep(self, level: int = 1) -> None:
-        self._sleep.sleep(level)
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self._sleep.wake_up(tags)
-
-    @property
-    def asleep(self) -> frozenset[str]:
-        """Tags marked asleep (bookkeeping only: the policy's memory is the trainer's)."""
-        return self._sleep.asleep
-
+    # hand-off hooks: sleep, wake_up, asleep from BookkeptSleep (nothing of this process's to free or move)
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Copy tensors into the policy by name; the policy's own tensors (the usual case) are skipped."""

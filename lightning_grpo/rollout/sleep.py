@@ -66,3 +66,21 @@ class SleepState:
         missing = [t for t in tags if t in self._asleep]
         if missing:
             raise RuntimeError(f"{call} while {missing} asleep: call wake_up({missing}) first")
+
+
+class BookkeptSleep:
+    """``sleep`` / ``wake_up`` / ``asleep`` of an engine whose memory is not this process's to free (the HF engine's
+    is the trainer's, a server's is another process's): the tags are recorded, so a hand-off reads the same state."""
+
+    _sleep: SleepState
+
+    def sleep(self, level: int = 1) -> None:
+        self._sleep.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._sleep.wake_up(tags)
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        """Tags marked asleep (bookkeeping only)."""
+        return self._sleep.asleep

@@ -31,7 +31,7 @@ from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.server_process import ServerError, ServerProcess, request_json
-from lightning_grpo.rollout.sleep import SleepState
+from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
 
 PROBE_LENGTH = 24
 """Tokens in the probe sequence (logprobs of the last 23 are compared)."""
@@ -51,7 +51,7 @@ def sequence_logprobs(model: nn.Module, ids: Sequence[int]) -> list[float]:
     return lp.cpu().tolist()
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(BookkeptSleep):
     """Rollouts from a ``vllm serve`` process; weights through vLLM's weight-transfer API.
 
     Args:
@@ -209,17 +209,7 @@ class VLLMServerEngine:
         return [step[str(t)]["logprob"] for step, t in zip(steps, ids[1:])]
 
     # -- hand-off hooks and lifetime -------------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
-        """Bookkeeping only: the server is another process (its memory is not the trainer's to share)."""
-        self._sleep.sleep(level)
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self._sleep.wake_up(tags)
-
-    @property
-    def asleep(self) -> frozenset[str]:
-        return self._sleep.asleep
-
+    # sleep, wake_up, asleep: BookkeptSleep (the server is another process; its memory is not the trainer's)
     def close(self) -> None:
         """Stop a launched server (its whole process group); a server at a URL is left running."""
         if self.server is not None:
