@@ -136,10 +136,15 @@ def counted_only(batch: RolloutBatch, groups: Groups, mask_truncated: bool) -> R
     their group's advantages (TRL's ``mask_truncated_completions``)."""
     counted = groups.trained
     if mask_truncated:
-        counted = counted & torch.tensor([r.finish_reason != "length" for r in groups.rollouts])
+        counted = counted & ~truncated(groups.rollouts)
     if bool(counted.all()):
         return batch
     return replace(batch, completion_mask=batch.completion_mask & counted[:, None])
+
+
+def truncated(rollouts: list[Rollout]) -> Tensor:
+    """``[N]`` bool: completions cut at ``max_new_tokens`` (finish reason ``length``), not ended by EOS or a stop."""
+    return torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.bool)
 
 
 def completion_metrics(groups: Groups, batch: RolloutBatch, rl, max_new_tokens: int) -> dict[str, float]:
@@ -147,11 +152,10 @@ def completion_metrics(groups: Groups, batch: RolloutBatch, rl, max_new_tokens: 
     live = groups.live
     reasons = [r.finish_reason for r, real in zip(groups.rollouts, live.tolist()) if real]
     out = length_metrics(batch.completion_mask.sum(-1)[live], reasons)
-    stopped = torch.tensor([r.finish_reason == "stop" for r in groups.rollouts])[live]
     if rl.overlong_buffer:
         out["reward/overlong_penalty_mean"] = float(overlong_of(groups.rollouts, rl, max_new_tokens)[live].mean())
     if rl.mask_truncated_completions:  # trained rows whose completion leaves the loss
-        out["completion/truncated_masked"] = float((~stopped & groups.trained[live]).sum())
+        out["completion/truncated_masked"] = float((truncated(groups.rollouts) & groups.trained)[live].sum())
     return out
 
 

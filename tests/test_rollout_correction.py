@@ -143,6 +143,12 @@ def float64_policy_dir(tmp_path_factory):
     return path
 
 
+def sampler_as_pi_old(updater) -> None:
+    """What ``GRPOModule.forward_chunk`` does under bypass: the sampler's logprobs stand in for a missing pi_old."""
+    forward = updater.loop.forward_chunk
+    updater.loop.forward_chunk = lambda c, old: forward(c, c.rollout_logprobs[:, 1:] if old is None else old)
+
+
 CORRECTED = [(*combo, mode, level) for combo in COMBOS for mode, level in MODES]
 
 
@@ -158,10 +164,9 @@ def test_chunked_update_equals_unchunked_in_float64(float64_policy_dir, loss_typ
     needs = Needs(pi_old=mode != "bypass")
     runs = {name: bare(float64_policy_dir, Split(rows=8, mu_iterations=2, **kw), obj, needs, lr=1.0)
             for name, kw in (("whole", {}), ("fixed", {"n_micro": 4}), ("budget", {"max_tokens_per_micro": 40}))}
-    if mode == "bypass":  # the module's forward_chunk hands the sampler's logprobs in as pi_old
+    if mode == "bypass":
         for u in runs.values():
-            forward = u.loop.forward_chunk
-            u.loop.forward_chunk = lambda c, old, f=forward: f(c, c.rollout_logprobs[:, 1:] if old is None else old)
+            sampler_as_pi_old(u)
     before = params_of(runs["whole"].policy)
     metrics = {name: roll_up(u.update(batch)) for name, u in runs.items()}
     assert runs["budget"].last_plan.real_chunks > 1
@@ -186,8 +191,7 @@ def test_one_chunk_is_bit_identical_to_the_whole_batch_objective_call(float64_po
     obj = objective(mode, level)
     updater = bare(float64_policy_dir, Split(rows=8), obj, Needs())
     if mode == "bypass":
-        forward = updater.loop.forward_chunk
-        updater.loop.forward_chunk = lambda c, old: forward(c, c.rollout_logprobs[:, 1:])
+        sampler_as_pi_old(updater)
     updater.update(batch)
     logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask, positions=batch.completion_mask[:, 1:])
     rollout = batch.rollout_logprobs[:, 1:]
