@@ -68,6 +68,11 @@ class UpdateModule(DataParallelOps, LightningModule):
         """Collected batches consumed so far (the logged ``step``; checkpoint cadence counts these)."""
         return self.updater.loop_step if self.updater is not None else 0
 
+    @property
+    def at_batch_boundary(self) -> bool:
+        """Whether no optimizer step was taken since the last loop step ended (an emergency save is exact then)."""
+        return self._state.at_boundary(self.global_step)
+
     def resolve_horizon(self, steps_per_loop_step: int) -> None:
         """A decaying LR schedule needs a horizon: resolved from the Trainer (refused here, before the model is set
         up, when there is none)."""

@@ -46,7 +46,7 @@ from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
 from lightning_grpo.plot import build_parser as plot_parser
 from lightning_grpo.plot import main as plot_main
 from lightning_grpo.policy import PolicyConfig
-from lightning_grpo.run_folder import RunFolderInUseError, explicit_version, refuse_reused_version
+from lightning_grpo.run_folder import RunFolderInUseError, claim_versions, explicit_version, refuse_reused_version
 from lightning_grpo.summary import RunSummary
 from lightning_grpo.tiny.spec import TinyPolicySpec
 
@@ -261,6 +261,8 @@ class GRPOCLI(LightningCLI):
         # Checkpoints last (Lightning's order at init): a save sees every other callback's state of this loop step.
         self.trainer.callbacks.sort(key=lambda cb: isinstance(cb, Checkpoint))
         config = self.config_init[self.subcommand]
+        if self.trainer.is_global_zero:  # before anything reads or writes the run folder (two runs at once)
+            claim_versions(self.trainer.loggers)
         config["ckpt_path"] = resolve_ckpt_path(config.get("ckpt_path"), self.trainer)  # "last" -> newest complete
         # before anything is written: a new fit never lands on a run folder that already holds a run (run_folder.py)
         refuse_reused_version(self.trainer.loggers, explicit_version(self.config[self.subcommand].get("trainer.logger")),

@@ -31,6 +31,7 @@ from lightning_grpo.advantages import dp_batch_std, group_advantages
 from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
+from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.completions import RewardParts, StepRows
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
 from lightning_grpo.correction import derived_metrics
@@ -152,8 +153,8 @@ class GRPOModule(UpdateModule):
             return torch.tensor([r.reward for r in rollouts], dtype=torch.float32), {}
         if self.reward_specs == []:  # no rewards at all (distillation alone on prompts without answers)
             return torch.zeros(len(rollouts), dtype=torch.float32), {}
-        # Default: the built-in task reward. A SIGTERM (Lightning's flag) abandons a reward call still running.
-        stop = (lambda: self.trainer.received_sigterm) if self._trainer is not None else None
+        # Default: the built-in task reward. A SIGTERM / SIGUSR1 abandons a reward call still running.
+        stop = stop_poll(self.trainer, "a reward function") if self._trainer is not None else None
         total, parts = score(rollouts, self.reward_specs or [RewardSpec()], should_stop=stop)
         self.reward_parts.add(rollouts, parts)
         # Per function: the mean over the samples it scored (None = no opinion, NaN in ``parts``).

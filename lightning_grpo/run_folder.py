@@ -9,6 +9,9 @@ without an explicit version the logger makes a fresh ``version_N`` as always.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -48,3 +51,33 @@ def explicit_version(logger_config) -> bool:
     """Whether the CLI's ``trainer.logger`` config (one logger or a list) sets ``init_args.version``."""
     configs = logger_config if isinstance(logger_config, list) else [logger_config]
     return any(getattr(getattr(c, "init_args", None), "version", None) is not None for c in configs)
+
+
+VERSIONS_LOCK = ".versions.lock"
+
+
+def claim_versions(loggers) -> None:
+    """Give each CSV/TensorBoard logger its own ``version_N`` folder, created now under a lock on the experiment.
+
+    Two runs started at once in one ``save_dir`` would both pick the next free ``version_N`` (the logger picks it by
+    listing the folders) and write their config.yaml, metrics and checkpoints into one folder. The pick and the
+    ``mkdir`` happen under an exclusive ``flock`` of ``<save_dir>/<name>/.versions.lock``, so the second run sees the
+    first one's folder and takes the next number. An explicit version is left as chosen (``refuse_reused_version``).
+    """
+    for logger in loggers:
+        if not isinstance(logger, (CSVLogger, TensorBoardLogger)):
+            continue
+        root = Path(logger.root_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        with _flocked(root / VERSIONS_LOCK):
+            Path(logger.log_dir).mkdir(parents=True, exist_ok=True)  # log_dir resolves the version (a fresh pick)
+
+
+@contextlib.contextmanager
+def _flocked(path: Path):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # blocks while another run picks its version (milliseconds)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock

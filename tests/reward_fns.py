@@ -118,3 +118,10 @@ def hangs(rollouts):
 def beyond_float32(rollouts):
     """1e39: finite in float64, inf in float32."""
     return [1e39] * len(rollouts)
+
+
+def hangs_from_prompt_4(rollouts):
+    """The tiny job's loop step 3 (prompts 4 and 5) waits until ``RELEASE`` is set; every call scores 0."""
+    if min(r.prompt.id for r in rollouts) >= 4:
+        RELEASE.wait()
+    return [0.0] * len(rollouts)

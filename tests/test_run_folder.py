@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers import QUICKSTART_ARGS
 
@@ -28,3 +30,28 @@ def test_reusing_a_version_is_refused_before_anything_is_written(tmp_path, monke
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before  # untouched, no error.log
     main(["fit", *QUICKSTART_ARGS, *SMALL, "--seed_everything=3", "--overwrite_run=true"])
     assert "seed_everything: 3" in (folder / "config.yaml").read_text()  # replaced, as asked
+
+
+def test_two_runs_starting_at_once_in_one_save_dir_get_two_version_folders(tmp_path):
+    """Fault 4: both runs picked version_0 (the next free number) and the second one's config.yaml replaced the
+    first one's. The pick and the mkdir now happen under one lock: a run that picks while another is picking waits
+    for it and takes the next number."""
+    import threading
+    import time
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_grpo.run_folder import VERSIONS_LOCK, _flocked, claim_versions
+
+    first, second = CSVLogger(tmp_path, name="exp"), CSVLogger(tmp_path, name="exp")
+    (tmp_path / "exp").mkdir()
+    picked = {}
+    with _flocked(tmp_path / "exp" / VERSIONS_LOCK):  # the first run, between its pick and its mkdir
+        other = threading.Thread(target=lambda: (claim_versions([second]), picked.setdefault("second", second.version)))
+        other.start()
+        time.sleep(0.3)
+        assert "second" not in picked  # waiting for the lock, not picking version_0 beside the first run
+        assert first.version == 0
+        Path(first.log_dir).mkdir()
+    other.join(timeout=10)
+    assert picked == {"second": 1} and Path(second.log_dir).is_dir()

@@ -21,12 +21,19 @@ from typing import Any
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_grpo.checkpoint.atomic import DISK_FULL, atomic_write, disk_full
 from lightning_grpo.checkpoint.checkpoint_io import AtomicCheckpointIO
-from lightning_grpo.checkpoint.integrity import Manifest, digest, write_manifest
+from lightning_grpo.checkpoint.integrity import (
+    DamagedCheckpointError,
+    Manifest,
+    digest,
+    mark_validation,
+    read_manifest,
+    write_manifest,
+)
 from lightning_grpo.checkpoint.lock import FolderInUseError, FolderLock
 from lightning_grpo.checkpoint.paths import (
     adapter_path,
@@ -39,7 +46,7 @@ from lightning_grpo.checkpoint.paths import (
     staging_path,
 )
 from lightning_grpo.checkpoint.signals import Preempted, SignalWatch
-from lightning_grpo.checkpoint.state import NonFiniteParametersError
+from lightning_grpo.checkpoint.state import NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.lora import is_lora, save_adapter
 
 log = logging.getLogger(__name__)
@@ -106,6 +113,9 @@ class GRPOCheckpoint(Checkpoint):
         """The newest checkpoint this callback wrote."""
         self._lock: FolderLock | None = None
         self._signals = SignalWatch()
+        self._pending: tuple[Path, Manifest | None] | None = None  # saved, not yet published (see on_train_batch_end)
+        self._stop: int | None = None  # the signal every rank agreed on, acted on after the step's row
+        self._save_failed = False
 
     # -- hooks -------------------------------------------------------------------------------------------------------
     @override
@@ -115,7 +125,8 @@ class GRPOCheckpoint(Checkpoint):
         if not self.explicit_dirpath:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
         self.run_id = trainer.strategy.broadcast(secrets.token_hex(4))  # one id for every rank
-        self._loaded_lineage, self._last_saved = None, None
+        self._loaded_lineage, self._last_saved, self._save_failed = None, None, False
+        self._pending, self._stop = None, None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -133,23 +144,54 @@ class GRPOCheckpoint(Checkpoint):
         self._take_folder(trainer)
         if self.save_on_signal:
             self._signals.install(trainer)
+        if resumed and _validation_pending(trainer.ckpt_path):
+            rerun_validation(trainer)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        # Saved here, at the batch boundary, but published (renamed into place) only once Lightning has written this
+        # loop step's metrics row, right after this hook: a checkpoint of step K never exists without row K, so a
+        # kill -9 just after the publish, or a signal, loses no row. The signal is agreed on here (a collective).
         step = _loop_step(pl_module)
-        if self.every_n_loop_steps and step % self.every_n_loop_steps == 0:
-            self.save(trainer, step)
-        self._stop_if_signalled(trainer, step)
+        signum = self._signals.pending(trainer) if self._signals.active else None
+        scheduled = bool(self.every_n_loop_steps) and step % self.every_n_loop_steps == 0
+        if scheduled or signum is not None:
+            reason = "scheduled" if scheduled else f"signal:{signal.Signals(signum).name}"
+            self.save(trainer, step, reason, publish_now=False)
+        self._stop = signum
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._after_row(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or not self._signals.active:
+            return
+        self._after_row(trainer, pl_module, validation="pending")  # marked done at its end (a resume re-runs it)
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self._signals.active:  # a validation inside fit (the final one too): stop at the batch, save the boundary
-            self._stop_if_signalled(trainer, _loop_step(pl_module))
+        if self._signals.active and not trainer.sanity_checking:  # a validation inside fit: stop at the batch
+            self._stop = self._signals.pending(trainer)
+            if self._stop is not None:
+                self._stop_now(trainer, _loop_step(pl_module), validation="pending")
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        step = _loop_step(pl_module)
+        if self._signals.active and not trainer.sanity_checking and self._last_saved == step and trainer.is_global_zero:
+            mark_validation(self.last_path, "done")
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._after_row(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._after_row(trainer, pl_module)
         step = _loop_step(pl_module)
         if self.save_on_train_end and step > 0 and step != self._last_saved:
             self.save(trainer, step, reason="train_end")
@@ -157,20 +199,27 @@ class GRPOCheckpoint(Checkpoint):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._let_go()
+        try:
+            self._publish_pending(trainer)  # a finished save of a boundary whose row was written
+            if self._signals.active and not isinstance(exception, Preempted):
+                self._emergency_save(trainer, pl_module, exception)
+        finally:
+            self._let_go()
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._let_go()
 
     # -- saving ------------------------------------------------------------------------------------------------------
-    def save(self, trainer: Trainer, loop_step: int, reason: str = "scheduled") -> Path | None:
+    def save(self, trainer: Trainer, loop_step: int, reason: str = "scheduled", publish_now: bool = True) -> Path | None:
         """Config beside it first, then the checkpoint under a staging name, its manifest, the rename, then prune.
 
         The staging rename covers strategies that bypass ``CheckpointIO`` too (FSDP2's sharded
         folder): a checkpoint name only ever points at a finished save, file or folder, whose
         manifest is already there. Returns None, saving nothing, when a parameter holds NaN/inf.
+        ``publish_now=False`` leaves the finished save staged until ``_publish_pending`` (after the step's row).
         """
+        self._publish_pending(trainer)
         path = self.dirpath / checkpoint_name(loop_step, self.lineage)
         staging = staging_path(path)
         policy = getattr(trainer.lightning_module, "policy", None)
@@ -179,16 +228,18 @@ class GRPOCheckpoint(Checkpoint):
             atomic_write(config_path(path), lambda f: f.write(text))
             if is_lora(policy):  # the adapter in peft's format (PeftModel.from_pretrained), beside the checkpoint
                 save_adapter(policy, adapter_path(path))
+        manifest = None
         try:
             # Every rank (collectives), then a barrier. The module refuses NaN/inf parameters: checked there, inside
             # the hand-off's window, where parameters are resident (torch_memory_saver may have paused them before).
             trainer.save_checkpoint(staging, weights_only=False)
             if trainer.is_global_zero:
                 sha, size = _written(trainer, staging)
-                write_manifest(path, Manifest(
-                    lineage=self.lineage, run=self.run_id, loop_step=loop_step, global_step=trainer.global_step,
-                    saved_at=time.time_ns(), sha256=sha, bytes=size, reason=reason, parent=self._parent))
+                manifest = Manifest(lineage=self.lineage, run=self.run_id, loop_step=loop_step,
+                                    global_step=trainer.global_step, saved_at=time.time_ns(), sha256=sha, bytes=size,
+                                    reason=reason, parent=self._parent)
         except BaseException as err:
+            self._save_failed = True  # no emergency save retries it on the way out (a full disk stays full)
             if trainer.is_global_zero and not path.exists():
                 config_path(path).unlink(missing_ok=True)  # no checkpoint, no config or adapter beside it
                 shutil.rmtree(adapter_path(path), ignore_errors=True)
@@ -200,12 +251,72 @@ class GRPOCheckpoint(Checkpoint):
             if isinstance(err, OSError) and err.errno in DISK_FULL:
                 raise disk_full(err, path) from err  # the last line names the checkpoint, not its staging name
             raise
-        if trainer.is_global_zero:
-            publish(staging, path)
         self._last_saved, self.last_path = loop_step, path
-        if trainer.is_global_zero:
-            prune(self.dirpath, self.keep_last, self.lineage)
+        self._pending = (path, manifest)
+        if publish_now:
+            self._publish_pending(trainer)
         return path
+
+    def _publish_pending(self, trainer: Trainer, validation: str | None = None) -> None:
+        """Manifest, rename into place, prune: the staged save becomes a checkpoint (rank 0 writes)."""
+        if self._pending is None:
+            return
+        (path, manifest), self._pending = self._pending, None
+        if trainer.is_global_zero:
+            write_manifest(path, dataclasses.replace(manifest, validation=validation))
+            publish(staging_path(path), path)
+            prune(self.dirpath, self.keep_last, self.lineage)
+
+    def _after_row(self, trainer: Trainer, pl_module: LightningModule, validation: str | None = None) -> None:
+        """The first hook after Lightning wrote the loop step's metrics row: publish, then act on a signal."""
+        self._publish_pending(trainer, validation)
+        if self._stop is not None:
+            self._stop_now(trainer, _loop_step(pl_module), validation)
+
+    def _stop_now(self, trainer: Trainer, loop_step: int, validation: str | None = None) -> None:
+        """Save the boundary (unless saved), run the wrapped handler (Lightning's / SLURM requeue), exit non-zero."""
+        signum, self._stop = self._stop, None
+        if self._last_saved != loop_step:
+            self.save(trainer, loop_step, f"signal:{signal.Signals(signum).name}", publish_now=False)
+        self._publish_pending(trainer, validation)
+        if validation == "pending" and trainer.is_global_zero and self.last_path is not None:
+            mark_validation(self.last_path, "pending")  # saved before this validation: a resume re-runs it
+        self._signals.forward(signum)  # Lightning's own handler, now at the boundary (SLURM: hpc save + requeue)
+        stop = Preempted(signum, self.last_path if self._last_saved == loop_step else "(none: non-finite parameters)",
+                         loop_step)
+        if trainer.is_global_zero:
+            log.warning("%s", stop)
+        raise stop
+
+    def _emergency_save(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """A run failing inside a loop step, before its first optimizer step, saves the batch boundary it left.
+
+        The parameters and optimizer state are still those of the boundary, and the checkpoint records the
+        boundary's data position and RNG streams (``checkpoint/state.py``), so ``--ckpt_path last`` after the fix
+        repeats the failed loop step exactly. Under DP a failure may be one rank's alone, and a save is a
+        collective that the other ranks would never join: only the scheduled checkpoints count there.
+        """
+        step = _loop_step(pl_module)
+        at_boundary = getattr(pl_module, "at_batch_boundary", False) and nonfinite_parameter(trainer) is None
+        if step == 0 or step == self._last_saved or self._save_failed or not at_boundary or trainer.world_size > 1:
+            if trainer.is_global_zero and step > 0 and step != self._last_saved:
+                why = "it runs on several ranks" if trainer.world_size > 1 else "the update had already stepped"
+                log.warning("no emergency checkpoint of loop step %d (%s); the newest is %s", step, why,
+                            find_last_checkpoint([self.dirpath], self.lineage))
+            return
+        signum = getattr(exception, "signum", None)
+        reason = f"signal:{signal.Signals(signum).name}" if signum else f"error:{type(exception).__name__}"
+        try:
+            path = self.save(trainer, step, reason)
+        except Exception as err:  # noqa: BLE001 - the run's own failure is what the user must see
+            log.error("emergency checkpoint of loop step %d failed: %s", step, err)
+            return
+        if signum:
+            self._signals.forward(signum)
+            log.warning("%s", Preempted(signum, path, step))
+        else:
+            log.warning("emergency checkpoint of loop step %d (the last batch boundary): %s; after fixing the cause, "
+                        "resume with --ckpt_path last", step, path)
 
     # -- ownership and signals ----------------------------------------------------------------------------------------
     def _take_folder(self, trainer: Trainer) -> None:
@@ -225,26 +336,39 @@ class GRPOCheckpoint(Checkpoint):
         if refused:
             raise FolderInUseError(refused)
 
-    def _stop_if_signalled(self, trainer: Trainer, loop_step: int) -> None:
-        """A safe point: on a pending SIGTERM / SIGUSR1 (any rank), save, run Lightning's handler, exit non-zero."""
-        if not self._signals.active:
-            return
-        signum = self._signals.pending(trainer)
-        if signum is None:
-            return
-        name = signal.Signals(signum).name
-        path = self.last_path if self._last_saved == loop_step else self.save(trainer, loop_step, f"signal:{name}")
-        self._signals.forward(signum)  # Lightning's own handler, now at the boundary (SLURM: hpc save + requeue)
-        stop = Preempted(signum, path or "(none: non-finite parameters)", loop_step)
-        if trainer.is_global_zero:
-            log.warning("%s", stop)
-        raise stop
-
     def _let_go(self) -> None:
         self._signals.restore()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def _validation_pending(ckpt_path) -> bool:
+    try:
+        manifest = read_manifest(Path(ckpt_path))
+    except (DamagedCheckpointError, OSError):
+        return False
+    return manifest is not None and manifest.validation == "pending"
+
+
+def rerun_validation(trainer: Trainer) -> None:
+    """Run the validation the resumed checkpoint's run never finished, before the first loop step.
+
+    A checkpoint saved at the batch boundary precedes the validation due there; Lightning's restart treats that
+    validation as done. Its restart path for a checkpoint written mid-validation re-runs it: this takes that path
+    (the stage is Lightning's ``RestartStage``; the counters of the last validation are cleared, or the re-run would
+    count them as already fetched and stop after one batch).
+    """
+    try:
+        from lightning.pytorch.loops.evaluation_loop import RestartStage
+    except ImportError:  # older Lightning: no mid-validation restart
+        rank_zero_warn("the validation after the resumed checkpoint's loop step was interrupted and this Lightning "
+                       "cannot re-run it (needs lightning>=2.5); it is skipped")
+        return
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    val_loop.batch_progress.current.reset()
+    val_loop._restart_stage = RestartStage.RESTARTED_MID_EVALUATION
+    rank_zero_info("the validation after the resumed loop step was interrupted: running it again first")
 
 
 def _written(trainer: Trainer, staging: Path) -> tuple[str, int]:

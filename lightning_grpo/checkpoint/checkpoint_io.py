@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_grpo.checkpoint.atomic import atomic_write
-from lightning_grpo.checkpoint.integrity import check_intact
+from lightning_grpo.checkpoint.integrity import DamagedCheckpointError, check_intact, read_manifest
 from lightning_grpo.checkpoint.paths import previous_checkpoint
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,33 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         if weights_only is False:
             log.warning("AtomicCheckpointIO loads with weights_only=True only (nothing in a checkpoint may run code)")
-        if "://" not in str(path) and Path(path).exists():  # a missing file: Lightning's own "not found" error
+        local = "://" not in str(path) and Path(path).exists()  # a missing file: Lightning's own "not found" error
+        if local:
             check_intact(Path(path), previous_checkpoint(Path(path)))
-        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        if local and not Path(path).is_dir() and read_manifest(Path(path)) is None:
+            check_values(checkpoint, Path(path))
+        return checkpoint
+
+
+IMPLAUSIBLE = 1e30
+"""No weight or optimizer moment of a trainable model gets near this; a flipped exponent bit lands beyond it."""
+
+
+def check_values(checkpoint: dict[str, Any], path: Path) -> None:
+    """A checkpoint without a manifest (no hash to verify): refuse NaN/inf or implausible values in its weights and
+    optimizer state, the marks a flipped byte leaves in a float; warn that it is otherwise unverified."""
+    tensors = [(f"state_dict[{k!r}]", v) for k, v in (checkpoint.get("state_dict") or {}).items()]
+    for i, opt in enumerate(checkpoint.get("optimizer_states") or []):
+        for pid, state in (opt.get("state") or {}).items():
+            tensors += [(f"optimizer_states[{i}] param {pid} {k!r}", v) for k, v in state.items()]
+    for name, t in tensors:
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()):
+            continue
+        worst = float(t.detach().abs().max())
+        if not math.isfinite(worst) or worst > IMPLAUSIBLE:
+            raise DamagedCheckpointError(
+                f"checkpoint {path} has no manifest to verify it, and {name} holds {worst:.3g} (NaN/inf or beyond "
+                f"{IMPLAUSIBLE:g}: a damaged file). Resume from an intact checkpoint of the run")
+    log.warning("checkpoint %s has no manifest (not written by GRPOCheckpoint, or its manifest was lost): its bytes are "
+                "unverified; its weights and optimizer state are finite", path)

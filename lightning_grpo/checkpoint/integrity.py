@@ -47,6 +47,9 @@ class Manifest:
     """``scheduled``, ``train_end``, or ``signal:SIGTERM`` (an emergency save)."""
     parent: str | None = None
     """The checkpoint this fit resumed from (None: a fresh start)."""
+    validation: str | None = None
+    """``pending``: a validation was due after this loop step and had not finished (a resume runs it first);
+    ``done``: it finished; None: none was due."""
     format: int = MANIFEST_FORMAT
 
 
@@ -58,6 +61,13 @@ def manifest_path(ckpt: Path) -> Path:
 def write_manifest(ckpt: Path, manifest: Manifest) -> None:
     text = json.dumps(dataclasses.asdict(manifest), indent=1).encode()
     atomic_write(manifest_path(ckpt), lambda f: f.write(text))
+
+
+def mark_validation(ckpt: Path, state: str) -> None:
+    """Record in ``ckpt``'s manifest whether the validation after its loop step finished (``pending`` / ``done``)."""
+    manifest = read_manifest(ckpt)
+    if manifest is not None and manifest.validation != state and (state == "pending" or manifest.validation):
+        write_manifest(ckpt, dataclasses.replace(manifest, validation=state))
 
 
 def read_manifest(ckpt: Path) -> Manifest | None:

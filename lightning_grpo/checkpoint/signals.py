@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 import torch
 from lightning.pytorch import Trainer
 
 WATCHED = (signal.SIGTERM, signal.SIGUSR1)
+_RECEIVED: dict[str, int | None] = {"signum": None}  # what the installed watch recorded (one fit per process)
+
+
+def requested_signal() -> int | None:
+    """The watched signal received during this fit and not yet acted on, or None (polled by long waits)."""
+    return _RECEIVED["signum"]
 
 
 class Preempted(SystemExit):
@@ -37,6 +44,31 @@ class Preempted(SystemExit):
     def __str__(self) -> str:
         return (f"stopped by {signal.Signals(self.signum).name} after loop step {self.loop_step}: emergency "
                 f"checkpoint {self.path}; resume with --ckpt_path last (exit code {self.code})")
+
+
+class StopRequested(SystemExit):
+    """A watched signal arrived while the run waited on a call (a reward function): the wait is given up.
+
+    ``GRPOCheckpoint`` saves the batch boundary on the way out (the update has not started); exits ``128 + signum``.
+    """
+
+    def __init__(self, signum: int, waiting_on: str) -> None:
+        super().__init__(128 + signum)
+        self.signum, self.waiting_on = signum, waiting_on
+
+    def __str__(self) -> str:
+        return f"{signal.Signals(self.signum).name} arrived while waiting on {self.waiting_on}: stopping"
+
+
+def stop_poll(trainer: Trainer, waiting_on: str) -> Callable[[], bool]:
+    """``should_stop`` for a long wait: a watched signal raises ``StopRequested`` (``GRPOCheckpoint`` then saves the
+    boundary on the way out); without a watch (no ``GRPOCheckpoint``), Lightning's SIGTERM flag ends the wait."""
+    def poll() -> bool:
+        if (signum := requested_signal()) is not None:
+            raise StopRequested(signum, waiting_on)
+        return bool(getattr(trainer, "received_sigterm", False))
+
+    return poll
 
 
 class SignalWatch:
@@ -56,6 +88,7 @@ class SignalWatch:
         if threading.current_thread() is not threading.main_thread() or self._wrapped:
             return
         self.received = signal.SIGTERM if getattr(trainer, "received_sigterm", False) else None  # before we looked
+        _RECEIVED["signum"] = self.received
         for signum in WATCHED:
             self._wrapped[signum] = signal.getsignal(signum)
             signal.signal(signum, self._record)
@@ -66,11 +99,12 @@ class SignalWatch:
             if signal.getsignal(signum) == self._record:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._wrapped = {}
+        _RECEIVED["signum"] = None
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: a signal handler runs between two bytecodes of whatever the main thread is doing.
         if self.received is None:
-            self.received = signum
+            self.received = _RECEIVED["signum"] = signum
 
     def pending(self, trainer: Trainer) -> int | None:
         """The signal every rank acts on at this safe point (a collective under DP: all ranks call it), or None."""

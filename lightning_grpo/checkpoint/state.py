@@ -158,6 +158,10 @@ class LoopState:
                                         "global_step": global_step, "data": data})
         self._rng_at_step_start = None
 
+    def at_boundary(self, global_step: int) -> bool:
+        """Whether parameters and optimizer are still those of the last boundary (no optimizer step since)."""
+        return self._boundary is not None and self._boundary["global_step"] == global_step
+
     def step_started(self) -> None:
         """A loop step begins: restore a loaded RNG state (once), then remember the streams as they are now."""
         if self._rng_to_restore is not None:

@@ -132,17 +132,19 @@ def trl_arguments(rf: RewardFunction, rollouts: Sequence[Rollout]) -> dict[str, 
 
 def run_with_timeout(call: Callable[[], Any], timeout_s: float | None, thread_name: str,
                      should_stop: Callable[[], bool] | None = None, poll_s: float = 0.2) -> Any:
-    """``call()`` on a daemon thread, waiting at most ``timeout_s`` (None: in this thread, no limit).
+    """``call()`` on a daemon thread, waiting at most ``timeout_s`` (None: no limit; without ``should_stop`` the call
+    then runs in this thread).
 
-    The waiting thread polls ``should_stop`` every ``poll_s``: a SIGTERM that Lightning turned into a flag ends
-    the wait at once, where a call on the training thread would hold the run until it returned. An abandoned
+    The waiting thread polls ``should_stop`` every ``poll_s`` (it may also raise, e.g. ``StopRequested``): a SIGTERM
+    ends the wait at once, where a call on the training thread would hold the run until it returned. An abandoned
     call cannot keep the process alive (daemon thread).
 
     Raises:
         CallAbandoned: past ``timeout_s``, or ``should_stop()`` turned true.
     """
-    if timeout_s is None:
+    if timeout_s is None and should_stop is None:
         return call()
+    timeout_s = math.inf if timeout_s is None else timeout_s  # no limit, but a stop request still ends the wait
     box: dict[str, Any] = {}
     grad = torch.is_grad_enabled()  # thread-local in torch: carry the caller's mode over
     device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
