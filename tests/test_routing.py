@@ -23,9 +23,7 @@ def make(policy_dir, mode="ahead", batch=16, mini=8, micro=0, lr=1e-3, opt=torch
     cfg = GRPOConfig(batch_per_replica=batch, group_size=2, mini_batch_per_replica=mini,
                      micro_batch_per_replica=micro, routing_replay=mode, packed=rl.pop("packed", False), **rl)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype=dtype), rl=cfg)
-    module.configure_model()  # builds the policy and hooks its routers
-    if dtype == "float64":  # the default grouped_mm experts kernel takes no float64
-        module.policy.config._experts_implementation = "eager"
+    module.configure_model()  # builds the policy and hooks its routers (float64: the eager experts kernel)
     module.updater.attach(opt(module.policy.parameters(), lr=lr))
     return module
 
@@ -189,6 +187,26 @@ def test_replayed_combine_weights_are_the_router_probabilities_and_the_gate_gets
     assert torch.equal(scores, expected)
     assert gate.weight.grad is not None and float(gate.weight.grad.abs().sum()) > 0
     assert hooks.take_flip_counts()[0] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_float64_moe_policy_trains_out_of_the_box(tmp_path, arch):
+    """transformers' default experts kernel (grouped_mm) takes no float64: the policy loads with eager instead."""
+    module = make(build_moe_policy(tmp_path, arch=arch), mini=16, dtype="float64", opt=torch.optim.SGD)
+    assert module.policy.config._experts_implementation == "eager"
+    before = params_of(module.policy)
+    module.updater.update(synthetic_batch(LENS, vocab=60))
+    after = params_of(module.policy)
+    assert all(v.dtype == torch.float64 and bool(v.isfinite().all()) for v in after.values())
+    assert max(float((after[k] - before[k]).abs().max()) for k in before) > 0
+
+
+def test_the_experts_kernel_is_a_policy_knob(moe_policy_dir):
+    module = GRPOModule(policy=PolicyConfig(path=str(moe_policy_dir), experts_implementation="batched_mm"))
+    module.configure_model()
+    assert module.policy.config._experts_implementation == "batched_mm"
+    with pytest.raises(ConfigError, match="grouped_mm.*no float64 kernel"):
+        PolicyConfig(path=str(moe_policy_dir), dtype="float64", experts_implementation="grouped_mm")
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
