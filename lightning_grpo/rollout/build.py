@@ -14,6 +14,7 @@ from lightning_grpo.policy import resolve_path
 from lightning_grpo.rollout.base import RolloutEngine
 from lightning_grpo.rollout.hf import HFEngine
 from lightning_grpo.rollout.replay import ReplayEngine
+from lightning_grpo.rollout.vllm_loadable import check_vllm_can_load
 
 
 def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
@@ -41,9 +42,11 @@ def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
             # vLLM's torchrun-style launcher reads RANK and LOCAL_RANK; Lightning's own launcher and SLURM set neither
             os.environ.setdefault("RANK", str(module.global_rank))
             os.environ.setdefault("LOCAL_RANK", str(module.local_rank))
+        path = resolve_path(module.policy_cfg)
+        check_vllm_can_load(path)  # a missing package named in 3 lines, not a pydantic error from inside LLM()
         lora = module.policy_cfg.lora
         rank = lora.rank if lora is not None and lora.sync == "adapter" else None  # merge: a plain engine
-        return VLLMEngine(str(resolve_path(module.policy_cfg)), vllm,
+        return VLLMEngine(str(path), vllm,
                           sampler_logprobs=module.rl.needs_sampler_logprobs, lora_rank=rank)
     if cfg.engine == "vllm_server":
         return _server_engine(cfg, module)
@@ -58,8 +61,10 @@ def _server_engine(cfg, module) -> RolloutEngine:
         raise ValueError(f"rollout.engine=vllm_server under {module.trainer.world_size} trainer ranks: one server "
                          "per run is supported so far (every rank would sync it); use one trainer rank, or "
                          "rollout.engine=vllm with vllm.distributed_executor_backend=external_launcher")
-    tokenizer = module.tokenizer
-    return VLLMServerEngine(str(resolve_path(module.policy_cfg)), cfg.server or ServerConfig(),
+    tokenizer, server = module.tokenizer, cfg.server or ServerConfig()
+    if server.url is None and server.launch:  # the child runs this Python's vLLM
+        check_vllm_can_load(resolve_path(module.policy_cfg), "vllm_server")
+    return VLLMServerEngine(str(resolve_path(module.policy_cfg)), server,
                             reference=lambda ids: sequence_logprobs(module.policy, ids),
                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                             sampler_logprobs=module.rl.needs_sampler_logprobs)

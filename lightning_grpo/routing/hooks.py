@@ -125,6 +125,11 @@ class _Active:
     """Per MoE layer ``[E]`` sums of router probabilities over masked tokens (with grad)."""
     counts: dict[int, Tensor] = field(default_factory=dict)
     """Per MoE layer ``[E]`` top-k assignment counts over masked tokens (no grad)."""
+    count_flips: bool = True
+    """Add this scope's flips to ``moe/route_flip_frac`` (not the probe's re-score: it trains nothing)."""
+    flipped: dict[int, Tensor] = field(default_factory=dict)
+    """Per MoE layer, the forced positions whose natural top-k set differed: its first call in the scope only (a
+    checkpointed recompute in backward re-runs the same forward and must not count twice)."""
 
 
 class ReplayHooks:
@@ -152,7 +157,7 @@ class ReplayHooks:
         self._handles = [router.register_forward_hook(self._make_hook(i, router))
                          for i, (_, router) in enumerate(self.routers)]
         self._flipped: Tensor | None = None  # replayed (token, layer) rows whose natural top-k set differed
-        self._replayed = 0  # replayed (token, layer) rows; both since take_flip_counts()
+        self._replayed = 0  # replayed (token, layer) rows: real tokens of counted scopes; both since take_flip_counts()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -169,17 +174,23 @@ class ReplayHooks:
         out.record = self._finish_record(active)
 
     @contextlib.contextmanager
-    def replay(self, record: RoutingRecord | None, aux_mask: Tensor | None = None) -> Iterator[_Active]:
+    def replay(self, record: RoutingRecord | None, aux_mask: Tensor | None = None,
+               count_flips: bool = True) -> Iterator[_Active]:
         """Force ``record`` in every router call inside (a checkpointed recompute in backward included).
 
-        ``record=None`` routes naturally (still collecting aux-loss sums when ``aux_mask`` is given).
+        ``record=None`` routes naturally (still collecting aux-loss sums when ``aux_mask`` is given). With
+        ``count_flips`` the scope adds each layer's flips and forced positions once to ``take_flip_counts``.
         """
         if record is not None and len(record.routes) != len(self.routers):
             raise RoutingReplayError(f"routing record has {len(record.routes)} MoE layers, the policy "
                                      f"{len(self.routers)}: it was recorded on another model")
         mask = None if aux_mask is None else aux_mask.reshape(-1).float()
-        with self._activate(_Active(record=record, aux_mask=mask)) as active:
+        with self._activate(_Active(record=record, aux_mask=mask, count_flips=count_flips)) as active:
             yield active
+        if active.flipped:  # one forward's worth per layer, however often the layer ran
+            flipped = torch.stack(list(active.flipped.values())).sum()  # stays on device: one sync per loop step
+            self._flipped = flipped if self._flipped is None else self._flipped + flipped
+            self._replayed += record.n_forced * len(active.flipped)
 
     @contextlib.contextmanager
     def _activate(self, active: _Active) -> Iterator[_Active]:
@@ -219,10 +230,8 @@ class ReplayHooks:
             forced = self._paired(record, i, indices)
             if record.forced is not None:  # padding positions keep their natural experts (nothing reads them)
                 forced = torch.where(record.forced.to(indices.device)[:, None], forced, indices)
-            moved = (indices.detach().sort(-1).values != forced.sort(-1).values).any(-1)
-            flipped = moved.sum()  # stays on device: no sync per layer (padding never differs: it is natural)
-            self._flipped = flipped if self._flipped is None else self._flipped + flipped
-            self._replayed += record.n_forced
+            if active.count_flips and i not in active.flipped:  # padding never differs: it routes naturally
+                active.flipped[i] = (indices.detach().sort(-1).values != forced.sort(-1).values).any(-1).sum()
             self._collect_aux(active, i, logits, forced)
             return logits, replayed_scores(logits, forced, renorm, scores.dtype), forced
 

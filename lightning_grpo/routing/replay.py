@@ -92,7 +92,10 @@ class RoutingReplay:
         return [per_row[:, i, :lengths[r]].clone() for i, r in enumerate(rows)]
 
     def replay(self, record: RoutingRecord | None):
-        return self.hooks.replay(record) if self.mode != "off" and record is not None else contextlib.nullcontext()
+        """The probe's re-score: forces ``record`` (padding included) but counts no flips (it trains nothing)."""
+        if self.mode == "off" or record is None:
+            return contextlib.nullcontext()
+        return self.hooks.replay(record, count_flips=False)
 
     # -- one collected batch ---------------------------------------------------------------------------------------
     def begin(self, batch, plan, routes: RowRecords | None) -> None:
