@@ -223,6 +223,9 @@ def test_pythonic_calls_are_parsed_and_unreadable_ones_become_errors():
     calls = parse_pythonic("add(a=12, b=34) then submit(answer=46) add(1, 2) add(a=b) 3+4=(7)")
     assert calls[:2] == [ToolCall("add", {"a": 12, "b": 34}), ToolCall("submit", {"answer": 46})]
     assert len(calls) == 4 and all(c.startswith("Error: could not read the call add(") for c in calls[2:])
+    # a turn that stopped on ")" comes back with the text cut before it: its last call is still read
+    assert parse_pythonic("add(a=12, b=34) submit(answer=46") == calls[:2]
+    assert parse_pythonic("add(a=12) b=34") == [ToolCall("add", {"a": 12})]  # only at the very end
 
 
 class Flaky:
