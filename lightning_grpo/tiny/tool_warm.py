@@ -1,6 +1,6 @@
 """The tool warm start: supervised on scripted calculator episodes, recorded by the rollout's own episode path.
 
-A freshly built tiny policy never writes a tool call, so GRPO on ``arith_tools`` (5-digit additions: beyond what
+A freshly built tiny policy never writes a tool call, so GRPO on ``arith_tools`` (3-digit additions: beyond what
 its weights can add) sees no reward and no tool use to reinforce. ``warm_start_tools`` plays scripted episodes
 through ``EpisodeRunner``, the code a run plays episodes with: the opening is the chat template with the tool
 schemas, the calculator really runs, its results come back as the template's delta ids, and a turn ends on the
@@ -9,7 +9,7 @@ teaches exactly the token layout and call format the run's parser reads.
 
 Imperfect on purpose, so GRPO has something to improve: only ``share`` of the scripted episodes use the
 calculator (``add`` the operands, ``submit`` the sum, then end the turn); the others answer at once with a guess
-in text (no call, reward 0), and a short warm start leaves the copying of 5-digit operands unreliable.
+in text (no call, reward 0), and a short warm start leaves the copying of the operands unreliable.
 """
 
 from __future__ import annotations
