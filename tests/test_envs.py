@@ -452,6 +452,34 @@ def episode_module(policy_dir):
     return module
 
 
+def test_validation_plays_one_greedy_episode_per_held_out_prompt(tiny_chat_policy_dir):
+    """With model.env, val/* score whole episodes (the training path, its stop strings) and report their tool and
+    episode metrics; val/len_mean counts the model's tokens, not the tool results."""
+    from lightning_grpo.data.prompts import PromptDataModule
+    from lightning_grpo.envs.draw import episode_runner
+    from lightning_grpo.validation import greedy_scores
+    from lightning_grpo.vision import step_prompts
+
+    module = episode_module(tiny_chat_policy_dir)
+    module.configure_model()
+    module.engine = module.build_engine(will_sleep=False)
+    records = PromptDataModule("builtin:arith", prompts_per_step=4, val_size=4, chat=True).val_batches()[0]
+    runner, draws = episode_runner(module), []
+    play = runner.play
+    runner.play = lambda engine, prompts, g, sampling: draws.append((g, sampling)) or play(engine, prompts, g, sampling)
+    first, again = greedy_scores(module, records), greedy_scores(module, records)
+    assert first == again  # greedy episodes: the same every time
+    (group, sampling), _ = draws
+    assert (group, sampling.temperature, sampling.stop) == (1, 0.0, module.sampling().stop)
+    prompts, _ = step_prompts(records, module.tokenizer, None, "error")
+    episodes, metrics = play(module.engine, prompts, 1, sampling)
+    assert {f"val/{k}": v for k, v in metrics.items()}.items() <= first.items()
+    assert first["val/tools/call_frequency"] > 0 and 1 < first["val/episode/turns_mean"] <= 2
+    assert first["val/reward"] == pytest.approx(float(module.compute_rewards(episodes)[0].mean()))
+    model_tokens = [sum(e.model_mask) for e in episodes]
+    assert first["val/len_mean"] == sum(model_tokens) / 4 < sum(len(e.token_ids) for e in episodes) / 4
+
+
 def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
     """Episodes are seeded per (loop step, turn, episode) and environments live one episode: a resume replays the
     uninterrupted run row for row."""
