@@ -64,8 +64,8 @@ def test_tools_quickstart_tool_use_and_reward_rise(tmp_path, monkeypatch, seed):
     First 5 vs last 5 loop steps of each seed's run."""
     monkeypatch.chdir(tmp_path)
     main(["fit", "--config", str(TOOLS_CONFIG), f"--seed_everything={seed}"])
-    rows = [r for r in csv.DictReader((tmp_path / "runs/tools-quickstart/version_0/metrics.csv").open())
-            if r.get("reward/mean")]
+    every = list(csv.DictReader((tmp_path / "runs/tools-quickstart/version_0/metrics.csv").open()))
+    rows = [r for r in every if r.get("reward/mean")]
     assert len(rows) == 30
     for metric, rise in (("reward/mean", 0.1), ("tools/call_frequency", 0.2)):
         values = [float(r[metric]) for r in rows]
@@ -73,3 +73,5 @@ def test_tools_quickstart_tool_use_and_reward_rise(tmp_path, monkeypatch, seed):
         assert last > first + rise, f"{metric} did not rise (seed {seed}): first 5 {first:.3f}, last 5 {last:.3f}"
     for metric in ("tools/failure_frequency", "episode/turns_mean", "episode/truncated_frac"):
         assert all(r[metric] != "" for r in rows), metric
+    val = [r for r in every if r.get("val/reward")]  # greedy episodes every 10 loop steps
+    assert len(val) == 3 and all(float(r["val/tools/call_frequency"]) > 0 for r in val)
