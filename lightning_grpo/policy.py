@@ -59,7 +59,8 @@ class PolicyConfig:
     tiny: TinyPolicySpec | None = None
     """Shape used when ``path`` is ``tiny:<name>`` (None = TinyPolicySpec defaults)."""
     warm_start: str | None = None
-    """Built-in task to supervise a ``tiny:`` policy on once, at build time (teaches the answer format)."""
+    """Built-in task to supervise a ``tiny:`` policy on once, at build time (teaches the answer format);
+    ``arith_tools``: scripted calculator episodes, some with the tool, some without (teaches the call format)."""
     warm_start_steps: int = 200
     """Optimizer steps of that warm start (seconds on CPU; the result is cached with the build)."""
     lora: LoraConfig | None = None

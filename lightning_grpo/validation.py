@@ -1,5 +1,9 @@
 """Validation during fit: held-out prompts, one greedy completion each, scored by the run's rewards.
 
+With ``model.env`` each held-out prompt plays one greedy episode instead (the training episode path, its limits and
+parser), scored by the environment's reward; its ``tools/*`` and ``episode/*`` metrics come as ``val/tools/*`` and
+``val/episode/*``, and ``val/len_mean`` counts the model's tokens only.
+
 ``GRPOModule.validation_step`` hands each held-out batch (``PromptDataModule.val_dataloader``) to
 ``greedy_scores``. Completions come from the module's own rollout engine, so validation measures
 exactly the policy the engine holds. The hand-off Callback publishes the trainer's weights in its
@@ -27,6 +31,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from lightning_grpo.envs.draw import draw_rollouts
 from lightning_grpo.rollout.base import SamplingConfig
 from lightning_grpo.vision import step_prompts
 
@@ -48,18 +53,20 @@ def greedy_scores(module, records: Sequence) -> dict[str, float]:
 
     Returns:
         ``val/reward`` (mean total reward), ``val/<name>`` for each reward part ``reward/<name>``,
-        ``val/len_mean`` (completion tokens) and ``val/stop_frac`` (share that ended on EOS).
+        ``val/len_mean`` (completion tokens) and ``val/stop_frac`` (share that ended on EOS); with ``model.env``
+        also ``val/tools/*`` and ``val/episode/*`` of the greedy episodes.
     """
     # The encoding training uses (a VLM's image placeholders expanded); unreadable images as data.on_bad_record says.
     prompts, skipped = step_prompts(records, module.tokenizer, getattr(module, "vision", None), module._on_bad_record())
     prompts = [p for i, p in enumerate(prompts) if i not in skipped]
-    forbidden = module.sampling().forbidden_token_ids
-    sampling = replace(greedy_sampling(module.rollout_cfg.max_new_tokens), forbidden_token_ids=forbidden)
-    rollouts = module.engine.generate(prompts, 1, sampling)
+    train = module.sampling()  # its stop strings end turns (an episode's calls) and completions as in training
+    sampling = replace(greedy_sampling(module.rollout_cfg.max_new_tokens), stop=train.stop,
+                       forbidden_token_ids=train.forbidden_token_ids)
+    rollouts, episodes = draw_rollouts(module, prompts, 1, sampling)  # with model.env: whole episodes
     rewards, parts = module.compute_rewards(rollouts)
     metrics = {"val/reward": float(rewards.float().mean())}
-    metrics.update({f"val/{name}": value for name, value in parts.items()})
-    metrics["val/len_mean"] = sum(len(r.token_ids) for r in rollouts) / len(rollouts)
+    metrics.update({f"val/{name}": value for name, value in {**parts, **episodes}.items()})
+    metrics["val/len_mean"] = sum(_model_tokens(r) for r in rollouts) / len(rollouts)
     metrics["val/stop_frac"] = sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts)
     dm = module._datamodule()
     k = getattr(dm, "val_samples_per_prompt", 0)
@@ -71,11 +78,16 @@ def greedy_scores(module, records: Sequence) -> dict[str, float]:
 def sampled_scores(module, prompts: Sequence, k: int, pass_reward: float) -> dict[str, float]:
     """``val/pass@k``, ``val/pass@1``, ``val/mean@k`` of ``k`` completions per prompt at the training temperature."""
     sampling = replace(module.sampling(), seed=VAL_SEED, logprobs=False)  # the same draw at every validation
-    rewards, _ = module.compute_rewards(module.engine.generate(prompts, k, sampling))
+    rewards, _ = module.compute_rewards(draw_rollouts(module, prompts, k, sampling)[0])
     grouped = rewards.float().view(len(prompts), k)  # [P, k]
     passed = (grouped >= pass_reward).sum(dim=1)  # [P]
     return {"val/pass@k": sum(pass_at_k(k, int(c), k) for c in passed) / len(prompts),
             "val/pass@1": float(passed.float().mean() / k), "val/mean@k": float(grouped.mean())}
+
+
+def _model_tokens(rollout) -> int:
+    """Tokens the policy wrote (an episode's tool results are not its own), as ``completion/len_*`` counts them."""
+    return len(rollout.token_ids) if rollout.model_mask is None else sum(rollout.model_mask)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -223,6 +223,9 @@ def test_pythonic_calls_are_parsed_and_unreadable_ones_become_errors():
     calls = parse_pythonic("add(a=12, b=34) then submit(answer=46) add(1, 2) add(a=b) 3+4=(7)")
     assert calls[:2] == [ToolCall("add", {"a": 12, "b": 34}), ToolCall("submit", {"answer": 46})]
     assert len(calls) == 4 and all(c.startswith("Error: could not read the call add(") for c in calls[2:])
+    # a turn that stopped on ")" comes back with the text cut before it: its last call is still read
+    assert parse_pythonic("add(a=12, b=34) submit(answer=46") == calls[:2]
+    assert parse_pythonic("add(a=12) b=34") == [ToolCall("add", {"a": 12})]  # only at the very end
 
 
 class Flaky:
@@ -449,6 +452,34 @@ def episode_module(policy_dir):
     return module
 
 
+def test_validation_plays_one_greedy_episode_per_held_out_prompt(tiny_chat_policy_dir):
+    """With model.env, val/* score whole episodes (the training path, its stop strings) and report their tool and
+    episode metrics; val/len_mean counts the model's tokens, not the tool results."""
+    from lightning_grpo.data.prompts import PromptDataModule
+    from lightning_grpo.envs.draw import episode_runner
+    from lightning_grpo.validation import greedy_scores
+    from lightning_grpo.vision import step_prompts
+
+    module = episode_module(tiny_chat_policy_dir)
+    module.configure_model()
+    module.engine = module.build_engine(will_sleep=False)
+    records = PromptDataModule("builtin:arith", prompts_per_step=4, val_size=4, chat=True).val_batches()[0]
+    runner, draws = episode_runner(module), []
+    play = runner.play
+    runner.play = lambda engine, prompts, g, sampling: draws.append((g, sampling)) or play(engine, prompts, g, sampling)
+    first, again = greedy_scores(module, records), greedy_scores(module, records)
+    assert first == again  # greedy episodes: the same every time
+    (group, sampling), _ = draws
+    assert (group, sampling.temperature, sampling.stop) == (1, 0.0, module.sampling().stop)
+    prompts, _ = step_prompts(records, module.tokenizer, None, "error")
+    episodes, metrics = play(module.engine, prompts, 1, sampling)
+    assert {f"val/{k}": v for k, v in metrics.items()}.items() <= first.items()
+    assert first["val/tools/call_frequency"] > 0 and 1 < first["val/episode/turns_mean"] <= 2
+    assert first["val/reward"] == pytest.approx(float(module.compute_rewards(episodes)[0].mean()))
+    model_tokens = [sum(e.model_mask) for e in episodes]
+    assert first["val/len_mean"] == sum(model_tokens) / 4 < sum(len(e.token_ids) for e in episodes) / 4
+
+
 def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
     """Episodes are seeded per (loop step, turn, episode) and environments live one episode: a resume replays the
     uninterrupted run row for row."""
@@ -470,8 +501,8 @@ def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
 
 
 def test_the_tools_quickstart_runs_as_shipped(tmp_path, monkeypatch):
-    """configs/tools-quickstart.yaml through the CLI, shortened to 2 loop steps: episodes and their metrics logged.
-    (It does not learn in minutes yet: the tiny policy is not warm-started on tool calls.)"""
+    """configs/tools-quickstart.yaml through the CLI, shortened to 2 loop steps and a 20-step warm start: episodes and
+    their metrics logged. (That it learns, as shipped: tests/test_quickstart.py.)"""
     import csv
     from pathlib import Path
 
@@ -479,10 +510,11 @@ def test_the_tools_quickstart_runs_as_shipped(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).parent.parent / "configs" / "tools-quickstart.yaml"
-    main(["fit", "--config", str(config), "--trainer.max_steps=2", "--model.rollout.max_new_tokens=8"])
+    main(["fit", "--config", str(config), "--trainer.max_steps=2", "--model.policy.warm_start_steps=20"])
     rows = [r for r in csv.DictReader((tmp_path / "runs/tools-quickstart/version_0/metrics.csv").open())
             if r.get("episode/turns_mean")]
     assert len(rows) == 2
     for r in rows:
         assert 1 <= float(r["episode/turns_mean"]) <= 3 and 0 <= float(r["episode/truncated_frac"]) <= 1
         assert float(r["tools/call_frequency"]) >= float(r["tools/failure_frequency"]) >= 0
+    assert any(float(r["tools/call_frequency"]) > 0 for r in rows)  # 20 warm-start steps: it writes calls (few valid)

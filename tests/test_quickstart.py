@@ -77,3 +77,27 @@ def test_vllm_cpu_config_learns_the_quickstart_task(tmp_path, monkeypatch, capsy
     val = [float(r["val/reward"]) for r in every if r.get("val/reward")]
     assert val[-1] > start + 0.05, f"val/reward did not rise: {start} before training, then {val}"
     assert list(run.glob("checkpoints/*.ckpt")), "no checkpoint written"
+
+
+TOOLS_CONFIG = Path(__file__).parents[1] / "configs" / "tools-quickstart.yaml"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tools_quickstart_tool_use_and_reward_rise(tmp_path, monkeypatch, seed):
+    """`lightning-grpo fit --config configs/tools-quickstart.yaml` as shipped, 3 seeds: the warm-started tiny policy
+    (built once per session: the config pins its seed) calls the calculator more often and earns more reward.
+    First 5 vs last 5 loop steps of each seed's run."""
+    monkeypatch.chdir(tmp_path)
+    main(["fit", "--config", str(TOOLS_CONFIG), f"--seed_everything={seed}"])
+    every = list(csv.DictReader((tmp_path / "runs/tools-quickstart/version_0/metrics.csv").open()))
+    rows = [r for r in every if r.get("reward/mean")]
+    assert len(rows) == 30
+    for metric, rise in (("reward/mean", 0.1), ("tools/call_frequency", 0.2)):
+        values = [float(r[metric]) for r in rows]
+        first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
+        assert last > first + rise, f"{metric} did not rise (seed {seed}): first 5 {first:.3f}, last 5 {last:.3f}"
+    for metric in ("tools/failure_frequency", "episode/turns_mean", "episode/truncated_frac"):
+        assert all(r[metric] != "" for r in rows), metric
+    val = [r for r in every if r.get("val/reward")]  # greedy episodes every 10 loop steps
+    assert len(val) == 3 and all(float(r["val/tools/call_frequency"]) > 0 for r in val)

@@ -92,7 +92,7 @@ TASKS: dict[str, Callable[[], Task]] = {
     "arith": ArithTask,
     "arith_small": lambda: ArithTask(max_operand=5, val_holdout=False, name="arith_small"),
     # operands too large to add in one's head (or in a tiny policy's weights): the calculator environment's task
-    "arith_tools": lambda: ArithTask(max_operand=99_999, val_holdout=False, name="arith_tools"),
+    "arith_tools": lambda: ArithTask(max_operand=999, val_holdout=False, name="arith_tools"),
     "colors": ColorTask,  # images: PIL is imported only when a visual task draws items
 }
 """Registry of built-in tasks by name (``builtin:<name>`` in a data source)."""

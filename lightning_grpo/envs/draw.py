@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lightning_grpo.envs.episode import EpisodeRunner
-from lightning_grpo.rollout.base import Prompt, Rollout
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
 
 
 def episode_runner(module) -> EpisodeRunner | None:
@@ -20,12 +20,16 @@ def episode_runner(module) -> EpisodeRunner | None:
     return module._episodes
 
 
-def draw_rollouts(module, prompts: Sequence[Prompt]) -> tuple[list[Rollout], dict[str, float]]:
-    """``group_size`` rollouts per prompt from ``module.engine``: completions, or episodes with their metrics."""
+def draw_rollouts(module, prompts: Sequence[Prompt], group_size: int | None = None,
+                  sampling: SamplingConfig | None = None) -> tuple[list[Rollout], dict[str, float]]:
+    """``group_size`` rollouts per prompt from ``module.engine``: completions, or episodes with their metrics.
+    None = the training draw (``rl.group_size``, ``module.sampling()``); validation passes its own."""
+    group_size = module.rl.group_size if group_size is None else group_size
+    sampling = module.sampling() if sampling is None else sampling
     runner = episode_runner(module)
     if runner is None:
-        return module.engine.generate(prompts, module.rl.group_size, module.sampling()), {}
-    return runner.play(module.engine, prompts, module.rl.group_size, module.sampling())
+        return module.engine.generate(prompts, group_size, sampling), {}
+    return runner.play(module.engine, prompts, group_size, sampling)
 
 
 def _ids(value) -> list:

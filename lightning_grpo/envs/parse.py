@@ -57,13 +57,15 @@ def parse_hermes(text: str) -> list[ToolCall | str]:
     return out
 
 
-_PYTHONIC = re.compile(r"\b([A-Za-z_]\w*)\(([^()]*)\)")
+# An unclosed last call is read too: a run that stops turns on ")" gets the turn's text cut right before it.
+_PYTHONIC = re.compile(r"\b([A-Za-z_]\w*)\(([^()]*)(?:\)|$)")
 
 
 def parse_pythonic(text: str) -> list[ToolCall | str]:
     """Python-call style, as Llama 3.2's pythonic format writes them (brackets optional): ``add(a=1, b=2)``, keyword
     arguments with literal values. Every ``name(...)`` in the text is a call; one that is not keywords of literals
-    comes back as an error. A vocabulary without ``<``, ``>`` or ``"`` (the tiny policies') can still spell it."""
+    comes back as an error; an unclosed call at the end of the text is read (the turn stopped on ``)``, which engines
+    cut from the text). A vocabulary without ``<``, ``>`` or ``"`` (the tiny policies') can still spell it."""
     out: list[ToolCall | str] = []
     for name, body in _PYTHONIC.findall(text):
         try:

@@ -10,8 +10,9 @@ Nothing here imports ``policy.py``.
 - ``tokenizer.py``: the character tokenizer (``make_char_tokenizer``) and its chat template.
 - ``build.py``: ``build_tiny_policy`` (random init at the spec's seed) and the cache (``tiny_folder``).
 - ``vlm.py``: the tiny Qwen2.5-VL (small vision tower, local image processor).
-- ``warm.py``: the supervised warm starts (``warm_start``, ``warm_start_vision``, their loop ``sft``) and
-  ``greedy_accuracy``.
+- ``warm.py``: the supervised warm starts (``warm_start``, ``warm_start_vision``) and ``greedy_accuracy``.
+- ``tool_warm.py``: the warm start on scripted calculator episodes (``warm_start_tools``), for ``arith_tools``.
+- ``sft.py``: the warm starts' supervised loop ``sft``.
 
 This ``__init__`` imports nothing: ``import lightning_grpo.tiny.spec`` (what a config needs) stays a dataclass.
 """

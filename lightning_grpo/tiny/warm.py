@@ -1,15 +1,14 @@
 """Warm starts: a short supervised pass that teaches a freshly built tiny policy the answer format.
 
 ``warm_start`` (text tasks) and ``warm_start_vision`` (image tasks, a tiny VLM) train ``answer<eos>`` after
-each prompt of a built-in task's train split with one loop, ``sft``. ``warm_start_folder`` does it to a
+each prompt of a built-in task's train split with one loop, ``sft`` (``sft.py``). ``warm_start_folder`` does it to a
 folder ``build.py`` just built (the result is cached with the build); ``greedy_accuracy`` measures how
-much of a task a policy then gets right.
+much of a task a policy then gets right. ``arith_tools`` is warm-started on calculator episodes instead
+(``tool_warm.py``).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,17 +18,9 @@ from lightning_grpo.data.chat import encode, encode_prompt
 from lightning_grpo.data.items import TaskItem
 from lightning_grpo.data.tasks import Task, get_task
 from lightning_grpo.rollout.base import Prompt
+from lightning_grpo.tiny.sft import WarmStartResult, sft
+from lightning_grpo.tiny.tool_warm import TOOL_TASK, warm_start_tools
 from lightning_grpo.vision import VisionProcessor
-
-
-@dataclass(frozen=True)
-class WarmStartResult:
-    """What a warm start did."""
-
-    steps: int
-    loss: float
-    """Mean completion-token loss over the last 10 steps."""
-    seconds: float
 
 
 def warm_start(
@@ -60,29 +51,6 @@ def warm_start(
     items = task.items(steps * batch_size, seed, "train")
     return sft(model, steps, seed, lr,
                lambda step: (*_sft_batch(tokenizer, items[step * batch_size : (step + 1) * batch_size]), {}))
-
-
-def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of) -> WarmStartResult:
-    """The warm starts' supervised loop: AdamW at a constant ``lr`` over the trainable parameters, the loss on the
-    labelled (answer) tokens only. The global RNG is forked and seeded with ``seed``; the model's mode is restored.
-
-    ``batch_of(step)`` gives ``(input_ids, attention_mask, labels, extra model kwargs)`` (a VLM's pixels).
-    """
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    was_training, losses, start = model.training, [], time.perf_counter()
-    model.train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for step in range(steps):
-            ids, mask, labels, kwargs = batch_of(step)
-            logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, :-1]  # [B, T-1, V]
-            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    model.train(was_training)
-    return WarmStartResult(steps, sum(losses[-10:]) / max(len(losses[-10:]), 1), time.perf_counter() - start)
 
 
 def _sft_batch(tokenizer, items: list[TaskItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,6 +141,8 @@ def warm_start_folder(folder: Path, task: str, steps: int, seed: int, vision: bo
     if vision:
         result = warm_start_vision(model, tok, VisionProcessor.from_pretrained(folder, tok), task, steps=steps,
                                    seed=seed)
+    elif task == TOOL_TASK:  # calculator episodes, not answers (tool_warm.py)
+        result = warm_start_tools(model, tok, task, steps=steps, seed=seed)
     else:
         result = warm_start(model, tok, task, steps=steps, seed=seed)
     print(f"warm start of the tiny policy on {task!r}: {result.steps} steps, loss {result.loss:.3f}, "

@@ -1,0 +1,116 @@
+"""The tool warm start: supervised on scripted calculator episodes, recorded by the rollout's own episode path.
+
+A freshly built tiny policy never writes a tool call, so GRPO on ``arith_tools`` (3-digit additions: beyond what
+its weights can add) sees no reward and no tool use to reinforce. ``warm_start_tools`` plays scripted episodes
+through ``EpisodeRunner``, the code a run plays episodes with: the opening is the chat template with the tool
+schemas, the calculator really runs, its results come back as the template's delta ids, and a turn ends on the
+run's stop string as the engines cut it. The loss covers the model turns only (``model_mask``), so the warm start
+teaches exactly the token layout and call format the run's parser reads.
+
+Imperfect on purpose, so GRPO has something to improve: only ``share`` of the scripted episodes use the
+calculator (``add`` the operands, ``submit`` the sum, then end the turn); the others answer at once with a guess
+in text (no call, reward 0), and a short warm start leaves the copying of the operands unreliable.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_grpo.data.tasks import get_task
+from lightning_grpo.envs.config import EnvConfig
+from lightning_grpo.envs.episode import EpisodeRunner
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_rollout
+from lightning_grpo.tiny.sft import WarmStartResult, sft
+
+TOOL_TASK = "arith_tools"
+"""The built-in task whose warm start (``policy.warm_start``) is scripted calculator episodes, not answers."""
+TOOL_EPISODES = EnvConfig(name="calculator", parser="pythonic", max_turns=3, max_tool_response_tokens=16)
+"""The episodes the warm start plays: ``model.env`` of configs/tools-quickstart.yaml (a test checks they agree)."""
+TOOL_STOP = (")",)
+"""The quickstart's ``rollout.stop``: a call ends its turn, so the model reads the result in the next one."""
+
+Script = Callable[[Prompt], tuple[str, bool]]
+"""A scripted policy: the next turn's text of the episode whose turn prompt this is, and whether it ends with EOS."""
+
+
+class ScriptedTurns:
+    """A rollout engine whose turns a script writes (the warm start's teacher; ``EpisodeRunner`` only calls
+    ``generate``). Each turn is returned as an engine returns it: EOS appended to a final turn, and ids and text cut
+    at the sampling's stop strings by ``finish_rollout``."""
+
+    def __init__(self, tokenizer, script: Script) -> None:
+        self.tokenizer, self.script = tokenizer, script
+
+    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        out = []
+        for prompt in prompts:
+            for _ in range(group_size):
+                text, final = self.script(prompt)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                ids = list(ids) + [self.tokenizer.eos_token_id] * final
+                out.append(finish_rollout(prompt, ids, text, "stop", None, sampling, decode))
+        return out
+
+
+def calculator_script(share: float, seed: int) -> Script:
+    """Per episode (by row id, seeded): with probability ``share`` ``add(a=.., b=..)``, ``submit(answer=<sum>)``, then
+    an empty final turn; otherwise a guessed sum in text, no call. Operands come from the prompt's row (``meta``)."""
+    turns: dict[int, int] = {}
+
+    def script(prompt: Prompt) -> tuple[str, bool]:
+        turn = turns[prompt.id] = turns.get(prompt.id, -1) + 1
+        a, b = prompt.meta["a"], prompt.meta["b"]
+        rng = random.Random(f"{seed}-{prompt.id}")
+        if rng.random() >= share:
+            return str(rng.randint(0, 2 * max(a, b, 1))), True  # answers in its head: wrong, and no call
+        return [f"add(a={a}, b={b})", f"submit(answer={a + b})", ""][turn], turn == 2
+
+    return script
+
+
+def warm_start_tools(model: nn.Module, tokenizer, task: str = TOOL_TASK, steps: int = 300, seed: int = 0,
+                     batch_size: int = 32, lr: float = 3e-3, share: float = 0.5) -> WarmStartResult:
+    """Supervised pass on scripted ``TOOL_EPISODES`` of ``task``'s train split: the loss on the model turns only.
+
+    Args:
+        model: a causal LM whose tokenizer has a chat template (the tiny policies': ``tiny.chat_template``).
+        tokenizer: its tokenizer.
+        task: a built-in task whose items carry their operands in ``meta`` (``a``, ``b``).
+        steps: optimizer steps (AdamW, constant ``lr``), ``batch_size`` episodes each.
+        seed: seeds the item draw, the script's choices and any dropout.
+        share: fraction of scripted episodes that use the calculator (the rest answer without it).
+    """
+    items = get_task(task).items(steps * batch_size, seed, "train")
+    runner = EpisodeRunner(TOOL_EPISODES, tokenizer, [tokenizer.eos_token_id])
+    engine = ScriptedTurns(tokenizer, calculator_script(share, seed))
+    sampling = SamplingConfig(max_new_tokens=64, stop=TOOL_STOP)
+
+    def batch_of(step: int):
+        rows = items[step * batch_size: (step + 1) * batch_size]
+        prompts = [Prompt(step * batch_size + i, [], it.text, it.answer, dict(it.meta),
+                          [{"role": "user", "content": it.text}]) for i, it in enumerate(rows)]
+        episodes, _ = runner.play(engine, prompts, 1, sampling)
+        return (*episode_rows(episodes, tokenizer.pad_token_id), {})
+
+    return sft(model, steps, seed, lr, batch_of)
+
+
+def episode_rows(episodes: Sequence[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, labels)`` of right-padded ``opening + episode`` rows; labels -100 except on the
+    ids the model wrote (``model_mask``): openings, tool results and turn separators are context."""
+    rows = [list(e.prompt.token_ids) + list(e.token_ids) for e in episodes]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, T]
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)  # [B, T]
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)  # [B, T]
+    for i, (row, e) in enumerate(zip(rows, episodes)):
+        start = len(e.prompt.token_ids)
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), True
+        model = torch.tensor(e.model_mask or [True] * len(e.token_ids))  # [T_episode]
+        labels[i, start: len(row)] = torch.where(model, torch.tensor(e.token_ids), -100)
+    return ids, mask, labels
