@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
 import torch
 from lightning.pytorch import LightningModule
@@ -32,9 +33,15 @@ from lightning_grpo.policy import PolicyConfig, with_seed
 from lightning_grpo.precision import PluginStep, adamw_kernel
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
 from lightning_grpo.update import Updater
-from lightning_grpo.validation import ValidationMeans
+from lightning_grpo.validation import ValidationMeans, is_measurement
 
 log = logging.getLogger(__name__)
+
+# Lightning's CombinedLoader builds torch's deprecated ``LeafSpec()`` (lightning/pytorch/utilities/_pytree.py) at
+# every fit and validate, and current torch warns each time: Lightning-AI/pytorch-lightning#21326. The
+# warning is Lightning's to fix and says nothing about a run; only that message from that module is silenced.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        module=r"lightning\.pytorch\.utilities\._pytree")
 
 
 class UpdateModule(DataParallelOps, LightningModule):
@@ -65,7 +72,11 @@ class UpdateModule(DataParallelOps, LightningModule):
 
     @property
     def loop_step(self) -> int:
-        """Collected batches consumed so far (the logged ``step``; checkpoint cadence counts these)."""
+        """Collected batches consumed so far (the logged ``step``; checkpoint cadence counts these); a loaded
+        checkpoint's until training resumes it (``validate --ckpt_path`` labels its row with that step)."""
+        pending = self._state.pending_loop_step
+        if pending is not None:
+            return pending
         return self.updater.loop_step if self.updater is not None else 0
 
     def resolve_horizon(self, steps_per_loop_step: int) -> None:
@@ -103,6 +114,16 @@ class UpdateModule(DataParallelOps, LightningModule):
         step = loop.accumulator.step if loop is not None else None
         if isinstance(step, PluginStep):  # in a GradScaler step the plugin has unscaled: now the divisor and the clip
             step.before_optimizer_step()
+
+    def on_validation_end(self) -> None:
+        # Lightning logs nothing in its sanity check; one over every held-out batch measured the starting weights
+        # (num_sanity_val_steps: -1), so it gets its metrics row at this loop step like any validation.
+        if self.trainer.sanity_checking and is_measurement(self.trainer):
+            found = self.trainer.callback_metrics
+            row = {name: float(found[name]) for name in self.val_means.names() if name in found and name != "step"}
+            for logger in self.trainer.loggers:
+                logger.log_metrics(row, step=self.loop_step)
+                logger.save()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Every checkpoint Lightning writes carries the state at the last batch boundary (checkpoint/state.py).

@@ -32,6 +32,7 @@ from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.dpo import DPOObjective, DPOStats
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.precision import check_precision
+from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.update import ChunkPlan, DataParallel, LoopResult, Split, Updater, eval_mode
 
 
@@ -133,6 +134,8 @@ class DPOModule(UpdateModule):
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.dpo.validate(self.dp_size())
+        if self._trainer is not None:  # loop-step bars: no "Epoch 0/-2", no v_num (progress.py)
+            count_loop_steps(self.trainer)
         if stage == "fit":  # one optimizer step per batch
             self.resolve_horizon(1)
 
