@@ -37,11 +37,15 @@ from lightning_grpo.validation import ValidationMeans, is_measurement
 
 log = logging.getLogger(__name__)
 
-# Lightning's CombinedLoader builds torch's deprecated ``LeafSpec()`` (lightning/pytorch/utilities/_pytree.py) at
-# every fit and validate, and current torch warns each time: Lightning-AI/pytorch-lightning#21326. The
-# warning is Lightning's to fix and says nothing about a run; only that message from that module is silenced.
-warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
-                        module=r"lightning\.pytorch\.utilities\._pytree")
+
+def quiet_lightning_pytree() -> None:
+    """Silence one upstream warning at its source: Lightning's CombinedLoader builds torch's deprecated ``LeafSpec()``
+    (lightning/pytorch/utilities/_pytree.py) at every fit and validate, and current torch warns each time
+    (Lightning-AI/pytorch-lightning#21326). It is Lightning's to fix and says nothing about a run; only that message
+    from that module is filtered. Called from the modules' ``setup`` (idempotent: ``filterwarnings`` replaces an equal
+    filter), so it holds also where a caller reset the filters after import (pytest does, per test)."""
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
 
 
 class UpdateModule(DataParallelOps, LightningModule):

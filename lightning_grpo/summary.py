@@ -22,6 +22,7 @@ HEADLINES = {"reward/mean": "reward", "dpo/loss": "dpo/loss", "dpo/accuracy": "d
 """Training metrics reported first/last (trailing mean over ``window`` loop steps) when the run logs them: label."""
 VAL_HEADLINES = ("val/reward", "val/accuracy")
 """Validation metrics reported first/last (one value per validation, with its loop step) when logged."""
+NOT_MEASURED = "  validation       not measured (no validation ran: trainer.val_check_interval, data.val_size)"
 THROUGHPUT = {"grpo/tokens": "trained tokens/s", "dpo/pairs": "trained pairs/s"}
 """Per-loop-step counts summed into the wall-time line."""
 
@@ -125,9 +126,9 @@ class RunSummary(Callback):
             mean = smoothed(ys, self.window)
             first, last = mean[w - 1], mean[-1]
             label = HEADLINES[metric]
+            span = f"loop steps {xs[-w]:.0f}-{xs[-1]:.0f}, {last - first:+.3f}"
             lines += [f"  {f'{label} first {w}':<16} {first:.3f}  (loop steps {xs[0]:.0f}-{xs[w - 1]:.0f})",
-                      f"  {f'{label} last {w}':<16} {last:.3f}  (loop steps {xs[-w]:.0f}-{xs[-1]:.0f}, "
-                      f"{last - first:+.3f})"]
+                      f"  {f'{label} last {w}':<16} {last:.3f}  ({span})"]
         return lines
 
     def _val_lines(self, series: dict[str, Series]) -> list[str]:
@@ -135,11 +136,10 @@ class RunSummary(Callback):
         lines = []
         for metric in (m for m in VAL_HEADLINES if m in series):
             xs, ys = series[metric]
+            last = f"loop step {xs[-1]:.0f}, {ys[-1] - ys[0]:+.3f}; {len(xs)} validations"
             lines += [f"  {metric} first {ys[0]:.3f}  (loop step {xs[0]:.0f})",
-                      f"  {metric} last  {ys[-1]:.3f}  (loop step {xs[-1]:.0f}, {ys[-1] - ys[0]:+.3f}; "
-                      f"{len(xs)} validations)"]
-        return lines or ["  validation       not measured (no validation ran: trainer.val_check_interval, "
-                         "data.val_size)"]
+                      f"  {metric} last  {ys[-1]:.3f}  ({last})"]
+        return lines or [NOT_MEASURED]
 
     def _curves(self, trainer: Trainer) -> str:
         """The summary's last line: where the curves PNG is, or the command that makes it (rank 0 only)."""
