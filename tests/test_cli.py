@@ -268,7 +268,8 @@ def test_a_module_in_the_working_folder_is_found(tmp_path, monkeypatch, capsys):
 
 
 def test_validate_scores_a_checkpoint_as_the_fit_did(tiny_policy_dir, tmp_path, monkeypatch, capsys):
-    """`validate --ckpt_path` of the last checkpoint gives the val/reward the fit logged at that loop step."""
+    """`validate --ckpt_path` of the last checkpoint gives the val/reward the fit logged at that loop step, labelled
+    with that loop step (it said step 0: the loop counter came back only when training resumed)."""
     monkeypatch.chdir(tmp_path)
     held_out = ["--data.val_size=8", "--trainer.val_check_interval=2", "--trainer.num_sanity_val_steps=0",
                 "--model.rewards=[{name: helpers:char_codes}]"]  # greedy text of an untrained policy scores > 0
@@ -282,6 +283,7 @@ def test_validate_scores_a_checkpoint_as_the_fit_did(tiny_policy_dir, tmp_path, 
     assert code == 0, err[-2000:]
     rows = _rows(tmp_path / "runs/val/version_0/metrics.csv")
     assert len(fitted) == 1 and float(fitted[0]) > 0 and [r["val/reward"] for r in rows] == fitted
+    assert [r["step"] for r in rows] == ["2"]  # the checkpoint's loop step, as the fit's row
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def test_a_dpo_run_gets_loss_accuracy_and_margin_panels(tmp_path):
             {"step": 2, "val/accuracy": 0.6, "val/reward_accuracy": 0.5, "val/margin": 0.05}]
     _write_rows(tmp_path / "metrics.csv", rows)
     curves = plot_curves(tmp_path / "metrics.csv")
-    assert [ax.get_title() for ax in curves.figure.axes if ax.axison][0] == "DPO loss"
+    assert next(ax.get_title() for ax in curves.figure.axes if ax.axison) == "DPO loss"
     assert curves.lines["dpo/accuracy"] == ([1.0, 2.0], [0.0, 0.5]) and curves.lines["val/accuracy"] == ([2.0], [0.6])
     assert {"dpo/loss", "dpo/margin", "val/margin", "val/reward_accuracy"} <= curves.lines.keys()
 

@@ -144,7 +144,7 @@ def test_summary_csv_and_plot_agree_on_every_shipped_config(name, tmp_path, monk
                 "tools-quickstart": {"reward/mean"}}.get(name, {"reward/mean", "val/reward"})
     assert set(checked) == expected, summary
     if "num_sanity_val_steps: -1" in (CONFIGS / f"{name}.yaml").read_text():  # the starting weights, a CSV row too
-        assert [float(r["step"]) for r in rows if r.get("val/reward")][0] == 0.0
+        assert next(float(r["step"]) for r in rows if r.get("val/reward")) == 0.0
 
 
 def _column(rows: list[dict], metric: str) -> tuple[list[float], list[float]]:
