@@ -9,8 +9,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import fit_tiny, tiny_grpo_module
 from test_recipes import TINY_SWAPS
 
+from lightning_grpo.checkpoint import GRPOCheckpoint, complete_checkpoints
 from lightning_grpo.cli import main
 from lightning_grpo.plot import SMOOTHED, plot_curves
 from lightning_grpo.summary import HEADLINES, VAL_HEADLINES, RunSummary
@@ -61,6 +63,25 @@ def test_validations_are_labelled_with_the_loop_step_also_after_a_resume():
     assert "reward first 5   0.300  (loop steps 1-5)" in report and "reward last 5    0.300  (loop steps 1-5" in report
     assert "val/reward first 0.125  (loop step 0)" in report
     assert "val/reward last  0.750  (loop step 5, +0.625; 3 validations)" in report
+
+
+def test_a_resumed_fit_reports_loop_steps_of_the_whole_run(tiny_policy_dir, tmp_path, capsys):
+    """A real resume: Lightning restores the summary's rows after setup, and the loop step comes from the checkpoint
+    (before training puts the loop counters back)."""
+    def fit(loop_steps: int, ckpt_path=None) -> str:
+        saver = GRPOCheckpoint(dirpath=tmp_path / "ckpt", every_n_loop_steps=1)
+        fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path, loop_steps, callbacks=[RunSummary(plot=False), saver],
+                 ckpt_path=ckpt_path, val_size=4, val_check_interval=1, num_sanity_val_steps=-1)
+        return capsys.readouterr().out
+
+    fit(2)
+    out = fit(3, ckpt_path=complete_checkpoints(tmp_path / "ckpt")[-1])
+    assert "loop steps       3  (1 in this fit, from loop step 2; optimizer steps: 6)" in out
+    assert re.search(r"reward first 3   \S+  \(loop steps 1-3\)", out)
+    assert re.search(r"val/reward first \S+  \(loop step 0\)", out)
+    # 0 and 1 restored, then 3 (the step-2 checkpoint is written before that step's validation, and Lightning runs
+    # no sanity check on a resume)
+    assert re.search(r"val/reward last  \S+  \(loop step 3, \S+; 3 validations\)", out), out
 
 
 def test_a_dpo_run_reports_its_loop_steps_loss_accuracy_and_pairs():
