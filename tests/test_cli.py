@@ -9,6 +9,7 @@ import contextlib
 import csv
 import io
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,8 +67,6 @@ Lightning's LeafSpec deprecation is filtered at its module, base.quiet_lightning
 
 def test_lightnings_leafspec_deprecation_is_filtered_at_its_source_only():
     """Every fit and validate printed torch's LeafSpec FutureWarning from Lightning's CombinedLoader."""
-    import warnings
-
     from lightning.pytorch.utilities._pytree import _tree_flatten
 
     from lightning_grpo.base import quiet_lightning_pytree
@@ -279,8 +278,14 @@ def test_validate_scores_a_checkpoint_as_the_fit_did(tiny_policy_dir, tmp_path, 
     assert code == 0, err[-2000:]
     fitted = [r["val/reward"] for r in _rows(tmp_path / "runs/fit/version_0/metrics.csv") if r["val/reward"]]
     ckpt = max((tmp_path / "runs/fit/version_0/checkpoints").glob("*.ckpt"))
-    code, _, err = _run(["validate", *_short_run(tiny_policy_dir, "val", *held_out)[1:], f"--ckpt_path={ckpt}"], capsys)
+    validate = ["validate", *_short_run(tiny_policy_dir, "val", *held_out)[1:], f"--ckpt_path={ckpt}"]
+    validate[validate.index("--trainer.enable_checkpointing=false")] = "--trainer.enable_checkpointing=true"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, _, err = _run(validate, capsys)
     assert code == 0, err[-2000:]
+    # every callback state of the fit's checkpoint finds its callback: no "Please add the following callbacks"
+    assert not [str(w.message) for w in caught if "callbacks used to create the checkpoint" in str(w.message)]
     rows = _rows(tmp_path / "runs/val/version_0/metrics.csv")
     assert len(fitted) == 1 and float(fitted[0]) > 0 and [r["val/reward"] for r in rows] == fitted
     assert [r["step"] for r in rows] == ["2"]  # the checkpoint's loop step, as the fit's row
