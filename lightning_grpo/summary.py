@@ -70,7 +70,7 @@ class RunSummary(Callback):
             return
         values = {k: float(v) for k, v in trainer.callback_metrics.items() if k in VAL_HEADLINES}
         step = float(loop_step_of(pl_module, len(self._rows)))
-        if not values or (self._val and self._val[-1]["step"] == step):  # a resume re-validates its checkpoint's step
+        if not values or (self._val and self._val[-1]["step"] == step):  # a loop step already measured counts once
             return
         self._val.append({"step": step, **values})
 

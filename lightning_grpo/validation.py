@@ -38,9 +38,9 @@ def is_measurement(trainer) -> bool:
     """Whether the validation now ending is one the run reports (logged as a metrics row, summarized, plotted).
 
     Every regular validation is. Lightning's sanity check is when it ran every held-out batch
-    (``trainer.num_sanity_val_steps: -1``): it then measured the weights training starts from (loop step 0, or the
-    resumed checkpoint's). Lightning itself logs nothing during a sanity check; ``UpdateModule.on_validation_end``
-    writes that row.
+    (``trainer.num_sanity_val_steps: -1``): it then measured the weights training starts from (loop step 0; Lightning
+    runs none when a fit resumes mid-epoch). Lightning itself logs nothing during a sanity check;
+    ``UpdateModule.on_validation_end`` writes that row.
     """
     return not trainer.sanity_checking or sum(trainer.num_sanity_val_batches) >= sum(trainer.num_val_batches)
 

@@ -55,7 +55,7 @@ def test_validations_are_labelled_with_the_loop_step_also_after_a_resume():
     resumed.setup(None, module, "fit")
     resumed.load_state_dict(first.state_dict())  # Lightning restores callback state after setup
     resumed.on_train_start(None, module)
-    _validate(resumed, module, 0.25, sanity=(8, 8))  # the resume re-validates its checkpoint's step: kept once
+    _validate(resumed, module, 0.25, sanity=(8, 8))  # the same loop step measured again: counted once
     _steps(resumed, module, [0.4, 0.5])
     _validate(resumed, module, 0.75)
     report = resumed.report(SimpleNamespace(global_step=5, log_dir="runs/x", lightning_module=module))
