@@ -149,7 +149,7 @@ def _words(text: str) -> str:
 def test_help_lists_fit_validate_and_plot_but_not_test_or_predict(capsys):
     code, out, _ = _run(["--help"], capsys)
     assert code == 0 and "{fit,validate,plot}" in out
-    assert "Draw reward, loss, clip fraction" in _words(out)
+    assert "Draw reward, loss, KL, clip fraction" in _words(out)
     assert " test " not in out and "predict" not in out
     code, _, err = _run(["test"], capsys)
     assert code == 2 and "invalid choice: 'test'" in err and "usage:" not in err
