@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import warnings
 
 import torch
@@ -38,14 +39,28 @@ from lightning_grpo.validation import ValidationMeans, is_measurement
 log = logging.getLogger(__name__)
 
 
-def quiet_lightning_pytree() -> None:
-    """Silence one upstream warning at its source: Lightning's CombinedLoader builds torch's deprecated ``LeafSpec()``
-    (lightning/pytorch/utilities/_pytree.py) at every fit and validate, and current torch warns each time
-    (Lightning-AI/pytorch-lightning#21326). It is Lightning's to fix and says nothing about a run; only that message
-    from that module is filtered. Called from the modules' ``setup`` (idempotent: ``filterwarnings`` replaces an equal
-    filter), so it holds also where a caller reset the filters after import (pytest does, per test)."""
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+UPSTREAM_WARNINGS = {
+    # message start: (category, the module that warns, where it comes from)
+    "`isinstance(treespec, LeafSpec)` is deprecated": (
+        FutureWarning, "lightning.pytorch.utilities._pytree",
+        ("Lightning's CombinedLoader builds torch's deprecated LeafSpec() at every fit and validate "
+         "(Lightning-AI/pytorch-lightning#21326)")),
+    "`torch.distributed.reduce_op` is deprecated": (
+        FutureWarning, "vllm.triton_utils.dispatcher",
+        ("vLLM 0.32's Triton kernel scan reads every attribute of every loaded module, torch.distributed's "
+         "deprecated alias included, when an engine starts")),
+}
+"""Warnings our runs printed that only their upstream can fix and that say nothing about the run."""
+
+
+def quiet_upstream_warnings() -> None:
+    """Filter each of ``UPSTREAM_WARNINGS`` at its source: that message, from that module only.
+
+    Called from the modules' ``setup`` (idempotent: ``filterwarnings`` replaces an equal filter), so it holds also
+    where a caller reset the filters after import (pytest does, per test).
+    """
+    for start, (category, module, _) in UPSTREAM_WARNINGS.items():
+        warnings.filterwarnings("ignore", message=re.escape(start), category=category, module=re.escape(module) + "$")
 
 
 class UpdateModule(DataParallelOps, LightningModule):

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.base import UpdateModule, quiet_lightning_pytree
+from lightning_grpo.base import UpdateModule, quiet_upstream_warnings
 from lightning_grpo.checks import is_finite, is_int, raise_problems
 from lightning_grpo.config import OptimConfig
 from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
@@ -134,7 +134,7 @@ class DPOModule(UpdateModule):
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.dpo.validate(self.dp_size())
-        quiet_lightning_pytree()
+        quiet_upstream_warnings()
         if self._trainer is not None:  # loop-step bars: no "Epoch 0/-2", no v_num (progress.py)
             count_loop_steps(self.trainer)
         if stage == "fit":  # one optimizer step per batch

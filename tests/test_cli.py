@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from lightning_grpo import docgen
+from lightning_grpo.base import UPSTREAM_WARNINGS, quiet_upstream_warnings
 from lightning_grpo.cli import SECTIONS, flatten, main
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
@@ -62,28 +63,36 @@ def test_flatten_makes_dotted_keys_and_keeps_lists():
 # -- a CLI run prints no warning our code causes ------------------------------------------------------------------
 NOT_OURS: dict[str, str] = {}
 """Warnings a quickstart run still prints, none caused by our code: message start -> where it comes from (none now:
-Lightning's LeafSpec deprecation is filtered at its module, base.quiet_lightning_pytree)."""
+the upstream ones are filtered at their module: base.UPSTREAM_WARNINGS)."""
 
 
 def test_lightnings_leafspec_deprecation_is_filtered_at_its_source_only():
     """Every fit and validate printed torch's LeafSpec FutureWarning from Lightning's CombinedLoader."""
     from lightning.pytorch.utilities._pytree import _tree_flatten
 
-    from lightning_grpo.base import quiet_lightning_pytree
-
-    def caught() -> list[str]:
+    def caught(quiet: bool) -> list[str]:
         with warnings.catch_warnings(record=True) as got:
             warnings.simplefilter("always")
             if quiet:
-                quiet_lightning_pytree()
+                quiet_upstream_warnings()
             _tree_flatten([[1], {"a": 2}])  # what CombinedLoader does with the dataloaders
             warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated (ours)", FutureWarning, stacklevel=1)
         return [str(w.message) for w in got]
 
-    quiet = False
-    assert any("LeafSpec" in m and "(ours)" not in m for m in caught())  # torch still warns here
-    quiet = True
-    assert [m for m in caught() if "LeafSpec" in m] == ["`isinstance(treespec, LeafSpec)` is deprecated (ours)"]
+    assert any("LeafSpec" in m and "(ours)" not in m for m in caught(quiet=False))  # torch still warns here
+    assert [m for m in caught(quiet=True) if "LeafSpec" in m] == ["`isinstance(treespec, LeafSpec)` is deprecated (ours)"]
+
+
+@pytest.mark.parametrize("start", list(UPSTREAM_WARNINGS))
+def test_each_upstream_warning_is_filtered_from_its_module_only(start):
+    category, module, _ = UPSTREAM_WARNINGS[start]
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        quiet_upstream_warnings()
+        for source in (module, "lightning_grpo.module", f"{module}_other"):
+            warnings.warn_explicit(f"{start} (from {source})", category, "x.py", 1, module=source)
+    assert [str(w.message) for w in got] == [f"{start} (from lightning_grpo.module)", f"{start} (from {module}_other)"]
+
 
 _RECORDING_RUN = """
 import json, logging, sys, warnings
