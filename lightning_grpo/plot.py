@@ -35,6 +35,8 @@ def _can_clip(series: dict[str, Series]) -> bool:
 
 
 class Panel(NamedTuple):
+    """One panel of the figure: the metric it draws, its title, the lines drawn over it, and when it is drawn."""
+
     metric: str
     title: str
     overlays: tuple[str, ...] = ()
