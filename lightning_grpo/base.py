@@ -49,6 +49,10 @@ UPSTREAM_WARNINGS = {
         FutureWarning, "vllm.triton_utils.dispatcher",
         ("vLLM 0.32's Triton kernel scan reads every attribute of every loaded module, torch.distributed's "
          "deprecated alias included, when an engine starts")),
+    **{f"Precision {p} is not supported by the model summary": (
+        UserWarning, "lightning.pytorch.utilities.model_summary.model_summary",
+        ("Lightning's model summary at every fit under mixed precision (the GPU recipes): it then counts 32 bits a "
+         "parameter, which is right, the master weights being float32")) for p in ("bf16-mixed", "16-mixed")},
 }
 """Warnings our runs printed that only their upstream can fix and that say nothing about the run."""
 

@@ -116,8 +116,7 @@ SHRUNK = {
                   "--model.rl.micro_batch_per_replica=8", *FAST],
     "dpo-arith": ["--trainer.max_steps=6", "--model.dpo.batch_size=8", "--model.dpo.grad_accum=2",
                   "--data.val_size=8", *FAST],
-    "tools-quickstart": ["--trainer.max_steps=6", "--model.rl.batch_per_replica=8", "--model.rollout.max_new_tokens=8",
-                         "--model.env.max_turns=2", *FAST],
+    "tools-quickstart": ["--trainer.max_steps=6", "--model.rl.batch_per_replica=8", "--model.env.max_turns=2", *FAST],
     "vlm-quickstart": ["--trainer.max_steps=6", "--model.policy.warm_start_steps=10", "--data.val_size=8",
                        "--model.rl.batch_per_replica=16", "--model.rl.micro_batch_per_replica=16", *FAST],
     # vLLM on CPU (slow): n_mini 2 for LoRA, as the config's own n_mini > 1
