@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
+import warnings
 
 import torch
 from lightning.pytorch import LightningModule
@@ -32,9 +34,37 @@ from lightning_grpo.policy import PolicyConfig, with_seed
 from lightning_grpo.precision import PluginStep, adamw_kernel
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
 from lightning_grpo.update import Updater
-from lightning_grpo.validation import ValidationMeans
+from lightning_grpo.validation import ValidationMeans, is_measurement
 
 log = logging.getLogger(__name__)
+
+
+UPSTREAM_WARNINGS = {
+    # message start: (category, the module that warns, where it comes from)
+    "`isinstance(treespec, LeafSpec)` is deprecated": (
+        FutureWarning, "lightning.pytorch.utilities._pytree",
+        ("Lightning's CombinedLoader builds torch's deprecated LeafSpec() at every fit and validate "
+         "(Lightning-AI/pytorch-lightning#21326)")),
+    "`torch.distributed.reduce_op` is deprecated": (
+        FutureWarning, "vllm.triton_utils.dispatcher",
+        ("vLLM 0.32's Triton kernel scan reads every attribute of every loaded module, torch.distributed's "
+         "deprecated alias included, when an engine starts")),
+    **{f"Precision {p} is not supported by the model summary": (
+        UserWarning, "lightning.pytorch.utilities.model_summary.model_summary",
+        ("Lightning's model summary at every fit under mixed precision (the GPU recipes): it then counts 32 bits a "
+         "parameter, which is right, the master weights being float32")) for p in ("bf16-mixed", "16-mixed")},
+}
+"""Warnings our runs printed that only their upstream can fix and that say nothing about the run."""
+
+
+def quiet_upstream_warnings() -> None:
+    """Filter each of ``UPSTREAM_WARNINGS`` at its source: that message, from that module only.
+
+    Called from the modules' ``setup`` (idempotent: ``filterwarnings`` replaces an equal filter), so it holds also
+    where a caller reset the filters after import (pytest does, per test).
+    """
+    for start, (category, module, _) in UPSTREAM_WARNINGS.items():
+        warnings.filterwarnings("ignore", message=re.escape(start), category=category, module=re.escape(module) + "$")
 
 
 class UpdateModule(DataParallelOps, LightningModule):
@@ -65,7 +95,11 @@ class UpdateModule(DataParallelOps, LightningModule):
 
     @property
     def loop_step(self) -> int:
-        """Collected batches consumed so far (the logged ``step``; checkpoint cadence counts these)."""
+        """Collected batches consumed so far (the logged ``step``; checkpoint cadence counts these); a loaded
+        checkpoint's until training resumes it (``validate --ckpt_path`` labels its row with that step)."""
+        pending = self._state.pending_loop_step
+        if pending is not None:
+            return pending
         return self.updater.loop_step if self.updater is not None else 0
 
     @property
@@ -108,6 +142,16 @@ class UpdateModule(DataParallelOps, LightningModule):
         step = loop.accumulator.step if loop is not None else None
         if isinstance(step, PluginStep):  # in a GradScaler step the plugin has unscaled: now the divisor and the clip
             step.before_optimizer_step()
+
+    def on_validation_end(self) -> None:
+        # Lightning logs nothing in its sanity check; one over every held-out batch measured the starting weights
+        # (num_sanity_val_steps: -1), so it gets its metrics row at this loop step like any validation.
+        if self.trainer.sanity_checking and is_measurement(self.trainer):
+            found = self.trainer.callback_metrics
+            row = {name: float(found[name]) for name in self.val_means.names() if name in found and name != "step"}
+            for logger in self.trainer.loggers:
+                logger.log_metrics(row, step=self.loop_step)
+                logger.save()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Every checkpoint Lightning writes carries the state at the last batch boundary (checkpoint/state.py).

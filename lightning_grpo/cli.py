@@ -250,9 +250,14 @@ class GRPOCLI(LightningCLI):
                 err.add_note(f"full traceback: {log}")  # the short report names the file
             raise
 
+    def before_validate(self) -> None:
+        # The fit's RunSummary, so the callback states of a fit's checkpoint all find their callback: Lightning warns
+        # "Please add the following callbacks: ['RunSummary']" at every `validate --ckpt_path` otherwise. It prints
+        # nothing here (no training ends).
+        self._add_summary()
+
     def before_fit(self) -> None:
-        if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
-            self.trainer.callbacks.append(RunSummary())
+        self._add_summary()
         callbacks = self.trainer.callbacks
         if isinstance(self.model, GRPOModule) and not any(isinstance(cb, HandoffCallback) for cb in callbacks):
             # The colocated hand-off (engine sleep/wake, trainer offload, weight sync once per collected batch).
@@ -267,6 +272,11 @@ class GRPOCLI(LightningCLI):
         # before anything is written: a new fit never lands on a run folder that already holds a run (run_folder.py)
         refuse_reused_version(self.trainer.loggers, explicit_version(self.config[self.subcommand].get("trainer.logger")),
                               resuming=config["ckpt_path"] is not None, overwrite=config.get("overwrite_run", False))
+
+
+    def _add_summary(self) -> None:
+        if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(RunSummary())
 
 
 class _SectionHelp(argparse.Action):

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.base import UpdateModule
+from lightning_grpo.base import UpdateModule, quiet_upstream_warnings
 from lightning_grpo.checks import is_finite, is_int, raise_problems
 from lightning_grpo.config import OptimConfig
 from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
@@ -32,6 +32,7 @@ from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.dpo import DPOObjective, DPOStats
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.precision import check_precision
+from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.update import ChunkPlan, DataParallel, LoopResult, Split, Updater, eval_mode
 
 
@@ -133,6 +134,9 @@ class DPOModule(UpdateModule):
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.dpo.validate(self.dp_size())
+        quiet_upstream_warnings()
+        if self._trainer is not None:  # loop-step bars: no "Epoch 0/-2", no v_num (progress.py)
+            count_loop_steps(self.trainer)
         if stage == "fit":  # one optimizer step per batch
             self.resolve_horizon(1)
 

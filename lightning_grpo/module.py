@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_grpo import lora
 from lightning_grpo.advantages import dp_batch_std, group_advantages
-from lightning_grpo.base import UpdateModule
+from lightning_grpo.base import UpdateModule, quiet_upstream_warnings
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.checkpoint.signals import stop_poll
@@ -170,6 +170,7 @@ class GRPOModule(UpdateModule):
 
     def setup(self, stage: str) -> None:
         self.rl.validate(self.dp_size())  # per-rank divisibility needs the DP size
+        quiet_upstream_warnings()
         lora.check_strategy(self.policy_cfg.lora, getattr(self._trainer, "strategy", None))
         if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
             count_loop_steps(self.trainer)

@@ -1,12 +1,14 @@
-"""``lightning-grpo plot <log dir>``: the four curves a person checks first, one PNG, per loop step.
+"""``lightning-grpo plot <log dir>``: the curves a person checks first, one PNG, per loop step.
 
 Reads ``metrics.csv`` of a ``CSVLogger`` run (the CLI's default logger; one row per loop step, plus
-one row per validation) and draws reward, loss, clip fraction and completion length against the
-logged ``step`` (the loop step). Held-out ``val/reward`` (greedy) joins the reward panel when the
-run validated. matplotlib is an optional extra: ``pip install 'lightning-grpo[plot]'``.
+one row per validation, the one before training at loop step 0 included) and draws, against the
+logged ``step`` (the loop step), each panel whose metric the run logged: GRPO's reward (raw, its
+trailing mean over ``window`` loop steps, and the held-out greedy ``val/reward``), loss, KL when it
+moved, clip fraction when it can be non-zero, completion length; DPO's loss, accuracy and margin (with
+their ``val/*``). matplotlib is an optional extra: ``pip install 'lightning-grpo[plot]'``.
 
     lightning-grpo plot runs/quickstart/version_0          # writes runs/quickstart/version_0/curves.png
-    lightning-grpo plot runs/quickstart -o /tmp/curves.png # the newest run under the folder
+    lightning-grpo plot runs/quickstart -o /tmp/curves.png # the newest fit run under the folder
 """
 
 from __future__ import annotations
@@ -15,22 +17,61 @@ import argparse
 import csv
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-PANELS = (
-    ("reward/mean", "reward (mean over the collected batch)"),
-    ("grpo/loss", "loss"),
-    ("grpo/clip_frac", "clip fraction (share of tokens)"),
-    ("completion/len_mean", "completion length (tokens)"),
-)
-"""(metric, panel title), in drawing order: left to right, top to bottom."""
-OVERLAYS = {"reward/mean": "val/reward"}
-"""A second line drawn on a panel when the run logged it (validation: greedy, held-out)."""
-PNG_NAME = "curves.png"
-DESCRIPTION = "Draw reward, loss, clip fraction and completion length of a CSVLogger run into one PNG."
+from typing import NamedTuple
 
 Series = tuple[list[float], list[float]]  # (loop steps, values) of the rows that logged the metric
+
+
+def _moved(series: Series) -> bool:
+    return any(v != 0 for v in series[1])
+
+
+def _can_clip(series: dict[str, Series]) -> bool:
+    """The clip fraction is exactly 0 while pi_old is the policy itself (one optimizer step per loop step, no sampler
+    pi_old): drawn when a loop step took several optimizer steps, or a clip was seen."""
+    return _moved(series["grpo/clip_frac"]) or any(v > 1 for v in series.get("grpo/optimizer_steps", ([], []))[1])
+
+
+class Panel(NamedTuple):
+    """One panel of the figure: the metric it draws, its title, the lines drawn over it, and when it is drawn."""
+
+    metric: str
+    title: str
+    overlays: tuple[str, ...] = ()
+    """Further lines drawn when the run logged them (validation: greedy or held-out)."""
+    when: Callable[[dict[str, Series]], bool] = lambda series: True
+    """Drawn only when this holds (beyond the metric being logged)."""
+
+
+PANELS = (
+    Panel("reward/mean", "reward (mean over the collected batch)", ("val/reward",)),
+    Panel("grpo/loss", "loss"),
+    Panel("dpo/loss", "DPO loss"),
+    Panel("dpo/accuracy", "accuracy (chosen ranked first)", ("val/reward_accuracy", "val/accuracy")),
+    Panel("dpo/margin", "implicit reward margin (chosen - rejected)", ("val/margin",)),
+    Panel("grpo/kl", "KL to the reference (nats/token)", when=lambda s: _moved(s["grpo/kl"])),
+    Panel("opd/kl", "reverse KL to the teacher (nats/token)"),
+    Panel("grpo/clip_frac", "clip fraction (share of tokens)", when=_can_clip),
+    Panel("completion/len_mean", "completion length (tokens)"),
+)
+"""Every panel a run may get, in drawing order (left to right, top to bottom); a run gets those it logged."""
+SMOOTHED = "{metric} (mean of last {window})"
+"""Label of the trailing mean drawn beside the first panel's raw curve (the summary's first/last figures)."""
+PNG_NAME = "curves.png"
+DESCRIPTION = "Draw reward, loss, KL, clip fraction and completion length (DPO: loss, accuracy, margin) of a " \
+              "CSVLogger run into one PNG."
+FIT_COLUMN = "loop_step"
+"""Logged by every training row (GRPO, OPD, DPO): a metrics.csv without it holds no fit (a ``validate`` run)."""
+
+
+class Curves(NamedTuple):
+    """What ``plot_curves`` drew: the PNG, the figure and each line's data by label (metric name or SMOOTHED)."""
+
+    png: Path
+    figure: object
+    lines: dict[str, Series]
 
 
 class PlotError(RuntimeError):
@@ -38,7 +79,8 @@ class PlotError(RuntimeError):
 
 
 def find_metrics(path: str | Path) -> Path:
-    """The ``metrics.csv`` a path means: the file itself, the one in a folder, or the newest one below it."""
+    """The ``metrics.csv`` a path means: the file itself, the one in a folder, or the newest fit run's below it
+    (a ``validate`` run logs no training rows; it is taken only when no fit run is there)."""
     path = Path(path)
     if path.is_file():
         return path
@@ -50,7 +92,13 @@ def find_metrics(path: str | Path) -> Path:
             f"no metrics.csv at or under {str(path)!r}: give a CSVLogger log dir (e.g. runs/quickstart/version_0); "
             "runs logged only to another logger (W&B) have no CSV to plot"
         )
-    return found[-1]
+    fits = [p for p in found if FIT_COLUMN in _header(p)]
+    return (fits or found)[-1]
+
+
+def _header(csv_path: Path) -> list[str]:
+    with open(csv_path, newline="") as f:
+        return next(csv.reader(f), [])
 
 
 def read_series(csv_path: str | Path) -> dict[str, Series]:
@@ -59,6 +107,11 @@ def read_series(csv_path: str | Path) -> dict[str, Series]:
         rows = list(csv.DictReader(f))
     if rows and "step" not in rows[0]:
         raise PlotError(f"{csv_path}: no 'step' column; is it a Lightning CSVLogger metrics.csv?")
+    return series_of(rows)
+
+
+def series_of(rows: Sequence[dict]) -> dict[str, Series]:
+    """Rows of logged metrics (each with its ``step``; values as numbers or CSV strings) as one Series per name."""
     series: dict[str, Series] = {}
     for row in rows:
         step = _number(row.get("step"))
@@ -73,11 +126,29 @@ def read_series(csv_path: str | Path) -> dict[str, Series]:
     return series
 
 
-def plot_curves(csv_path: str | Path, output: str | Path | None = None):
+def smoothed(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` points (fewer at the start): its last value is the mean of the last ``window``,
+    its value at index ``window - 1`` the mean of the first ``window``."""
+    out = []
+    for i in range(len(values)):
+        part = values[max(i + 1 - window, 0): i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def panels_of(series: dict[str, Series]) -> list[Panel]:
+    """The panels a run with these series gets."""
+    return [p for p in PANELS if p.metric in series and p.when(series)]
+
+
+def plot_curves(csv_path: str | Path, output: str | Path | None = None, window: int = 5) -> Curves:
     """Draw the panels of ``csv_path`` into a PNG (default: ``curves.png`` beside it).
 
+    Args:
+        window: loop steps of the trailing mean drawn beside the first panel's raw curve.
+
     Returns:
-        ``(png_path, figure)``: the figure's four axes hold exactly the logged values.
+        ``Curves``: the PNG, the figure, and the data of every line drawn (exactly the logged values).
 
     Raises:
         PlotError: matplotlib is not installed, or the CSV cannot be read as a Lightning log.
@@ -86,31 +157,45 @@ def plot_curves(csv_path: str | Path, output: str | Path | None = None):
     csv_path = Path(csv_path)
     output = Path(output) if output is not None else csv_path.with_name(PNG_NAME)
     series = read_series(csv_path)
-    fig = figure_cls(figsize=(11, 7), layout="constrained")
-    for ax, (metric, title) in zip(fig.subplots(2, 2).flat, PANELS):
-        _panel(ax, series, metric, title)
-    steps = max((len(series[m][0]) for m, _ in PANELS if m in series), default=0)
+    panels = panels_of(series)
+    cols = 2 if len(panels) <= 4 else 3
+    rows = max(math.ceil(len(panels) / cols), 1)
+    fig = figure_cls(figsize=(5.5 * cols, 3.5 * rows), layout="constrained")
+    axes = list(fig.subplots(rows, cols, squeeze=False).flat)
+    lines: dict[str, Series] = {}
+    for i, (ax, panel) in enumerate(zip(axes, panels)):
+        lines |= _panel(ax, series, panel, window if i == 0 else 0)
+    for ax in axes[len(panels):]:
+        ax.set_axis_off()
+    if not panels:
+        axes[0].text(0.5, 0.5, "no training rows logged (a validate run?)", ha="center", va="center")
+    steps = len(series.get(FIT_COLUMN, ([], []))[0])
     fig.suptitle(f"{csv_path.parent}  ({steps} loop steps)")
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=100)
-    return output, fig
+    return Curves(output, fig, lines)
 
 
-def _panel(ax, series: dict[str, Series], metric: str, title: str) -> None:
+def _panel(ax, series: dict[str, Series], panel: Panel, window: int) -> dict[str, Series]:
+    """Draw one panel (with the trailing mean when ``window`` > 1); the data of each line drawn, by label."""
     from matplotlib.ticker import MaxNLocator
 
-    ax.set_title(title, fontsize=10)
+    ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("loop step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    if metric not in series:
-        ax.text(0.5, 0.5, f"{metric} not logged", ha="center", va="center", transform=ax.transAxes)
-        return
-    ax.plot(*series[metric], label=metric, marker="." if len(series[metric][0]) < 50 else None)
-    overlay = OVERLAYS.get(metric)
-    if overlay in series:
-        ax.plot(*series[overlay], label=f"{overlay} (greedy, held-out)", marker="o")
+    xs, ys = series[panel.metric]
+    drawn = {panel.metric: (xs, ys)}
+    ax.plot(xs, ys, label=panel.metric, marker="." if len(xs) < 50 else None, alpha=0.5 if window > 1 else 1.0)
+    if window > 1:
+        label = SMOOTHED.format(metric=panel.metric, window=window)
+        drawn[label] = (xs, smoothed(ys, window))
+        ax.plot(*drawn[label], label=label)
+    for overlay in (name for name in panel.overlays if name in series):
+        drawn[overlay] = series[overlay]
+        ax.plot(*drawn[overlay], label=f"{overlay} (held-out)", marker="o")
     ax.legend(fontsize=8)
+    return drawn
 
 
 def _figure_class():
@@ -137,7 +222,7 @@ def _number(raw: str | None) -> float | None:
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``plot`` arguments (``parser_class``: the CLI lists ``plot`` among its subcommands with a jsonargparse one)."""
     parser = parser_class(prog="lightning-grpo plot", description=DESCRIPTION)
-    parser.add_argument("log_dir", help="a CSVLogger run folder (or its metrics.csv, or a folder of runs: the newest)")
+    parser.add_argument("log_dir", help="a CSVLogger run folder (or its metrics.csv, or a folder of runs: the newest fit)")
     parser.add_argument("-o", "--output", help=f"PNG to write (default: {PNG_NAME} beside metrics.csv)")
     return parser
 
@@ -146,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``lightning-grpo plot LOG_DIR [-o OUT]``."""
     args = build_parser().parse_args(argv)
     try:
-        png, _ = plot_curves(find_metrics(args.log_dir), args.output)
+        png = plot_curves(find_metrics(args.log_dir), args.output).png
     except PlotError as err:
         print(f"lightning-grpo plot: {err}", file=sys.stderr)
         raise SystemExit(2) from None

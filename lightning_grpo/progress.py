@@ -5,8 +5,8 @@ steps here) but take their total from ``max_steps``, which counts optimizer step
 ``mu_iterations x n_mini``): a 3-loop-step run at ``n_mini = 2`` ends on "3/6". A resumed run keeps counting from the
 restored batch while the total shrinks to the optimizer steps left ("40/29"), and the rich bar
 titles itself "Epoch 0/-2" because ``max_steps`` sets ``max_epochs = -1``. The two bars below keep
-every argument and look of Lightning's and fix only the numbers; ``GRPOModule.setup`` swaps a stock
-bar for its twin, so the CLI and a plain ``Trainer`` both get them.
+every argument and look of Lightning's, fix the numbers and drop ``v_num``; ``GRPOModule.setup`` and
+``DPOModule.setup`` swap a stock bar for its twin, so the CLI and a plain ``Trainer`` both get them.
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ class GRPOProgressBar(TQDMProgressBar):
         Trainer(callbacks=[GRPOProgressBar(refresh_rate=10)])
     """
 
+    @override
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict:
+        return _without_version(super().get_metrics(trainer, pl_module))
+
     @property
     @override
     def total_train_batches(self) -> int | float:
@@ -89,6 +93,10 @@ class GRPORichProgressBar(RichProgressBar):
         Trainer(callbacks=[GRPORichProgressBar(leave=True)])
     """
 
+    @override
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict:
+        return _without_version(super().get_metrics(trainer, pl_module))
+
     @property
     @override
     def total_train_batches(self) -> int | float:
@@ -117,6 +125,13 @@ class GRPORichProgressBar(RichProgressBar):
         if self.progress is not None and self.train_progress_bar_id is not None:
             self.progress.update(self.train_progress_bar_id, total=loop_steps_total(trainer, batch_idx + 1))
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+def _without_version(metrics: dict) -> dict:
+    """The bar's metrics less Lightning's ``v_num`` (the logger's version: the run folder's name already says it,
+    and the rich bar printed it as a float, ``v_num: 0.000``)."""
+    metrics.pop("v_num", None)
+    return metrics
 
 
 _TWINS = {TQDMProgressBar: GRPOProgressBar, RichProgressBar: GRPORichProgressBar}

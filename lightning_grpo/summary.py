@@ -1,4 +1,10 @@
-"""RunSummary: a short report at the end of a fit (steps, reward first/last, throughput, where logs are)."""
+"""RunSummary: a short report at the end of a fit (loop steps, first/last figures, validation, throughput, where logs are).
+
+It keeps the very rows the loggers get (each loop step's roll-up, each logged validation, the one before training
+at loop step 0 included: ``validation.is_measurement``), labelled with the module's loop step (also across a
+resume), and takes first/last the way ``lightning-grpo plot`` draws them (``plot.smoothed``): the summary,
+metrics.csv and curves.png give the same numbers. GRPO/OPD runs report reward, DPO runs loss and accuracy.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,28 @@ from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from lightning_grpo.checkpoint.signals import Preempted
-from lightning_grpo.plot import PlotError, plot_curves
+from lightning_grpo.plot import PlotError, Series, plot_curves, series_of, smoothed
+from lightning_grpo.validation import is_measurement
+
+HEADLINES = {"reward/mean": "reward", "dpo/loss": "dpo/loss", "dpo/accuracy": "dpo/accuracy"}
+"""Training metrics reported first/last (trailing mean over ``window`` loop steps) when the run logs them: label."""
+VAL_HEADLINES = ("val/reward", "val/accuracy")
+"""Validation metrics reported first/last (one value per validation, with its loop step) when logged."""
+NOT_MEASURED = "  validation       not measured (no validation ran: trainer.val_check_interval, data.val_size)"
+THROUGHPUT = {"grpo/tokens": "trained tokens/s", "dpo/pairs": "trained pairs/s"}
+"""Per-loop-step counts summed into the wall-time line."""
+
+
+def loop_step_of(module: LightningModule, fallback: int = 0) -> int:
+    """The module's loop step (``UpdateModule.loop_step``: a loaded checkpoint's before training resumes it)."""
+    return int(getattr(module, "loop_step", fallback))
 
 
 class RunSummary(Callback):
     """Prints what a person wants to know when a run ends.
 
     Args:
-        window: loop steps averaged for the "first" and "last" reward.
+        window: loop steps averaged for the "first" and "last" figures (and the plot's trailing mean).
         plot: with a ``CSVLogger``, draw the curves (``lightning-grpo plot``) into ``curves.png`` in
             its log dir when the run ends; False (or matplotlib missing) prints the command instead.
 
@@ -29,34 +49,38 @@ class RunSummary(Callback):
         if window < 1:
             raise ValueError(f"RunSummary(window={window}): must be >= 1")
         self.window, self.plot = window, plot
-        self._rewards: list[float] = []
-        self._val: list[tuple[int, float]] = []  # (loop step, val/reward) of each validation
-        self._tokens = 0.0
-        self._start = 0.0
+        self._rows: list[dict[str, float]] = []  # per loop step: its step and the HEADLINES it logged
+        self._val: list[dict[str, float]] = []  # per logged validation: its loop step and the VAL_HEADLINES
+        self._counts: dict[str, float] = {}  # THROUGHPUT counts of this fit (not of the run a resume continues)
+        self._start, self._first_step = 0.0, 0
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":  # a fresh fit starts empty; a resume loads its rows after this (load_state_dict)
+            self._rows, self._val = [], []
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start, self._rewards, self._tokens = time.perf_counter(), [], 0.0
+        self._start, self._counts = time.perf_counter(), {}
+        self._first_step = loop_step_of(pl_module)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        value = trainer.callback_metrics.get("val/reward")
-        # Lightning's sanity check counts when it ran every held-out batch (trainer.num_sanity_val_steps: -1): a
-        # validation of the weights training starts from (loop step 0, or the resumed step).
-        if value is None or (trainer.sanity_checking
-                             and sum(trainer.num_sanity_val_batches) < sum(trainer.num_val_batches)):
+        if not is_measurement(trainer):
             return
-        step = len(self._rewards)
-        if self._val and self._val[-1][0] == step:  # a resume validates the step its checkpoint already did
+        values = {k: float(v) for k, v in trainer.callback_metrics.items() if k in VAL_HEADLINES}
+        step = float(loop_step_of(pl_module, len(self._rows)))
+        if not values or (self._val and self._val[-1]["step"] == step):  # a loop step already measured counts once
             return
-        self._val.append((step, float(value)))
+        self._val.append({"step": step, **values})
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         metrics = getattr(pl_module, "last_metrics", {})
-        if "reward/mean" in metrics:
-            self._rewards.append(float(metrics["reward/mean"]))
-        self._tokens += float(metrics.get("grpo/tokens", 0.0))
+        step = float(metrics.get("step", loop_step_of(pl_module, len(self._rows) + 1)))
+        self._rows.append({"step": step, **{k: float(metrics[k]) for k in HEADLINES if k in metrics}})
+        for key in THROUGHPUT.keys() & metrics.keys():
+            self._counts[key] = self._counts.get(key, 0.0) + float(metrics[key])
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -73,16 +97,15 @@ class RunSummary(Callback):
 
     def report(self, trainer: Trainer) -> str:
         seconds = time.perf_counter() - self._start
-        w, r = self.window, self._rewards
-        first, last = _mean(r[:w]), _mean(r[-w:])
+        series = series_of(self._rows + self._val)
+        rates = [f"{count / max(seconds, 1e-9):.0f} {THROUGHPUT[key]}" for key, count in self._counts.items()]
         lines = [
             "",
             "lightning-grpo run summary",
-            f"  loop steps       {len(r)}  (optimizer steps: {trainer.global_step})",
-            f"  reward first {w:<3} {first:.3f}",
-            f"  reward last {w:<4} {last:.3f}  ({last - first:+.3f})",
-            *self._val_lines(),
-            f"  wall time        {seconds:.1f} s, {self._tokens / max(seconds, 1e-9):.0f} trained tokens/s (all ranks)",
+            self._steps_line(trainer),
+            *self._train_lines(series),
+            *self._val_lines(series),
+            f"  wall time        {seconds:.1f} s" + (f", {', '.join(rates)} (all ranks)" if rates else ""),
             f"  logs             {trainer.log_dir}",
         ]
         seed = getattr(trainer.lightning_module, "seed", None)
@@ -90,13 +113,33 @@ class RunSummary(Callback):
             lines.insert(2, f"  seed             {seed}  (from {getattr(trainer.lightning_module, 'seed_source', '?')})")
         return "\n".join(lines)
 
-    def _val_lines(self) -> list[str]:
-        """First and last ``val/reward`` (greedy, held-out prompts) with the loop step each was taken at."""
-        if not self._val:
-            return ["  val/reward       not measured (no validation ran: trainer.val_check_interval, data.val_size)"]
-        (s0, v0), (s1, v1) = self._val[0], self._val[-1]
-        return [f"  val/reward first {v0:.3f}  (loop step {s0})",
-                f"  val/reward last  {v1:.3f}  (loop step {s1}, {v1 - v0:+.3f}; {len(self._val)} validations)"]
+    def _steps_line(self, trainer: Trainer) -> str:
+        last = int(self._rows[-1]["step"]) if self._rows else self._first_step
+        resumed = f"{last - self._first_step} in this fit, from loop step {self._first_step}; " if self._first_step else ""
+        return f"  loop steps       {last}  ({resumed}optimizer steps: {trainer.global_step})"
+
+    def _train_lines(self, series: dict[str, Series]) -> list[str]:
+        """First and last ``window``-step means of each headline metric, with the loop steps they cover."""
+        lines = []
+        for metric in (m for m in HEADLINES if m in series):
+            (xs, ys), w = series[metric], min(self.window, len(series[metric][1]))
+            mean = smoothed(ys, self.window)
+            first, last = mean[w - 1], mean[-1]
+            label = HEADLINES[metric]
+            span = f"loop steps {xs[-w]:.0f}-{xs[-1]:.0f}, {last - first:+.3f}"
+            lines += [f"  {f'{label} first {w}':<16} {first:.3f}  (loop steps {xs[0]:.0f}-{xs[w - 1]:.0f})",
+                      f"  {f'{label} last {w}':<16} {last:.3f}  ({span})"]
+        return lines
+
+    def _val_lines(self, series: dict[str, Series]) -> list[str]:
+        """First and last value of each validation metric (greedy / held-out) with the loop step each was taken at."""
+        lines = []
+        for metric in (m for m in VAL_HEADLINES if m in series):
+            xs, ys = series[metric]
+            last = f"loop step {xs[-1]:.0f}, {ys[-1] - ys[0]:+.3f}; {len(xs)} validations"
+            lines += [f"  {metric} first {ys[0]:.3f}  (loop step {xs[0]:.0f})",
+                      f"  {metric} last  {ys[-1]:.3f}  ({last})"]
+        return lines or [NOT_MEASURED]
 
     def _curves(self, trainer: Trainer) -> str:
         """The summary's last line: where the curves PNG is, or the command that makes it (rank 0 only)."""
@@ -108,7 +151,7 @@ class RunSummary(Callback):
             return f"\n  curves           {command}"
         csv_logger.save()  # flush the buffered rows now: the logger's own final save comes after this hook
         try:
-            png, _ = plot_curves(csv_logger.experiment.metrics_file_path)
+            png = plot_curves(csv_logger.experiment.metrics_file_path, window=self.window).png
         except PlotError as err:
             return f"\n  curves           {command}  ({err})"
         except Exception as err:  # noqa: BLE001 - a plotting failure must not fail a finished run
@@ -116,12 +159,11 @@ class RunSummary(Callback):
         return f"\n  curves           {png}  (redraw: {command})"
 
     def state_dict(self) -> dict:
-        return {"rewards": list(self._rewards), "tokens": self._tokens, "val": [list(v) for v in self._val]}
+        return {"rows": [dict(r) for r in self._rows], "val_rows": [dict(v) for v in self._val]}
 
     def load_state_dict(self, state: dict) -> None:
-        self._rewards, self._tokens = list(state["rewards"]), state["tokens"]
-        self._val = [tuple(v) for v in state.get("val", [])]
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
+        if "rows" not in state:  # an older checkpoint: rewards per loop step, (step, val/reward) pairs
+            self._rows = [{"step": float(i + 1), "reward/mean": r} for i, r in enumerate(state.get("rewards", []))]
+            self._val = [{"step": float(s), "val/reward": v} for s, v in state.get("val", [])]
+            return
+        self._rows, self._val = [dict(r) for r in state["rows"]], [dict(v) for v in state["val_rows"]]

@@ -39,6 +39,17 @@ VAL_SEED = 0
 """Seed of the validation draw (greedy needs none; it keeps the engines off the global RNG)."""
 
 
+def is_measurement(trainer) -> bool:
+    """Whether the validation now ending is one the run reports (logged as a metrics row, summarized, plotted).
+
+    Every regular validation is. Lightning's sanity check is when it ran every held-out batch
+    (``trainer.num_sanity_val_steps: -1``): it then measured the weights training starts from (loop step 0; Lightning
+    runs none when a fit resumes mid-epoch). Lightning itself logs nothing during a sanity check;
+    ``UpdateModule.on_validation_end`` writes that row.
+    """
+    return not trainer.sanity_checking or sum(trainer.num_sanity_val_batches) >= sum(trainer.num_val_batches)
+
+
 def greedy_sampling(max_new_tokens: int) -> SamplingConfig:
     """Greedy decoding (temperature 0) with the training completion cap."""
     return SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, seed=VAL_SEED)
@@ -122,3 +133,7 @@ class ValidationMeans(nn.Module):
             key = self._keys[name]
             self.means[key].update(value, weight)
             module.log(name, self.means[key], on_step=False, on_epoch=True, metric_attribute=f"val_means.means.{key}")
+
+    def names(self) -> list[str]:
+        """The metric names logged so far (``step`` among them)."""
+        return list(self._keys)

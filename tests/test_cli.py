@@ -9,12 +9,15 @@ import contextlib
 import csv
 import io
 import os
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
+from lightning.pytorch import Trainer
 
 from lightning_grpo import docgen
+from lightning_grpo.base import UPSTREAM_WARNINGS, quiet_upstream_warnings
 from lightning_grpo.cli import SECTIONS, flatten, main
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
@@ -59,11 +62,39 @@ def test_flatten_makes_dotted_keys_and_keeps_lists():
 
 
 # -- a CLI run prints no warning our code causes ------------------------------------------------------------------
-NOT_OURS = {
-    "`isinstance(treespec, LeafSpec)` is deprecated":
-        "Lightning 2.6's CombinedLoader (lightning/pytorch/utilities/_pytree.py) on torch 2.13: every Lightning fit",
-}
-"""Warnings a quickstart run still prints, none caused by our code: message start -> where it comes from."""
+NOT_OURS: dict[str, str] = {}
+"""Warnings a quickstart run still prints, none caused by our code: message start -> where it comes from (none now:
+the upstream ones are filtered at their module: base.UPSTREAM_WARNINGS)."""
+
+
+def test_lightnings_own_warnings_on_every_fit_are_filtered(tmp_path):
+    """Every fit and validate printed torch's LeafSpec FutureWarning from Lightning's CombinedLoader, and every
+    mixed-precision fit (the GPU recipes) Lightning's model-summary note: both upstream's, both silenced."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    def caught(quiet: bool) -> list[str]:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            if quiet:
+                quiet_upstream_warnings()
+            Trainer(max_steps=1, precision="bf16-mixed", accelerator="cpu", logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, limit_val_batches=0, default_root_dir=tmp_path).fit(BoringModel())
+        return [str(w.message) for w in got if any(str(w.message).startswith(m) for m in UPSTREAM_WARNINGS)]
+
+    assert len(caught(quiet=False)) == 2  # Lightning and torch still warn here
+    assert caught(quiet=True) == []
+
+
+@pytest.mark.parametrize("start", list(UPSTREAM_WARNINGS))
+def test_each_upstream_warning_is_filtered_from_its_module_only(start):
+    category, module, _ = UPSTREAM_WARNINGS[start]
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        quiet_upstream_warnings()
+        for source in (module, "lightning_grpo.module", f"{module}_other"):
+            warnings.warn_explicit(f"{start} (from {source})", category, "x.py", 1, module=source)
+    assert [str(w.message) for w in got] == [f"{start} (from lightning_grpo.module)", f"{start} (from {module}_other)"]
+
 
 _RECORDING_RUN = """
 import json, logging, sys, warnings
@@ -129,7 +160,7 @@ def _words(text: str) -> str:
 def test_help_lists_fit_validate_and_plot_but_not_test_or_predict(capsys):
     code, out, _ = _run(["--help"], capsys)
     assert code == 0 and "{fit,validate,plot}" in out
-    assert "Draw reward, loss, clip fraction" in _words(out)
+    assert "Draw reward, loss, KL, clip fraction" in _words(out)
     assert " test " not in out and "predict" not in out
     code, _, err = _run(["test"], capsys)
     assert code == 2 and "invalid choice: 'test'" in err and "usage:" not in err
@@ -247,7 +278,8 @@ def test_a_module_in_the_working_folder_is_found(tmp_path, monkeypatch, capsys):
 
 
 def test_validate_scores_a_checkpoint_as_the_fit_did(tiny_policy_dir, tmp_path, monkeypatch, capsys):
-    """`validate --ckpt_path` of the last checkpoint gives the val/reward the fit logged at that loop step."""
+    """`validate --ckpt_path` of the last checkpoint gives the val/reward the fit logged at that loop step, labelled
+    with that loop step (it said step 0: the loop counter came back only when training resumed)."""
     monkeypatch.chdir(tmp_path)
     held_out = ["--data.val_size=8", "--trainer.val_check_interval=2", "--trainer.num_sanity_val_steps=0",
                 "--model.rewards=[{name: helpers:char_codes}]"]  # greedy text of an untrained policy scores > 0
@@ -257,10 +289,17 @@ def test_validate_scores_a_checkpoint_as_the_fit_did(tiny_policy_dir, tmp_path, 
     assert code == 0, err[-2000:]
     fitted = [r["val/reward"] for r in _rows(tmp_path / "runs/fit/version_0/metrics.csv") if r["val/reward"]]
     ckpt = max((tmp_path / "runs/fit/version_0/checkpoints").glob("*.ckpt"))
-    code, _, err = _run(["validate", *_short_run(tiny_policy_dir, "val", *held_out)[1:], f"--ckpt_path={ckpt}"], capsys)
+    validate = ["validate", *_short_run(tiny_policy_dir, "val", *held_out)[1:], f"--ckpt_path={ckpt}"]
+    validate[validate.index("--trainer.enable_checkpointing=false")] = "--trainer.enable_checkpointing=true"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, _, err = _run(validate, capsys)
     assert code == 0, err[-2000:]
+    # every callback state of the fit's checkpoint finds its callback: no "Please add the following callbacks"
+    assert not [str(w.message) for w in caught if "callbacks used to create the checkpoint" in str(w.message)]
     rows = _rows(tmp_path / "runs/val/version_0/metrics.csv")
     assert len(fitted) == 1 and float(fitted[0]) > 0 and [r["val/reward"] for r in rows] == fitted
+    assert [r["step"] for r in rows] == ["2"]  # the checkpoint's loop step, as the fit's row
 
 
 @pytest.fixture(scope="module")

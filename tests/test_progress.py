@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
 from helpers import global_determinism_restored, tiny_grpo_module
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_grpo.checkpoint import GRPOCheckpoint, complete_checkpoints
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.data.preference_module import PreferenceDataModule
 from lightning_grpo.data.prompts import PromptDataModule
+from lightning_grpo.dpo import DPOConfig, DPOModule
+from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.progress import GRPOProgressBar, GRPORichProgressBar, loop_steps_total
 
 
@@ -82,6 +87,35 @@ def test_a_users_own_bar_subclass_is_left_alone(tiny_policy_dir, tmp_path):
     bar = OwnBar()
     _fit(tiny_grpo_module(tiny_policy_dir), tmp_path, max_steps=2, bar=bar)
     assert type(bar) is OwnBar
+
+
+class MetricsReader(BarReader):
+    """Also reads the metrics the bar shows beside the count."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.metrics = trainer.progress_bar_callback.get_metrics(trainer, pl_module)
+
+
+@pytest.mark.parametrize("bar_class", [TQDMProgressBar, RichProgressBar])
+def test_a_dpo_run_counts_loop_steps_and_no_bar_shows_v_num(bar_class, tiny_policy_dir, tmp_path):
+    """A DPO run kept Lightning's stock bar ("Epoch 0/-2" with max_steps), and every bar showed `v_num: 0.000`.
+    Without held-out pairs no "Total length of `list` across ranks is zero" warning either."""
+    bar, reader = bar_class(), MetricsReader()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Total length of")
+        _fit_dpo(tiny_policy_dir, tmp_path, [bar, reader])
+    assert type(bar) in (GRPOProgressBar, GRPORichProgressBar)
+    assert reader.at_start == (0, 2, "Epoch 0") and reader.shown == [(1, 2), (2, 2)]
+    assert "v_num" not in reader.metrics and {"loss", "acc"} <= reader.metrics.keys()
+
+
+def _fit_dpo(tiny_policy_dir, tmp_path, callbacks) -> None:
+    trainer = Trainer(max_steps=2, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path), enable_model_summary=False,
+                      enable_checkpointing=False, default_root_dir=tmp_path, callbacks=callbacks)
+    module = DPOModule(PolicyConfig(path=str(tiny_policy_dir)), DPOConfig(batch_size=4))
+    with global_determinism_restored():
+        trainer.fit(module, datamodule=PreferenceDataModule("builtin:arith_small", val_size=0))
 
 
 def _trainer(max_steps: int, global_step: int, n_mini: int, batches: float = math.inf, mu: int = 1):

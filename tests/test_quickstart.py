@@ -18,10 +18,12 @@ def test_quickstart_reward_rises_and_writes_metrics_and_checkpoint(tmp_path, mon
     run = tmp_path / "runs" / "quickstart" / "version_0"
     every = list(csv.DictReader((run / "metrics.csv").open()))
     val = [float(r["val/reward"]) for r in every if r.get("val/reward")]
-    assert len(val) == 8 and val[0] > 0, val  # held-out prompts the policy can get right (main: 0.0 throughout)
-    # The summary's first val/reward is the starting policy's (num_sanity_val_steps: -1): the rise over the run.
+    assert len(val) == 9 and val[0] > 0, val  # held-out prompts the policy can get right (main: 0.0 throughout)
+    # The first val/reward is the starting policy's (num_sanity_val_steps: -1), a row at loop step 0 and the
+    # summary's first: the rise over the run.
     out = capsys.readouterr().out
     start = float(re.search(r"val/reward first (\d\.\d{3})  \(loop step 0\)", out).group(1))
+    assert abs(start - val[0]) < 6e-4 and "; 9 validations)" in out
     assert val[-1] > start + 0.05, f"val/reward did not rise: {start} before training, then {val}"
     rows = [r for r in every if r.get("reward/mean")]
     rewards = [float(r["reward/mean"]) for r in rows]

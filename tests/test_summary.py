@@ -1,11 +1,21 @@
-"""RunSummary: what a person reads when a fit ends, validation included."""
+"""RunSummary: what a person reads when a fit ends, and that it says what metrics.csv and curves.png say."""
 
 from __future__ import annotations
 
+import csv
+import importlib.util
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
-from lightning_grpo.summary import RunSummary
+import pytest
+from helpers import fit_tiny, tiny_grpo_module
+from test_recipes import TINY_SWAPS
+
+from lightning_grpo.checkpoint import GRPOCheckpoint, complete_checkpoints
+from lightning_grpo.cli import main
+from lightning_grpo.plot import SMOOTHED, plot_curves
+from lightning_grpo.summary import HEADLINES, VAL_HEADLINES, RunSummary
 
 
 def test_quickstart_summary_prints_first_and_last_val_reward(quickstart_run):
@@ -17,25 +27,188 @@ def test_quickstart_summary_prints_first_and_last_val_reward(quickstart_run):
     assert re.search(r"val/reward last  \d\.\d{3}  \(loop step 2, [+-]\d\.\d{3}; 3 validations\)", last)
 
 
-def test_validations_are_recorded_with_their_loop_step_and_survive_a_checkpoint():
-    summary = RunSummary()
-    trainer = SimpleNamespace(sanity_checking=True, callback_metrics={"val/reward": 0.5},
-                              num_sanity_val_batches=[2], num_val_batches=[8])
-    summary.on_validation_end(trainer, None)  # Lightning's sanity check over 2 of 8 batches: not a measurement
-    summary._rewards = [0.1, 0.2]
-    trainer.sanity_checking, trainer.callback_metrics = False, {"val/reward": 0.25}
-    summary.on_validation_end(trainer, None)
-    summary._rewards.append(0.3)
-    trainer.callback_metrics = {"val/reward": 0.75}
-    summary.on_validation_end(trainer, None)
-    restored = RunSummary()
-    restored.load_state_dict(summary.state_dict())
-    assert restored._val_lines() == ["  val/reward first 0.250  (loop step 2)",
-                                     "  val/reward last  0.750  (loop step 3, +0.500; 2 validations)"]
-    assert "not measured" in RunSummary()._val_lines()[0]
-    # A sanity check over every held-out batch (num_sanity_val_steps: -1) measures the starting weights.
-    whole = RunSummary()
-    trainer = SimpleNamespace(sanity_checking=True, callback_metrics={"val/reward": 0.125},
-                              num_sanity_val_batches=[8], num_val_batches=[8])
-    whole.on_validation_end(trainer, None)
-    assert whole._val == [(0, 0.125)]
+def _validate(summary, module, value: float, sanity: tuple[int, int] | None = None) -> None:
+    trainer = SimpleNamespace(sanity_checking=sanity is not None, callback_metrics={"val/reward": value},
+                              num_sanity_val_batches=[sanity[0] if sanity else 0], num_val_batches=[8])
+    summary.on_validation_end(trainer, module)
+
+
+def _steps(summary, module, rewards: list[float]) -> None:
+    for reward in rewards:
+        module.loop_step += 1
+        module.last_metrics = {"reward/mean": reward, "step": float(module.loop_step), "grpo/tokens": 10.0}
+        summary.on_train_batch_end(None, module, None, None, 0)
+
+
+def test_validations_are_labelled_with_the_loop_step_also_after_a_resume():
+    """The resumed fit reported its last validation at its own count of loop steps (55 instead of 80): the callback
+    emptied its restored rewards at on_train_start and counted them for the label."""
+    module = SimpleNamespace(loop_step=0, last_metrics={})
+    first = RunSummary()
+    first.setup(None, module, "fit")
+    _validate(first, module, 0.5, sanity=(2, 8))  # a sanity check over 2 of 8 batches: not a measurement
+    _validate(first, module, 0.125, sanity=(8, 8))  # over all of them: the starting weights, loop step 0
+    first.on_train_start(None, module)
+    _steps(first, module, [0.1, 0.2, 0.3])
+    _validate(first, module, 0.25)
+    resumed, module = RunSummary(), SimpleNamespace(loop_step=3, last_metrics={})
+    resumed.setup(None, module, "fit")
+    resumed.load_state_dict(first.state_dict())  # Lightning restores callback state after setup
+    resumed.on_train_start(None, module)
+    _validate(resumed, module, 0.25, sanity=(8, 8))  # the same loop step measured again: counted once
+    _steps(resumed, module, [0.4, 0.5])
+    _validate(resumed, module, 0.75)
+    report = resumed.report(SimpleNamespace(global_step=5, log_dir="runs/x", lightning_module=module))
+    assert "loop steps       5  (2 in this fit, from loop step 3; optimizer steps: 5)" in report
+    assert "reward first 5   0.300  (loop steps 1-5)" in report and "reward last 5    0.300  (loop steps 1-5" in report
+    assert "val/reward first 0.125  (loop step 0)" in report
+    assert "val/reward last  0.750  (loop step 5, +0.625; 3 validations)" in report
+
+
+def test_a_resumed_fit_reports_loop_steps_of_the_whole_run(tiny_policy_dir, tmp_path, capsys):
+    """A real resume: Lightning restores the summary's rows after setup, and the loop step comes from the checkpoint
+    (before training puts the loop counters back)."""
+    def fit(loop_steps: int, ckpt_path=None) -> str:
+        saver = GRPOCheckpoint(dirpath=tmp_path / "ckpt", every_n_loop_steps=1)
+        fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path, loop_steps, callbacks=[RunSummary(plot=False), saver],
+                 ckpt_path=ckpt_path, val_size=4, val_check_interval=1, num_sanity_val_steps=-1)
+        return capsys.readouterr().out
+
+    fit(2)
+    out = fit(3, ckpt_path=complete_checkpoints(tmp_path / "ckpt")[-1])
+    assert "loop steps       3  (1 in this fit, from loop step 2; optimizer steps: 6)" in out
+    assert re.search(r"reward first 3   \S+  \(loop steps 1-3\)", out)
+    assert re.search(r"val/reward first \S+  \(loop step 0\)", out)
+    # 0 and 1 restored, then 3 (the step-2 checkpoint is written before that step's validation, and Lightning runs
+    # no sanity check on a resume)
+    assert re.search(r"val/reward last  \S+  \(loop step 3, \S+; 3 validations\)", out), out
+
+
+def test_a_dpo_run_reports_its_loop_steps_loss_accuracy_and_pairs():
+    """A DPO run said `loop steps 0`, `reward first 5 nan` and `0 trained tokens/s`: it logs no reward/mean."""
+    summary, module = RunSummary(window=2), SimpleNamespace(loop_step=0, last_metrics={})
+    summary.setup(None, module, "fit")
+    summary.on_train_start(None, module)
+    for loss, acc in [(0.69, 0.0), (0.6, 0.5), (0.5, 0.75)]:
+        module.loop_step += 1
+        module.last_metrics = {"dpo/loss": loss, "dpo/accuracy": acc, "dpo/pairs": 8.0, "step": module.loop_step}
+        summary.on_train_batch_end(None, module, None, None, 0)
+    trainer = SimpleNamespace(sanity_checking=False, callback_metrics={"val/accuracy": 0.625})
+    summary.on_validation_end(trainer, module)
+    report = summary.report(SimpleNamespace(global_step=3, log_dir="runs/dpo", lightning_module=module))
+    assert "loop steps       3  (optimizer steps: 3)" in report
+    assert "dpo/loss first 2 0.645  (loop steps 1-2)" in report and "dpo/loss last 2  0.550  (loop steps 2-3" in report
+    assert "dpo/accuracy first 2 0.250" in report and "dpo/accuracy last 2 0.625" in report
+    assert "val/accuracy first 0.625  (loop step 3)" in report
+    assert "trained pairs/s" in report and "nan" not in report and "reward" not in report
+
+
+# -- every shipped config: summary, metrics.csv and curves.png agree ------------------------------------------------
+CONFIGS = Path(__file__).parents[1] / "configs"
+DATA = Path(__file__).parent / "data"
+FAST = ["--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false"]
+"""Six loop steps (max_steps below) validated every 3: the 5-step first and last windows differ."""
+SHRUNK = {
+    "quickstart": ["--trainer.max_steps=6", "--model.policy.warm_start_steps=30", "--data.val_size=16",
+                   "--model.rl.batch_per_replica=16", "--model.rl.micro_batch_per_replica=16", *FAST],
+    "opd-arith": ["--trainer.max_steps=6", "--model.policy.warm_start_steps=10", "--data.val_size=8",
+                  "--model.opd.teacher.warm_start_steps=20", "--model.rl.batch_per_replica=16",
+                  "--model.rl.micro_batch_per_replica=8", *FAST],
+    "dpo-arith": ["--trainer.max_steps=6", "--model.dpo.batch_size=8", "--model.dpo.grad_accum=2",
+                  "--data.val_size=8", *FAST],
+    "tools-quickstart": ["--trainer.max_steps=6", "--model.rl.batch_per_replica=8", "--model.env.max_turns=2", *FAST],
+    "vlm-quickstart": ["--trainer.max_steps=6", "--model.policy.warm_start_steps=10", "--data.val_size=8",
+                       "--model.rl.batch_per_replica=16", "--model.rl.micro_batch_per_replica=16", *FAST],
+    # vLLM on CPU (slow): n_mini 2 for LoRA, as the config's own n_mini > 1
+    "lora-quickstart": ["--trainer.max_steps=12", "--model.policy.warm_start_steps=30", "--data.val_size=8",
+                        "--model.rl.batch_per_replica=16", "--model.rl.mini_batch_per_replica=8",
+                        "--model.rl.micro_batch_per_replica=8", *FAST],
+    "vllm-cpu": ["--trainer.max_steps=6", "--model.policy.warm_start_steps=20", "--data.val_size=8",
+                 "--model.rl.batch_per_replica=16", "--model.rl.micro_batch_per_replica=16", *FAST],
+    "vllm-server": ["--trainer.max_steps=6", "--model.policy.warm_start_steps=20", "--data.val_size=8",
+                    "--model.rl.batch_per_replica=16", "--model.rl.micro_batch_per_replica=16", *FAST],
+    # the recipes: test_recipes.py's swaps (tiny model and data, CPU, same precision and engine)
+    "qwen2.5-0.5b-gsm8k": [f"--data.source={DATA / 'gsm8k_tiny.jsonl'}", *TINY_SWAPS[1:]],
+}
+VLLM = {"lora-quickstart", "vllm-cpu", "vllm-server", "qwen2.5-0.5b-gsm8k", "qwen2.5-vl-3b-geometry"}
+SHIPPED = sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.name != "sweep.yaml")
+
+
+def _param(name: str):
+    marks = [pytest.mark.slow, pytest.mark.vllm] if name in VLLM else []
+    return pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in SHIPPED])
+def test_summary_csv_and_plot_agree_on_every_shipped_config(name, tmp_path, monkeypatch, capsys, request):
+    """Each config's fit (model, data and sizes shrunk; precision and engine its own): the summary's first/last
+    figures and validations are metrics.csv's, and the plot draws exactly those rows."""
+    if name == "qwen2.5-vl-3b-geometry":
+        pytest.skip("needs vLLM to load Qwen2.5-VL: a GPU box with torchvision (test_recipes.py runs it there)")
+    if name in VLLM:
+        pytest.importorskip("vllm")
+    extra = SHRUNK[name]
+    if name == "qwen2.5-0.5b-gsm8k":
+        extra = [*extra, f"--model.policy.path={request.getfixturevalue('tiny_chat_policy_dir')}"]
+    monkeypatch.chdir(tmp_path)
+    main(["fit", "--config", str(CONFIGS / f"{name}.yaml"), *extra])
+    summary = capsys.readouterr().out
+    run = tmp_path / "runs" / name / "version_0"
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    drawn = plot_curves(run / "metrics.csv", tmp_path / "check.png").lines  # what curves.png holds
+    assert (run / "curves.png").is_file()
+    loop_steps = [float(r["step"]) for r in rows if r.get("loop_step")]
+    assert f"loop steps       {loop_steps[-1]:.0f}  (" in summary
+    checked = _train_agree(summary, rows, drawn) + _val_agree(summary, rows, drawn)
+    expected = {"dpo-arith": {"dpo/loss", "dpo/accuracy", "val/accuracy"},
+                "tools-quickstart": {"reward/mean"}}.get(name, {"reward/mean", "val/reward"})
+    assert set(checked) == expected, summary
+    if "num_sanity_val_steps: -1" in (CONFIGS / f"{name}.yaml").read_text():  # the starting weights, a CSV row too
+        assert next(float(r["step"]) for r in rows if r.get("val/reward")) == 0.0
+
+
+def _column(rows: list[dict], metric: str) -> tuple[list[float], list[float]]:
+    kept = [r for r in rows if r.get(metric)]
+    return [float(r["step"]) for r in kept], [float(r[metric]) for r in kept]
+
+
+def _train_agree(summary: str, rows: list[dict], drawn: dict) -> list[str]:
+    checked = []
+    for metric, label in HEADLINES.items():
+        steps, values = _column(rows, metric)
+        if not values:
+            continue
+        w = min(5, len(values))
+        first = re.search(rf"  {re.escape(label)} first {w}\s+(\S+)  \(loop steps (\d+)-", summary)
+        last = re.search(rf"  {re.escape(label)} last {w}\s+(\S+)  \(loop steps \d+-(\d+)", summary)
+        assert first and last, (metric, summary)
+        assert drawn[metric] == (steps, values)  # the plot draws the CSV's rows, no more, no fewer
+        head, tail = sum(values[:w]) / w, sum(values[-w:]) / w
+        assert abs(float(first.group(1)) - head) < 6e-4 and abs(float(last.group(1)) - tail) < 6e-4, metric
+        assert float(first.group(2)) == steps[0] and float(last.group(2)) == steps[-1]
+        if (smooth := SMOOTHED.format(metric=metric, window=5)) in drawn:  # the trailing mean ends on "last 5"
+            assert abs(drawn[smooth][1][w - 1] - head) < 1e-12 and abs(drawn[smooth][1][-1] - tail) < 1e-12
+        checked.append(metric)
+    return checked
+
+
+def _val_agree(summary: str, rows: list[dict], drawn: dict) -> list[str]:
+    checked = []
+    for metric in VAL_HEADLINES:
+        steps, values = _column(rows, metric)
+        if not values:
+            continue
+        first = re.search(rf"  {metric} first (\S+)  \(loop step (\d+)\)", summary)
+        last = re.search(rf"  {metric} last  (\S+)  \(loop step (\d+), \S+; (\d+) validations\)", summary)
+        assert first and last, (metric, summary)
+        assert drawn[metric] == (steps, values)
+        assert abs(float(first.group(1)) - values[0]) < 6e-4 and float(first.group(2)) == steps[0]
+        assert abs(float(last.group(1)) - values[-1]) < 6e-4 and float(last.group(2)) == steps[-1]
+        assert int(last.group(3)) == len(values)  # "9 validations" and 8 rows no more
+        checked.append(metric)
+    return checked
+
+
+def test_every_shipped_config_is_covered():
+    assert set(SHIPPED) == set(SHRUNK) | {"qwen2.5-vl-3b-geometry"}
+    assert importlib.util.find_spec("matplotlib") is not None  # the agreement test reads the plot's lines

@@ -22,7 +22,8 @@ from wandb_offline import read_run
 ROOT = Path(__file__).parents[1]
 SHORTEN = ["--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", "--data.val_size=16",
            "--model.policy.warm_start_steps=30"]
-"""2 loop steps, one validation at the end on 16 held-out prompts; the warm start of QUICKSTART_ARGS (cached)."""
+"""2 loop steps, validated before (the config's full sanity check) and at the end on 16 held-out prompts; the warm
+start of QUICKSTART_ARGS (cached)."""
 
 
 def agent_command(sweep: dict, params: dict, extra: list[str]) -> list[str]:
@@ -81,4 +82,5 @@ def test_two_sweep_trials_run_offline_in_one_directory(tmp_path):
     train = [h for h in b.history if "reward/mean" in h]
     assert [h["trainer/global_step"] for h in train] == [h["loop_step"] for h in train] == [1, 2]
     assert [h["global_step"] for h in train] == [2, 4]  # mini-batch 32 of 64: n_mini = 2
-    assert [h["trainer/global_step"] for h in b.history if "val/reward" in h] == [2]
+    # the starting policy (the config's full sanity check, loop step 0) and the end of the 2 loop steps
+    assert [h["trainer/global_step"] for h in b.history if "val/reward" in h] == [0, 2]

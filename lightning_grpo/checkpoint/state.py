@@ -202,6 +202,12 @@ class LoopState:
                         "accumulator, probe and RNG streams start fresh; the continuation is not exact", STATE_KEY)
         self._loaded = state
 
+    @property
+    def pending_loop_step(self) -> int | None:
+        """The loop step of a loaded checkpoint not yet put back: under ``validate``, and in a resumed fit before
+        ``on_train_start`` (its sanity check); None otherwise."""
+        return None if self._loaded is None else int(self._loaded.get("loop_step", 0))
+
     def resume(self, trainer: Trainer, updater, datamodule) -> None:
         """Put a loaded state back into the fresh updater; check the datamodule resumed at the boundary."""
         state, self._loaded = self._loaded, None

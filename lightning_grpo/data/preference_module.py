@@ -79,6 +79,10 @@ class PreferenceDataModule(LightningDataModule):
         if self._pairs is None:
             self._pairs = load_pairs(self.source, **self.keys, size=self.builtin_size, seed=self.seed)
             self._val = self._load_val()
+        if self.trainer is not None and not self._val and stage == "fit":
+            # No held-out pairs (val_size: 0): validation off by Lightning's knob, as PromptDataModule does, instead of
+            # an empty val_dataloader it warns about ("Total length of `list` across ranks is zero") every fit.
+            self.trainer.limit_val_batches = 0
 
     def _load_val(self) -> list[PreferencePair]:
         if self.val_size == 0:
