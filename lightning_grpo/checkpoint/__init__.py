@@ -3,7 +3,8 @@
 - ``state.py``: the module's own state (``checkpoint["grpo"]``), written by ``GRPOModule.on_save_checkpoint``
   into every checkpoint Lightning writes, and the per-rank RNG streams; parameters with NaN/inf are never saved.
 - ``callback.py``: ``GRPOCheckpoint``, the cadence in loop steps, keep-last of the run's own files, the config
-  beside each file, the emergency save on SIGTERM / SIGUSR1.
+  beside each file, published after the loop step's metrics row, the emergency save on SIGTERM / SIGUSR1
+  and on a failure before the update stepped.
 - ``atomic.py``: ``atomic_write`` (same-folder temp file + ``os.replace``; a full disk says so, naming the file).
 - ``checkpoint_io.py``: ``AtomicCheckpointIO`` (Lightning's checkpoint IO writing through ``atomic_write``;
   ``weights_only=True`` loads, verified against the manifest).
@@ -11,6 +12,7 @@
 - ``resume.py``: ``--ckpt_path last`` (``resolve_ckpt_path``: which folders a trainer searches, which file it resumes).
 - ``integrity.py``: the manifest beside each checkpoint (run ids, SHA-256) and its verification.
 - ``lock.py``: one live run per checkpoint folder.
+- ``revalidate.py``: a validation cut short runs again when the run resumes (the manifest's ``validation``).
 - ``signals.py``: SIGTERM / SIGUSR1 recorded, acted on at the next safe point, Lightning's handlers kept.
 """
 

@@ -21,19 +21,12 @@ from typing import Any
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_grpo.checkpoint.atomic import DISK_FULL, atomic_write, disk_full
 from lightning_grpo.checkpoint.checkpoint_io import AtomicCheckpointIO
-from lightning_grpo.checkpoint.integrity import (
-    DamagedCheckpointError,
-    Manifest,
-    digest,
-    mark_validation,
-    read_manifest,
-    write_manifest,
-)
+from lightning_grpo.checkpoint.integrity import Manifest, digest, mark_validation, write_manifest
 from lightning_grpo.checkpoint.lock import FolderInUseError, FolderLock
 from lightning_grpo.checkpoint.paths import (
     adapter_path,
@@ -45,6 +38,7 @@ from lightning_grpo.checkpoint.paths import (
     publish,
     staging_path,
 )
+from lightning_grpo.checkpoint.revalidate import rerun_validation, validation_pending
 from lightning_grpo.checkpoint.signals import Preempted, SignalWatch
 from lightning_grpo.checkpoint.state import NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.lora import is_lora, save_adapter
@@ -144,7 +138,7 @@ class GRPOCheckpoint(Checkpoint):
         self._take_folder(trainer)
         if self.save_on_signal:
             self._signals.install(trainer)
-        if resumed and _validation_pending(trainer.ckpt_path):
+        if resumed and validation_pending(trainer.ckpt_path):
             rerun_validation(trainer)
 
     @override
@@ -341,34 +335,6 @@ class GRPOCheckpoint(Checkpoint):
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-def _validation_pending(ckpt_path) -> bool:
-    try:
-        manifest = read_manifest(Path(ckpt_path))
-    except (DamagedCheckpointError, OSError):
-        return False
-    return manifest is not None and manifest.validation == "pending"
-
-
-def rerun_validation(trainer: Trainer) -> None:
-    """Run the validation the resumed checkpoint's run never finished, before the first loop step.
-
-    A checkpoint saved at the batch boundary precedes the validation due there; Lightning's restart treats that
-    validation as done. Its restart path for a checkpoint written mid-validation re-runs it: this takes that path
-    (the stage is Lightning's ``RestartStage``; the counters of the last validation are cleared, or the re-run would
-    count them as already fetched and stop after one batch).
-    """
-    try:
-        from lightning.pytorch.loops.evaluation_loop import RestartStage
-    except ImportError:  # older Lightning: no mid-validation restart
-        rank_zero_warn("the validation after the resumed checkpoint's loop step was interrupted and this Lightning "
-                       "cannot re-run it (needs lightning>=2.5); it is skipped")
-        return
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    val_loop.batch_progress.current.reset()
-    val_loop._restart_stage = RestartStage.RESTARTED_MID_EVALUATION
-    rank_zero_info("the validation after the resumed loop step was interrupted: running it again first")
 
 
 def _written(trainer: Trainer, staging: Path) -> tuple[str, int]:

@@ -177,9 +177,9 @@ class LoopState:
         checkpoint[STATE_KEY] = state
         datamodule, data = trainer.datamodule, state["data"]
         key = type(datamodule).__qualname__
-        if isinstance(datamodule, StreamPosition) and data is not None and key in checkpoint:
-            if datamodule.position != data["position"]:  # drawn but not trained on: the resume draws them again
-                checkpoint[key] = datamodule.state_dict_at(data["position"])
+        drawn_ahead = isinstance(datamodule, StreamPosition) and data is not None and key in checkpoint
+        if drawn_ahead and datamodule.position != data["position"]:  # drawn, not trained on: the resume redraws them
+            checkpoint[key] = datamodule.state_dict_at(data["position"])
 
     def record(self, trainer: Trainer) -> dict[str, Any] | None:
         """``checkpoint["grpo"]``: the boundary state plus every rank's RNG (a collective under DP)."""
