@@ -60,7 +60,8 @@ class VLLMServerEngine(BookkeptSleep):
         config: ``ServerConfig`` (launch a child, or connect to ``url``).
         reference: the trainer's logprobs of a token sequence (``sequence_logprobs`` bound to the policy); None =
             check only the weight version after a sync.
-        decode: token ids -> text (the tokenizer), for stop strings and forbidden tokens.
+        decode: token ids -> text, for stop strings and forbidden tokens; None = the model folder's tokenizer
+            (special tokens skipped, as the other engines decode).
         sampler_logprobs: whether generations ask for sampler logprobs (a launched server then runs
             ``--logprobs-mode processed_logprobs``).
 
@@ -125,8 +126,17 @@ class VLLMServerEngine(BookkeptSleep):
             choice = reply["choices"][0]
             lps = choice["logprobs"]["token_logprobs"] if sampling.logprobs else None
             out.append(finish_rollout(p, choice["token_ids"], choice["text"], choice["finish_reason"], lps,
-                                      sampling, self.decode))
+                                      sampling, self._decoder() if sampling.stop else self.decode))
         return out
+
+    def _decoder(self):
+        """``decode``, or (none given) the model folder's tokenizer, loaded once: the shared stop-string cut needs one."""
+        if self.decode is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        return self.decode
 
     def _body(self, prompt: Prompt, s: SamplingConfig, seed: int) -> dict:
         warped = s.temperature > 0
