@@ -229,23 +229,31 @@ def test_fit_trains_on_the_server_and_checks_each_sync(engine, trainer, tiny_pol
     assert len(recorder.metrics) == 2 and all(torch.isfinite(torch.tensor(m["grpo/loss"])) for m in recorder.metrics)
 
 
-def test_server_death_mid_generation_stops_the_run_with_its_log(engine):
-    """Last in the module: it kills the shared server."""
-    errors: list[BaseException] = []
+def test_server_death_mid_run_stops_the_fit_with_its_log_and_an_emergency_checkpoint(engine, tiny_policy_dir,
+                                                                                     tmp_path):
+    """Last in the module: it kills the shared server. The fit generates through it; the server dies as loop step 3
+    starts: the run stops with the server's exit code and last log lines, and (the update of step 3 never started)
+    the boundary of loop step 2 is saved on the way out, though no scheduled save was due."""
+    from helpers import fit_tiny, tiny_grpo_module
+    from lightning.pytorch import Callback
 
-    def generate_until_it_fails():
-        try:
-            while True:
-                engine.generate(prompts(8), 8, SamplingConfig(max_new_tokens=200, seed=0))
-        except BaseException as err:  # noqa: BLE001 - the test inspects it
-            errors.append(err)
+    from lightning_grpo.checkpoint import GRPOCheckpoint, checkpoint_name, read_manifest
 
-    worker = threading.Thread(target=generate_until_it_fails)
-    worker.start()
-    time.sleep(1.0)
-    os.killpg(engine.server.proc.pid, signal.SIGKILL)
-    worker.join(timeout=60)
-    assert not worker.is_alive() and len(errors) == 1
-    message = str(errors[0])
-    assert isinstance(errors[0], ServerError) and "vllm serve exited with code -9" in message
+    class KillServerAt3(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if pl_module.loop_step == 2:
+                os.killpg(engine.server.proc.pid, signal.SIGKILL)
+                engine.server.proc.wait(timeout=30)
+
+    module = tiny_grpo_module(tiny_policy_dir)
+    module.build_engine = lambda will_sleep=True: engine  # the launched server's own client: errors carry its log
+    engine.reference = lambda ids: sequence_logprobs(module.policy, ids)  # each sync is checked against this policy
+    cb = GRPOCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_loop_steps=10)
+    with pytest.raises(ServerError) as err:
+        fit_tiny(module, tmp_path, loop_steps=4, callbacks=[KillServerAt3(), cb])
+    message = str(err.value)
+    assert "vllm serve exited with code -9" in message
     assert "its last log lines" in message and "INFO" in message
+    saved = cb.dirpath / checkpoint_name(2, cb.lineage)
+    assert read_manifest(saved).reason == "error:ServerError"
+    assert torch.load(saved, weights_only=True)["grpo"]["loop_step"] == 2
