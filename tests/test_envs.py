@@ -83,6 +83,28 @@ class Recording:
         return outs
 
 
+def check_vllm_episodes(engine, tok, model) -> None:
+    """Plays AddOnly episodes (3 prompts x 2) through ``engine`` and checks token in, token out: episodes end at
+    different turns, tool results sit between model turns with mask 0, the trained ids are the sampled ones, and
+    ``model``'s logprobs meet the sampler's on every model token (1e-4, float32; both vLLM engines)."""
+    recording = Recording(engine)
+    runner = EpisodeRunner(EnvConfig(name="test_envs:AddOnly", parser="test_envs:add_every_turn", max_turns=3),
+                           tok, [tok.eos_token_id], context=256)
+    prompts = [Prompt(id=i, token_ids=[], text=f"{10 + i}+{20 + i}=", answer=str(30 + 2 * i)) for i in range(3)]
+    sampling = SamplingConfig(max_new_tokens=6, seed=5, logprobs=True, stop=(" ", "+"))
+    rollouts, metrics = runner.play(recording, prompts, 2, sampling)
+    assert 1 < metrics["episode/turns_mean"] < 3  # episodes that end at different turns, batched turn by turn
+    assert any(not m for r in rollouts for m in r.model_mask)  # tool results between turns: context, never trained
+    batch = pack_rollouts(rollouts, torch.ones(len(rollouts)), torch.zeros(len(rollouts)), tok.pad_token_id)
+    for i, r in enumerate(rollouts):
+        sampled = [t for ids, _ in recording.turns[r.prompt.id] for t in ids]
+        assert batch.input_ids[i][batch.completion_mask[i]].tolist() == sampled
+    with torch.no_grad():
+        lp = token_logprobs(model, batch.input_ids, batch.attention_mask.long(), positions=batch.completion_mask[:, 1:])
+    mask = batch.completion_mask[:, 1:]
+    torch.testing.assert_close(lp[mask].float(), batch.rollout_logprobs[:, 1:][mask], atol=1e-4, rtol=0)
+
+
 def add_every_turn(text: str) -> list[ToolCall | str]:
     """A parser (the documented hook) that reads every turn as a call, so a random policy plays long episodes."""
     return [ToolCall("add", {"a": 98765, "b": len(text)})]

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
@@ -95,32 +94,14 @@ def test_multi_turn_episodes_are_token_in_token_out_and_match_the_trainer(engine
     """Issue 30 item 4 on the server engine: each turn continues every live episode from its token ids (one request
     per episode), the trained ids are the sampled ones, tool results sit between turns with mask 0, and the trainer's
     logprobs meet the server's on every model token."""
-    from test_envs import Recording
+    from test_envs import check_vllm_episodes
 
-    from lightning_grpo.batch import pack_rollouts
-    from lightning_grpo.envs import EnvConfig, EpisodeRunner
-    from lightning_grpo.logprobs import token_logprobs
     from lightning_grpo.tiny.tokenizer import TINY_CHAT_TEMPLATE
 
     push_weights(trainer, engine)
     _, tok = load_policy(PolicyConfig(path=str(tiny_policy_dir)))
     tok.chat_template = TINY_CHAT_TEMPLATE  # the runner renders the chat; the server only ever sees token ids
-    recording = Recording(engine)
-    runner = EpisodeRunner(EnvConfig(name="test_envs:AddOnly", parser="test_envs:add_every_turn", max_turns=3),
-                           tok, [tok.eos_token_id], context=256)
-    opening = [Prompt(id=i, token_ids=[], text=f"{10 + i}+{20 + i}=", answer=str(30 + 2 * i)) for i in range(3)]
-    sampling = SamplingConfig(max_new_tokens=6, seed=5, logprobs=True, stop=(" ", "+"))
-    rollouts, metrics = runner.play(recording, opening, 2, sampling)
-    assert 1 < metrics["episode/turns_mean"] < 3  # episodes that end at different turns, batched turn by turn
-    batch = pack_rollouts(rollouts, torch.ones(len(rollouts)), torch.zeros(len(rollouts)), tok.pad_token_id)
-    assert any(not m for r in rollouts for m in r.model_mask)  # tool results between turns: context, never trained
-    for i, r in enumerate(rollouts):
-        sampled = [t for ids, _ in recording.turns[r.prompt.id] for t in ids]
-        assert batch.input_ids[i][batch.completion_mask[i]].tolist() == sampled
-    with torch.no_grad():
-        lp = token_logprobs(trainer, batch.input_ids, batch.attention_mask.long(), positions=batch.completion_mask[:, 1:])
-    mask = batch.completion_mask[:, 1:]
-    torch.testing.assert_close(lp[mask].float(), batch.rollout_logprobs[:, 1:][mask], atol=1e-4, rtol=0)
+    check_vllm_episodes(engine, tok, trainer)
 
 
 def test_sync_lands_and_a_skipped_sync_is_stale(engine, trainer):
