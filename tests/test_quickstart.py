@@ -101,5 +101,6 @@ def test_tools_quickstart_tool_use_and_reward_rise(tmp_path, monkeypatch, seed):
         assert last > first + rise, f"{metric} did not rise (seed {seed}): first 5 {first:.3f}, last 5 {last:.3f}"
     for metric in ("tools/failure_frequency", "episode/turns_mean", "episode/truncated_frac"):
         assert all(r[metric] != "" for r in rows), metric
-    val = [r for r in every if r.get("val/reward")]  # greedy episodes every 10 loop steps
-    assert len(val) == 3 and all(float(r["val/tools/call_frequency"]) > 0 for r in val)
+    val = [r for r in every if r.get("val/reward")]  # greedy episodes before training, then every 10 loop steps
+    assert [int(r["step"]) for r in val] == [0, 10, 20, 30]
+    assert all(float(r["val/tools/call_frequency"]) > 0 for r in val)
