@@ -200,12 +200,14 @@ class SignalWhenHanging(Callback):
             self.timer.start()
 
 
-def test_an_error_mid_run_saves_an_emergency_checkpoint_of_the_last_boundary(tiny_policy_dir, tmp_path):
+@pytest.mark.parametrize("save_on_signal", [True, False])
+def test_an_error_mid_run_saves_an_emergency_checkpoint_of_the_last_boundary(tiny_policy_dir, tmp_path,
+                                                                            save_on_signal):
     """Fault 12: a reward error at loop step 3 lost everything since the last scheduled save (here: none)."""
     module = tiny_grpo_module(tiny_policy_dir)
     module.reward_specs = [*module.reward_specs, RewardSpec("reward_fns:hangs_from_prompt_4", timeout_s=0.2)]
     reward_fns.RELEASE.clear()
-    cb = GRPOCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_loop_steps=10)
+    cb = GRPOCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_loop_steps=10, save_on_signal=save_on_signal)
     try:
         with pytest.raises(RewardError, match="did not return within timeout_s=0.2"):
             fit_tiny(module, tmp_path, loop_steps=4, callbacks=[cb])

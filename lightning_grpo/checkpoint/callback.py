@@ -110,6 +110,7 @@ class GRPOCheckpoint(Checkpoint):
         self._pending: tuple[Path, Manifest | None] | None = None  # saved, not yet published (see on_train_batch_end)
         self._stop: int | None = None  # the signal every rank agreed on, acted on after the step's row
         self._save_failed = False
+        self._in_fit = False
 
     # -- hooks -------------------------------------------------------------------------------------------------------
     @override
@@ -136,6 +137,7 @@ class GRPOCheckpoint(Checkpoint):
         self.lineage = self._loaded_lineage if resumed and self._loaded_lineage else self.run_id
         self._parent = str(trainer.ckpt_path) if resumed else None
         self._take_folder(trainer)
+        self._in_fit = True  # from here to the end of fit: publishes after rows, validation marks, emergency saves
         if self.save_on_signal:
             self._signals.install(trainer)
         if resumed and validation_pending(trainer.ckpt_path):
@@ -161,7 +163,7 @@ class GRPOCheckpoint(Checkpoint):
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking or not self._signals.active:
+        if trainer.sanity_checking or not self._in_fit:
             return
         self._after_row(trainer, pl_module, validation="pending")  # marked done at its end (a resume re-runs it)
 
@@ -176,7 +178,7 @@ class GRPOCheckpoint(Checkpoint):
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step = _loop_step(pl_module)
-        if self._signals.active and not trainer.sanity_checking and self._last_saved == step and trainer.is_global_zero:
+        if self._in_fit and not trainer.sanity_checking and self._last_saved == step and trainer.is_global_zero:
             mark_validation(self.last_path, "done")
 
     @override
@@ -195,7 +197,7 @@ class GRPOCheckpoint(Checkpoint):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         try:
             self._publish_pending(trainer)  # a finished save of a boundary whose row was written
-            if self._signals.active and not isinstance(exception, Preempted):
+            if self._in_fit and not isinstance(exception, Preempted):
                 self._emergency_save(trainer, pl_module, exception)
         finally:
             self._let_go()
@@ -331,6 +333,7 @@ class GRPOCheckpoint(Checkpoint):
             raise FolderInUseError(refused)
 
     def _let_go(self) -> None:
+        self._in_fit = False
         self._signals.restore()
         if self._lock is not None:
             self._lock.release()
