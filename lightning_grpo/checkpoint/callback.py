@@ -293,10 +293,15 @@ class GRPOCheckpoint(Checkpoint):
         collective that the other ranks would never join: only the scheduled checkpoints count there.
         """
         step = _loop_step(pl_module)
-        at_boundary = getattr(pl_module, "at_batch_boundary", False) and nonfinite_parameter(trainer) is None
-        if step == 0 or step == self._last_saved or self._save_failed or not at_boundary or trainer.world_size > 1:
-            if trainer.is_global_zero and step > 0 and step != self._last_saved:
-                why = "it runs on several ranks" if trainer.world_size > 1 else "the update had already stepped"
+        if step == 0 or step == self._last_saved:
+            return
+        # In this order: the non-finite check is a collective, never reached with several ranks.
+        why = ("it runs on several ranks" if trainer.world_size > 1 else
+               "a save had just failed" if self._save_failed else
+               "the update had already stepped" if not getattr(pl_module, "at_batch_boundary", False) else
+               "parameters hold NaN/inf" if nonfinite_parameter(trainer) is not None else None)
+        if why is not None:
+            if trainer.is_global_zero:
                 log.warning("no emergency checkpoint of loop step %d (%s); the newest is %s", step, why,
                             find_last_checkpoint([self.dirpath], self.lineage))
             return
