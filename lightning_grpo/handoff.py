@@ -152,6 +152,11 @@ class HandoffCallback(Callback):
                         sync_bucket_mb: float) -> None:
         """The module built its engine (``on_fit_start``, before Lightning restores optimizer state onto the device):
         enter the batch boundary, so the engine sleeps first and the first hand-off publishes the (restored) policy."""
+        if self.handoff and getattr(engine, "max_off_policy_steps", None):
+            raise ValueError(f"rollout.max_off_policy_steps={engine.max_off_policy_steps} with HandoffCallback("
+                             "placement='colocated', colocated_offload=True): async rollouts sample in another process "
+                             "while this one updates, so there is no device to hand back and forth; set the "
+                             "callback's placement: disaggregated (or colocated_offload: false)")
         self._engine, self._policy = engine, policy
         self._bucket_bytes = int((self._sync_bucket_mb or sync_bucket_mb) * (1 << 20))
         self._start(trainer, trainer.lightning_module)

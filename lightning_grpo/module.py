@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 
-from lightning_grpo import lora
+from lightning_grpo import async_rollouts, lora
 from lightning_grpo.advantages import dp_batch_std, group_advantages
 from lightning_grpo.base import UpdateModule, quiet_upstream_warnings
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
@@ -145,7 +145,7 @@ class GRPOModule(UpdateModule):
 
     def build_engine(self, will_sleep: bool = True) -> RolloutEngine:
         """The rollout engine (``rollout.engine``). ``will_sleep``: whether the hand-off puts it to sleep."""
-        return build_engine(self.rollout_cfg, self, will_sleep=will_sleep)
+        return async_rollouts.wrap(self, build_engine(self.rollout_cfg, self, will_sleep=will_sleep))
 
     def compute_rewards(self, rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, float]]:
         """One reward per rollout. Recorded rewards (replay) are used as they are."""
@@ -263,11 +263,13 @@ class GRPOModule(UpdateModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)  # the boundary state; refused (no weights) when any is non-finite
+        async_rollouts.record(self, checkpoint)  # the prompts in flight (drawn again on resume)
         if "state_dict" in checkpoint and lora.is_lora(self.policy):  # the base is rebuilt from policy.path
             adapter_checkpoint.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)  # put back at on_train_start, once the updater has its loop
+        async_rollouts.restore(self, checkpoint)
         if lora.is_lora(self.policy):  # before Lightning loads the state dict: the base comes from this policy
             adapter_checkpoint.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
 
@@ -368,9 +370,8 @@ class GRPOModule(UpdateModule):
         self.publish(metrics, {"reward": metrics.get("reward/mean", math.nan), "loss": metrics.get("grpo/loss", math.nan)})
 
     # -- helpers ------------------------------------------------------------------------------------------------------
-    def sampling(self) -> SamplingConfig:
-        r = self.rollout_cfg
-        step = self.loop_step
+    def sampling(self, ahead: int = 0) -> SamplingConfig:
+        r, step = self.rollout_cfg, self.loop_step + ahead  # ahead: a later loop step's (async rollouts)
         # A distinct, reproducible seed per (seed, loop step, rank); the engines derive one stream per (prompt, sample).
         seed = (self.seed * 1_000_003 + step) * max(self.dp_size(), 1) + self.global_rank
         return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,

@@ -205,3 +205,14 @@ def test_server_config_refuses(kwargs, match):
 def test_unknown_engine_is_refused_at_load():
     with pytest.raises(ValueError, match=r"engine='sglang': must be one of 'hf', 'vllm', 'vllm_server', 'replay'"):
         RolloutConfig(engine="sglang")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"engine": "vllm_server", "max_off_policy_steps": -1}, r"max_off_policy_steps=-1: must be an integer >= 0"),
+    ({"engine": "vllm_server", "max_off_policy_steps": 1.5}, r"max_off_policy_steps=1.5: must be an integer >= 0"),
+    ({"engine": "hf", "max_off_policy_steps": 1}, r"engine='hf': async rollouts need the sampler in another process"),
+    ({"engine": "vllm", "max_off_policy_steps": 2}, r"set engine: vllm_server, or max_off_policy_steps: 0"),
+])
+def test_async_rollouts_are_refused_below_zero_and_beside_an_in_process_engine(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RolloutConfig(**kwargs)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_grpo.async_rollouts import training_draw
 from lightning_grpo.envs.episode import EpisodeRunner
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
+from lightning_grpo.rollout.prefetch import AsyncRollouts
 
 
 def episode_runner(module) -> EpisodeRunner | None:
@@ -24,12 +26,21 @@ def draw_rollouts(module, prompts: Sequence[Prompt], group_size: int | None = No
                   sampling: SamplingConfig | None = None) -> tuple[list[Rollout], dict[str, float]]:
     """``group_size`` rollouts per prompt from ``module.engine``: completions, or episodes with their metrics.
     None = the training draw (``rl.group_size``, ``module.sampling()``); validation passes its own."""
+    engine = module.engine
+    if isinstance(engine, AsyncRollouts) and group_size is None and sampling is None:  # async: a training draw
+        job = lambda ps, s: _draw(module, engine.engine, ps, module.rl.group_size, s)  # noqa: E731
+        return training_draw(module, engine, prompts, job)
     group_size = module.rl.group_size if group_size is None else group_size
     sampling = module.sampling() if sampling is None else sampling
+    return _draw(module, engine, prompts, group_size, sampling)
+
+
+def _draw(module, engine, prompts: Sequence[Prompt], group_size: int,
+          sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
     runner = episode_runner(module)
     if runner is None:
-        return module.engine.generate(prompts, group_size, sampling), {}
-    return runner.play(module.engine, prompts, group_size, sampling)
+        return engine.generate(prompts, group_size, sampling), {}
+    return runner.play(engine, prompts, group_size, sampling)
 
 
 def _ids(value) -> list:

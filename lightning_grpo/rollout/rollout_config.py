@@ -71,6 +71,10 @@ class RolloutConfig:
     max_prompt_tokens: int | None = None
     """Longest prompt (in tokens, chat template included); None = the context (policy, or vllm.max_model_len) minus
     max_new_tokens. Longer prompts follow long_prompts, checked once before training."""
+    max_off_policy_steps: int = 0
+    """Async rollouts: the next loop steps' batches are drawn while this one updates, each with weights at most this
+    many loop steps old (0 = generate, then update: the synchronous order). Needs engine=vllm_server and a
+    rollout correction (docs/async.md)."""
     long_prompts: Literal["drop", "error"] = "drop"
     """Prompts over max_prompt_tokens: drop (counted in data/long_prompts_dropped, warned once) or error at setup."""
 
@@ -99,6 +103,12 @@ class RolloutConfig:
             p.append(f"sync_bucket_mb={self.sync_bucket_mb}: must be > 0")
         if self.engine not in ("hf", "vllm", "vllm_server", "replay"):
             p.append(f"engine={self.engine!r}: must be one of 'hf', 'vllm', 'vllm_server', 'replay'")
+        if not is_int(self.max_off_policy_steps) or self.max_off_policy_steps < 0:
+            p.append(f"max_off_policy_steps={self.max_off_policy_steps!r}: must be an integer >= 0 (0 = synchronous)")
+        elif self.max_off_policy_steps and self.engine != "vllm_server":
+            p.append(f"max_off_policy_steps={self.max_off_policy_steps} with engine={self.engine!r}: async rollouts "
+                     "need the sampler in another process, where it runs while this one updates; set engine: "
+                     "vllm_server, or max_off_policy_steps: 0")
         if self.engine == "replay" and not self.replay_path:
             p.append("replay_path=None: engine=replay needs a JSONL file of recorded rollouts")
         return p

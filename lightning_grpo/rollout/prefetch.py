@@ -1,0 +1,191 @@
+"""Async rollouts with bounded staleness (``rollout.max_off_policy_steps``): the next loop steps' rollouts are drawn
+while this one's update runs.
+
+``AsyncRollouts`` wraps an engine that holds weights of its own in another process (``vllm serve``): the update
+runs in the trainer while the server samples. Which weights each batch is drawn with is fixed by the schedule,
+never by timing, so an async run is reproducible:
+
+* a weight sync (``load_weights`` .. ``reset_prefix_cache``, from the hand-off at a batch boundary) first waits
+  until nothing is in flight, so every batch is drawn with exactly one weight version;
+* after loop step ``s`` takes its batch, the batches of steps ``s+1 .. s+k`` that are not in flight yet are
+  submitted with the weights the engine holds then (those of loop step ``s-1``), in order, on one worker thread.
+
+So with ``k = 1`` the batch of step ``s+1`` is sampled while step ``s`` updates (verl's one-step-off), and every
+batch is exactly one loop step stale; ``k = 0`` never wraps the engine (the synchronous order). With one server a
+deeper ``k`` bounds the staleness the same way but overlaps no more than ``k = 1``: the sync at each boundary waits
+for everything in flight. A draw whose prompts or seed differ from what was submitted (a resume, a refill round,
+validation) is drawn on the spot, after the in-flight batches, with the current weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
+
+Job = Callable[[Sequence[Prompt], SamplingConfig], tuple[list[Rollout], dict[str, float]]]
+"""Draws one batch with the wrapped engine: (prompts, sampling) -> (rollouts, episode metrics)."""
+
+
+@dataclass
+class InFlight:
+    """One submitted batch: what it was drawn from and with, and (once done) its result or error."""
+
+    step: int
+    prompt_ids: list[int]
+    seed: int | None
+    weights_step: int
+    """Loop step whose weights the engine held when the batch was submitted."""
+    done: threading.Event = field(default_factory=threading.Event)
+    result: tuple[list[Rollout], dict[str, float]] | None = None
+    error: BaseException | None = None
+
+    def wait(self, should_stop: Callable[[], bool] | None) -> tuple[list[Rollout], dict[str, float]]:
+        while not self.done.wait(0.2):  # polled, so a SIGTERM ends the wait (``checkpoint/signals.py``)
+            if should_stop is not None:
+                should_stop()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class AsyncRollouts:
+    """An engine whose training draws run ahead of the update by up to ``max_off_policy_steps`` loop steps.
+
+    Args:
+        engine: the wrapped engine (its weights live elsewhere: ``VLLMServerEngine``).
+        max_off_policy_steps: k >= 1, batches drawn ahead (each at most k loop steps stale when trained on).
+        weights_step: the loop step whose weights the trainer holds now (read when a sync ends).
+    """
+
+    holds_weights = True
+
+    def __init__(self, engine: RolloutEngine, max_off_policy_steps: int, weights_step: Callable[[], int]) -> None:
+        if max_off_policy_steps < 1:
+            raise ValueError(f"AsyncRollouts(max_off_policy_steps={max_off_policy_steps}): must be >= 1 (0 = do "
+                             "not wrap the engine)")
+        self.engine, self.k, self._weights_now = engine, max_off_policy_steps, weights_step
+        self.max_off_policy_steps = max_off_policy_steps
+        self.weights_step = weights_step()
+        """Loop step whose weights the engine holds (set when a sync ends)."""
+        self._flight: dict[int, InFlight] = {}
+        self._queue: list[tuple[InFlight, Callable[[], tuple]]] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name="lightning-grpo-rollouts", daemon=True)
+        self._worker.start()
+
+    # -- the training draw -----------------------------------------------------------------------------------------
+    def take(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job,
+             should_stop: Callable[[], bool] | None = None) -> tuple[list[Rollout], dict[str, float], int]:
+        """Loop step ``step``'s batch: the one in flight if it was drawn from these prompts and seed, else drawn
+        now. Returns (rollouts, episode metrics, loop step of the weights it was drawn with)."""
+        for old in [s for s in self._flight if s < step]:  # never taken (a step drawn afresh): drop it
+            self._flight.pop(old).wait(should_stop)
+        flight = self._flight.pop(step, None)
+        if flight is not None and (flight.prompt_ids != [p.id for p in prompts] or flight.seed != sampling.seed):
+            flight.wait(should_stop)  # not ours (the data or the seed changed): wait it out, draw afresh
+            flight = None
+        if flight is None:
+            self.wait_idle(should_stop)
+            flight = self._submit(step, prompts, sampling, job)
+        rollouts, metrics = flight.wait(should_stop)
+        return rollouts, metrics, flight.weights_step
+
+    def submit_ahead(self, step: int, batches: Callable[[int], tuple[Sequence[Prompt], SamplingConfig] | None],
+                     job: Job) -> None:
+        """Put the batches of steps ``step+1 .. step+k`` in flight (``batches(i)``: step ``step+i``'s prompts and
+        sampling, None when unknown, e.g. past the end of the data)."""
+        for i in range(1, self.k + 1):
+            if step + i in self._flight:
+                continue
+            batch = batches(i)
+            if batch is None:
+                return
+            self._submit(step + i, *batch, job)
+
+    def in_flight(self) -> dict[int, list[int]]:
+        """Loop step -> prompt ids of every batch in flight (recorded in checkpoints)."""
+        return {step: list(f.prompt_ids) for step, f in sorted(self._flight.items())}
+
+    def wait_idle(self, should_stop: Callable[[], bool] | None = None) -> None:
+        """Block until nothing is in flight (a batch's error is raised when it is taken, not here)."""
+        for flight in list(self._flight.values()):
+            while not flight.done.wait(0.2):
+                if should_stop is not None:
+                    should_stop()
+
+    # -- the engine protocol: everything else waits for the in-flight batches first -----------------------------
+    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+        self.wait_idle()
+        return self.engine.generate(prompts, group_size, sampling)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self.wait_idle()  # a batch is drawn with one weight version, never a mix
+        self.engine.load_weights(named_tensors)
+
+    def reset_prefix_cache(self) -> None:
+        self.wait_idle()
+        self.engine.reset_prefix_cache()
+        self.weights_step = self._weights_now()
+
+    def sleep(self, level: int = 1) -> None:
+        self.wait_idle()
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.wake_up(tags)
+
+    def close(self) -> None:
+        """Stop the worker; a server at a URL (left running) first finishes what is in flight, so no request of
+        this run reaches it later."""
+        if getattr(self.engine, "server", None) is None:
+            deadline = time.monotonic() + 60.0
+            for flight in list(self._flight.values()):
+                flight.done.wait(max(0.0, deadline - time.monotonic()))
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self.engine.close()  # a launched server stops: a request still in flight fails; the worker is a daemon
+
+    def __getattr__(self, name: str):
+        # Read-only facts of the wrapped engine (asleep, version, max_model_len, check_current, ...).
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    # -- the worker --------------------------------------------------------------------------------------------
+    def _submit(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job) -> InFlight:
+        flight = InFlight(step, [p.id for p in prompts], sampling.seed, self.weights_step)
+        self._flight[step] = flight
+        with self._wake:
+            self._queue.append((flight, lambda: job(prompts, sampling)))
+            self._wake.notify()
+        return flight
+
+    def _work(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                flight, run = self._queue.pop(0)
+            try:
+                flight.result = run()
+            except BaseException as err:  # noqa: BLE001 - handed to the main thread when the batch is taken
+                flight.error = err
+            flight.done.set()
+
+
+def staleness_metrics(staleness: int, k: int) -> dict[str, float]:
+    """``rollout/staleness`` (loop steps between the weights a batch was drawn with and the trainer's) and its
+    histogram over 0..k, one fraction per bucket (all rows of a batch share one weight version)."""
+    out = {"rollout/staleness": float(staleness)}
+    out.update({f"rollout/staleness_{i}_frac": float(i == staleness) for i in range(k + 1)})
+    return out
