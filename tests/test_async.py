@@ -62,8 +62,7 @@ class Trained(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         rows, g = pl_module.last_rows, pl_module.rl.group_size
         with open(self.path, "a") as f:
-            for i, r in enumerate(rows.rollouts):
-                f.write(json.dumps([rows.step, r.prompt.id, i % g, r.token_ids]) + "\n")
+            f.writelines(json.dumps([rows.step, r.prompt.id, i % g, r.token_ids]) + "\n" for i, r in enumerate(rows.rollouts))
 
 
 def trained(path: Path) -> list[list]:
@@ -145,11 +144,11 @@ def test_kill9_with_a_batch_in_flight_resumes_without_losing_or_repeating_a_prom
     fit_tiny(async_module(tiny_policy_dir, server, k=1), cut, loop_steps=5, ckpt_path=str(saved),
              callbacks=[Trained(cut / "resumed.jsonl"), recorder, cb])
     assert recorder.prompt_ids[0] == in_flight[4]  # drawn again: same prompts (and seeds: same loop step)
-    pairs = lambda rows: sorted((step, pid, s) for step, pid, s, _ in rows)  # noqa: E731
+    pairs = lambda rows: sorted((step, pid, s) for step, pid, s, _ in rows)
     # what survives the kill: the killed run's steps up to its checkpoint (a step trained after it died with it)
     done = [r for r in trained(cut / "killed.jsonl") if r[0] <= 3] + trained(cut / "resumed.jsonl")
     assert pairs(done) == pairs(trained(whole / "t.jsonl"))  # no prompt lost, none trained twice
     assert [r[0] for r in done] == sorted(r[0] for r in done)
     # same seeds: step 5 is drawn with step 3's weights in both runs (one step off), so its tokens are the same
-    step5 = lambda rows: [r for r in rows if r[0] == 5]  # noqa: E731
+    step5 = lambda rows: [r for r in rows if r[0] == 5]
     assert step5(done) == step5(trained(whole / "t.jsonl"))

@@ -28,7 +28,7 @@ def draw_rollouts(module, prompts: Sequence[Prompt], group_size: int | None = No
     None = the training draw (``rl.group_size``, ``module.sampling()``); validation passes its own."""
     engine = module.engine
     if isinstance(engine, AsyncRollouts) and group_size is None and sampling is None:  # async: a training draw
-        job = lambda ps, s: _draw(module, engine.engine, ps, module.rl.group_size, s)  # noqa: E731
+        job = lambda ps, s: _draw(module, engine.engine, ps, module.rl.group_size, s)
         return training_draw(module, engine, prompts, job)
     group_size = module.rl.group_size if group_size is None else group_size
     sampling = module.sampling() if sampling is None else sampling
