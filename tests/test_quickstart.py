@@ -55,20 +55,23 @@ def test_vlm_quickstart_reward_rises(tmp_path, monkeypatch):
     assert list(run.glob("checkpoints/*.ckpt")), "no checkpoint written"
 
 
-VLLM_CONFIG = Path(__file__).parents[1] / "configs" / "vllm-cpu.yaml"
+VLLM_CONFIGS = {"vllm-cpu": "engine: vllm\n", "async-quickstart": "max_off_policy_steps: 1\n"}
+"""Config -> a line its printed config.yaml holds: in-process vLLM; a `vllm serve` child, one batch drawn ahead."""
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_cpu_config_learns_the_quickstart_task(tmp_path, monkeypatch, capsys):
-    """`lightning-grpo fit --config configs/vllm-cpu.yaml` as shipped (nothing overridden: the tiny policy, the
-    built-in task and the CPU are all here): the quickstart task, rolled out by the in-process vLLM engine, learns."""
+@pytest.mark.parametrize("name", sorted(VLLM_CONFIGS))
+def test_vllm_config_learns_the_quickstart_task(name, tmp_path, monkeypatch, capsys):
+    """`lightning-grpo fit --config configs/<name>.yaml` as shipped (nothing overridden: the tiny policy, the built-in
+    task and the CPU are all here): the quickstart task, rolled out by vLLM (in-process, or a server sampling one
+    loop step ahead of the update), learns."""
     pytest.importorskip("vllm")
     monkeypatch.chdir(tmp_path)
-    main(["fit", "--config", str(VLLM_CONFIG)])
-    run = tmp_path / "runs" / "vllm-cpu" / "version_0"
+    main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / f"{name}.yaml")])
+    run = tmp_path / "runs" / name / "version_0"
     config = (run / "config.yaml").read_text()
-    assert "engine: vllm" in config and "source: builtin:arith_small" in config
+    assert VLLM_CONFIGS[name] in config and "source: builtin:arith_small" in config
     every = list(csv.DictReader((run / "metrics.csv").open()))
     rewards = [float(r["reward/mean"]) for r in every if r.get("reward/mean")]
     assert len(rewards) == 80
@@ -79,6 +82,9 @@ def test_vllm_cpu_config_learns_the_quickstart_task(tmp_path, monkeypatch, capsy
     val = [float(r["val/reward"]) for r in every if r.get("val/reward")]
     assert val[-1] > start + 0.05, f"val/reward did not rise: {start} before training, then {val}"
     assert list(run.glob("checkpoints/*.ckpt")), "no checkpoint written"
+    if name == "async-quickstart":  # the first batch is drawn on the spot, every later one a loop step stale
+        stale = [float(r["rollout/staleness"]) for r in every if r.get("rollout/staleness")]
+        assert stale == [0.0] + [1.0] * 79
 
 
 TOOLS_CONFIG = Path(__file__).parents[1] / "configs" / "tools-quickstart.yaml"

@@ -129,10 +129,12 @@ SHRUNK = {
                  "--model.rl.batch_per_replica=16", "--model.rl.micro_batch_per_replica=16", *FAST],
     "vllm-server": ["--trainer.max_steps=6", "--model.policy.warm_start_steps=20", "--data.val_size=8",
                     "--model.rl.batch_per_replica=16", "--model.rl.micro_batch_per_replica=16", *FAST],
+    "async-quickstart": ["--trainer.max_steps=6", "--model.policy.warm_start_steps=20", "--data.val_size=8",
+                         "--model.rl.batch_per_replica=16", "--model.rl.micro_batch_per_replica=16", *FAST],
     # the recipes: test_recipes.py's swaps (tiny model and data, CPU, same precision and engine)
     "qwen2.5-0.5b-gsm8k": [f"--data.source={DATA / 'gsm8k_tiny.jsonl'}", *TINY_SWAPS[1:]],
 }
-VLLM = {"lora-quickstart", "vllm-cpu", "vllm-server", "qwen2.5-0.5b-gsm8k", "qwen2.5-vl-3b-geometry"}
+VLLM = {"async-quickstart", "lora-quickstart", "vllm-cpu", "vllm-server", "qwen2.5-0.5b-gsm8k", "qwen2.5-vl-3b-geometry"}
 SHIPPED = sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.name != "sweep.yaml")
 
 
