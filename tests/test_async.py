@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -69,36 +68,40 @@ def trained(path: Path) -> list[list]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-class Timeline(Callback):
-    """When each update ran, to check the next batch was sampled meanwhile."""
-
-    def __init__(self):
-        self.updates = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._t0 = time.monotonic()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.updates.append((self._t0, time.monotonic()))
-
-
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_one_step_off_is_exactly_one_step_stale_and_repeats(server, tiny_policy_dir, tmp_path):
-    runs = []
-    for i in range(2):
-        module, recorder = async_module(tiny_policy_dir, server, k=1), StepRecorder()
-        fit_tiny(module, tmp_path / str(i), loop_steps=4, callbacks=[recorder, Trained(tmp_path / f"{i}.jsonl")])
-        assert isinstance(module.engine, AsyncRollouts) and list(module.engine.in_flight()) == [5]
-        runs.append((recorder, trained(tmp_path / f"{i}.jsonl")))
-        module.engine.close()
-    (first, rows), (second, rows2) = runs
+@pytest.fixture(scope="module")
+def whole(server, tiny_policy_dir, tmp_path_factory):
+    """An uninterrupted 5-step run, one step off: (per-step metrics, trained rows, what was in flight at the end)."""
+    root = tmp_path_factory.mktemp("whole")
+    module, recorder = async_module(tiny_policy_dir, server, k=1), StepRecorder()
+    fit_tiny(module, root, loop_steps=5, callbacks=[recorder, Trained(root / "t.jsonl")])
+    in_flight = module.engine.in_flight()
+    module.engine.close()
+    return recorder.metrics, trained(root / "t.jsonl"), in_flight
+
+
+def test_one_step_off_is_exactly_one_step_stale_and_repeats(server, whole, tiny_policy_dir, tmp_path):
+    metrics, rows, in_flight = whole
+    assert list(in_flight) == [6]  # the batch of the step after the last was being drawn when the fit ended
     # step 1 is drawn on the spot (nothing in flight yet); every later batch with the weights of two steps back
-    assert [m["rollout/staleness"] for m in first.metrics] == [0.0, 1.0, 1.0, 1.0]
-    assert [m["rollout/staleness_1_frac"] for m in first.metrics] == [0.0, 1.0, 1.0, 1.0]
-    assert rows == rows2  # the schedule, not timing, decides the weights of each batch: same tokens, same order
-    assert [m["reward/mean"] for m in first.metrics] == [m["reward/mean"] for m in second.metrics]
+    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [m["rollout/staleness_1_frac"] for m in metrics] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    module, again = async_module(tiny_policy_dir, server, k=1), StepRecorder()
+    update, ahead = module.update, []
+
+    def update_while_drawing(batch):  # what is in flight while each update runs
+        ahead.append(list(module.engine.in_flight()))
+        return update(batch)
+
+    module.update = update_while_drawing
+    fit_tiny(module, tmp_path, loop_steps=5, callbacks=[again, Trained(tmp_path / "t.jsonl")])
+    assert ahead == [[2], [3], [4], [5], [6]]  # the next step's batch was submitted before each update began
+    assert isinstance(module.engine, AsyncRollouts)
+    module.engine.close()
+    assert trained(tmp_path / "t.jsonl") == rows  # the schedule, not timing, fixes each batch's weights: same tokens
+    assert [m["reward/mean"] for m in again.metrics] == [m["reward/mean"] for m in metrics]
 
 
 def test_zero_is_the_synchronous_engine_unwrapped(server, tiny_policy_dir, tmp_path):
@@ -127,14 +130,13 @@ def _fit_killed_with_a_batch_in_flight(policy_dir: Path, url: str, root: Path) -
              callbacks=[Trained(root / "killed.jsonl"), cb, KillWhenPublished(root / "ckpt", 3, cb)])
 
 
-def test_kill9_with_a_batch_in_flight_resumes_without_losing_or_repeating_a_prompt(server, tiny_policy_dir, tmp_path):
+def test_kill9_with_a_batch_in_flight_resumes_without_losing_or_repeating_a_prompt(server, whole, tiny_policy_dir,
+                                                                                     tmp_path):
     from test_faults import in_child
 
     from lightning_grpo.checkpoint import GRPOCheckpoint
 
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    whole.mkdir()
-    fit_tiny(async_module(tiny_policy_dir, server, k=1), whole, loop_steps=5, callbacks=[Trained(whole / "t.jsonl")])
+    cut, uninterrupted = tmp_path / "cut", whole[1]
     assert in_child(_fit_killed_with_a_batch_in_flight, tiny_policy_dir, server, cut) == -signal.SIGKILL
     saved = next((cut / "ckpt").glob("loop-step-000003*.ckpt"))
     in_flight = torch.load(saved, weights_only=True)["async_rollouts"]["in_flight"]
@@ -147,8 +149,8 @@ def test_kill9_with_a_batch_in_flight_resumes_without_losing_or_repeating_a_prom
     pairs = lambda rows: sorted((step, pid, s) for step, pid, s, _ in rows)
     # what survives the kill: the killed run's steps up to its checkpoint (a step trained after it died with it)
     done = [r for r in trained(cut / "killed.jsonl") if r[0] <= 3] + trained(cut / "resumed.jsonl")
-    assert pairs(done) == pairs(trained(whole / "t.jsonl"))  # no prompt lost, none trained twice
+    assert pairs(done) == pairs(uninterrupted)  # no prompt lost, none trained twice
     assert [r[0] for r in done] == sorted(r[0] for r in done)
     # same seeds: step 5 is drawn with step 3's weights in both runs (one step off), so its tokens are the same
     step5 = lambda rows: [r for r in rows if r[0] == 5]
-    assert step5(done) == step5(trained(whole / "t.jsonl"))
+    assert step5(done) == step5(uninterrupted)

@@ -94,6 +94,7 @@ class AsyncRollouts:
         if flight is None:
             self.wait_idle(should_stop)
             flight = self._submit(step, prompts, sampling, job)
+            del self._flight[step]  # drawn now: taken, not in flight
         rollouts, metrics = flight.wait(should_stop)
         return rollouts, metrics, flight.weights_step
 
