@@ -104,6 +104,11 @@ class ServerProcess:
 
     def start(self) -> None:
         """Start the child and wait until it answers /health (or fail with its last log lines)."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the child without waiting: several replicas then load side by side (``wait_ready`` each)."""
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes it for its whole life
         # preexec_fn makes one prctl() call between fork and exec, resolved beforehand (no dlopen in the child, so
         # no loader lock another thread might hold): safe in a threaded parent
@@ -111,6 +116,9 @@ class ServerProcess:
                                      start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
         log.close()
         _track(self)
+
+    def wait_ready(self) -> None:
+        """Wait until the spawned child answers /health; a child that exits or stays silent is an error with its log."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
