@@ -62,9 +62,16 @@ def request_json(url: str, path: str, body: dict | None = None, timeout: float =
 
 
 def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(host, 1)[0]
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct free ports: all bound at once, so no two replicas are handed the same one."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -19,10 +19,8 @@ reaches each (one thread per server, ``server_client.each``) before any samples 
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
-import socket
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +35,7 @@ from lightning_grpo.rollout.same_model import check_same_model
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server_client import ServerClient, each
 from lightning_grpo.rollout.server_config import ServerConfig
-from lightning_grpo.rollout.server_process import ServerError, ServerProcess, request_json
+from lightning_grpo.rollout.server_process import ServerError, ServerProcess, free_ports, request_json
 from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
 
 PROBE_LENGTH = 24
@@ -259,12 +257,8 @@ def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool) -> lis
         return [ServerClient(url, cfg) for url in cfg.urls]
     mode = "processed_logprobs" if sampler_logprobs else "raw_logprobs"
     replicas = [cfg.replica(i) for i in range(cfg.replicas)]
-    if cfg.port is None and cfg.replicas > 1:  # free ports picked together, so no two replicas get the same one
-        with contextlib.ExitStack() as stack:
-            sockets = [stack.enter_context(socket.socket()) for _ in replicas]
-            for s in sockets:
-                s.bind((cfg.host, 0))
-            replicas = [replace(r, port=s.getsockname()[1]) for r, s in zip(replicas, sockets)]
+    if cfg.port is None and cfg.replicas > 1:  # picked together: two replicas never race for one port
+        replicas = [replace(r, port=port) for r, port in zip(replicas, free_ports(cfg.host, cfg.replicas))]
     processes = [ServerProcess(str(model_path), r, mode) for r in replicas]
     try:
         for process in processes:
