@@ -212,6 +212,7 @@ def test_several_servers_round_trip_through_yaml_and_each_replica_gets_its_own_p
     ({"probe_tolerance": -1.0}, r"probe_tolerance=-1\.0: must be > 0"),
     ({"url": []}, r"url=\[\]: an empty list names no server; give at least one URL, or null"),
     ({"url": ["http://a:1", "b:2"]}, r"url=\['http://a:1', 'b:2'\]: must start with http://"),
+    ({"url": ["http://a:1", "http://a:1/"]}, r"url=\['http://a:1', 'http://a:1/'\]: names a server twice"),
     ({"replicas": 0}, r"replicas=0: must be an integer >= 1"),
     ({"replicas": 2, "url": "http://a:1"}, r"replicas=2 with url set: .*list every running server in url instead"),
     ({"replicas": 2, "gpus": ["0"]}, r"gpus=\['0'\]: a list gives one CUDA_VISIBLE_DEVICES string per replica"),

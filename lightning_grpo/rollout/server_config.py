@@ -68,6 +68,9 @@ class ServerConfig:
             p.append("url=[]: an empty list names no server; give at least one URL, or null to launch servers")
         if any(not (isinstance(u, str) and u.startswith(("http://", "https://"))) for u in urls):
             p.append(f"url={self.url!r}: must start with http:// or https:// (or be null to launch a server)")
+        if len({u.rstrip("/") if isinstance(u, str) else u for u in urls}) < len(urls):
+            p.append(f"url={self.url!r}: names a server twice; list each server once (two sessions on one server "
+                     "would clash at every sync)")
         if not is_int(self.replicas) or self.replicas < 1:
             p.append(f"replicas={self.replicas!r}: must be an integer >= 1")
         elif self.replicas > 1 and self.url is not None:
