@@ -186,6 +186,22 @@ def test_server_config_round_trips_through_yaml():
     assert again.server == ServerConfig(url="http://10.0.0.2:8000", weight_transport="http", threads=1)
 
 
+def test_several_servers_round_trip_through_yaml_and_each_replica_gets_its_own_port_and_gpus():
+    from jsonargparse import ArgumentParser
+
+    from lightning_grpo.config import ServerConfig
+
+    parser = ArgumentParser()
+    parser.add_argument("--rollout", type=RolloutConfig, default=RolloutConfig())
+    cfg = parser.parse_args(["--rollout.engine=vllm_server", "--rollout.server.url=[http://a:8000/, http://b:8000]"])
+    again = parser.instantiate_classes(parser.parse_string(parser.dump(cfg))).rollout.server
+    assert again.url == ["http://a:8000/", "http://b:8000"] and again.urls == ["http://a:8000", "http://b:8000"]
+    launch = ServerConfig(replicas=2, port=9000, gpus=["4", "5"])
+    assert [(r.port, r.gpus, r.replicas) for r in (launch.replica(0), launch.replica(1))] == [(9000, "4", 1),
+                                                                                             (9001, "5", 1)]
+    assert ServerConfig(url="http://a:1/").urls == ["http://a:1"] and ServerConfig().urls == []
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"url": "localhost:8000"}, r"url='localhost:8000': must start with http://"),
     ({"launch": False}, r"launch=False with url=None: nothing to connect to; set url or launch: true"),
@@ -194,6 +210,12 @@ def test_server_config_round_trips_through_yaml():
     ({"weight_transport": "nccl"}, r"weight_transport='nccl': must be 'shm' or 'http'"),
     ({"sync_timeout_s": 0}, r"sync_timeout_s=0: must be a number of seconds > 0"),
     ({"probe_tolerance": -1.0}, r"probe_tolerance=-1\.0: must be > 0"),
+    ({"url": []}, r"url=\[\]: an empty list names no server; give at least one URL, or null"),
+    ({"url": ["http://a:1", "b:2"]}, r"url=\['http://a:1', 'b:2'\]: must start with http://"),
+    ({"url": ["http://a:1", "http://a:1/"]}, r"url=\['http://a:1', 'http://a:1/'\]: names a server twice"),
+    ({"replicas": 0}, r"replicas=0: must be an integer >= 1"),
+    ({"replicas": 2, "url": "http://a:1"}, r"replicas=2 with url set: .*list every running server in url instead"),
+    ({"replicas": 2, "gpus": ["0"]}, r"gpus=\['0'\]: a list gives one CUDA_VISIBLE_DEVICES string per replica"),
 ])
 def test_server_config_refuses(kwargs, match):
     from lightning_grpo.config import ServerConfig

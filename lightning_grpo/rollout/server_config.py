@@ -5,7 +5,7 @@ A plain dataclass beside the engines, like ``VLLMConfig``: it imports nothing bu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from lightning_grpo.checks import is_finite, is_int, raise_problems
@@ -18,14 +18,17 @@ BACKEND = "lightning_grpo_shm"
 class ServerConfig:
     """The ``vllm serve`` engine (``rollout.engine: vllm_server``): a child process this run starts, or a URL."""
 
-    url: str | None = None
-    """A running server (``http://host:port``) to connect to; None = launch one as a child process (``launch``)."""
+    url: str | list[str] | None = None
+    """A running server (``http://host:port``) to connect to, or a list of them (requests are spread by prompt group,
+    every sync reaches each); None = launch ``replicas`` child processes (``launch``)."""
     launch: bool = True
     """With url=None: start ``vllm serve`` on the policy folder as a child of this run (stopped with it)."""
+    replicas: int = 1
+    """With url=None: how many servers to launch, each on its own port with its own ``threads`` and KV cache."""
     host: str = "127.0.0.1"
     """Interface a launched server listens on."""
     port: int | None = None
-    """Port of a launched server; None = a free one."""
+    """Port of a launched server (replica i: port + i); None = a free one each."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Server weight dtype; syncs cast to it. auto = vLLM's pick (0.32 downcasts float32 checkpoints to bf16)."""
     max_model_len: int | None = None
@@ -36,8 +39,9 @@ class ServerConfig:
     """CPU threads of a launched server (OMP_NUM_THREADS); None = vLLM's default."""
     kv_cache_memory_bytes: int | None = None
     """KV cache of a launched server in bytes; None = vLLM's sizing."""
-    gpus: str | None = None
-    """CUDA_VISIBLE_DEVICES of a launched server (e.g. "1" or "2,3"); None = inherited."""
+    gpus: str | list[str] | None = None
+    """CUDA_VISIBLE_DEVICES of a launched server (e.g. "1" or "2,3"), or one such string per replica (["4", "5"]);
+    None = inherited."""
     extra_args: list[str] = field(default_factory=list)
     """More ``vllm serve`` arguments for a launched server, passed through unchanged."""
     weight_transport: Literal["shm", "http"] = "shm"
@@ -59,8 +63,22 @@ class ServerConfig:
     def problems(self) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line."""
         p = []
-        if self.url is not None and not (isinstance(self.url, str) and self.url.startswith(("http://", "https://"))):
+        urls = self.url if isinstance(self.url, list) else [] if self.url is None else [self.url]
+        if isinstance(self.url, list) and not self.url:
+            p.append("url=[]: an empty list names no server; give at least one URL, or null to launch servers")
+        if any(not (isinstance(u, str) and u.startswith(("http://", "https://"))) for u in urls):
             p.append(f"url={self.url!r}: must start with http:// or https:// (or be null to launch a server)")
+        if len({u.rstrip("/") if isinstance(u, str) else u for u in urls}) < len(urls):
+            p.append(f"url={self.url!r}: names a server twice; list each server once (two sessions on one server "
+                     "would clash at every sync)")
+        if not is_int(self.replicas) or self.replicas < 1:
+            p.append(f"replicas={self.replicas!r}: must be an integer >= 1")
+        elif self.replicas > 1 and self.url is not None:
+            p.append(f"replicas={self.replicas} with url set: replicas counts launched servers; list every running "
+                     "server in url instead, or set url: null to launch them")
+        if isinstance(self.gpus, list) and len(self.gpus) != self.replicas:
+            p.append(f"gpus={self.gpus!r}: a list gives one CUDA_VISIBLE_DEVICES string per replica, so it needs "
+                     f"replicas={self.replicas} entries; give that many, or one string for all")
         if self.url is None and not self.launch:
             p.append("launch=False with url=None: nothing to connect to; set url or launch: true")
         if self.port is not None and (not is_int(self.port) or not 0 < self.port < 65536):
@@ -78,3 +96,15 @@ class ServerConfig:
         if self.probe_tolerance is not None and (not is_finite(self.probe_tolerance) or self.probe_tolerance <= 0):
             p.append(f"probe_tolerance={self.probe_tolerance!r}: must be > 0 or null (by dtype)")
         return p
+
+    @property
+    def urls(self) -> list[str]:
+        """The servers to connect to (``url`` as a list; empty when launching), without a trailing slash."""
+        urls = self.url if isinstance(self.url, list) else [] if self.url is None else [self.url]
+        return [u.rstrip("/") for u in urls]
+
+    def replica(self, i: int) -> ServerConfig:
+        """The launch settings of replica ``i``: its own port (``port + i``) and, with a list, its own ``gpus``."""
+        gpus = self.gpus[i] if isinstance(self.gpus, list) else self.gpus
+        port = None if self.port is None else self.port + i
+        return replace(self, replicas=1, port=port, gpus=gpus)

@@ -62,9 +62,16 @@ def request_json(url: str, path: str, body: dict | None = None, timeout: float =
 
 
 def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(host, 1)[0]
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct free ports: all bound at once, so no two replicas are handed the same one."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -104,6 +111,11 @@ class ServerProcess:
 
     def start(self) -> None:
         """Start the child and wait until it answers /health (or fail with its last log lines)."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the child without waiting: several replicas then load side by side (``wait_ready`` each)."""
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes it for its whole life
         # preexec_fn makes one prctl() call between fork and exec, resolved beforehand (no dlopen in the child, so
         # no loader lock another thread might hold): safe in a threaded parent
@@ -111,6 +123,9 @@ class ServerProcess:
                                      start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
         log.close()
         _track(self)
+
+    def wait_ready(self) -> None:
+        """Wait until the spawned child answers /health; a child that exits or stays silent is an error with its log."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():

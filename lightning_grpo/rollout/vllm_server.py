@@ -4,14 +4,16 @@ Generation: one ``/v1/completions`` request per (prompt, sample), token ids in (
 (``return_token_ids``), each with its own seed (``rollout/sampler.py``, the same seeds as the in-process engine) and,
 when the run consumes them, the sampler's logprob of each token (the server runs ``--logprobs-mode
 processed_logprobs``: log-softmax after temperature/top-k/top-p, as ``HFEngine``). Requests go out concurrently
-(a thread each); the server batches them.
+(a thread each); the server batches them. Several servers (``rollout.server.url`` as a list, or ``replicas``): prompt
+i's whole group goes to server i % N, and since every row carries its own seed the tokens do not depend on the split.
 
 Weight sync: vLLM 0.32's RL API (``/start_weight_update``, ``/update_weights`` per bucket, ``/finish_weight_update``
 with the new weight version), with our CPU backend ``lightning_grpo_shm`` (``rollout/shm_transfer.py``): each bucket
 is a safetensors blob in ``/dev/shm`` (same node) or in the request body (``weight_transport: http``). Each phase has
 ``sync_timeout_s`` and a failure names the phase. After the sync the engine is checked: ``/weight_info`` must report
 the new version, and the server's logprobs on a fixed probe sequence must match the trainer's within
-``probe_tolerance``, so a sync that did not land is an error, never a quiet bias.
+``probe_tolerance``, so a sync that did not land is an error, never a quiet bias. With several servers every phase
+reaches each (one thread per server, ``server_client.each``) before any samples again, and each is checked.
 """
 
 from __future__ import annotations
@@ -22,20 +24,22 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_rollout
+from lightning_grpo.rollout.same_model import check_same_model
 from lightning_grpo.rollout.sampler import row_seeds
+from lightning_grpo.rollout.server_client import ServerClient, each
 from lightning_grpo.rollout.server_config import ServerConfig
-from lightning_grpo.rollout.server_process import ServerError, ServerProcess, request_json
+from lightning_grpo.rollout.server_process import ServerError, ServerProcess, free_ports, request_json
 from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
 
 PROBE_LENGTH = 24
 """Tokens in the probe sequence (logprobs of the last 23 are compared)."""
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class StaleEngineError(RuntimeError):
@@ -57,7 +61,7 @@ class VLLMServerEngine(BookkeptSleep):
     Args:
         model_path: the policy's Hugging Face folder (what a launched server loads; its ``config.json`` gives the
             vocabulary of the probe sequence).
-        config: ``ServerConfig`` (launch a child, or connect to ``url``).
+        config: ``ServerConfig`` (launch ``replicas`` children, or connect to each ``url``).
         reference: the trainer's logprobs of a token sequence (``sequence_logprobs`` bound to the policy); None =
             check only the weight version after a sync.
         decode: token ids -> text, for stop strings and forbidden tokens; None = the model folder's tokenizer
@@ -71,7 +75,7 @@ class VLLMServerEngine(BookkeptSleep):
                                   reference=functools.partial(sequence_logprobs, policy))
         push_weights(policy, engine)     # start -> update x buckets -> finish -> version and probe checked
         rollouts = engine.generate(prompts, group_size=8, sampling=SamplingConfig(seed=step, logprobs=True))
-        engine.close()                   # a launched server is stopped (its whole process group)
+        engine.close()                   # launched servers are stopped (each its whole process group)
     """
 
     holds_weights = True
@@ -82,32 +86,49 @@ class VLLMServerEngine(BookkeptSleep):
         self.config = cfg = config or ServerConfig()
         self.model_path = Path(model_path)
         self.reference, self.decode = reference, decode
-        self.server: ServerProcess | None = None
-        if cfg.url is None:
-            self.server = ServerProcess(str(self.model_path), cfg,
-                                        "processed_logprobs" if sampler_logprobs else "raw_logprobs")
-            self.server.start()
-            self.url = self.server.url
-        else:
-            self.url = cfg.url.rstrip("/")
-            _check_reachable(self.url, cfg)
+        self.clients: list[ServerClient] = _connect(self.model_path, cfg, sampler_logprobs)
+        """One per server, in ``url`` (or launch) order; prompt i's group goes to ``clients[i % N]``."""
+        try:
+            self._setup()
+        except BaseException:
+            self.close()  # a refused server does not leave the launched ones running until exit
+            raise
+
+    def _setup(self) -> None:
         self.device = torch.device("cpu")
         """Buckets are materialized on the host (``push_weights`` moves them here)."""
-        self.dtype: torch.dtype = self._server_dtype()
-        """Weight dtype inside the server; ``push_weights`` casts to it."""
-        self.model_name = self._served_model()
+        dtypes = each(self.clients, ServerClient.dtype)
+        if len(set(dtypes)) > 1:
+            raise ServerError("rollout.server.url: the servers hold different weight dtypes ("
+                              + ", ".join(f"{c.url}: {d}" for c, d in zip(self.clients, dtypes))
+                              + "); start them with the same --dtype, or set rollout.server.dtype")
+        self.dtype: torch.dtype = dtypes[0]
+        """Weight dtype inside the servers; ``push_weights`` casts to it."""
+        each(self.clients, ServerClient.connect)
+        each(self.clients, lambda c: check_same_model(c, self.model_path))
         self.probe_ids = _probe_ids(self.model_path)
-        reported = self._get("/weight_info", "weight_info")["weight_version"]
-        self.version = int(reported) if str(reported).isdigit() else 0
-        """Weight version the server holds from this client's syncs (it reports ``str(version)``); a server at a URL
-        that other clients already synced continues from its own count."""
+        reported = each(self.clients, ServerClient.weight_version)
+        self.version = max(int(r) if r.isdigit() else 0 for r in reported)
+        """Weight version the servers hold from this engine's syncs (each reports ``str(version)``); servers at URLs
+        that other clients already synced continue from the highest count, so after a sync all report the same."""
         self.last_probe_error: float | None = None
+        """The largest probe error over the servers at the last check (each client keeps its own)."""
         self._session = False
         self._bucket = 0
         self._sleep = SleepState()
         self._bucket_prefix = Path(_shm_root()) / f"lightning-grpo-sync-{os.getpid()}-{id(self):x}"
         """Bucket files are this plus ``-<n>.safetensors``, each removed right after the server loaded it."""
         self._post("/init_weight_transfer_engine", {"init_info": {}}, "init_weight_transfer_engine")
+
+    @property
+    def url(self) -> str:
+        """The first server's URL (the only one's, with one server)."""
+        return self.clients[0].url
+
+    @property
+    def server(self) -> ServerProcess | None:
+        """The first server's launched process (None for a server at a URL)."""
+        return self.clients[0].process
 
     # -- generation ----------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
@@ -119,8 +140,12 @@ class VLLMServerEngine(BookkeptSleep):
         seeds = row_seeds([p.id for p in prompts], group_size, sampling.seed)
         rows = [p for p in prompts for _ in range(group_size)]
         bodies = [self._body(p, sampling, s) for p, s in zip(rows, seeds)]
+        # by prompt group: a group shares its prompt's prefix-cache blocks on one server; the seeds fix the tokens
+        targets = [self.clients[(i // group_size) % len(self.clients)] for i in range(len(rows))]
+        for client in targets:
+            client.requests += 1
         with ThreadPoolExecutor(max_workers=min(len(bodies), 64) or 1) as pool:
-            replies = list(pool.map(self._complete, bodies))
+            replies = list(pool.map(ServerClient.complete, targets, bodies))
         out = []
         for p, reply in zip(rows, replies):
             choice = reply["choices"][0]
@@ -140,16 +165,10 @@ class VLLMServerEngine(BookkeptSleep):
 
     def _body(self, prompt: Prompt, s: SamplingConfig, seed: int) -> dict:
         warped = s.temperature > 0
-        return {"model": self.model_name, "prompt": list(prompt.token_ids), "max_tokens": s.max_new_tokens,
+        return {"prompt": list(prompt.token_ids), "max_tokens": s.max_new_tokens,
                 "temperature": s.temperature, "top_p": s.top_p if warped else 1.0, "top_k": s.top_k if warped else 0,
                 "seed": seed, "logprobs": 0 if s.logprobs else None, "stop": list(s.stop) or None,
                 "return_token_ids": True, "skip_special_tokens": True}
-
-    def _complete(self, body: dict) -> dict:
-        try:
-            return request_json(self.url, "/v1/completions", body, self.config.request_timeout_s, "generate")
-        except ServerError as err:
-            raise self._with_log(err) from None
 
     # -- weight sync (vLLM's RL API) -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -169,7 +188,7 @@ class VLLMServerEngine(BookkeptSleep):
         from safetensors.torch import save_file
 
         path = Path(f"{self._bucket_prefix}-{self._bucket}.safetensors")
-        save_file(tensors, str(path))  # tmpfs: a memory copy the server maps
+        save_file(tensors, str(path))  # tmpfs: a memory copy every server on this node maps
         try:
             self._post("/update_weights", {"update_info": {"path": str(path)}}, phase)
         finally:
@@ -185,81 +204,72 @@ class VLLMServerEngine(BookkeptSleep):
         self.check_current()
 
     def check_current(self) -> float | None:
-        """Raise ``StaleEngineError`` unless the server holds the trainer's weights; the probe's max |error|."""
-        reported = self._get("/weight_info", "weight_info")["weight_version"]
-        if self.version and reported != str(self.version):
-            raise StaleEngineError(f"the server at {self.url} reports weight version {reported!r} after this run "
-                                   f"published version {self.version}: another client updated it, or it restarted")
+        """Raise ``StaleEngineError`` unless every server holds the trainer's weights; the probes' max |error|."""
+        for client, reported in zip(self.clients, each(self.clients, ServerClient.weight_version)):
+            if self.version and reported != str(self.version):
+                raise StaleEngineError(f"the server at {client.url} reports weight version {reported!r} after this "
+                                       f"run published version {self.version}: another client updated it, or it "
+                                       "restarted")
         if self.reference is None:
             return None
-        server = self.probe_logprobs()
-        trainer = self.reference(self.probe_ids)
-        error = max(abs(a - b) for a, b in zip(server, trainer))
-        self.last_probe_error = error
+        trainer = self.reference(self.probe_ids)  # once: every server must match the same trainer logprobs
+        servers = each(self.clients, lambda c: c.probe(self.probe_ids))
         tol = self.probe_tolerance
-        if not error <= tol:
-            raise StaleEngineError(
-                f"the server's logprobs on the probe sequence differ from the trainer's by {error:.3g} > "
-                f"rollout.server.probe_tolerance={tol:g} (weight version {self.version}): it does not hold the "
-                "trainer's weights (a sync that did not land, a server of another model, or a dtype far from the "
-                "trainer's: then raise probe_tolerance)")
-        return error
+        for client, server in zip(self.clients, servers):
+            client.last_probe_error = max(abs(a - b) for a, b in zip(server, trainer))
+        self.last_probe_error = max(c.last_probe_error for c in self.clients)
+        for client in self.clients:
+            if not client.last_probe_error <= tol:
+                where = "" if len(self.clients) == 1 else f", server {client.url}"
+                raise StaleEngineError(
+                    f"the server's logprobs on the probe sequence differ from the trainer's by "
+                    f"{client.last_probe_error:.3g} > rollout.server.probe_tolerance={tol:g} (weight version "
+                    f"{self.version}{where}): it does not hold the trainer's weights (a sync that did not land, a "
+                    "server of another model, or a dtype far from the trainer's: then raise probe_tolerance)")
+        return self.last_probe_error
 
     @property
     def probe_tolerance(self) -> float:
         tol = self.config.probe_tolerance
         return tol if tol is not None else (1e-3 if self.dtype == torch.float32 else 0.1)
 
-    def probe_logprobs(self, ids: Sequence[int] | None = None) -> list[float]:
-        """The server's ``log p(ids[i] | ids[:i])`` for i >= 1 (prompt logprobs: they bypass the prefix cache)."""
-        ids = list(self.probe_ids if ids is None else ids)
-        body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-        reply = self._post("/v1/completions", body, "probe")
-        steps = reply["choices"][0]["prompt_logprobs"][1:]
-        return [step[str(t)]["logprob"] for step, t in zip(steps, ids[1:])]
+    def probe_logprobs(self, ids: Sequence[int] | None = None, server: int = 0) -> list[float]:
+        """Server ``server``'s ``log p(ids[i] | ids[:i])`` for i >= 1 (prompt logprobs bypass the prefix cache)."""
+        return self.clients[server].probe(self.probe_ids if ids is None else ids)
 
     # -- hand-off hooks and lifetime -------------------------------------------------------------------------------
     # sleep, wake_up, asleep: BookkeptSleep (the server is another process; its memory is not the trainer's)
     def close(self) -> None:
-        """Stop a launched server (its whole process group); a server at a URL is left running."""
-        if self.server is not None:
-            self.server.stop()
+        """Stop the launched servers (each its whole process group); servers at URLs are left running."""
+        for client in self.clients:
+            client.close()
 
-    # -- HTTP ------------------------------------------------------------------------------------------------------
-    def _post(self, path: str, body: dict, phase: str) -> object:
-        try:
-            return request_json(self.url, path, body, self.config.sync_timeout_s, phase)
-        except ServerError as err:
-            raise self._with_log(err) from None
+    def _post(self, path: str, body: dict, phase: str) -> None:
+        """One phase on every server, concurrently; returns once each has answered (a failure names its URL)."""
+        each(self.clients, lambda c: c.post(path, body, phase))
 
-    def _get(self, path: str, phase: str) -> dict:
-        try:
-            return request_json(self.url, path, None, self.config.sync_timeout_s, phase)
-        except ServerError as err:
-            raise self._with_log(err) from None
 
-    def _with_log(self, err: ServerError) -> ServerError:
-        """A launched server that died: the error carries its exit code and last log lines."""
-        if self.server is None:
-            return err
-        if self.server.alive(wait_s=2.0):  # a request cut short may beat the exit by a moment
-            return ServerError(f"{err} (vllm serve still running; log: {self.server.log_path})")
-        return ServerError(f"{err}\nvllm serve exited with code {self.server.proc.returncode}; its last log lines "
-                           f"({self.server.log_path}):\n{self.server.log_tail()}")
-
-    def _served_model(self) -> str:
-        models = self._get("/v1/models", "models")["data"]
-        return models[0]["id"]
-
-    def _server_dtype(self) -> torch.dtype:
-        if self.config.dtype != "auto":
-            return _DTYPES[self.config.dtype]
-        info = self._get("/server_info", "server_info")  # dev-mode route: the server's resolved config
-        text = json.dumps(info)
-        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
-            if f"dtype=torch.{name}" in text or f'"dtype": "torch.{name}"' in text or f'"dtype": "{name}"' in text:
-                return dtype
-        raise ServerError(f"could not read the model dtype from {self.url}/server_info; set rollout.server.dtype")
+def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool) -> list[ServerClient]:
+    """A client per server at ``cfg.url``, or per launched replica (all spawned first, so they load side by side)."""
+    if cfg.url is not None:
+        for url in cfg.urls:
+            _check_reachable(url, cfg)
+        return [ServerClient(url, cfg) for url in cfg.urls]
+    mode = "processed_logprobs" if sampler_logprobs else "raw_logprobs"
+    replicas = [cfg.replica(i) for i in range(cfg.replicas)]
+    if cfg.port is None and cfg.replicas > 1:  # picked together: two replicas never race for one port
+        replicas = [replace(r, port=port) for r, port in zip(replicas, free_ports(cfg.host, cfg.replicas))]
+    processes = [ServerProcess(str(model_path), r, mode) for r in replicas]
+    try:
+        for process in processes:
+            process.spawn()
+        for process in processes:
+            process.wait_ready()
+    except BaseException:
+        for process in processes:
+            process.stop()
+        raise
+    return [ServerClient(p.url, cfg, p) for p in processes]
 
 
 def _check_reachable(url: str, cfg: ServerConfig) -> None:
