@@ -26,7 +26,7 @@ run: setup
 	$(VENV)/bin/lightning-grpo fit --config configs/quickstart.yaml
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests

@@ -60,7 +60,8 @@ def _load_range(d: dict | None) -> str:
 def render(results: Path) -> str:
     r = {n: load(results, n) for n in ("suite", "update_memory", "speed_vs_trl", "logprobs", "sampler",
                                        "engine_throughput", "ahead_pass", "lightning_overhead", "weight_sync",
-                                       "oom_acceptance", "budget_speed", "lora", "server_sync", "packing")}
+                                       "oom_acceptance", "budget_speed", "lora", "server_sync", "packing", "async",
+                                       "async_reward")}
     targets: list[dict] = []
     sections = [
         _memory(r["update_memory"], targets),
@@ -72,6 +73,7 @@ def render(results: Path) -> str:
         _weight_sync(r["weight_sync"]),
         _lora(r["lora"]),
         _server_sync(r["server_sync"]),
+        _async(r["async"], r["async_reward"]),
         _throughput(r["engine_throughput"]),
         budget_section(r["oom_acceptance"], r["budget_speed"]),
         packing_section(r["packing"], targets),
@@ -359,6 +361,12 @@ def _server_sync(d: dict | None) -> str:
     from bench.server_sync import section  # deferred: bench.server_sync imports torch
 
     return section(d, md_table, _load_range)
+
+
+def _async(overlap: dict | None, reward: dict | None) -> str:
+    import importlib  # bench/async.py: `async` is a keyword, so no `from bench.async import`
+
+    return importlib.import_module("bench.async").section(overlap, reward, md_table, _load_range)
 
 
 def _lora(d: dict | None) -> str:

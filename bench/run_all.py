@@ -40,6 +40,8 @@ SUITE: list[tuple[str, list[str]]] = [
     ("packing", []),
     ("lora", []),
     ("server_sync", ["--repeats", "3"]),
+    ("async", ["--rounds", "3"]),
+    ("async", ["--reward", "--seeds", "0,1,2"]),
 ]
 
 

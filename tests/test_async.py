@@ -7,8 +7,11 @@ One launched server serves the module; every fit connects to it by URL (each fit
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +41,9 @@ def _restore_switches():
 
 @pytest.fixture(scope="module")
 def server(tiny_policy_dir):
-    engine = VLLMServerEngine(tiny_policy_dir, CONFIG)
+    engine = VLLMServerEngine(tiny_policy_dir, dataclasses.replace(CONFIG, nice=5))
+    # server.nice: the launched server (and every process it starts) runs below the trainer's priority
+    assert os.getpriority(os.PRIO_PROCESS, engine.server.proc.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 5
     yield engine.url
     engine.close()
 
@@ -154,3 +159,23 @@ def test_kill9_with_a_batch_in_flight_resumes_without_losing_or_repeating_a_prom
     # same seeds: step 5 is drawn with step 3's weights in both runs (one step off), so its tokens are the same
     step5 = lambda rows: [r for r in rows if r[0] == 5]
     assert step5(done) == step5(uninterrupted)
+
+
+def test_two_trainer_ranks_share_one_server_that_rank_0_launches_and_syncs(tiny_policy_dir, tmp_path):
+    """DDP (2 gloo ranks) through one launched `vllm serve`, one step off: rank 0 launches it and tells rank 1 where
+    it answers; each rank samples its own prompts; rank 0 alone pushes each update (one version per loop step, not
+    per rank), both ranks wait for it and both check it (version and probe)."""
+    from test_distributed import launch_two_ranks
+
+    worker = Path(__file__).with_name("server_dp_worker.py")
+    launch_two_ranks(tmp_path, tiny_policy_dir, [], timeout=600, cmd=[
+        sys.executable, str(worker), "--out", str(tmp_path), "--policy", str(tiny_policy_dir), "--k", "1"])
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["urls"] == r1["urls"] and r0["launched"] and not r1["launched"]
+    assert r0["versions"] == r1["versions"] == [1, 2]  # one sync per loop step, pushed once
+    assert r0["probe_error"] < 1e-5 and r1["probe_error"] < 1e-5
+    # each rank its own half of the 8 rows a loop step (one prompt's group of 4): steps 1-2, and step 3 in flight
+    assert r0["rows"] == r1["rows"] == 3 * 4
+    assert r0["params"] == r1["params"]  # DDP: the same weights, which is why rank 0 alone pushes them
+    assert [m["rollout/staleness"] for m in r0["metrics"]] == [0.0, 1.0]
+    assert r0["metrics"] == r1["metrics"]  # the whole batch's figures on both ranks

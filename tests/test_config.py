@@ -214,6 +214,8 @@ def test_several_servers_round_trip_through_yaml_and_each_replica_gets_its_own_p
     ({"url": ["http://a:1", "b:2"]}, r"url=\['http://a:1', 'b:2'\]: must start with http://"),
     ({"url": ["http://a:1", "http://a:1/"]}, r"url=\['http://a:1', 'http://a:1/'\]: names a server twice"),
     ({"replicas": 0}, r"replicas=0: must be an integer >= 1"),
+    ({"nice": 20}, r"nice=20: must be an integer in 0\.\.19"),
+    ({"nice": -5}, r"nice=-5: must be an integer in 0\.\.19"),
     ({"replicas": 2, "url": "http://a:1"}, r"replicas=2 with url set: .*list every running server in url instead"),
     ({"replicas": 2, "gpus": ["0"]}, r"gpus=\['0'\]: a list gives one CUDA_VISIBLE_DEVICES string per replica"),
 ])

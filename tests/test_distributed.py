@@ -34,14 +34,15 @@ CASES = ["ddp-m1", "ddp-m4", "ddp-m4-clip", "ddp-m1-rankmean", "ddp-m4-nan", "dd
 
 
 def launch_two_ranks(out: Path, policy: Path, cases: list[str], timeout: float = 300, teacher: Path | None = None,
-                     ) -> None:
-    """Start rank 0 and rank 1 of ``dist_worker.py`` the way torchrun does (env vars), wait for both."""
+                     cmd: list[str] | None = None) -> None:
+    """Start rank 0 and rank 1 of ``dist_worker.py`` (or ``cmd``) the way torchrun does (env vars), wait for both."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0", "WORLD_SIZE": "2"}
-    cmd = [sys.executable, str(WORKER), "--out", str(out), "--policy", str(policy), "--cases", ",".join(cases)]
-    cmd += ["--teacher", str(teacher)] if teacher is not None else []
+    if cmd is None:
+        cmd = [sys.executable, str(WORKER), "--out", str(out), "--policy", str(policy), "--cases", ",".join(cases)]
+        cmd += ["--teacher", str(teacher)] if teacher is not None else []
     logs = [open(out / f"rank{r}.log", "w") for r in (0, 1)]  # noqa: SIM115 (closed below)
     procs = [subprocess.Popen(cmd, env={**env, "LOCAL_RANK": str(r)}, stdout=logs[r], stderr=subprocess.STDOUT)
              for r in (0, 1)]

@@ -5,6 +5,8 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from agreement import check_agreement
 
 from lightning_grpo.cli import main
 
@@ -55,29 +57,49 @@ def test_vlm_quickstart_reward_rises(tmp_path, monkeypatch):
     assert list(run.glob("checkpoints/*.ckpt")), "no checkpoint written"
 
 
-VLLM_CONFIGS = {"vllm-cpu": "engine: vllm\n", "async-quickstart": "max_off_policy_steps: 1\n"}
-"""Config -> a line its printed config.yaml holds: in-process vLLM; a `vllm serve` child, one batch drawn ahead."""
+VLLM_CONFIGS = {"vllm-cpu": "engine: vllm\n", "vllm-server": "engine: vllm_server\n",
+                "async-quickstart": "max_off_policy_steps: 1\n"}
+"""Config -> a line its printed config.yaml holds: in-process vLLM; a `vllm serve` child, in turns or one batch ahead."""
+_RUNS: dict[str, tuple[Path, str]] = {}
+
+
+def shipped_run(name: str, tmp_path_factory, monkeypatch, capsys) -> tuple[Path, str]:
+    """`lightning-grpo fit --config configs/<name>.yaml` as shipped, once per session: (run folder, printed output)."""
+    if name not in _RUNS:
+        folder, config = tmp_path_factory.mktemp(name), Path(__file__).parents[1] / "configs" / f"{name}.yaml"
+        monkeypatch.chdir(folder)
+        threads = torch.get_num_threads()
+        if "engine: vllm_server" in config.read_text():  # its launch line on 2 cores: OMP_NUM_THREADS=1 (1.6x faster)
+            torch.set_num_threads(1)
+        try:
+            main(["fit", "--config", str(config)])
+        finally:
+            torch.set_num_threads(threads)
+        _RUNS[name] = (folder / "runs" / name / "version_0", capsys.readouterr().out)
+    return _RUNS[name]
+
+
+def rows_of(run: Path) -> list[dict]:
+    return [r for r in csv.DictReader((run / "metrics.csv").open())]
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", sorted(VLLM_CONFIGS))
-def test_vllm_config_learns_the_quickstart_task(name, tmp_path, monkeypatch, capsys):
+def test_vllm_config_learns_the_quickstart_task(name, tmp_path, tmp_path_factory, monkeypatch, capsys):
     """`lightning-grpo fit --config configs/<name>.yaml` as shipped (nothing overridden: the tiny policy, the built-in
-    task and the CPU are all here): the quickstart task, rolled out by vLLM (in-process, or a server sampling one
-    loop step ahead of the update), learns."""
+    task and the CPU are all here): the quickstart task, rolled out by vLLM (in-process, a server in turns with the
+    update, or a server sampling one loop step ahead), learns."""
     pytest.importorskip("vllm")
-    monkeypatch.chdir(tmp_path)
-    main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / f"{name}.yaml")])
-    run = tmp_path / "runs" / name / "version_0"
+    run, out = shipped_run(name, tmp_path_factory, monkeypatch, capsys)
     config = (run / "config.yaml").read_text()
     assert VLLM_CONFIGS[name] in config and "source: builtin:arith_small" in config
-    every = list(csv.DictReader((run / "metrics.csv").open()))
+    every = rows_of(run)
     rewards = [float(r["reward/mean"]) for r in every if r.get("reward/mean")]
     assert len(rewards) == 80
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.1, f"reward did not rise: first 5 {first:.3f}, last 5 {last:.3f}"
-    out = capsys.readouterr().out
+    check_agreement(name, run, out, tmp_path)  # summary == metrics.csv == curves.png (tests/agreement.py)
     start = float(re.search(r"val/reward first (\d\.\d{3})  \(loop step 0\)", out).group(1))
     val = [float(r["val/reward"]) for r in every if r.get("val/reward")]
     assert val[-1] > start + 0.05, f"val/reward did not rise: {start} before training, then {val}"
@@ -85,6 +107,22 @@ def test_vllm_config_learns_the_quickstart_task(name, tmp_path, monkeypatch, cap
     if name == "async-quickstart":  # the first batch is drawn on the spot, every later one a loop step stale
         stale = [float(r["rollout/staleness"]) for r in every if r.get("rollout/staleness")]
         assert stale == [0.0] + [1.0] * 79
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_server_engine_in_turns_reproduces_the_in_process_engine(tmp_path_factory, monkeypatch, capsys):
+    """configs/vllm-server.yaml is configs/vllm-cpu.yaml on a `vllm serve` child (max_off_policy_steps 0): the same
+    seeds, weights and float32 sampler give the same completions, so every loop step's metrics agree. Measured: every
+    reward/mean equal, grpo/loss within 1.1e-7 (80 loop steps)."""
+    pytest.importorskip("vllm")
+    ours, theirs = (rows_of(shipped_run(n, tmp_path_factory, monkeypatch, capsys)[0]) for n in ("vllm-server",
+                                                                                                 "vllm-cpu"))
+    steps = lambda rows, k: {r["step"]: float(r[k]) for r in rows if r.get(k)}
+    assert steps(ours, "reward/mean") == steps(theirs, "reward/mean") and len(steps(ours, "reward/mean")) == 80
+    assert steps(ours, "val/reward") == steps(theirs, "val/reward")
+    loss, other = steps(ours, "grpo/loss"), steps(theirs, "grpo/loss")
+    assert max(abs(loss[s] - other[s]) for s in loss) < 1e-6
 
 
 TOOLS_CONFIG = Path(__file__).parents[1] / "configs" / "tools-quickstart.yaml"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from agreement import check_agreement
 
 from lightning_grpo.cli import flatten, main
 
@@ -63,6 +64,7 @@ def test_gsm8k_recipe_as_shipped_on_a_tiny_model(tmp_path, monkeypatch, tiny_cha
     summary = capsys.readouterr().out
     assert "val/reward first" in summary and "val/reward last" in summary
     assert list((run / "checkpoints").glob("*.ckpt"))
+    check_agreement("qwen2.5-0.5b-gsm8k", run, summary, tmp_path)  # summary == metrics.csv == curves.png
 
 
 GEOMETRY = Path(__file__).parent.parent / "configs" / "qwen2.5-vl-3b-geometry.yaml"

@@ -55,16 +55,13 @@ def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
 
 def _server_engine(cfg, module) -> RolloutEngine:
     """A ``vllm serve`` engine whose syncs are checked against the policy's own logprobs (the probe)."""
+    from lightning_grpo.rollout.server_ranks import Ranks
     from lightning_grpo.rollout.vllm_server import VLLMServerEngine, sequence_logprobs
 
-    if module._trainer is not None and module.trainer.world_size > 1:
-        raise ValueError(f"rollout.engine=vllm_server under {module.trainer.world_size} trainer ranks: one server "
-                         "per run is supported so far (every rank would sync it); use one trainer rank, or "
-                         "rollout.engine=vllm with vllm.distributed_executor_backend=external_launcher")
     tokenizer, server = module.tokenizer, cfg.server or ServerConfig()
     if server.url is None and server.launch:  # the child runs this Python's vLLM
         check_vllm_can_load(resolve_path(module.policy_cfg), "vllm_server")
     return VLLMServerEngine(str(resolve_path(module.policy_cfg)), server,
                             reference=lambda ids: sequence_logprobs(module.policy, ids),
                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                            sampler_logprobs=module.rl.needs_sampler_logprobs)
+                            sampler_logprobs=module.rl.needs_sampler_logprobs, ranks=Ranks.current())

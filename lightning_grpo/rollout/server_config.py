@@ -37,6 +37,9 @@ class ServerConfig:
     """Skip torch.compile / CUDA graphs: faster start, slower decoding."""
     threads: int | None = None
     """CPU threads of a launched server (OMP_NUM_THREADS); None = vLLM's default."""
+    nice: int = 0
+    """CPU priority of a launched server (Unix ``nice``, 0-19): above 0 the trainer's update takes the cores first
+    where the two share them (async rollouts on a small machine: the sampling has slack, the update has none)."""
     kv_cache_memory_bytes: int | None = None
     """KV cache of a launched server in bytes; None = vLLM's sizing."""
     gpus: str | list[str] | None = None
@@ -85,6 +88,8 @@ class ServerConfig:
             p.append(f"port={self.port!r}: must be in 1..65535, or null (a free port)")
         if self.threads is not None and (not is_int(self.threads) or self.threads < 1):
             p.append(f"threads={self.threads!r}: must be an integer >= 1 or null")
+        if not is_int(self.nice) or not 0 <= self.nice <= 19:
+            p.append(f"nice={self.nice!r}: must be an integer in 0..19 (0 = the trainer's priority)")
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
             p.append(f"max_model_len={self.max_model_len!r}: must be >= 1 or null (the model's)")
         if self.weight_transport not in ("shm", "http"):

@@ -107,6 +107,8 @@ class ServerProcess:
         if cfg.enforce_eager:
             self.argv.append("--enforce-eager")
         self.argv += list(cfg.extra_args)
+        if cfg.nice:  # the server's processes (API, engine core, workers) all inherit it
+            self.argv = ["nice", "-n", str(cfg.nice), *self.argv]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:

@@ -36,6 +36,7 @@ from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server_client import ServerClient, each
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.server_process import ServerError, ServerProcess, free_ports, request_json
+from lightning_grpo.rollout.server_ranks import Ranks
 from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
 
 PROBE_LENGTH = 24
@@ -68,6 +69,8 @@ class VLLMServerEngine(BookkeptSleep):
             (special tokens skipped, as the other engines decode).
         sampler_logprobs: whether generations ask for sampler logprobs (a launched server then runs
             ``--logprobs-mode processed_logprobs``).
+        ranks: the trainer ranks sharing the servers (``server_ranks.py``): rank 0 launches and pushes weights,
+            every rank generates its own prompts and checks every sync; None = one rank.
 
     Example::
 
@@ -82,11 +85,12 @@ class VLLMServerEngine(BookkeptSleep):
 
     def __init__(self, model_path: str | os.PathLike, config: ServerConfig | None = None,
                  reference: Callable[[Sequence[int]], list[float]] | None = None, decode=None,
-                 sampler_logprobs: bool = True) -> None:
+                 sampler_logprobs: bool = True, ranks: Ranks | None = None) -> None:
         self.config = cfg = config or ServerConfig()
         self.model_path = Path(model_path)
         self.reference, self.decode = reference, decode
-        self.clients: list[ServerClient] = _connect(self.model_path, cfg, sampler_logprobs)
+        self.ranks = ranks or Ranks()
+        self.clients: list[ServerClient] = _connect(self.model_path, cfg, sampler_logprobs, self.ranks)
         """One per server, in ``url`` (or launch) order; prompt i's group goes to ``clients[i % N]``."""
         try:
             self._setup()
@@ -118,7 +122,8 @@ class VLLMServerEngine(BookkeptSleep):
         self._sleep = SleepState()
         self._bucket_prefix = Path(_shm_root()) / f"lightning-grpo-sync-{os.getpid()}-{id(self):x}"
         """Bucket files are this plus ``-<n>.safetensors``, each removed right after the server loaded it."""
-        self._post("/init_weight_transfer_engine", {"init_info": {}}, "init_weight_transfer_engine")
+        if self.ranks.leads:
+            self._post("/init_weight_transfer_engine", {"init_info": {}}, "init_weight_transfer_engine")
 
     @property
     def url(self) -> str:
@@ -141,7 +146,9 @@ class VLLMServerEngine(BookkeptSleep):
         rows = [p for p in prompts for _ in range(group_size)]
         bodies = [self._body(p, sampling, s) for p, s in zip(rows, seeds)]
         # by prompt group: a group shares its prompt's prefix-cache blocks on one server; the seeds fix the tokens
-        targets = [self.clients[(i // group_size) % len(self.clients)] for i in range(len(rows))]
+        # (ranks: interleaved, so every rank's first group does not land on the same server)
+        r = self.ranks
+        targets = [self.clients[(i // group_size * r.size + r.rank) % len(self.clients)] for i in range(len(rows))]
         for client in targets:
             client.requests += 1
         with ThreadPoolExecutor(max_workers=min(len(bodies), 64) or 1) as pool:
@@ -175,10 +182,14 @@ class VLLMServerEngine(BookkeptSleep):
         """One bucket (checkpoint names); the first bucket of a sync opens vLLM's weight-update session."""
         self._sleep.require("weights", call="VLLMServerEngine.load_weights()")
         if not self._session:
-            self._post("/start_weight_update", {}, "start_weight_update")
+            self.ranks.barrier()  # every rank is done sampling before the weights change
+            if self.ranks.leads:
+                self._post("/start_weight_update", {}, "start_weight_update")
             self._session, self._bucket = True, 0
         self._bucket += 1
-        tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}
+        tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}  # every rank: FSDP2 gathers
+        if not self.ranks.leads:
+            return  # the same weights: rank 0 pushes them
         phase = f"update_weights (bucket {self._bucket})"
         if self.config.weight_transport == "http":
             from safetensors.torch import save
@@ -197,11 +208,14 @@ class VLLMServerEngine(BookkeptSleep):
     def reset_prefix_cache(self) -> None:
         """End of a sync: finish the session under the next weight version, drop cached KV blocks, check the engine."""
         if self._session:
-            self._post("/finish_weight_update", {"weight_version": str(self.version + 1)}, "finish_weight_update")
+            if self.ranks.leads:
+                self._post("/finish_weight_update", {"weight_version": str(self.version + 1)}, "finish_weight_update")
             self._session = False
             self.version += 1
-        self._post("/reset_prefix_cache", {}, "reset_prefix_cache")
-        self.check_current()
+        if self.ranks.leads:
+            self._post("/reset_prefix_cache", {}, "reset_prefix_cache")
+        self.ranks.barrier()  # no rank samples before the new weights landed
+        self.check_current()  # on every rank
 
     def check_current(self) -> float | None:
         """Raise ``StaleEngineError`` unless every server holds the trainer's weights; the probes' max |error|."""
@@ -249,8 +263,22 @@ class VLLMServerEngine(BookkeptSleep):
         each(self.clients, lambda c: c.post(path, body, phase))
 
 
-def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool) -> list[ServerClient]:
-    """A client per server at ``cfg.url``, or per launched replica (all spawned first, so they load side by side)."""
+def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks: Ranks) -> list[ServerClient]:
+    """A client per server at ``cfg.url``, or per launched replica (all spawned first, so they load side by side;
+    several trainer ranks: rank 0 launches them and tells the others where they answer)."""
+    if cfg.url is None and ranks.size > 1:
+        clients, failure = [], None
+        if ranks.leads:
+            try:
+                clients = _connect(model_path, cfg, sampler_logprobs, Ranks())
+            except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, not wait forever
+                failure = err
+        urls = ranks.broadcast(f"error: {failure}" if failure is not None else [c.url for c in clients])
+        if failure is not None:
+            raise failure
+        if isinstance(urls, str):
+            raise ServerError(f"rank 0 could not launch vllm serve ({urls[7:]})")
+        return clients or [ServerClient(url, cfg) for url in urls]
     if cfg.url is not None:
         for url in cfg.urls:
             _check_reachable(url, cfg)
