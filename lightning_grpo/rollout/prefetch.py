@@ -46,9 +46,7 @@ class InFlight:
     error: BaseException | None = None
 
     def wait(self, should_stop: Callable[[], bool] | None) -> tuple[list[Rollout], dict[str, float]]:
-        while not self.done.wait(0.2):  # polled, so a SIGTERM ends the wait (``checkpoint/signals.py``)
-            if should_stop is not None:
-                should_stop()
+        _settle(self, should_stop)
         if self.error is not None:
             raise self.error
         return self.result
@@ -86,10 +84,10 @@ class AsyncRollouts:
         """Loop step ``step``'s batch: the one in flight if it was drawn from these prompts and seed, else drawn
         now. Returns (rollouts, episode metrics, loop step of the weights it was drawn with)."""
         for old in [s for s in self._flight if s < step]:  # never taken (a step drawn afresh): drop it
-            self._flight.pop(old).wait(should_stop)
+            _settle(self._flight.pop(old), should_stop)
         flight = self._flight.pop(step, None)
         if flight is not None and (flight.prompt_ids != [p.id for p in prompts] or flight.seed != sampling.seed):
-            flight.wait(should_stop)  # not ours (the data or the seed changed): wait it out, draw afresh
+            _settle(flight, should_stop)  # not ours (the data or the seed changed): wait it out, draw afresh
             flight = None
         if flight is None:
             self.wait_idle(should_stop)
@@ -117,9 +115,7 @@ class AsyncRollouts:
     def wait_idle(self, should_stop: Callable[[], bool] | None = None) -> None:
         """Block until nothing is in flight (a batch's error is raised when it is taken, not here)."""
         for flight in list(self._flight.values()):
-            while not flight.done.wait(0.2):
-                if should_stop is not None:
-                    should_stop()
+            _settle(flight, should_stop)
 
     # -- the engine protocol: everything else waits for the in-flight batches first -----------------------------
     def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
@@ -182,6 +178,13 @@ class AsyncRollouts:
             except BaseException as err:  # noqa: BLE001 - handed to the main thread when the batch is taken
                 flight.error = err
             flight.done.set()
+
+
+def _settle(flight: InFlight, should_stop: Callable[[], bool] | None) -> None:
+    """Wait until ``flight`` is done (result or error), polled so a SIGTERM ends the wait (``checkpoint/signals.py``)."""
+    while not flight.done.wait(0.2):
+        if should_stop is not None:
+            should_stop()
 
 
 def staleness_metrics(staleness: int, k: int) -> dict[str, float]:
