@@ -55,7 +55,9 @@ def record(module, checkpoint: dict) -> None:
 
 
 def restore(module, checkpoint: dict) -> None:
-    module._reissue = dict(checkpoint.get(KEY, {}).get("in_flight", {}))
+    # rank 0 writes the checkpoint, so it holds rank 0's prompts: the other ranks have their own and skip the check
+    saved = checkpoint.get(KEY, {}).get("in_flight", {}) if module.global_rank == 0 else {}
+    module._reissue = dict(saved)
 
 
 def check_reissued(module, step: int, prompts: Sequence[Prompt]) -> None:
