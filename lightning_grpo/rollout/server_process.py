@@ -171,6 +171,8 @@ class ServerProcess:
 
         The log folder goes with a server stopped while running; one that died keeps its log (errors cite it)."""
         _LIVE.discard(self)
+        if not _LIVE:
+            _release_sigterm()
         if self.proc is None:
             return
         was_running = self.proc.poll() is None
@@ -235,9 +237,24 @@ def stop_all() -> None:
         server.stop()
 
 
+def _release_sigterm() -> None:
+    """The last server stopped: put the previous SIGTERM handler back, if ours is still the one installed (else
+    something wrapped it, e.g. Lightning during a fit, and ours stays in its chain, inert while no server lives)."""
+    if (_SIGTERM["installed"] and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+        signal.signal(signal.SIGTERM, _SIGTERM["previous"])
+        _SIGTERM["installed"] = False
+
+
 def _on_sigterm(signum, frame) -> None:
-    stop_all()
     previous = _SIGTERM["previous"]
+    if not _LIVE and signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        # No server to stop, and called from a wrapper's chain (Lightning's during a fit): as if this handler were
+        # not there; the wrapper acts on the signal itself (a graceful stop), so no default-action kill here.
+        if callable(previous):
+            previous(signum, frame)
+        return
+    stop_all()
     if callable(previous):
         previous(signum, frame)
     elif previous != signal.SIG_IGN:  # SIG_DFL (or one set from C): die of SIGTERM as without this handler
