@@ -274,6 +274,16 @@ class GRPOCLI(LightningCLI):
                               resuming=config["ckpt_path"] is not None, overwrite=config.get("overwrite_run", False))
 
 
+    def after_fit(self) -> None:
+        # The run is over: stop the `vllm serve` children it launched (and their SIGTERM handler) now, not at
+        # interpreter exit: a CLI called from Python (a notebook, a test suite) would keep them for the whole process.
+        # In-process engines stay as before (they go with the process; closing one mid-process is the caller's call).
+        from lightning_grpo.rollout.vllm_server import VLLMServerEngine  # deferred: imports the server client
+
+        engine = getattr(self.model, "engine", None)
+        if isinstance(getattr(engine, "engine", engine), VLLMServerEngine):  # AsyncRollouts wraps it
+            engine.close()
+
     def _add_summary(self) -> None:
         if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
             self.trainer.callbacks.append(RunSummary())
