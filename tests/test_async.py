@@ -81,7 +81,8 @@ def whole(server, tiny_policy_dir, tmp_path_factory):
     """An uninterrupted 5-step run, one step off: (per-step metrics, trained rows, what was in flight at the end)."""
     root = tmp_path_factory.mktemp("whole")
     module, recorder = async_module(tiny_policy_dir, server, k=1), StepRecorder()
-    fit_tiny(module, root, loop_steps=5, callbacks=[recorder, Trained(root / "t.jsonl")])
+    with global_determinism_restored():  # module-scoped: set up before the autouse fixture saves the switches
+        fit_tiny(module, root, loop_steps=5, callbacks=[recorder, Trained(root / "t.jsonl")])
     in_flight = module.engine.in_flight()
     module.engine.close()
     return recorder.metrics, trained(root / "t.jsonl"), in_flight
