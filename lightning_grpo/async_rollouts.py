@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.rollout.prefetch import AsyncRollouts, staleness_metrics
+from lightning_grpo.vision import step_prompts
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,6 @@ def check_reissued(module, step: int, prompts: Sequence[Prompt]) -> None:
 
 def _next_batch(module, ahead: int) -> tuple[list[Prompt], SamplingConfig] | None:
     """Loop step ``loop_step + 1 + ahead``'s prompts (without the bad records the draw would skip) and sampling."""
-    from lightning_grpo.vision import step_prompts
-
     dm = module._datamodule()
     if not (hasattr(dm, "records") and hasattr(dm, "position")):
         return None  # not a PromptDataModule: its next batch is unknown until Lightning fetches it
