@@ -52,6 +52,48 @@ def test_left_padding_gives_the_same_greedy_tokens(engine, policy):
     assert batch[2].token_ids == batch[3].token_ids == alone.token_ids
 
 
+def test_grouped_decode_draws_the_same_tokens_and_logprobs(policy, monkeypatch):
+    """Decoding the grouped-query policy (2 query heads per KV head) without copying its KV heads (rollout/gqa.py)
+    changes nothing: on left-padded prompts (a padding mask at every decode step) the same seeds draw the same tokens
+    with bit-identical sampler logprobs as transformers' sdpa path. It really ran (calls counted, masked ones among
+    them), and the model is back on its own attention afterwards."""
+    from lightning_grpo.rollout import gqa
+
+    model, tok = policy
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    calls = {"masked": 0, "all": 0}
+
+    def counted(module, query, key, value, attention_mask, **kw):
+        calls["all"] += 1
+        calls["masked"] += attention_mask is not None
+        return grouped(module, query, key, value, attention_mask, **kw)
+
+    grouped = gqa._grouped_sdpa
+    monkeypatch.setattr(gqa, "_grouped_sdpa", counted)
+    prompts = prompts_of(tok, ["(12+34)*56-78=", "3+4=", "9*9="])
+    sampling = SamplingConfig(max_new_tokens=16, temperature=1.0, logprobs=True, seed=3)
+    copied = HFEngine(model, tok, grouped_attention=False).generate(prompts, 4, sampling)
+    assert calls["all"] == 0
+    fast = HFEngine(model, tok).generate(prompts, 4, sampling)
+    assert calls["masked"] > 0 and model.config._attn_implementation == "sdpa"
+    assert [r.token_ids for r in fast] == [r.token_ids for r in copied]
+    assert [r.logprobs for r in fast] == [r.logprobs for r in copied]
+
+
+def test_grouped_decode_leaves_other_policies_alone(policy):
+    """Only a CPU sdpa policy with grouped KV heads switches: eager attention, or one KV head per query head, keeps
+    the model's own attention (nothing to save)."""
+    from lightning_grpo.rollout.gqa import applies
+
+    model, _ = policy
+    assert applies(model)
+    model.config._attn_implementation = "eager"
+    assert not applies(model)
+    model.config._attn_implementation = "sdpa"
+    model.config.num_key_value_heads = model.config.num_attention_heads
+    assert not applies(model)
+
+
 def test_eos_ends_the_completion_and_is_kept(policy):
     model, tok = policy
     greedy = SamplingConfig(max_new_tokens=10, temperature=0.0)
