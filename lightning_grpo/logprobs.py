@@ -206,9 +206,12 @@ def _exp_dots(x: Tensor, block_bytes: int = 1 << 20) -> Tensor:
     the vocabulary. The chunk's own in-place exponential runs after, unchanged, so the logprobs keep their bits."""
     rows = max(1, block_bytes // (x.shape[1] * x.element_size()))
     out = x.new_empty(x.shape[0])
-    for s in range(0, x.shape[0], rows):
-        xb = x[s:s + rows]
-        out[s:s + rows] = torch.bmm(xb.exp()[:, None, :], xb[:, :, None])[:, 0, 0]  # batched dot, no temporary
+    # Outside autocast: under bf16 autocast bmm would cast both operands to bf16 (two [rows, V] copies per block and
+    # a slow bf16 batched dot), which cost a third of a bf16 update and rounded the entropy to bf16.
+    with torch.autocast(x.device.type, enabled=False):
+        for s in range(0, x.shape[0], rows):
+            xb = x[s:s + rows]
+            out[s:s + rows] = torch.bmm(xb.exp()[:, None, :], xb[:, :, None])[:, 0, 0]  # batched dot, no temporary
     return out
 
 
