@@ -61,7 +61,7 @@ def render(results: Path) -> str:
     r = {n: load(results, n) for n in ("suite", "update_memory", "speed_vs_trl", "logprobs", "sampler",
                                        "engine_throughput", "ahead_pass", "lightning_overhead", "weight_sync",
                                        "oom_acceptance", "budget_speed", "lora", "server_sync", "packing", "async",
-                                       "async_reward")}
+                                       "async_reward", "generation")}
     targets: list[dict] = []
     sections = [
         _memory(r["update_memory"], targets),
@@ -75,6 +75,7 @@ def render(results: Path) -> str:
         _server_sync(r["server_sync"]),
         _async(r["async"], r["async_reward"]),
         _throughput(r["engine_throughput"]),
+        _generation(r["generation"]),
         budget_section(r["oom_acceptance"], r["budget_speed"]),
         packing_section(r["packing"], targets),
     ]
@@ -371,6 +372,12 @@ def _async(overlap: dict | None, reward: dict | None) -> str:
 
 def _lora(d: dict | None) -> str:
     from bench.lora import section  # deferred: bench.lora imports torch, which rendering the doc never needs
+
+    return section(d, md_table, _load_range)
+
+
+def _generation(d: dict | None) -> str:
+    from bench.generation import section  # deferred: bench.generation imports torch, which rendering never needs
 
     return section(d, md_table, _load_range)
 

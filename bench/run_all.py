@@ -32,6 +32,7 @@ SUITE: list[tuple[str, list[str]]] = [
     ("logprobs", []),
     ("sampler", []),
     ("engine_throughput", []),
+    ("generation", ["--compile"]),
     ("ahead_pass", []),
     ("lightning_overhead", []),
     ("weight_sync", ["--repeats", "3"]),

@@ -27,6 +27,7 @@ QUICK = {  # name -> extra arguments; each about 10-35 s on 2 cores
     "vlm_memory": [],
     "entropy_cost": [],
     "packing": ["--repeats", "1"],
+    "generation": [],
 }
 
 
