@@ -225,7 +225,7 @@ def _reading(d: dict) -> list[str]:
          f"at the shapes decoding runs them, already take {f['decode_floor_s'] / f['gemm_floor_s']:.2f}x it (a "
          "32-row GEMM streams every weight once per token and runs at about half the rate of a large one on this "
          "CPU), so the issue's <= 1.3x is out of reach for any decoder that draws one token per step here; the "
-         f"engine itself adds {ours['x_decode_floor']:.2f}x over those matmuls (attention, sampler, `generate`)."),
+         f"engine takes {ours['x_decode_floor']:.2f}x those matmuls (attention, sampler, `generate`)."),
     ]
     if ("trl-generate", 32) in row:
         trl, plain = row["trl-generate", 32], row.get(("plain-generate", 32))
@@ -241,7 +241,8 @@ def _reading(d: dict) -> list[str]:
         lines += ["", (f"A static KV cache with a compiled decode step is {1 / static['x_ours']:.2f}x faster than "
                        "ours once compiled, with the same tokens; it is not the default: the compile costs tens of "
                        "seconds per batch shape, and the static cache's length (prompt width + max_new_tokens) "
-                       "changes with every collected batch's longest prompt, and each new length compiles again (`dynamic=False`).")]
+                       "changes with every collected batch's longest prompt, and each new length compiles again "
+                       "(`dynamic=False`).")]
     return lines
 
 
