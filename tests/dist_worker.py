@@ -63,8 +63,9 @@ def case_config(case: str) -> GRPOConfig:
     if parts[1] == "budget" and "moe" in parts:  # n_mini=2, routing replay; rank 0 needs 2 chunks a window, rank 1
         return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, mini_batch_per_replica=4,  # 1 + a filler
                           max_tokens_per_micro=MOE_BUDGET, max_grad_norm=0.0, routing_replay="ahead")
-    if parts[1] == "budget":  # token-budgeted chunks: unequal chunk counts on the two ranks
-        return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, max_tokens_per_micro=BUDGET, max_grad_norm=0.0)
+    if parts[1] == "budget":  # token-budgeted chunks: unequal chunk counts on the two ranks (-packed: padding-free)
+        return GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, max_tokens_per_micro=BUDGET, max_grad_norm=0.0,
+                          packed="packed" in parts)
     n_micro = int(parts[1][1:])
     if "refuse" in parts:  # mini-batch of 3 trajectories cannot split over 2 ranks
         return GRPOConfig(batch_per_replica=6, group_size=2, mini_batch_per_replica=3, max_grad_norm=0.0)
@@ -369,6 +370,7 @@ def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None =
         record["sharded"] = any(hasattr(p, "full_tensor") for p in module.policy.parameters())
         record["grad_trace"] = module.grad_trace
         record["chunks"] = module.updater.last_plan.rows
+        record["packed"] = module.scorer.packed
         if record["sharded"]:  # weight sync from FSDP2 shards: full tensors, gathered bucket by bucket
             engine = RecordingEngine()
             record["sync_buckets"] = push_weights(module.policy, engine, bucket_bytes=64 << 10).n_buckets

@@ -30,7 +30,8 @@ from lightning_grpo.policy import PolicyConfig
 TOL = 1e-6
 WORKER = Path(__file__).with_name("dist_worker.py")
 CASES = ["ddp-m1", "ddp-m4", "ddp-m4-clip", "ddp-m1-rankmean", "ddp-m4-nan", "ddp-m4-steps2",
-         "fsdp2-m1", "fsdp2-m4", "fsdp2-m4-clip", "ddp-m1-refuse", "ddp-budget", "fsdp2-budget", "ddp-m4-lora"]
+         "fsdp2-m1", "fsdp2-m4", "fsdp2-m4-clip", "ddp-m1-refuse", "ddp-budget", "fsdp2-budget", "ddp-m4-lora",
+         "ddp-budget-packed", "fsdp2-budget-packed"]
 
 
 def launch_two_ranks(out: Path, policy: Path, cases: list[str], timeout: float = 300, teacher: Path | None = None,
@@ -121,6 +122,22 @@ def test_token_budget_with_uneven_chunk_counts_per_rank_equals_one_rank(two_rank
         assert [present for present, _ in t0] == [False, True]
     assert r0["metrics"]["grpo/chunks"] == 3.0 and r0["metrics"]["grpo/empty_chunks"] == 1.0
     assert r0["metrics"]["grpo/n"] == 8.0 and r0["metrics"]["grpo/tokens"] == sum(W.LENGTHS)  # fillers count nothing
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_packed_token_budget_on_two_ranks_equals_one_rank_and_the_padded_step(two_ranks, tiny_policy_dir, strategy):
+    """Padding-free packed chunks under data parallelism: each rank packs its own rows (its real-token budget, its own
+    chunk count, an empty filler where it has fewer chunks), and the step equals the one-rank packed step and the
+    padded one; the ranks hold one model."""
+    case = f"{strategy}-budget-packed"
+    before, ref, _ = one_rank(tiny_policy_dir, case)
+    _, padded, _ = one_rank(tiny_policy_dir, f"{strategy}-budget")
+    r0, r1 = two_ranks(case, 0), two_ranks(case, 1)
+    assert r0["packed"] and r1["packed"] and not two_ranks(f"{strategy}-budget", 0)["packed"]
+    assert max_rel_delta(before, ref, r0["params"]) <= TOL
+    assert max_rel_delta(before, padded, r0["params"]) <= TOL
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in ref)
+    assert r0["metrics"]["grpo/n"] == 8.0 and r0["metrics"]["grpo/tokens"] == sum(W.LENGTHS)
 
 
 def test_two_ranks_train_a_lora_adapter_as_one_rank(two_ranks, tiny_policy_dir):
