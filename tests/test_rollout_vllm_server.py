@@ -367,3 +367,51 @@ def test_server_death_mid_run_stops_the_fit_with_its_log_and_an_emergency_checkp
     saved = cb.dirpath / checkpoint_name(2, cb.lineage)
     assert read_manifest(saved).reason == "error:ServerError"
     assert torch.load(saved, weights_only=True)["grpo"]["loop_step"] == 2
+
+
+def test_a_dead_server_is_started_again_with_the_trainers_weights(engine, trainer):
+    """After the fit above killed the shared server (killed here when run alone): with ``restarts`` left, a draw
+    restarts it on its port, republishes the trainer's current weights (perturbed away from the folder the server
+    reloads: its sampler logprobs match the trainer, so the weights are not the folder's) and re-sends the draw. A
+    second death draws the very tokens again (same seeds, same weights); with no restart left the death stops the
+    draw with the server's log, as without restarts."""
+    if engine.server.alive():
+        os.killpg(engine.server.proc.pid, signal.SIGKILL)
+        engine.server.proc.wait(timeout=30)
+    perturb(trainer, seed=11)
+    engine.reference = functools.partial(sequence_logprobs, trainer)  # the fit above bound its own policy
+    engine.republish = lambda: push_weights(trainer, engine)
+    engine.restarts_left = 2
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, logprobs=True, seed=4)
+    first = engine.generate(prompts(2), 2, sampling)
+    assert engine.restarts_left == 1 and engine.server.alive()
+    for r in first:
+        with torch.no_grad():
+            logits = trainer(torch.tensor([r.prompt.token_ids + r.token_ids])).logits[0, len(r.prompt.token_ids) - 1:-1]
+        want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), want, atol=1e-4, rtol=0)
+    os.killpg(engine.server.proc.pid, signal.SIGKILL)
+    engine.server.proc.wait(timeout=30)
+    again = engine.generate(prompts(2), 2, sampling)
+    assert [r.token_ids for r in again] == [r.token_ids for r in first] and engine.restarts_left == 0
+    os.killpg(engine.server.proc.pid, signal.SIGKILL)
+    engine.server.proc.wait(timeout=30)
+    with pytest.raises(ServerError, match=r"vllm serve exited with code -9(.|\n)*its last log lines"):
+        engine.generate(prompts(2), 2, sampling)
+
+
+def test_restarts_are_refused_where_they_cannot_work(tiny_policy_dir):
+    """A server at a URL cannot be started again by this run; restarts under async rollouts are refused at build."""
+    from helpers import tiny_grpo_module
+
+    from lightning_grpo.rollout.build import build_engine
+    from lightning_grpo.rollout.rollout_config import RolloutConfig
+
+    with pytest.raises(ValueError, match="restarts=1 with url set"):
+        ServerConfig(url="http://127.0.0.1:1", restarts=1)
+    with pytest.raises(ValueError, match="restarts=-1: must be an integer >= 0"):
+        ServerConfig(restarts=-1)
+    module = tiny_grpo_module(tiny_policy_dir)
+    cfg = RolloutConfig(engine="vllm_server", max_off_policy_steps=1, server=ServerConfig(restarts=1))
+    with pytest.raises(ValueError, match="restarts=1 with max_off_policy_steps=1"):
+        build_engine(cfg, module)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from lightning_grpo import lora
 from lightning_grpo.config import ServerConfig, VLLMConfig
 from lightning_grpo.policy import resolve_path
+from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import RolloutEngine
 from lightning_grpo.rollout.hf import HFEngine
 from lightning_grpo.rollout.replay import ReplayEngine
 from lightning_grpo.rollout.vllm_loadable import check_vllm_can_load
+from lightning_grpo.rollout.weight_sync import named_weights, push_weights
 
 
 def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
@@ -58,10 +61,25 @@ def _server_engine(cfg, module) -> RolloutEngine:
     from lightning_grpo.rollout.server_ranks import Ranks
     from lightning_grpo.rollout.vllm_server import VLLMServerEngine, sequence_logprobs
 
-    tokenizer, server = module.tokenizer, cfg.server or ServerConfig()
+    tokenizer, server, ranks = module.tokenizer, cfg.server or ServerConfig(), Ranks.current()
+    if server.restarts and (ranks.size > 1 or cfg.max_off_policy_steps):
+        where = f"{ranks.size} trainer ranks" if ranks.size > 1 else f"max_off_policy_steps={cfg.max_off_policy_steps}"
+        raise ValueError(f"rollout.server.restarts={server.restarts} with {where}: a restarted server gets the "
+                         "weights from the thread that noticed the death, which is safe with one rank drawing "
+                         "synchronously only; set rollout.server.restarts: 0 (the run stops with the server's log and "
+                         "an emergency checkpoint, and resumes from it)")
     if server.url is None and server.launch:  # the child runs this Python's vLLM
         check_vllm_can_load(resolve_path(module.policy_cfg), "vllm_server")
-    return VLLMServerEngine(str(resolve_path(module.policy_cfg)), server,
-                            reference=lambda ids: sequence_logprobs(module.policy, ids),
-                            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                            sampler_logprobs=module.rl.needs_sampler_logprobs, ranks=Ranks.current())
+
+    def republish() -> None:  # what the hand-off pushes once per collected batch, for a restarted server
+        bucket = int(cfg.sync_bucket_mb * (1 << 20))
+        if lora.is_lora(module.policy):
+            adapter_sync.push_policy(module.policy, engine, bucket, with_base=False)
+        else:
+            push_weights(named_weights(module.policy), engine, bucket_bytes=bucket)
+
+    engine = VLLMServerEngine(str(resolve_path(module.policy_cfg)), server,
+                              reference=lambda ids: sequence_logprobs(module.policy, ids),
+                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                              sampler_logprobs=module.rl.needs_sampler_logprobs, ranks=ranks, republish=republish)
+    return engine

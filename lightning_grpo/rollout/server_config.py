@@ -59,6 +59,11 @@ class ServerConfig:
     probe_tolerance: float | None = None
     """Largest |server - trainer| logprob on the probe sequence after a sync; None = 1e-3 for a float32 server,
     0.1 otherwise. Above it the engine is stale (a sync did not land) and the run stops."""
+    restarts: int = 0
+    """How many times a launched server that dies mid-run is started again (same port and settings) before the run
+    stops. A restarted server loads the policy folder again, so the engine republishes the trainer's current weights
+    (checked by the probe) and re-sends the generation that failed, with the same seeds. 0 = the run stops at the first
+    death, with the server's last log lines. One trainer rank, synchronous rollouts only."""
 
     def __post_init__(self) -> None:
         raise_problems("server config", self.problems())
@@ -98,6 +103,11 @@ class ServerConfig:
             value = getattr(self, name)
             if not is_finite(value) or value <= 0:
                 p.append(f"{name}={value!r}: must be a number of seconds > 0")
+        if not is_int(self.restarts) or self.restarts < 0:
+            p.append(f"restarts={self.restarts!r}: must be an integer >= 0")
+        elif self.restarts and self.url is not None:
+            p.append(f"restarts={self.restarts} with url set: only a server this run launched can be started again; "
+                     "restart the server at the URL yourself, or set url: null to launch it")
         if self.probe_tolerance is not None and (not is_finite(self.probe_tolerance) or self.probe_tolerance <= 0):
             p.append(f"probe_tolerance={self.probe_tolerance!r}: must be > 0 or null (by dtype)")
         return p

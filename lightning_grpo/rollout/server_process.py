@@ -142,6 +142,16 @@ class ServerProcess:
                           f"{self.cfg.startup_timeout_s:g}s; raise it or check its log ({self.log_path}):\n"
                           f"{self.log_tail()}")
 
+    def restart(self) -> Path:
+        """Start a child that died again, on the same port, and wait for /health. Returns the dead one's log (kept:
+        the new child writes a fresh one)."""
+        dead_log = self.log_path
+        self.stop()  # reaps it and whatever of its process group is left
+        self.log_dir = Path(tempfile.mkdtemp(prefix="lightning-grpo-server-"))
+        self.log_path = self.log_dir / "server.log"
+        self.start()
+        return dead_log
+
     def _env(self) -> dict[str, str]:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
         env["PYTHONPATH"] = os.pathsep.join([*_plugin_paths(), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
@@ -38,6 +39,8 @@ from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.server_process import ServerError, ServerProcess, free_ports, request_json
 from lightning_grpo.rollout.server_ranks import Ranks
 from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
+
+log = logging.getLogger(__name__)
 
 PROBE_LENGTH = 24
 """Tokens in the probe sequence (logprobs of the last 23 are compared)."""
@@ -71,6 +74,8 @@ class VLLMServerEngine(BookkeptSleep):
             ``--logprobs-mode processed_logprobs``).
         ranks: the trainer ranks sharing the servers (``server_ranks.py``): rank 0 launches and pushes weights,
             every rank generates its own prompts and checks every sync; None = one rank.
+        republish: pushes the trainer's current weights to this engine (a full sync); a launched server restarted
+            after it died (``ServerConfig.restarts``) gets them before it samples again. None = no restarts.
 
     Example::
 
@@ -85,8 +90,12 @@ class VLLMServerEngine(BookkeptSleep):
 
     def __init__(self, model_path: str | os.PathLike, config: ServerConfig | None = None,
                  reference: Callable[[Sequence[int]], list[float]] | None = None, decode=None,
-                 sampler_logprobs: bool = True, ranks: Ranks | None = None) -> None:
+                 sampler_logprobs: bool = True, ranks: Ranks | None = None,
+                 republish: Callable[[], object] | None = None) -> None:
         self.config = cfg = config or ServerConfig()
+        self.republish = republish
+        self.restarts_left = cfg.restarts
+        """Restarts of a dead launched server still allowed (``ServerConfig.restarts``, counted down)."""
         self.model_path = Path(model_path)
         self.reference, self.decode = reference, decode
         self.ranks = ranks or Ranks()
@@ -151,8 +160,12 @@ class VLLMServerEngine(BookkeptSleep):
         targets = [self.clients[(i // group_size * r.size + r.rank) % len(self.clients)] for i in range(len(rows))]
         for client in targets:
             client.requests += 1
-        with ThreadPoolExecutor(max_workers=min(len(bodies), 64) or 1) as pool:
-            replies = list(pool.map(ServerClient.complete, targets, bodies))
+        try:
+            replies = _complete(targets, bodies)
+        except ServerError:
+            if not self._restart_dead():
+                raise
+            replies = _complete(targets, bodies)  # the same seeds: the same tokens the dead server would have drawn
         out = []
         for p, reply in zip(rows, replies):
             choice = reply["choices"][0]
@@ -160,6 +173,24 @@ class VLLMServerEngine(BookkeptSleep):
             out.append(finish_rollout(p, choice["token_ids"], choice["text"], choice["finish_reason"], lps,
                                       sampling, self._decoder() if sampling.stop else self.decode))
         return out
+
+    def _restart_dead(self) -> bool:
+        """Start the launched servers that died again and republish the trainer's weights to the pool; False (the
+        caller raises) when none died, no restart is left, or restarting is not possible here."""
+        dead = [c for c in self.clients if c.process is not None and not c.process.alive(wait_s=2.0)]
+        if not dead or self.restarts_left <= 0 or self.republish is None or self.ranks.size > 1:
+            return False
+        for client in dead:
+            self.restarts_left -= 1
+            log.warning("vllm serve at %s exited with code %s; starting it again (rollout.server.restarts: %d left). "
+                        "Its last log lines (%s):\n%s", client.url, client.process.proc.returncode, self.restarts_left,
+                        client.process.log_path, client.process.log_tail())
+            client.process.restart()
+            client.connect()
+            client.post("/init_weight_transfer_engine", {"init_info": {}}, "init_weight_transfer_engine")
+        self._session = False
+        self.republish()  # every server moves to the next version together; the probe checks the restarted ones
+        return True
 
     def _decoder(self):
         """``decode``, or (none given) the model folder's tokenizer, loaded once: the shared stop-string cut needs one."""
@@ -261,6 +292,12 @@ class VLLMServerEngine(BookkeptSleep):
     def _post(self, path: str, body: dict, phase: str) -> None:
         """One phase on every server, concurrently; returns once each has answered (a failure names its URL)."""
         each(self.clients, lambda c: c.post(path, body, phase))
+
+
+def _complete(targets: Sequence[ServerClient], bodies: Sequence[dict]) -> list[dict]:
+    """One ``/v1/completions`` request per body to its server, up to 64 at a time; the replies in order."""
+    with ThreadPoolExecutor(max_workers=min(len(bodies), 64) or 1) as pool:
+        return list(pool.map(ServerClient.complete, targets, bodies))
 
 
 def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks: Ranks) -> list[ServerClient]:
