@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from lightning_grpo.checks import ConfigError
 from lightning_grpo.lora import ADAPTER_NAME, adapter_config_json, adapter_state_dict
 from lightning_grpo.rollout.weight_sync import SyncStats, named_weights, push_weights
 
@@ -77,8 +78,20 @@ def served_adapter(model: nn.Module) -> tuple[dict[str, Tensor], str]:
 
 
 
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for ``max_lora_rank``."""
+
+
+def served_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds a rank-``rank`` adapter; refused above its largest."""
+    if rank > VLLM_RANKS[-1]:
+        raise ConfigError(f"policy.lora.rank={rank}: vLLM serves adapters up to rank {VLLM_RANKS[-1]}; lower it or "
+                          "set policy.lora.sync=merge")
+    return next(r for r in VLLM_RANKS if r >= rank)
+
+
 def serves_adapters(engine: object) -> bool:
-    """The engine takes a LoRA adapter itself (``VLLMEngine`` built with ``lora_rank``)."""
+    """The engine takes a LoRA adapter itself (``VLLMEngine`` or ``VLLMServerEngine`` built with ``lora_rank``)."""
     return getattr(engine, "adapters", None) is not None and hasattr(engine, "load_adapter")
 
 

@@ -71,6 +71,12 @@ def _server_engine(cfg, module) -> RolloutEngine:
     if server.url is None and server.launch:  # the child runs this Python's vLLM
         check_vllm_can_load(resolve_path(module.policy_cfg), "vllm_server")
 
+    adapter = module.policy_cfg.lora is not None and module.policy_cfg.lora.sync == "adapter"
+    if adapter and server.weight_transport == "http":
+        raise ValueError("policy.lora.sync=adapter with rollout.server.weight_transport=http: the servers load each "
+                         "adapter from a folder on this machine, which a server on another node cannot read; set "
+                         "policy.lora.sync: merge (every weight, over HTTP) or weight_transport: shm (same node)")
+
     def republish() -> None:  # what the hand-off pushes once per collected batch, for a restarted server
         bucket = int(cfg.sync_bucket_mb * (1 << 20))
         if lora.is_lora(module.policy):
@@ -81,5 +87,6 @@ def _server_engine(cfg, module) -> RolloutEngine:
     engine = VLLMServerEngine(str(resolve_path(module.policy_cfg)), server,
                               reference=lambda ids: sequence_logprobs(module.policy, ids),
                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                              sampler_logprobs=module.rl.needs_sampler_logprobs, ranks=ranks, republish=republish)
+                              sampler_logprobs=module.rl.needs_sampler_logprobs, ranks=ranks, republish=republish,
+                              lora_rank=module.policy_cfg.lora.rank if adapter else None)
     return engine

@@ -126,6 +126,10 @@ class AsyncRollouts:
         self.wait_idle()  # a batch is drawn with one weight version, never a mix
         self.engine.load_weights(named_tensors)
 
+    def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None:
+        self.wait_idle()  # no batch samples while the adapter it names is swapped
+        self.engine.load_adapter(tensors, config_json)
+
     def reset_prefix_cache(self) -> None:
         self.wait_idle()
         self.engine.reset_prefix_cache()

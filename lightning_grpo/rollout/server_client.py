@@ -59,15 +59,16 @@ class ServerClient:
     def complete(self, body: dict) -> dict:
         """One ``/v1/completions`` request (a generation: ``request_timeout_s``)."""
         try:
-            return request_json(self.url, "/v1/completions", dict(body, model=self.model_name),
+            return request_json(self.url, "/v1/completions", {"model": self.model_name, **body},
                                 self.config.request_timeout_s, "generate")
         except ServerError as err:
             raise self.with_log(err) from None
 
-    def probe(self, ids: Sequence[int]) -> list[float]:
-        """The server's ``log p(ids[i] | ids[:i])`` for i >= 1 (prompt logprobs: they bypass the prefix cache)."""
+    def probe(self, ids: Sequence[int], model: str | None = None) -> list[float]:
+        """The server's ``log p(ids[i] | ids[:i])`` for i >= 1 (prompt logprobs: they bypass the prefix cache), from
+        ``model`` (a loaded LoRA adapter's name; None = the served model)."""
         ids = list(ids)
-        body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        body = {"model": model or self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
         steps = self.post("/v1/completions", body, "probe")["choices"][0]["prompt_logprobs"][1:]
         return [step[str(t)]["logprob"] for step, t in zip(steps, ids[1:])]
 

@@ -30,6 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_grpo.rollout.server_config import BACKEND, ServerConfig
@@ -58,7 +59,12 @@ def request_json(url: str, path: str, body: dict | None = None, timeout: float =
     except (urllib.error.URLError, http.client.HTTPException, OSError) as err:  # refused, reset, cut short, timeout
         reason = getattr(err, "reason", err)
         raise ServerError(f"{phase or path}: {url}{path} did not answer within {timeout:g}s ({reason})") from None
-    return json.loads(raw) if raw else None
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:  # a few routes (LoRA load/unload) answer plain text
+        return raw.decode(errors="replace")
 
 
 def free_port(host: str) -> int:
@@ -88,8 +94,9 @@ def check_port_free(host: str, port: int) -> None:
 class ServerProcess:
     """A launched ``vllm serve`` child: ``start`` (waits for /health), ``log_tail``, ``alive``, ``stop``."""
 
-    def __init__(self, model_path: str, cfg: ServerConfig, logprobs_mode: str) -> None:
-        self.cfg = cfg
+    def __init__(self, model_path: str, cfg: ServerConfig, logprobs_mode: str,
+                 adapter_args: Sequence[str] = ()) -> None:
+        self.cfg, self.serves_adapters = cfg, bool(adapter_args)
         self.port = cfg.port if cfg.port is not None else free_port(cfg.host)
         if cfg.port is not None:
             check_port_free(cfg.host, cfg.port)
@@ -106,7 +113,7 @@ class ServerProcess:
             self.argv += ["--kv-cache-memory-bytes", str(cfg.kv_cache_memory_bytes)]
         if cfg.enforce_eager:
             self.argv.append("--enforce-eager")
-        self.argv += list(cfg.extra_args)
+        self.argv += [*adapter_args, *cfg.extra_args]
         if cfg.nice:  # the server's processes (API, engine core, workers) all inherit it
             self.argv = ["nice", "-n", str(cfg.nice), *self.argv]
         self.proc: subprocess.Popen | None = None
@@ -160,6 +167,8 @@ class ServerProcess:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin to the trainer's cores
         if self.cfg.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.gpus
+        if self.serves_adapters:  # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the in-process engine's setting; a server is a process
         return env
 

@@ -45,6 +45,7 @@ from torch import Tensor
 from lightning_grpo.config import ConfigError, VLLMConfig
 from lightning_grpo.data.images import load_images
 from lightning_grpo.lora import write_adapter_folder
+from lightning_grpo.rollout.adapter_sync import served_rank
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_rollout
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.sleep import SleepState
@@ -199,14 +200,8 @@ class AdapterSlot:
     there is one) and added as a new ``LoRARequest`` id, then the previous one is removed. A new id per
     collected batch also keeps prefix-cache blocks of an older adapter from being reused (vLLM keys them by id)."""
 
-    RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-    """The values vLLM 0.32 accepts for ``max_lora_rank``."""
-
     def __init__(self, rank: int) -> None:
-        if rank > self.RANKS[-1]:
-            raise ConfigError(f"policy.lora.rank={rank}: vLLM serves adapters up to rank {self.RANKS[-1]}; lower it "
-                              "or set policy.lora.sync=merge")
-        self.max_rank = next(r for r in self.RANKS if r >= rank)
+        self.max_rank = served_rank(rank)
         shm = Path("/dev/shm")
         self.root = Path(tempfile.mkdtemp(prefix="lightning-grpo-lora-", dir=shm if shm.is_dir() else None))
         self.request = None  # the LoRARequest generation uses

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_rollout
 from lightning_grpo.rollout.same_model import check_same_model
 from lightning_grpo.rollout.sampler import row_seeds
+from lightning_grpo.rollout.server_adapters import ServerAdapters
 from lightning_grpo.rollout.server_client import ServerClient, each
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.server_process import ServerError, ServerProcess, free_ports, request_json
@@ -76,6 +77,8 @@ class VLLMServerEngine(BookkeptSleep):
             every rank generates its own prompts and checks every sync; None = one rank.
         republish: pushes the trainer's current weights to this engine (a full sync); a launched server restarted
             after it died (``ServerConfig.restarts``) gets them before it samples again. None = no restarts.
+        lora_rank: a LoRA policy published adapter-only (``policy.lora.sync: adapter``): launched servers serve
+            adapters, ``load_adapter`` loads each publication and requests name it (``server_adapters.py``).
 
     Example::
 
@@ -91,15 +94,17 @@ class VLLMServerEngine(BookkeptSleep):
     def __init__(self, model_path: str | os.PathLike, config: ServerConfig | None = None,
                  reference: Callable[[Sequence[int]], list[float]] | None = None, decode=None,
                  sampler_logprobs: bool = True, ranks: Ranks | None = None,
-                 republish: Callable[[], object] | None = None) -> None:
+                 republish: Callable[[], object] | None = None, lora_rank: int | None = None) -> None:
         self.config = cfg = config or ServerConfig()
+        self.adapters = ServerAdapters(lora_rank) if lora_rank else None
         self.republish = republish
         self.restarts_left = cfg.restarts
         """Restarts of a dead launched server still allowed (``ServerConfig.restarts``, counted down)."""
         self.model_path = Path(model_path)
         self.reference, self.decode = reference, decode
         self.ranks = ranks or Ranks()
-        self.clients: list[ServerClient] = _connect(self.model_path, cfg, sampler_logprobs, self.ranks)
+        adapter_args = self.adapters.launch_args() if self.adapters is not None else []
+        self.clients: list[ServerClient] = _connect(self.model_path, cfg, sampler_logprobs, self.ranks, adapter_args)
         """One per server, in ``url`` (or launch) order; prompt i's group goes to ``clients[i % N]``."""
         try:
             self._setup()
@@ -203,7 +208,8 @@ class VLLMServerEngine(BookkeptSleep):
 
     def _body(self, prompt: Prompt, s: SamplingConfig, seed: int) -> dict:
         warped = s.temperature > 0
-        return {"prompt": list(prompt.token_ids), "max_tokens": s.max_new_tokens,
+        model = {} if self._served() is None else {"model": self._served()}
+        return {**model, "prompt": list(prompt.token_ids), "max_tokens": s.max_new_tokens,
                 "temperature": s.temperature, "top_p": s.top_p if warped else 1.0, "top_k": s.top_k if warped else 0,
                 "seed": seed, "logprobs": 0 if s.logprobs else None, "stop": list(s.stop) or None,
                 "return_token_ids": True, "skip_special_tokens": True}
@@ -236,6 +242,18 @@ class VLLMServerEngine(BookkeptSleep):
         finally:
             path.unlink(missing_ok=True)
 
+    def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None:
+        """Serve this LoRA adapter (peft format) from the next generation on, on every server (a new name each time)."""
+        self._sleep.require("weights", call="VLLMServerEngine.load_adapter()")
+        if self.adapters is None:
+            raise RuntimeError("VLLMServerEngine.load_adapter(): the engine was built without LoRA (lora_rank=None)")
+        self.ranks.barrier()  # every rank is done sampling with the old adapter before it is unloaded
+        self.adapters.publish(self.clients, tensors, config_json, self.ranks.leads)
+
+    def _served(self) -> str | None:
+        """The loaded LoRA adapter's name requests and probes use; None = the served base model."""
+        return None if self.adapters is None else self.adapters.name
+
     def reset_prefix_cache(self) -> None:
         """End of a sync: finish the session under the next weight version, drop cached KV blocks, check the engine."""
         if self._session:
@@ -258,7 +276,7 @@ class VLLMServerEngine(BookkeptSleep):
         if self.reference is None:
             return None
         trainer = self.reference(self.probe_ids)  # once: every server must match the same trainer logprobs
-        servers = each(self.clients, lambda c: c.probe(self.probe_ids))
+        servers = each(self.clients, lambda c: c.probe(self.probe_ids, self._served()))
         tol = self.probe_tolerance
         for client, server in zip(self.clients, servers):
             client.last_probe_error = max(abs(a - b) for a, b in zip(server, trainer))
@@ -280,7 +298,7 @@ class VLLMServerEngine(BookkeptSleep):
 
     def probe_logprobs(self, ids: Sequence[int] | None = None, server: int = 0) -> list[float]:
         """Server ``server``'s ``log p(ids[i] | ids[:i])`` for i >= 1 (prompt logprobs bypass the prefix cache)."""
-        return self.clients[server].probe(self.probe_ids if ids is None else ids)
+        return self.clients[server].probe(self.probe_ids if ids is None else ids, self._served())
 
     # -- hand-off hooks and lifetime -------------------------------------------------------------------------------
     # sleep, wake_up, asleep: BookkeptSleep (the server is another process; its memory is not the trainer's)
@@ -288,6 +306,8 @@ class VLLMServerEngine(BookkeptSleep):
         """Stop the launched servers (each its whole process group); servers at URLs are left running."""
         for client in self.clients:
             client.close()
+        if self.adapters is not None:
+            self.adapters.close()
 
     def _post(self, path: str, body: dict, phase: str) -> None:
         """One phase on every server, concurrently; returns once each has answered (a failure names its URL)."""
@@ -300,14 +320,15 @@ def _complete(targets: Sequence[ServerClient], bodies: Sequence[dict]) -> list[d
         return list(pool.map(ServerClient.complete, targets, bodies))
 
 
-def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks: Ranks) -> list[ServerClient]:
+def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks: Ranks,
+             adapter_args: Sequence[str] = ()) -> list[ServerClient]:
     """A client per server at ``cfg.url``, or per launched replica (all spawned first, so they load side by side;
     several trainer ranks: rank 0 launches them and tells the others where they answer)."""
     if cfg.url is None and ranks.size > 1:
         clients, failure = [], None
         if ranks.leads:
             try:
-                clients = _connect(model_path, cfg, sampler_logprobs, Ranks())
+                clients = _connect(model_path, cfg, sampler_logprobs, Ranks(), adapter_args)
             except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, not wait forever
                 failure = err
         urls = ranks.broadcast(f"error: {failure}" if failure is not None else [c.url for c in clients])
@@ -324,7 +345,7 @@ def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks:
     replicas = [cfg.replica(i) for i in range(cfg.replicas)]
     if cfg.port is None and cfg.replicas > 1:  # picked together: two replicas never race for one port
         replicas = [replace(r, port=port) for r, port in zip(replicas, free_ports(cfg.host, cfg.replicas))]
-    processes = [ServerProcess(str(model_path), r, mode) for r in replicas]
+    processes = [ServerProcess(str(model_path), r, mode, adapter_args) for r in replicas]
     try:
         for process in processes:
             process.spawn()
