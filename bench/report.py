@@ -107,6 +107,7 @@ def _header(suite: dict | None, r: dict) -> str:
         f"{', '.join(k for k, v in m.get('cpu_flags', {}).items() if v) or '?'}; absent: "
         f"{', '.join(k for k, v in m.get('cpu_flags', {}).items() if not v) or '-'}."),
     ]
+    lines += _other_machines(m, r)
     if suite:
         la = [s["load_before"] for s in suite["steps"]] + [s["load_after"] for s in suite["steps"]]
         lines += [
@@ -127,6 +128,24 @@ def _header(suite: dict | None, r: dict) -> str:
                                                                     ("cpu_s", "CPU s"), ("load_before", "load before"),
                                                                     ("load_after", "load after"), ("rc", "exit")])]
     return "\n".join(lines)
+
+
+def _other_machines(m: dict, r: dict) -> list[str]:
+    """A line per other CPU that some results were measured on (the dev machine is not always the same host): their
+    absolute figures, and ratios that depend on the CPU's kernels (bf16 against fp32), do not compare across CPUs."""
+    others: dict[str, list[str]] = {}
+    for name, d in r.items():
+        cpu = (d or {}).get("machine", {}).get("cpu")
+        if cpu and cpu.split(" (")[0] != str(m.get("cpu")).split(" (")[0]:  # older records name no family/model
+            others.setdefault(cpu, []).append(name)
+    lines = []
+    for cpu, names in others.items():
+        flags = next(r[n]["machine"].get("cpu_flags", {}) for n in names)
+        present = ", ".join(k for k, v in flags.items() if v) or "?"
+        lines.append(f"- Measured on another CPU, **{cpu}** (SIMD flags present: {present}): "
+                     + ", ".join(f"`{n}`" for n in names) + ". Compare those sections' figures with each other, not "
+                     "with sections measured on the CPU above.")
+    return lines
 
 
 def _targets(targets: list[dict]) -> str:
