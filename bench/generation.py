@@ -32,7 +32,7 @@ import sys
 import time
 
 import torch
-from torch.nn import functional as F  # noqa: N812
+from torch.nn import functional as F
 
 from bench.common import save, table
 
@@ -65,7 +65,7 @@ def _matmul_s(shapes: list[tuple[int, int, int]], repeats: int = 3) -> float:
 def floors(config, batch: int, prompt_len: int, new_tokens: int) -> dict:
     """The two matmul floors of drawing ``new_tokens`` for ``batch`` rows of ``prompt_len`` prompt tokens."""
     layer, head = linear_shapes(config), (config.vocab_size, config.hidden_size)
-    body = lambda m: [(m, o, i) for o, i in layer] * config.num_hidden_layers  # noqa: E731
+    body = lambda m: [(m, o, i) for o, i in layer] * config.num_hidden_layers
     whole = _matmul_s(body(batch * (prompt_len + new_tokens)) + [(batch * new_tokens, *head)])
     prefill = _matmul_s(body(batch * prompt_len) + [(batch, *head)])
     step = _matmul_s(body(batch) + [(batch, *head)], repeats=5)
@@ -81,7 +81,7 @@ def _variants(model, tok, compile_decode: bool) -> dict:
     from lightning_grpo.rollout.hf import HFEngine
 
     ours, copies = HFEngine(model, tok), HFEngine(model, tok, grouped_attention=False)
-    sampling = lambda seed: SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed)  # noqa: E731
+    sampling = lambda seed: SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed)
     trl = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=True, pad_token_id=tok.pad_token_id,
                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, temperature=1.0, top_p=1.0,
                            top_k=0, min_p=None, repetition_penalty=1.0, cache_implementation=None,
