@@ -242,3 +242,17 @@ def test_length_metrics_combine_over_ranks():
     assert math.isnan(two_ranks(nan, nan)["completion/terminated_len_mean"])
     assert [rank_reduction(n) for n in ("completion/len_min", "completion/len_max", "grpo/entropy")] == [
         "min", "max", "token"]
+
+
+def test_the_entropy_dots_stay_float32_under_bf16_autocast():
+    """The fused head's entropy sums ``exp(x) * x`` over the vocabulary with a batched dot. Under bf16 autocast (what
+    ``precision: bf16-mixed`` runs) that dot must not be cast to bf16: it cost a third of a bf16 update and rounded the
+    logged entropy to bf16. Equal bit for bit inside and outside autocast."""
+    from lightning_grpo.logprobs import _exp_dots
+
+    x = torch.randn(12, 3000, generator=torch.Generator().manual_seed(0)) * 4
+    x = x - x.amax(-1, keepdim=True)
+    plain = _exp_dots(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = _exp_dots(x)
+    assert under.dtype == torch.float32 and torch.equal(under, plain)
