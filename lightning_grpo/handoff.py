@@ -35,7 +35,7 @@ from lightning_grpo.publisher import generates_with
 from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import RolloutEngine
 from lightning_grpo.rollout.sleep import sleep_level_problem
-from lightning_grpo.rollout.weight_sync import SyncStats, named_weights, push_weights
+from lightning_grpo.rollout.weight_sync import SyncStats, named_weights
 
 log = logging.getLogger(__name__)
 
@@ -252,12 +252,9 @@ class HandoffCallback(Callback):
         if self.engine_is_policy:
             return NO_SYNC  # HFEngine generates with this very module: its weights are already the policy's
         pushed: list[str] = []
-        if lora.is_lora(self._policy):  # the adapter alone (engine with LoRA), else merged weights
-            stats = adapter_sync.push_policy(self._policy, self._engine, self._bucket_bytes, with_base=self._discarded,
-                                     record=lambda named: _recorded(named, pushed))
-        else:
-            stats = push_weights(_recorded(named_weights(self._policy), pushed), self._engine,
-                                 bucket_bytes=self._bucket_bytes)
+        # LoRA: the adapter alone (an engine with LoRA), else merged weights
+        stats = adapter_sync.publish_policy(self._policy, self._engine, self._bucket_bytes, with_base=self._discarded,
+                                            record=lambda named: _recorded(named, pushed))
         if self._discarded:
             self._check_complete(pushed)
         return stats

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.checks import ConfigError
-from lightning_grpo.lora import ADAPTER_NAME, adapter_config_json, adapter_state_dict
+from lightning_grpo.lora import ADAPTER_NAME, adapter_config_json, adapter_state_dict, is_lora
 from lightning_grpo.rollout.weight_sync import SyncStats, named_weights, push_weights
 
 NamedTensors = Iterable[tuple[str, Tensor]]
@@ -93,6 +93,15 @@ def served_rank(rank: int) -> int:
 def serves_adapters(engine: object) -> bool:
     """The engine takes a LoRA adapter itself (``VLLMEngine`` or ``VLLMServerEngine`` built with ``lora_rank``)."""
     return getattr(engine, "adapters", None) is not None and hasattr(engine, "load_adapter")
+
+
+def publish_policy(model: nn.Module, engine, bucket_bytes: int, with_base: bool = False,
+                   record: Callable[[NamedTensors], NamedTensors] | None = None) -> SyncStats:
+    """Publish any policy: a LoRA one through ``push_policy``, else every parameter and persistent buffer as is."""
+    if is_lora(model):
+        return push_policy(model, engine, bucket_bytes, with_base=with_base, record=record)
+    named = named_weights(model)
+    return push_weights(record(named) if record else named, engine, bucket_bytes=bucket_bytes)
 
 
 def push_policy(model: nn.Module, engine, bucket_bytes: int, with_base: bool,

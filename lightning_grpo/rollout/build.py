@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from lightning_grpo import lora
 from lightning_grpo.config import ServerConfig, VLLMConfig
 from lightning_grpo.policy import resolve_path
 from lightning_grpo.rollout import adapter_sync
@@ -17,7 +16,6 @@ from lightning_grpo.rollout.base import RolloutEngine
 from lightning_grpo.rollout.hf import HFEngine
 from lightning_grpo.rollout.replay import ReplayEngine
 from lightning_grpo.rollout.vllm_loadable import check_vllm_can_load
-from lightning_grpo.rollout.weight_sync import named_weights, push_weights
 
 
 def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
@@ -78,11 +76,7 @@ def _server_engine(cfg, module) -> RolloutEngine:
                          "policy.lora.sync: merge (every weight, over HTTP) or weight_transport: shm (same node)")
 
     def republish() -> None:  # what the hand-off pushes once per collected batch, for a restarted server
-        bucket = int(cfg.sync_bucket_mb * (1 << 20))
-        if lora.is_lora(module.policy):
-            adapter_sync.push_policy(module.policy, engine, bucket, with_base=False)
-        else:
-            push_weights(named_weights(module.policy), engine, bucket_bytes=bucket)
+        adapter_sync.publish_policy(module.policy, engine, int(cfg.sync_bucket_mb * (1 << 20)))
 
     engine = VLLMServerEngine(str(resolve_path(module.policy_cfg)), server,
                               reference=lambda ids: sequence_logprobs(module.policy, ids),
