@@ -16,6 +16,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say what `make test` left out here, and how to run it (CI runs everything)."""
+    if config.option.markexpr != "not slow":
+        return
+    skipped = [item for item in terminalreporter.stats.get("deselected", []) if item.get_closest_marker("slow")]
+    if skipped:
+        plural = "s were" if len(skipped) != 1 else " was"
+        terminalreporter.write_line(f"{len(skipped)} slow end-to-end test{plural} not run here (CI runs them): "
+                                    "`make test-all` runs every test")
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     os.environ["LIGHTNING_GRPO_CACHE"] = str(tmp_path_factory.mktemp("grpo-cache"))
