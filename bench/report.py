@@ -61,7 +61,7 @@ def render(results: Path) -> str:
     r = {n: load(results, n) for n in ("suite", "update_memory", "speed_vs_trl", "logprobs", "sampler",
                                        "engine_throughput", "ahead_pass", "lightning_overhead", "weight_sync",
                                        "oom_acceptance", "budget_speed", "lora", "server_sync", "packing", "async",
-                                       "async_reward", "generation")}
+                                       "async_reward", "generation", "tool_calls")}
     targets: list[dict] = []
     sections = [
         _memory(r["update_memory"], targets),
@@ -76,6 +76,7 @@ def render(results: Path) -> str:
         _async(r["async"], r["async_reward"]),
         _throughput(r["engine_throughput"]),
         _generation(r["generation"]),
+        _tool_calls(r["tool_calls"]),
         budget_section(r["oom_acceptance"], r["budget_speed"]),
         packing_section(r["packing"], targets),
     ]
@@ -397,6 +398,12 @@ def _lora(d: dict | None) -> str:
 
 def _generation(d: dict | None) -> str:
     from bench.generation import section  # deferred: bench.generation imports torch, which rendering never needs
+
+    return section(d, md_table, _load_range)
+
+
+def _tool_calls(d: dict | None) -> str:
+    from bench.tool_calls import section
 
     return section(d, md_table, _load_range)
 

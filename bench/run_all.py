@@ -33,6 +33,7 @@ SUITE: list[tuple[str, list[str]]] = [
     ("sampler", []),
     ("engine_throughput", []),
     ("generation", ["--compile"]),
+    ("tool_calls", []),
     ("ahead_pass", []),
     ("lightning_overhead", []),
     ("weight_sync", ["--repeats", "3"]),

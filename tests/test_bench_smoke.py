@@ -28,6 +28,7 @@ QUICK = {  # name -> extra arguments; each about 10-35 s on 2 cores
     "entropy_cost": [],
     "packing": ["--repeats", "1"],
     "generation": [],
+    "tool_calls": [],
 }
 
 

@@ -4,6 +4,7 @@ divisor against an independent count, chunked == unchunked in float64, tool-call
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import pytest
@@ -293,7 +294,7 @@ def test_every_bad_call_is_a_failure_returned_to_the_model(call, message):
     runner = EpisodeRunner(cfg, tok, [tok.eos_token_id])
     e = _Episode(Prompt(id=0, token_ids=[1]), *runner.env_class.new())
     start = time.monotonic()
-    _, text = runner._call(e, call)
+    _, text = runner._result_text(e, call, runner._run(e, call))
     assert message in text and text.startswith("Error") and (e.calls, e.failures) == (1, 1)
     assert time.monotonic() - start < 2
 
@@ -312,6 +313,55 @@ def test_max_total_tokens_bounds_every_episode_and_counts_truncation(gpt2_dir, e
     assert capped_metrics["episode/turns_mean"] < metrics["episode/turns_mean"]
     with pytest.raises(ValueError, match="raise max_total_tokens"):
         play(gpt2_dir, max_total_tokens=opening)
+
+
+class SlowAdd:
+    """An environment whose tool waits like an HTTP call (sleeping releases the GIL) and records how many calls
+    were running at once (class-level: shared by every episode's instance, for the test's eyes only)."""
+
+    SECONDS = 0.4
+    lock, running, most = threading.Lock(), 0, 0
+    reward = 0.0
+
+    def reset(self, **row) -> None:
+        self.total = 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers slowly.
+
+        Args:
+            a: first.
+            b: second.
+        """
+        cls = type(self)
+        with cls.lock:
+            cls.running += 1
+            cls.most = max(cls.most, cls.running)
+        time.sleep(self.SECONDS)
+        with cls.lock:
+            cls.running -= 1
+        self.total += a + b  # per-episode state: each turn's result depends on this episode's earlier calls
+        self.reward = float(self.total % 7)
+        return self.total
+
+
+def test_tool_workers_overlap_the_episodes_tool_calls_and_change_nothing(gpt2_dir):
+    """The same seeded episodes with tool calls one at a time and on 8 threads: identical ids, masks, sampler
+    logprobs, rewards and metrics; the calls overlapped (seen inside the tool) and the tool time shrank."""
+    runs = {}
+    for workers in (1, 8):
+        SlowAdd.running = SlowAdd.most = 0
+        start = time.monotonic()
+        *_, rollouts, metrics = play(gpt2_dir, name="test_envs:SlowAdd", tool_workers=workers)
+        runs[workers] = rollouts, metrics, SlowAdd.most, time.monotonic() - start
+    (one, m1, most1, t1), (eight, m8, most8, t8) = runs[1], runs[8]
+    assert m1["tools/call_frequency"] >= 1 and m1 == m8, m1
+    assert [(r.prompt.token_ids, r.token_ids, r.model_mask, r.logprobs, r.reward) for r in one] == \
+           [(r.prompt.token_ids, r.token_ids, r.model_mask, r.logprobs, r.reward) for r in eight]
+    assert len({r.reward for r in one}) > 1  # the rewards depend on each episode's own calls
+    assert most1 == 1 and most8 >= 4, (most1, most8)
+    calls = m1["tools/call_frequency"] * len(one)
+    assert t1 - t8 > 0.5 * calls * SlowAdd.SECONDS, (t1, t8, calls)  # at least half the serial tool time saved
 
 
 # -- a TRL environment_factory class, unchanged -----------------------------------------------------------------------
@@ -416,7 +466,7 @@ def test_a_tokenizer_without_chat_template_and_an_unknown_parser_are_refused():
 @pytest.mark.parametrize("kw,names", [
     ({"max_turns": 0}, "max_turns=0"), ({"max_tool_response_tokens": -1}, "max_tool_response_tokens=-1"),
     ({"max_total_tokens": 1}, "max_total_tokens=1"), ({"tool_timeout_s": 0}, "tool_timeout_s=0"),
-    ({"name": ""}, "name=''"),
+    ({"name": ""}, "name=''"), ({"tool_workers": 0}, "tool_workers=0"), ({"tool_workers": 2.5}, "tool_workers=2.5"),
 ])
 def test_env_config_rules(kw, names):
     with pytest.raises(ConfigError, match=re.escape(names)):

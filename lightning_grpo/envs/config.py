@@ -23,6 +23,10 @@ class EnvConfig:
     and reaching it ends the episode truncated. Never above the model context; None = the model context."""
     tool_timeout_s: float = 10.0
     """Seconds a tool call may run; past it the model reads a timeout error (a failure)."""
+    tool_workers: int = 1
+    """Episodes whose tool calls run at once (threads). Above 1, the calls of different episodes overlap (one episode's
+    calls stay in order); the rollouts are the same as with 1 as long as each episode's environment instance keeps its
+    state to itself. Worth it for tools that wait (HTTP, a sandbox process); a pure-Python tool holds the GIL."""
     parser: str = "hermes"
     """Tool-call format of the model's turns: ``hermes`` (Qwen2.5 / Qwen3 ``<tool_call>{json}</tool_call>``), another
     name registered in ``envs.parse.PARSERS``, or ``module:function``."""
@@ -33,7 +37,7 @@ class EnvConfig:
     def problems(self) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line."""
         p = [f"{name}={getattr(self, name)!r}: must be an integer >= 1"
-             for name in ("max_turns", "max_tool_response_tokens") if not is_int(getattr(self, name))
+             for name in ("max_turns", "max_tool_response_tokens", "tool_workers") if not is_int(getattr(self, name))
              or getattr(self, name) < 1]
         if self.max_total_tokens is not None and (not is_int(self.max_total_tokens) or self.max_total_tokens < 2):
             p.append(f"max_total_tokens={self.max_total_tokens!r}: must be an integer >= 2, or null (derived)")

@@ -14,8 +14,10 @@ runs past it; reaching it truncates), ``max_tool_response_tokens`` (longer resul
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from lightning_grpo.envs.config import EnvConfig
@@ -95,16 +97,16 @@ class EpisodeRunner:
              sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
         """``group_size`` episodes per prompt, prompt 0's group first, and their ``tools/*``, ``episode/*`` metrics."""
         episodes = [self._start(p, p.id * group_size + j) for p in prompts for j in range(group_size)]
-        for turn in range(self.cfg.max_turns):
-            live = [e for e in episodes if not e.done]
-            if not live:
-                break
-            seed = None if sampling.seed is None else sample_seed(sampling.seed, turn, 0)  # a stream per turn
-            for max_new, group in self._by_budget(live, sampling.max_new_tokens):
-                turn_prompts = [replace(e.prompt, token_ids=e.prompt.token_ids + e.ids) for e in group]
-                outs = engine.generate(turn_prompts, 1, replace(sampling, max_new_tokens=max_new, seed=seed))
-                for e, out in zip(group, outs):
-                    self._after_turn(e, out, last_turn=turn == self.cfg.max_turns - 1)
+        workers = self.cfg.tool_workers
+        with ThreadPoolExecutor(workers, "episode-tools") if workers > 1 else contextlib.nullcontext() as pool:
+            for turn in range(self.cfg.max_turns):
+                live = [e for e in episodes if not e.done]
+                if not live:
+                    break
+                seed = None if sampling.seed is None else sample_seed(sampling.seed, turn, 0)  # a stream per turn
+                last = turn == self.cfg.max_turns - 1
+                for max_new, group in self._by_budget(live, sampling.max_new_tokens):
+                    self._turn(engine, group, replace(sampling, max_new_tokens=max_new, seed=seed), last, pool)
         return [e.rollout() for e in episodes], _metrics(episodes)
 
     def _start(self, prompt: Prompt, row_id: int) -> _Episode:
@@ -126,35 +128,58 @@ class EpisodeRunner:
         ordered = sorted(live, key=lambda e: -room[id(e)])
         return [(n, list(g)) for n, g in itertools.groupby(ordered, key=lambda e: room[id(e)])]
 
-    def _after_turn(self, e: _Episode, out: Rollout, last_turn: bool) -> None:
+    def _turn(self, engine: RolloutEngine, group: list[_Episode], sampling: SamplingConfig, last_turn: bool,
+              pool: ThreadPoolExecutor | None) -> None:
+        """One batched model turn of ``group``, then its tool calls: one episode's in order (they share its
+        environment), the episodes side by side on ``pool`` (None: one after another)."""
+        prompts = [replace(e.prompt, token_ids=e.prompt.token_ids + e.ids) for e in group]
+        outs = engine.generate(prompts, 1, sampling)
+        calling = [(e, calls) for e, out in zip(group, outs) if (calls := self._read_turn(e, out, last_turn))]
+        results = (pool.map if pool is not None else map)(self._run_calls, calling)
+        for (e, calls), res in zip(calling, results):
+            self._answer(e, [self._result_text(e, c, r) for c, r in zip(calls, res)])
+
+    def _read_turn(self, e: _Episode, out: Rollout, last_turn: bool) -> list[ToolCall | str]:
+        """Append the model turn; the calls it makes (empty: the episode ended)."""
         e.append(out.token_ids, True, out.logprobs)
         e.turns, e.text = e.turns + 1, out.text
         if out.finish_reason == "length" or not out.token_ids:  # the turn did not end: per-turn or total budget
             e.done = e.truncated = True
-            return
+            return []
         calls = self.parse(out.text)
         if not calls:
             e.done = True  # the answer turn
-            return
+            return []
         if last_turn:
             e.done = e.truncated = True  # still working when max_turns ran out
-            return
-        results = [self._call(e, c) for c in calls]
-        delta = self.delta.ids(results, out.token_ids[-1])
+            return []
+        return calls
+
+    def _answer(self, e: _Episode, results: list[tuple[str, str]]) -> None:
+        """Append the tool results as the template's delta, or end the episode where they leave no room."""
+        delta = self.delta.ids(results, e.ids[-1])
         if self.max_total is not None and e.length() + len(delta) >= self.max_total:
             e.done = e.truncated = True  # no room left for the model to read the results and answer
             return
         e.append(delta, False)
 
-    def _call(self, e: _Episode, call: ToolCall | str) -> tuple[str, str]:
-        """``(tool name, result text)`` of one parsed call; every problem becomes an error result, counted."""
-        e.calls += 1
+    def _run_calls(self, calling: tuple[_Episode, list[ToolCall | str]]) -> list[ToolResult]:
+        """One episode's calls of a turn, in order: they share its environment."""
+        e, calls = calling
+        return [self._run(e, c) for c in calls]
+
+    def _run(self, e: _Episode, call: ToolCall | str) -> ToolResult:
+        """One parsed call's result; may run on a pool thread (touches nothing but the episode's own tools)."""
         if isinstance(call, str):
-            result = ToolResult(call, True)  # the parser's error for a malformed call
-        elif call.name not in e.tools:
-            result = ToolResult(f"Error: unknown tool {call.name!r}; the tools are {sorted(e.tools)}", True)
-        else:
-            result = call_tool(e.tools[call.name], call.arguments, self.cfg.tool_timeout_s)
+            return ToolResult(call, True)  # the parser's error for a malformed call
+        if call.name not in e.tools:
+            return ToolResult(f"Error: unknown tool {call.name!r}; the tools are {sorted(e.tools)}", True)
+        return call_tool(e.tools[call.name], call.arguments, self.cfg.tool_timeout_s)
+
+    def _result_text(self, e: _Episode, call: ToolCall | str, result: ToolResult) -> tuple[str, str]:
+        """``(tool name, result text)``, counted and cut to ``max_tool_response_tokens`` (on the caller's thread:
+        the tokenizer is not shared across threads)."""
+        e.calls += 1
         e.failures += result.failed
         name = call.name if isinstance(call, ToolCall) else "error"
         ids = self.tokenizer(result.text, add_special_tokens=False)["input_ids"]
