@@ -82,7 +82,7 @@ def time_child(quick: bool, rounds: int) -> dict:
 
     torch.set_num_threads(1)
     model, batch = setup(QUICK if quick else SHAPE)
-    scorer = ChunkScorer(model, None, None, False, lambda: 1.0, lambda: KEEP_BYTES, lambda: torch.device("cpu"))
+    scorer = ChunkScorer(model, None, None, False, 1.0, KEEP_BYTES)
     times: dict[str, list[float]] = {p: [] for p in PATHS}
     entropy = {}
     for r in range(rounds + 1):  # round 0 is warm-up

@@ -61,6 +61,14 @@ OVERRIDES: dict[str, list[str]] = {
     "lora-quickstart": ["--trainer.max_steps=24", "--trainer.val_check_interval=3"],
     # VLM, n_mini = 1: 4 loop steps (128 rows each, the slowest config); validation at loop steps 2 and 4
     "vlm-quickstart": ["--trainer.max_steps=4", "--trainer.val_check_interval=2"],
+    # multi-turn episodes with the calculator tools, n_mini = 1: 4 loop steps; validation at loop steps 2 and 4
+    "tools-quickstart": ["--trainer.max_steps=4", "--trainer.val_check_interval=2"],
+    # in-process vLLM engine and the colocated hand-off, n_mini = 1: 4 loop steps; validation at 2 and 4
+    "vllm-cpu": ["--trainer.max_steps=4", "--trainer.val_check_interval=2"],
+    # a launched `vllm serve` child, weights pushed over shared memory: 4 loop steps; validation at 2 and 4
+    "vllm-server": ["--trainer.max_steps=4", "--trainer.val_check_interval=2"],
+    # the same server drawing one loop step ahead (max_off_policy_steps 1): 4 loop steps; validation at 2 and 4
+    "async-quickstart": ["--trainer.max_steps=4", "--trainer.val_check_interval=2"],
 }
 TIMING_MARKERS = ("seconds", "per_s", "_s/", "time", "share", "tokens_per", "throughput")
 """A column whose name contains one of these is wall-clock timing and is not compared."""

@@ -32,10 +32,10 @@ def image_batch(module, rows: int, side: int, completion: int, group_size: int =
     from PIL import Image
 
     from lightning_grpo.batch import pack_rollouts
+    from lightning_grpo.collect.prompts import step_prompts
     from lightning_grpo.data.images import with_image_parts
     from lightning_grpo.data.prompts import PromptRecord
     from lightning_grpo.rollout.base import Rollout
-    from lightning_grpo.vision import step_prompts
 
     g = torch.Generator().manual_seed(0)
     records = []

@@ -33,7 +33,7 @@ from lightning_grpo.distributed import DataParallelOps
 from lightning_grpo.policy import PolicyConfig, with_seed
 from lightning_grpo.precision import PluginStep, adamw_kernel
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
-from lightning_grpo.update import Updater
+from lightning_grpo.update import DataParallel, Split, Updater
 from lightning_grpo.validation import ValidationMeans, is_measurement
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,9 @@ class UpdateModule(DataParallelOps, LightningModule):
         opt = self.optimizers()
         plugin_step = PluginStep(self.trainer, self.policy, opt)  # unscale -> 1/sum -> clip -> step via the plugin
         schedulers = self.lr_schedulers()
-        self.updater.attach(opt, schedulers, self.manual_backward, step=plugin_step, clip=plugin_step.clip)
+        split, dp = self.data_parallel()  # the strategy is set up: the ranks' split and reductions are known now
+        self.updater.attach(opt, schedulers, self.manual_backward, step=plugin_step, clip=plugin_step.clip, split=split,
+                            dp=dp)
         listed = [] if schedulers is None else schedulers if isinstance(schedulers, list) else [schedulers]
         if (changed := apply_optim(self._optim_changes, opt, listed)) is not None:  # a resume under another lr
             rank_zero_warn(changed)
@@ -180,6 +182,12 @@ class UpdateModule(DataParallelOps, LightningModule):
         # seed/model/dtype changed: refused now; optimizer hyper-parameters: applied at on_train_start, with a warning
         self._optim_changes = optim_changes(checkpoint.get(IDENTITY_KEY), identity(self))
         self._state.load(checkpoint)  # put back at on_train_start, once the updater has its loop
+
+    def data_parallel(self) -> tuple[Split, DataParallel]:
+        """How this rank cuts a batch and the reductions one update needs, as the strategy set the ranks up. Read in
+        ``on_train_start``, never earlier: a user may build the model (``configure_model``) before ``fit``."""
+        dp = DataParallel(max=self.dp_group().max, grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
+        return self.updater.split, dp
 
     # -- the batch boundary and the report -----------------------------------------------------------------------------
     def end_loop_step(self) -> None:

@@ -19,7 +19,8 @@ mean of masked token counts, so the step equals the single-process step on the w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +31,40 @@ from lightning_grpo.vision import vision_tower
 def single_process(t: Tensor) -> Tensor:
     """A reduction over data-parallel ranks when there is one process: the tensor itself."""
     return t
+
+
+@dataclass(frozen=True)
+class DataParallelGroup:
+    """This rank's place among the data-parallel ranks and their reductions, fixed once the strategy is known.
+
+    A module builds it when a Trainer has set up its strategy (``DataParallelOps.dp_group``), never earlier: a part
+    built before ``fit`` (``configure_model`` called by the user) would otherwise keep the one-process answers for
+    good, and ranks that plan different chunk counts then hang in their collectives.
+    """
+
+    size: int = 1
+    rank: int = 0
+    all_reduce: Callable[[Tensor, str], Tensor] | None = None
+    """``(t, op) -> t`` reduced over ranks (sum, mean, max, min) on the host; None in one process."""
+
+    def reduce(self, t: Tensor, op: str) -> Tensor:
+        """``op`` of ``t`` over ranks (``t`` itself in one process)."""
+        if self.size == 1 or self.all_reduce is None:
+            return t
+        return self.all_reduce(t, op)
+
+    def max(self, t: Tensor) -> Tensor:
+        """Element-wise max over ranks (the token-budgeted chunk counts)."""
+        return self.reduce(t, "max")
+
+    def total(self, count: int) -> int:
+        """``count`` summed over ranks."""
+        if self.size == 1:
+            return count
+        return int(self.reduce(torch.tensor(float(count)), "sum"))
+
+
+ONE_PROCESS_GROUP = DataParallelGroup()
 
 
 def is_fsdp2(module: nn.Module | None) -> bool:
@@ -156,9 +191,11 @@ class DataParallelOps:
         """``op`` (sum, mean, max, min) of ``t`` over data-parallel ranks, on the host."""
         return self.trainer.strategy.reduce(t.to(self.device, copy=True), reduce_op=op).cpu()
 
-    def dp_total(self, count: int) -> int:
-        """``count`` summed over data-parallel ranks (``count`` itself in one process)."""
-        return count if self.dp_size() == 1 else int(self.dp_all_reduce(torch.tensor(float(count)), "sum"))
+    def dp_group(self) -> DataParallelGroup:
+        """The data-parallel ranks as the strategy set them up now (one process outside a Trainer)."""
+        if self.dp_size() == 1:
+            return ONE_PROCESS_GROUP
+        return DataParallelGroup(self.dp_size(), self.global_rank, self.dp_all_reduce)
 
     def dp_all_finite(self, loss: Tensor) -> bool:
         """Finite on every rank (one tiny all-reduce per chunk under DP): every rank poisons the same window."""

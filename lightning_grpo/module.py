@@ -22,27 +22,26 @@ import copy
 import math
 from collections.abc import Sequence
 
-import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 
-from lightning_grpo import async_rollouts, lora
-from lightning_grpo.advantages import dp_batch_std, group_advantages
+from lightning_grpo import lora
 from lightning_grpo.base import UpdateModule, quiet_upstream_warnings
-from lightning_grpo.batch import RolloutBatch, pack_rollouts
+from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.checkpoint.signals import stop_poll
-from lightning_grpo.completions import RewardParts, StepRows
+from lightning_grpo.collect import Collector, RewardScorer, StepRows, StepSampling
+from lightning_grpo.collect.draw import Drawer, episode_runner
+from lightning_grpo.collect.schedule import AsyncSchedule, in_flight_of
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
 from lightning_grpo.correction import derived_metrics
 from lightning_grpo.data.fitting import fit_prompts
-from lightning_grpo.data.rewards import RewardSpec, score
+from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.distributed import data_parallel_mesh, shard_fsdp2
-from lightning_grpo.dynamic_sampling import Groups, completion_metrics, counted_only, fill, overlong_of, scatter
 from lightning_grpo.envs.config import EnvConfig
-from lightning_grpo.envs.draw import draw_rollouts, episode_runner
+from lightning_grpo.envs.episode import EpisodeRunner
 from lightning_grpo.handoff import attach_handoff
 from lightning_grpo.logprobs import fuses_head
 from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
@@ -55,12 +54,13 @@ from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.rollout.build import build_engine
+from lightning_grpo.rollout.prefetch import AsyncRollouts
 from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.scoring import ChunkScorer
 from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder, Split, Updater, batch_needs
 from lightning_grpo.update.ahead import warn_if_unfrozen
 from lightning_grpo.validation import greedy_scores
-from lightning_grpo.vision import VisionProcessor, step_prompts, touch_vision, with_skipped_groups
+from lightning_grpo.vision import VisionProcessor, touch_vision
 
 # The sections' defaults: instances rather than None, so `--help` and `--print_config` show every field.
 # Shared between modules, hence copied by GRPOModule.__init__ and never mutated.
@@ -115,8 +115,11 @@ class GRPOModule(UpdateModule):
         self.engine: RolloutEngine | None = None
         self.routing: RoutingReplay | None = None  # MoE routing replay / aux loss: attached in configure_model
         self.scorer: ChunkScorer | None = None  # per-chunk logprobs of policy and reference: built in configure_model
+        self.episodes: EpisodeRunner | None = None  # model.env's runner: built by check_data, before the engine
+        self.reward_scorer = RewardScorer(rewards)  # compute_rewards' default; rebuilt with the fit's stop poll
+        self.collector: Collector | None = None  # one rollout: built with the engine, once the strategy is known
         self._publisher: WeightPublisher = NoPublisher()  # found (or attached) when the engine is built
-        self.reward_parts, self.last_rows = RewardParts(), None  # what CompletionLog writes (completions.py)
+        self._in_flight: dict[int, list[int]] = {}  # a loaded checkpoint's async prompts in flight (drawn again)
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
     def configure_objective(self, objective: str | Objective) -> Objective:
@@ -144,23 +147,50 @@ class GRPOModule(UpdateModule):
         return load_vision(self.policy_cfg, self.tokenizer, self.policy)
 
     def build_engine(self, will_sleep: bool = True) -> RolloutEngine:
-        """The rollout engine (``rollout.engine``). ``will_sleep``: whether the hand-off puts it to sleep."""
-        return async_rollouts.wrap(self, build_engine(self.rollout_cfg, self, will_sleep=will_sleep))
+        """The rollout engine (``rollout.engine``), drawing ahead under ``rollout.max_off_policy_steps``.
+        ``will_sleep``: whether the hand-off puts it to sleep."""
+        engine = build_engine(self.rollout_cfg, self, will_sleep=will_sleep)
+        if not self.rollout_cfg.max_off_policy_steps:
+            return engine
+        return AsyncRollouts(engine, self.rollout_cfg.max_off_policy_steps, weights_step=self._weights_step)
 
     def compute_rewards(self, rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, float]]:
-        """One reward per rollout. Recorded rewards (replay) are used as they are."""
-        if all(r.reward is not None for r in rollouts):
-            return torch.tensor([r.reward for r in rollouts], dtype=torch.float32), {}
-        if self.reward_specs == []:  # no rewards at all (distillation alone on prompts without answers)
-            return torch.zeros(len(rollouts), dtype=torch.float32), {}
-        # Default: the built-in task reward. A SIGTERM / SIGUSR1 abandons a reward call still running.
+        """One reward per rollout, and reward metrics (``collect/rewards.py``). Recorded rewards (replay) are used
+        as they are; ``rewards: []`` scores 0."""
+        return self.reward_scorer(rollouts)
+
+    def configure_episodes(self) -> EpisodeRunner | None:
+        """``model.env``'s episode runner (None: single-turn completions)."""
+        generation = getattr(self.policy, "generation_config", None)
+        eos = getattr(generation, "eos_token_id", None)
+        return episode_runner(self.env_cfg, self.tokenizer, eos, self._context())
+
+    def configure_collector(self) -> Collector:
+        """The rollout of one loop step, from this module's parts and ``self.engine``. Built once the strategy is known
+        (the sampling seed and the reductions depend on the ranks)."""
+        if self.episodes is None:
+            self.episodes = self.configure_episodes()
         stop = stop_poll(self.trainer, "a reward function") if self._trainer is not None else None
-        total, parts = score(rollouts, self.reward_specs or [RewardSpec()], should_stop=stop)
-        self.reward_parts.add(rollouts, parts)
-        # Per function: the mean over the samples it scored (None = no opinion, NaN in ``parts``).
-        metrics = {f"reward/{name}": float(v.nanmean()) for name, v in parts.items()}
-        metrics["reward/none_frac"] = float(torch.stack(list(parts.values())).isnan().float().mean())
-        return total, metrics
+        self.reward_scorer = RewardScorer(self.reward_specs, stop)  # a SIGTERM abandons a reward call still running
+        schedule = None
+        if isinstance(self.engine, AsyncRollouts):
+            waiting = stop_poll(self.trainer, "rollouts in flight") if self._trainer is not None else None
+            schedule = AsyncSchedule(self.engine, waiting, reissue=self._in_flight)
+        return Collector(Drawer(self.engine, self.episodes), self.compute_rewards, rewards=self.reward_scorer,
+                         rl=self.rl, max_new_tokens=self.rollout_cfg.max_new_tokens, sampling=self.step_sampling(),
+                         tokenizer=self.tokenizer, vision=self.vision, context=self._context(),
+                         prompts=self._prompt_provider(), dp=self.dp_group(), schedule=schedule)
+
+    def sampling(self) -> SamplingConfig:
+        """The sampling of this rank's next training draw."""
+        return self.step_sampling().at(self.loop_step)
+
+    def step_sampling(self) -> StepSampling:
+        """How each loop step samples on this rank (``rollout`` section; a seed per seed, loop step and rank)."""
+        r = self.rollout_cfg
+        forbidden = self.vision.special_ids if self.vision is not None else ()
+        return StepSampling(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop or ()),
+                            self.rl.needs_sampler_logprobs, self.seed, self.dp_size(), self.global_rank, forbidden)
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     @property
@@ -183,7 +213,8 @@ class GRPOModule(UpdateModule):
         """Fit the datamodule's prompts to this policy (chat template, max_prompt_tokens) and check that every
         column a reward function requires exists. Raises before any step runs (``data/fitting.py``)."""
         fit_prompts(self, self._datamodule())
-        episode_runner(self)  # loads model.env: an environment that does not import is refused here
+        if self.episodes is None:  # loads model.env: an environment that does not import is refused here
+            self.episodes = self.configure_episodes()
 
     def max_prompt_tokens(self) -> int | None:
         """The prompt-length limit: ``rollout.max_prompt_tokens``, else the context left after the completion."""
@@ -217,8 +248,8 @@ class GRPOModule(UpdateModule):
             has_ref = self.ref is not None or (lora.is_lora(self.policy) and self.objective.needs_reference())
             packing = Packing.resolve(self.rl.packed, self.policy, self.vision is not None, self.routing is not None,
                                       fuses_head(self.policy))  # refuses rl.packed=true where inexact
-            self.scorer = ChunkScorer(self.policy, self.ref, self.vision, has_ref, lambda: self.rollout_cfg.temperature,
-                                      lambda: int(self.rl.logits_keep_mb * 2**20), lambda: self.device, packing)
+            self.scorer = ChunkScorer(self.policy, self.ref, self.vision, has_ref, self.rollout_cfg.temperature,
+                                      int(self.rl.logits_keep_mb * 2**20), packing)
             self.updater = self.configure_updater()
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
             return  # DDP wraps the whole module itself; one process needs nothing
@@ -233,17 +264,22 @@ class GRPOModule(UpdateModule):
 
     def configure_updater(self) -> Updater:
         """The update of one collected batch: split by ``rl``, the objective on each chunk, the ahead pass (frozen
-        pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it."""
+        pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it. What depends on the ranks (the
+        per-rank split, the reductions) joins with the optimizer (``data_parallel``), once the strategy is known."""
         extra = self.configure_recorders()
-        ahead = AheadPass(self.policy, lambda c: self.scorer.logprobs(self.policy, c.to(self.device)),
-                          dp_sum=lambda t: self.dp_mean(t) * self.dp_size(), routing=self.routing, recorders=extra)
-        dp = DataParallel(max=(lambda t: self.dp_all_reduce(t, "max")) if self.dp_size() > 1 else (lambda t: t),
-                          grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
-        split = lambda: Split.of(self.rl, self.dp_size(), self.scorer.packed)  # packed: budgets count real tokens
-        return Updater(self.policy, self.forward_chunk, split=split,
-                       needs=lambda: batch_needs(self.rl, self.objective, self.routing, bool(extra)), ahead=ahead,
-                       routing=self.routing, seed=self.seed, dp=dp, max_grad_norm=self.rl.max_grad_norm,
+        ahead = AheadPass(self.policy, self.scorer.pi_old, dp_sum=self.dp_sum, routing=self.routing, recorders=extra)
+        needs = batch_needs(self.rl, self.objective, self.routing, bool(extra))
+        return Updater(self.policy, self.forward_chunk, split=self.split(), needs=needs, ahead=ahead,
+                       routing=self.routing, seed=self.seed, max_grad_norm=self.rl.max_grad_norm,
                        max_consecutive_skips=self.rl.max_consecutive_skips)
+
+    def split(self) -> Split:
+        """How this rank cuts a collected batch (packed: token budgets count real tokens)."""
+        return Split.of(self.rl, self.dp_size(), self.scorer.packed)
+
+    def data_parallel(self) -> tuple[Split, DataParallel]:
+        """The split recomputed for the ranks the strategy set up (``UpdateModule.on_train_start``)."""
+        return self.split(), super().data_parallel()[1]
 
     def on_fit_start(self) -> None:
         # The weights are final here (precision plugin conversion, FSDP2 sharding): refuse or warn once per fit,
@@ -260,16 +296,19 @@ class GRPOModule(UpdateModule):
                          else NoPublisher())
         self._publisher = publisher
         publisher.on_engine_ready(self.trainer, self.engine, self.policy, self.rollout_cfg.sync_bucket_mb)
+        self.collector = self.configure_collector()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)  # the boundary state; refused (no weights) when any is non-finite
-        async_rollouts.record(self, checkpoint)  # the prompts in flight (drawn again on resume)
+        schedule = self.collector.schedule if self.collector is not None else None
+        if schedule is not None:  # the prompts in flight (drawn again on resume)
+            schedule.record(checkpoint)
         if "state_dict" in checkpoint and lora.is_lora(self.policy):  # the base is rebuilt from policy.path
             adapter_checkpoint.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)  # put back at on_train_start, once the updater has its loop
-        async_rollouts.restore(self, checkpoint)
+        self._in_flight = in_flight_of(checkpoint, self.global_rank)  # checked when drawn again
         if lora.is_lora(self.policy):  # before Lightning loads the state dict: the base comes from this policy
             adapter_checkpoint.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
 
@@ -289,50 +328,17 @@ class GRPOModule(UpdateModule):
         if self.engine is None:  # trainer.validate() without a fit: nothing sleeps, nothing publishes
             self.check_data()
             self.engine = self.build_engine(will_sleep=False)
-        metrics = greedy_scores(self, records)
+            self.collector = self.configure_collector()
+        data = self._prompt_provider() or PromptProvider()  # not a PromptProvider: the greedy draw alone
+        metrics = greedy_scores(self.collector, records, self.loop_step, data.val_samples_per_prompt,
+                                data.val_pass_reward)
         metrics["step"] = float(self.loop_step)  # x-axis: the loop step
         self.val_means.log(self, metrics, weight=len(records))
 
-    # -- the phases ---------------------------------------------------------------------------------------------------
+    # -- the phases -----------------------------------------------------------------------------------------------
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
-        """Generate ``group_size`` completions per prompt, score them, normalize per group (``rl.dynamic_sampling``:
-        only groups whose rewards differ, refilled from further prompts; ``dynamic_sampling.py``)."""
-        self.reward_parts = RewardParts()  # this step's, kept by last_rows
-        groups, metrics = self.draw(records)
-        if self.rl.dynamic_sampling:
-            groups, refill = fill(groups, self.rl.group_size, len(records), self.rl.max_refill_rounds, self._refill,
-                                  self.dp_total)
-            metrics.update(refill.metrics())
-        trained, g = groups.trained, self.rl.group_size
-        across = self.rl.scale_rewards == "batch" and self.dp_size() > 1  # the std of every rank's trained rewards
-        batch_std = dp_batch_std(groups.rewards[trained], self.dp_all_reduce) if across else None
-        rows = trained if bool(trained.any()) else groups.live  # nothing to train: the statistics of what was drawn
-        advantages, adv_stats = group_advantages(groups.rewards[rows], g, self.rl.scale_rewards, batch_std=batch_std)
-        advantages = scatter(advantages, rows).masked_fill(~trained, 0.0)
-        batch = pack_rollouts(groups.rollouts, advantages, groups.rewards, self.tokenizer.pad_token_id, self._context())
-        metrics.update({k: float(v) for k, v in adv_stats.items()})
-        metrics.update(completion_metrics(groups, batch, self.rl, self.rollout_cfg.max_new_tokens))
-        metrics["data/bad_records_skipped"] = self._data_counter("bad_records_skipped")
-        self.last_rows = StepRows(self.loop_step + 1, groups.rollouts, groups.rewards, advantages, self.reward_parts)
-        return counted_only(batch, groups, self.rl.mask_truncated_completions), metrics
-
-    def draw(self, records) -> tuple[Groups, dict[str, float]]:
-        """``group_size`` completions per record, scored and shaped (overlong penalty); a skipped bad record's
-        group keeps its rows (the batch size is the config's) with nothing to learn from."""
-        # A VLM's image placeholders are expanded here (its images decoded): an unreadable one is met at this step.
-        prompts, skipped = step_prompts(records, self.tokenizer, self.vision, self._on_bad_record())
-        live = [p for i, p in enumerate(prompts) if i not in skipped]
-        rollouts, episode_metrics = draw_rollouts(self, live)  # completions, or multi-turn episodes (model.env)
-        rewards, metrics = self.compute_rewards(rollouts)
-        metrics.update(episode_metrics)
-        rewards = rewards + overlong_of(rollouts, self.rl, self.rollout_cfg.max_new_tokens)
-        keep = torch.ones(len(rollouts), dtype=torch.bool)
-        if skipped:
-            self._datamodule().bad_records_skipped += len(skipped)  # a PromptProvider counter
-            rollouts, keep = with_skipped_groups(rollouts, prompts, skipped, self.rl.group_size,
-                                                 self.tokenizer.eos_token_id)
-            rewards = scatter(rewards, keep)
-        return Groups(rollouts, rewards, keep, keep), metrics
+        """This rank's collected batch and rollout metrics (``collect/``: docs/collect.md)."""
+        return self.collector.collect(records, self.loop_step)
 
     def update(self, batch: RolloutBatch) -> LoopResult:
         """Consume one collected batch (this rank's share) as mu_iterations x n_mini optimizer steps."""
@@ -360,7 +366,6 @@ class GRPOModule(UpdateModule):
         ahead, whole = self.updater.ahead_seconds, self.updater.update_seconds
         metrics["grpo/ahead_seconds"] = ahead
         metrics["grpo/ahead_share"] = ahead / whole if whole > 0 else 0.0
-        metrics["data/long_prompts_dropped"] = self._data_counter("long_prompts_dropped")
         if self.routing is not None:
             metrics.update(self.routing.metrics())  # moe/route_flip_frac, moe/aux_loss
         world = self.dp_size()
@@ -370,30 +375,26 @@ class GRPOModule(UpdateModule):
         self.publish(metrics, {"reward": metrics.get("reward/mean", math.nan), "loss": metrics.get("grpo/loss", math.nan)})
 
     # -- helpers ------------------------------------------------------------------------------------------------------
-    def sampling(self, ahead: int = 0) -> SamplingConfig:
-        r, step = self.rollout_cfg, self.loop_step + ahead  # ahead: a later loop step's (async rollouts)
-        # A distinct, reproducible seed per (seed, loop step, rank); the engines derive one stream per (prompt, sample).
-        seed = (self.seed * 1_000_003 + step) * max(self.dp_size(), 1) + self.global_rank
-        return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, logprobs=self.rl.needs_sampler_logprobs, seed=seed,
-                              stop=tuple(r.stop or ()),
-                              forbidden_token_ids=self.vision.special_ids if self.vision is not None else ())
+    @property
+    def last_rows(self) -> StepRows | None:
+        """The last loop step's rows on this rank (``completions.py`` writes a few)."""
+        return self.collector.last_rows if self.collector is not None else None
 
-    def _refill(self, generate: bool) -> Groups | None:
-        """One refill round: every rank advances the refill cursor; a rank already full generates nothing."""
-        records = self._datamodule().refill_records()
-        return self.draw(records)[0] if generate else None
+    def dp_sum(self, t: Tensor) -> Tensor:
+        """Sum of ``t`` over data-parallel ranks (the ahead pass's probe counts)."""
+        return self.dp_mean(t) * self.dp_size()
 
-    def _on_bad_record(self) -> str:
-        dm = self._datamodule()
-        return dm.on_bad_record if isinstance(dm, PromptProvider) else "error"
-
-    def _data_counter(self, name: str) -> float:
-        dm = self._datamodule()
-        return float(getattr(dm, name)) if isinstance(dm, PromptProvider) else 0.0
+    def _weights_step(self) -> int:
+        """The loop step whose weights the trainer holds (an async engine reads it when a sync ends)."""
+        return self.loop_step
 
     def _datamodule(self):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+
+    def _prompt_provider(self) -> PromptProvider | None:
+        """The datamodule's side of the prompt seam, or None (a datamodule of the user's own is asked nothing)."""
+        dm = self._datamodule()
+        return dm if isinstance(dm, PromptProvider) else None
 
     def _context(self) -> int | None:
         return getattr(self.policy.config, "max_position_embeddings", None)

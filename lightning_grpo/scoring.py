@@ -7,8 +7,6 @@ pixels, decoded when that chunk is scored, so only one chunk's pixels are alive 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
@@ -30,28 +28,39 @@ class ChunkScorer:
         ref: the frozen reference copy, or None (none needed, or LoRA: the policy with its adapter off).
         vision: a vision-language policy's image side (None: text-only).
         has_reference: whether the objective may ask for reference logprobs.
-        temperature: ``() -> float``, the sampling temperature (read at every call: the config may change).
-        keep_bytes: ``() -> int``, the LM-head logits kept per slice (``rl.logits_keep_mb``).
-        device: ``() -> torch.device`` where the policy is now.
+        temperature: the sampling temperature (``rollout.temperature``).
+        keep_bytes: the LM-head logits kept per slice (``rl.logits_keep_mb``).
         packing: whether chunks are scored padding-free (``rl.packed`` resolved for this policy; ``packing.py``).
     """
 
     def __init__(self, policy: nn.Module, ref: nn.Module | None, vision: VisionProcessor | None, has_reference: bool,
-                 temperature: Callable[[], float], keep_bytes: Callable[[], int],
-                 device: Callable[[], torch.device], packing: Packing = PADDED) -> None:
-        self.policy, self.ref, self.vision, self.has_reference = policy, ref, vision, has_reference
-        self.temperature, self.keep_bytes, self.device, self.packing = temperature, keep_bytes, device, packing
+                 temperature: float, keep_bytes: int, packing: Packing = PADDED) -> None:
+        self.policy = policy
+        self.ref = ref
+        self.vision = vision
+        self.has_reference = has_reference
+        self.temperature = temperature
+        self.keep_bytes = keep_bytes
+        self.packing = packing
+
+    def device(self) -> torch.device:
+        """Where the policy is now (a Trainer moves it after the scorer is built)."""
+        return next(self.policy.parameters()).device
 
     @property
     def packed(self) -> bool:
         """Whether chunks are packed now (on the policy's current device)."""
         return self.packing.on(self.device().type)
 
+    def pi_old(self, chunk: RolloutBatch) -> Tensor:
+        """``[B, T-1]`` the policy's logprobs of ``chunk`` (the ahead pass's frozen pi_old)."""
+        return self.logprobs(self.policy, chunk.to(self.device()))
+
     def policy_view(self, chunk: RolloutBatch | None = None, vision: VisionInputs | None = None) -> PolicyView:
         """What an objective may ask of the policy (``objectives/base.py``). ``vision``: ``chunk``'s pixels,
         materialized once and shared by the policy and the reference (another chunk materializes its own)."""
         pixels = lambda c: vision if c is chunk else None
-        return PolicyView(model=self.policy, temperature=self.temperature(),
+        return PolicyView(model=self.policy, temperature=self.temperature,
                           logprobs=lambda c: self.logprobs(self.policy, c, pixels(c)),
                           reference=(lambda c: self.reference_logprobs(c, pixels(c))) if self.has_reference else None,
                           call=lambda fn, *args: root_call(self.policy, fn, *args),
@@ -74,8 +83,8 @@ class ChunkScorer:
         vision = vision if vision is not None else self.materialize(chunk)
         extra = None if vision is None else {k: v.to(self.device()) for k, v in vision.as_kwargs().items()}
         return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
-                         positions=chunk.completion_mask[:, 1:], temperature=self.temperature(),
-                         keep_bytes=self.keep_bytes(), model_inputs=extra, entropy=entropy, packed=self.packed)
+                         positions=chunk.completion_mask[:, 1:], temperature=self.temperature,
+                         keep_bytes=self.keep_bytes, model_inputs=extra, entropy=entropy, packed=self.packed)
 
     def materialize(self, chunk: RolloutBatch) -> VisionInputs | None:
         """The pixels of ``chunk``'s rows (decoded and processed now), or None for a chunk without images."""

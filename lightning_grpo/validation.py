@@ -31,9 +31,9 @@ from dataclasses import replace
 
 from torch import nn
 
-from lightning_grpo.envs.draw import draw_rollouts
+from lightning_grpo.collect import Collector
+from lightning_grpo.collect.prompts import live_prompts
 from lightning_grpo.rollout.base import SamplingConfig
-from lightning_grpo.vision import step_prompts
 
 VAL_SEED = 0
 """Seed of the validation draw (greedy needs none; it keeps the engines off the global RNG)."""
@@ -55,12 +55,16 @@ def greedy_sampling(max_new_tokens: int) -> SamplingConfig:
     return SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, seed=VAL_SEED)
 
 
-def greedy_scores(module, records: Sequence) -> dict[str, float]:
-    """``val/*`` metrics of one held-out batch: one greedy completion per prompt, scored by ``compute_rewards``.
+def greedy_scores(collector: Collector, records: Sequence, loop_step: int, samples_per_prompt: int = 0,
+                  pass_reward: float = 1.0) -> dict[str, float]:
+    """``val/*`` metrics of one held-out batch: one greedy completion per prompt, scored as training scores.
 
     Args:
-        module: a ``GRPOModule`` (its engine, tokenizer, rollout config and reward hook are used).
+        collector: the run's collector (its engine, prompt encoding, sampling and rewards are used).
         records: this rank's ``PromptRecord``s of one validation batch.
+        loop_step: loop steps trained so far (the training sampling's stop strings and forbidden tokens).
+        samples_per_prompt: ``data.val_samples_per_prompt`` (k > 0 adds ``val/pass@k``; ``sampled_scores``).
+        pass_reward: ``data.val_pass_reward``, the total reward at which a sampled draw passes.
 
     Returns:
         ``val/reward`` (mean total reward), ``val/<name>`` for each reward part ``reward/<name>``,
@@ -68,28 +72,27 @@ def greedy_scores(module, records: Sequence) -> dict[str, float]:
         also ``val/tools/*`` and ``val/episode/*`` of the greedy episodes.
     """
     # The encoding training uses (a VLM's image placeholders expanded); unreadable images as data.on_bad_record says.
-    prompts, skipped = step_prompts(records, module.tokenizer, getattr(module, "vision", None), module._on_bad_record())
-    prompts = [p for i, p in enumerate(prompts) if i not in skipped]
-    train = module.sampling()  # its stop strings end turns (an episode's calls) and completions as in training
-    sampling = replace(greedy_sampling(module.rollout_cfg.max_new_tokens), stop=train.stop,
+    prompts = live_prompts(*collector.prompts_of(records))
+    train = collector.sampling.at(loop_step)  # its stop strings end turns (an episode's calls) and completions
+    sampling = replace(greedy_sampling(train.max_new_tokens), stop=train.stop,
                        forbidden_token_ids=train.forbidden_token_ids)
-    rollouts, episodes = draw_rollouts(module, prompts, 1, sampling)  # with model.env: whole episodes
-    rewards, parts = module.compute_rewards(rollouts)
+    rollouts, episodes = collector.draw(prompts, 1, sampling)  # with model.env: whole episodes
+    rewards, parts = collector.score(rollouts)
     metrics = {"val/reward": float(rewards.float().mean())}
     metrics.update({f"val/{name}": value for name, value in {**parts, **episodes}.items()})
     metrics["val/len_mean"] = sum(_model_tokens(r) for r in rollouts) / len(rollouts)
     metrics["val/stop_frac"] = sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts)
-    dm = module._datamodule()
-    k = getattr(dm, "val_samples_per_prompt", 0)
-    if k > 0 and prompts:
-        metrics.update(sampled_scores(module, prompts, k, dm.val_pass_reward))
+    if samples_per_prompt > 0 and prompts:
+        metrics.update(sampled_scores(collector, prompts, samples_per_prompt, pass_reward, train))
     return metrics
 
 
-def sampled_scores(module, prompts: Sequence, k: int, pass_reward: float) -> dict[str, float]:
-    """``val/pass@k``, ``val/pass@1``, ``val/mean@k`` of ``k`` completions per prompt at the training temperature."""
-    sampling = replace(module.sampling(), seed=VAL_SEED, logprobs=False)  # the same draw at every validation
-    rewards, _ = module.compute_rewards(draw_rollouts(module, prompts, k, sampling)[0])
+def sampled_scores(collector: Collector, prompts: Sequence, k: int, pass_reward: float,
+                   train: SamplingConfig) -> dict[str, float]:
+    """``val/pass@k``, ``val/pass@1``, ``val/mean@k`` of ``k`` completions per prompt at the training temperature
+    (``train``: the training sampling)."""
+    sampling = replace(train, seed=VAL_SEED, logprobs=False)  # the same draw at every validation
+    rewards, _ = collector.score(collector.draw(prompts, k, sampling)[0])
     grouped = rewards.float().view(len(prompts), k)  # [P, k]
     passed = (grouped >= pass_reward).sum(dim=1)  # [P]
     return {"val/pass@k": sum(pass_at_k(k, int(c), k) for c in passed) / len(prompts),

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.data.images import BadImageError, load_images
-from lightning_grpo.rollout.base import Prompt, Rollout
+from lightning_grpo.data.images import load_images
+from lightning_grpo.rollout.base import Prompt
 
 IMAGE_TOKEN = "<|image_pad|>"
 """The placeholder token Qwen-VL chat templates put where an image goes (one per image before expansion)."""
@@ -134,7 +134,7 @@ class VisionProcessor:
         grid = torch.cat(grids)
         if int((input_ids == self.image_token_id).sum()) != sum(self.tokens_per_image(grid)):
             raise ValueError("prompts with images must have their placeholders expanded first "
-                             "(VisionProcessor.expand, as vision.step_prompts does)")
+                             "(VisionProcessor.expand, as collect.prompts.step_prompts does)")
         return VisionInputs(torch.cat(pixels), grid, (input_ids == self.image_token_id).int())
 
     # -- chunks ----------------------------------------------------------------------------------------------------
@@ -204,43 +204,3 @@ def touch_vision(loss: Tensor, model: nn.Module) -> Tensor:
     tower = vision_tower(model)
     params = [] if tower is None else [p for p in tower.parameters() if p.requires_grad]
     return loss + sum(p.sum() for p in params) * 0.0 if params else loss
-
-
-# -- prompts of one loop step, with unreadable images met at the step that draws them -------------------------------
-def step_prompts(records, tokenizer, vision: VisionProcessor | None, on_bad_record: str = "error"
-                 ) -> tuple[list[Prompt], list[int]]:
-    """``(prompts, skipped)``: the engine prompts of ``records`` (placeholders expanded for a VLM) and the indices of
-    the records skipped for an unreadable image (``on_bad_record="skip"``; with ``"error"`` the ``BadImageError``,
-    naming record id and path, propagates)."""
-    prompts, skipped = [], []
-    for i, record in enumerate(records):
-        prompt = record.to_prompt(tokenizer)
-        if vision is not None:
-            try:
-                prompt = vision.expand(prompt)
-            except BadImageError:
-                if on_bad_record != "skip":
-                    raise
-                skipped.append(i)
-        prompts.append(prompt)
-    if skipped and len(skipped) == len(records):
-        raise ValueError(f"every record of this loop step has an unreadable image (ids {[r.id for r in records]}); "
-                         "check the image paths of the data")
-    return prompts, skipped
-
-
-def with_skipped_groups(rollouts: list, prompts: Sequence[Prompt], skipped: Sequence[int], group_size: int,
-                        eos_token_id: int) -> tuple[list, Tensor]:
-    """``(rollouts of every prompt, live [N] bool)``: each skipped prompt's group is put back in place as empty
-    completions of a one-token prompt with no image, so the collected batch keeps its configured size. Those rows
-    carry no completion token: they add nothing to the loss or to the divisor (their advantage is set to 0)."""
-    out, live, it = [], [], iter(rollouts)
-    for i, p in enumerate(prompts):
-        if i in skipped:
-            empty = Prompt(p.id, [eos_token_id], "", p.answer, p.meta)
-            out += [Rollout(empty, [], "", "length") for _ in range(group_size)]
-            live += [False] * group_size
-        else:
-            out += [next(it) for _ in range(group_size)]
-            live += [True] * group_size
-    return out, torch.tensor(live)

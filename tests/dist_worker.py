@@ -130,6 +130,7 @@ class VLMBatchModule(FixedBatchModule):
         batch = image_batch(self, VLM_LENGTHS, VLM_SIZES, seed=BATCH_SEED)
         lengths = sequence_lengths(batch)[0]
         self.rl.max_tokens_per_micro = 4 * max(lengths[4:])  # rank 1's four short rows fit one chunk, rank 0's not
+        self.updater.split = self.split()  # the split was fixed when the optimizer was attached
         return _share(batch, self), {}
 
 

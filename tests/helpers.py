@@ -259,10 +259,10 @@ def image_batch(module, completion_lens: list[int], sizes: list[tuple[int, int]]
     prompts -> packed rows), with random completions of the given lengths and random advantages. Prompt ``p`` has
     the image of size ``sizes[p % len(sizes)]`` (unequal sizes: unequal image-token counts)."""
     from lightning_grpo.batch import pack_rollouts
+    from lightning_grpo.collect.prompts import step_prompts
     from lightning_grpo.data.images import with_image_parts
     from lightning_grpo.data.prompts import PromptRecord
     from lightning_grpo.rollout.base import Rollout
-    from lightning_grpo.vision import step_prompts
 
     g = torch.Generator().manual_seed(seed)
     n_prompts = len(completion_lens) // group_size

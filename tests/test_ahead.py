@@ -285,6 +285,7 @@ def arith_run(policy_dir, freeze: bool, steps: int = 30) -> tuple[float, float, 
     before = greedy_accuracy(module.policy, module.tokenizer, val, max_new_tokens=4)
     module.policy.train()  # as under a Trainer
     module.engine = HFEngine(module.policy, module.tokenizer)
+    module.collector = module.configure_collector()
     module.updater.attach(torch.optim.AdamW(module.policy.parameters(), lr=3e-4))
     stream, clip = PromptStream(task.items(400, 0, "train"), seed=0), []
     for step in range(steps):

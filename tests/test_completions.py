@@ -10,7 +10,8 @@ import wandb
 from helpers import fit_tiny, tiny_grpo_module
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from lightning_grpo.completions import COLUMNS, CompletionLog, RewardParts, StepRows, format_sample
+from lightning_grpo.collect.rows import RewardParts, StepRows
+from lightning_grpo.completions import COLUMNS, CompletionLog, format_sample
 from lightning_grpo.rollout.base import Prompt, Rollout
 
 

@@ -7,10 +7,11 @@ from helpers import TINY_JOB, StepRecorder, char_codes, fit_tiny, global_determi
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_grpo.batch import pack_rollouts
+from lightning_grpo.collect.groups import Groups
+from lightning_grpo.collect.shaping import counted_only
 from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec, overlong_penalty
-from lightning_grpo.dynamic_sampling import Groups, counted_only
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.base import Prompt, Rollout

@@ -144,7 +144,7 @@ def test_default_loss_is_unchanged_and_entropy_only_logged():
 def updater(policy_dir, split: Split, obj: GRPOObjective, lr: float = 1.0) -> Updater:
     """An Updater over a float64 policy, scored through the module's ChunkScorer (logprobs and entropy)."""
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float64).train()
-    scorer = ChunkScorer(model, None, None, False, lambda: 1.0, lambda: KEEP_BYTES, lambda: torch.device("cpu"))
+    scorer = ChunkScorer(model, None, None, False, 1.0, KEEP_BYTES)
     updater = Updater(model, lambda chunk, old: obj.chunk_loss(chunk, scorer.policy_view(chunk), old), split,
                       Needs(pi_old=True), ahead=AheadPass(model, lambda c: scorer.logprobs(model, c)))
     updater.attach(torch.optim.SGD(model.parameters(), lr=lr))

@@ -527,19 +527,19 @@ def episode_module(policy_dir):
 def test_validation_plays_one_greedy_episode_per_held_out_prompt(tiny_chat_policy_dir):
     """With model.env, val/* score whole episodes (the training path, its stop strings) and report their tool and
     episode metrics; val/len_mean counts the model's tokens, not the tool results."""
+    from lightning_grpo.collect.prompts import step_prompts
     from lightning_grpo.data.prompts import PromptDataModule
-    from lightning_grpo.envs.draw import episode_runner
     from lightning_grpo.validation import greedy_scores
-    from lightning_grpo.vision import step_prompts
 
     module = episode_module(tiny_chat_policy_dir)
     module.configure_model()
     module.engine = module.build_engine(will_sleep=False)
+    module.collector = module.configure_collector()
     records = PromptDataModule("builtin:arith", prompts_per_step=4, val_size=4, chat=True).val_batches()[0]
-    runner, draws = episode_runner(module), []
+    runner, draws = module.episodes, []
     play = runner.play
     runner.play = lambda engine, prompts, g, sampling: draws.append((g, sampling)) or play(engine, prompts, g, sampling)
-    first, again = greedy_scores(module, records), greedy_scores(module, records)
+    first, again = greedy_scores(module.collector, records, module.loop_step), greedy_scores(module.collector, records, module.loop_step)
     assert first == again  # greedy episodes: the same every time
     (group, sampling), _ = draws
     assert (group, sampling.temperature, sampling.stop) == (1, 0.0, module.sampling().stop)

@@ -10,6 +10,7 @@ from helpers import SMALL
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 
+from lightning_grpo.collect.prompts import step_prompts
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
@@ -17,7 +18,6 @@ from lightning_grpo.handoff import CYCLE, ENGINE_SLEEP, TRAINER_ONLOAD, HandoffC
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.validation import greedy_scores, pass_at_k, sampled_scores
-from lightning_grpo.vision import step_prompts
 
 PUBLISH, STEP = list(CYCLE[4:]), list(CYCLE[:4])  # wake weights, sync, offload, wake KV | generate, sleep, onload, train
 
@@ -60,12 +60,13 @@ def test_validation_is_one_greedy_completion_per_prompt_from_the_engine():
     module = make_module()
     module.configure_model()
     module.engine = module.build_engine(will_sleep=False)
+    module.collector = module.configure_collector()
     calls = []
     generate = module.engine.generate
     module.engine.generate = lambda prompts, g, sampling: calls.append((len(prompts), g, sampling)) or generate(
         prompts, g, sampling)
     records = PromptDataModule("builtin:arith", prompts_per_step=4, val_size=4).val_batches()[0]
-    first, again = greedy_scores(module, records), greedy_scores(module, records)
+    first, again = greedy_scores(module.collector, records, module.loop_step), greedy_scores(module.collector, records, module.loop_step)
     (n, group, sampling), _ = calls
     assert (n, group, sampling.temperature, sampling.max_new_tokens) == (4, 1, 0.0, 3)
     assert first == again  # greedy: the same completions every time
@@ -77,10 +78,11 @@ def test_validation_refuses_an_engine_left_asleep():
     module = make_module()
     module.configure_model()
     module.engine = module.build_engine(will_sleep=False)
+    module.collector = module.configure_collector()
     module.engine.sleep(1)
     records = PromptDataModule("builtin:arith", prompts_per_step=4, val_size=4).val_batches()[0]
     with pytest.raises(RuntimeError, match="asleep"):
-        greedy_scores(module, records)
+        greedy_scores(module.collector, records, module.loop_step)
 
 
 # -- pass@k / mean@k: k sampled completions per held-out prompt (data.val_samples_per_prompt) --------------------
@@ -102,10 +104,11 @@ def test_sampled_scores_count_the_prompts_with_a_passing_draw():
     module.reward_specs = [RewardSpec("helpers:digit_share")]  # graded: an untrained policy passes 0.5 sometimes
     module.configure_model()
     module.engine = module.build_engine(will_sleep=False)
+    module.collector = module.configure_collector()
     records = PromptDataModule("builtin:arith", prompts_per_step=4, val_size=6).val_batches()[0]
     prompts, _ = step_prompts(records, module.tokenizer, None, "error")
     k = 4
-    got = sampled_scores(module, prompts, k, pass_reward=0.5)
+    got = sampled_scores(module.collector, prompts, k, 0.5, module.sampling())
     # the same draw by hand: training temperature, the validation seed
     draws = module.engine.generate(prompts, k, replace(module.sampling(), seed=0, logprobs=False))
     rewards = module.compute_rewards(draws)[0].view(len(prompts), k).tolist()

@@ -129,11 +129,11 @@ def test_vision_tower_frozen_by_default_merger_trains(tiny_vlm_dir):
 def test_hf_engine_generates_from_images(tiny_vlm_dir):
     """transformers generate with images: the completion depends on the pixels, and the rollout tokens are the
     expanded prompt (the update scores exactly what the engine saw)."""
+    from lightning_grpo.collect.prompts import step_prompts
     from lightning_grpo.data.images import with_image_parts
     from lightning_grpo.data.prompts import PromptRecord
     from lightning_grpo.rollout.base import SamplingConfig
     from lightning_grpo.rollout.hf import HFEngine
-    from lightning_grpo.vision import step_prompts
 
     module = make(tiny_vlm_dir)
     engine = HFEngine(module.policy, module.tokenizer, vision=module.vision)
@@ -160,11 +160,11 @@ def test_hf_image_sampling_follows_the_per_prompt_seed_contract(tiny_vlm_dir):
     """Image prompts are drawn by our inverse-CDF sampler like text: a completion depends on its seed, prompt id and
     sample index, not on the batch it shares; the same seed repeats; the sampler's logprobs are the policy's."""
     from lightning_grpo.batch import pack_rollouts
+    from lightning_grpo.collect.prompts import step_prompts
     from lightning_grpo.data.images import with_image_parts
     from lightning_grpo.data.prompts import PromptRecord
     from lightning_grpo.rollout.base import SamplingConfig
     from lightning_grpo.rollout.hf import HFEngine
-    from lightning_grpo.vision import step_prompts
 
     module = make(tiny_vlm_dir)
     engine = HFEngine(module.policy, module.tokenizer, vision=module.vision)
@@ -267,10 +267,10 @@ def test_on_bad_record_skip_counts_and_continues(tiny_vlm_dir, tmp_path):
 def test_vllm_request_carries_images_and_unexpanded_placeholders(tiny_vlm_dir):
     """vLLM gets ``multi_modal_data`` and one placeholder per image (it expands them itself); the rollout keeps
     our expanded prompt. (vLLM's Qwen-VL model class itself does not import on this CPU build: docs/vlm.md.)"""
+    from lightning_grpo.collect.prompts import step_prompts
     from lightning_grpo.data.images import with_image_parts
     from lightning_grpo.data.prompts import PromptRecord
     from lightning_grpo.rollout.vllm import _image_token_id, vllm_request
-    from lightning_grpo.vision import step_prompts
 
     module = make(tiny_vlm_dir)
     two = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "same?"}]}]
@@ -339,6 +339,7 @@ def test_rollout_logprobs_path_with_images(tiny_vlm_dir):
     module.configure_model()
     module.updater.attach(torch.optim.SGD(module.policy.parameters(), lr=0.1))
     module.engine = HFEngine(module.policy, module.tokenizer, vision=module.vision)
+    module.collector = module.configure_collector()
     records = [PromptRecord(i, "which color?", "red", {}, with_image_parts("which color?", 1), (png((56, 56)),))
                for i in range(2)]
     batch, _ = module.collect(records)

@@ -155,7 +155,7 @@ def test_a_lora_adapter_on_a_vlm_scores_the_images_and_chunks_exactly(tiny_vlm_d
         module = GRPOModule(policy=policy, rl=rl, rollout=RolloutConfig())
         module.configure_model()
         params = [p for p in module.policy.parameters() if p.requires_grad]
-        module.updater.attach(torch.optim.SGD(params, lr=0.5))
+        module.updater.attach(torch.optim.SGD(params, lr=0.5), split=module.split())  # the budget set above
         return module
 
     whole, chunked = lora_module(0), lora_module(4)

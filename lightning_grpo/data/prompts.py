@@ -243,11 +243,15 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         """Loop steps consumed so far (the next training batch is this step's prompts)."""
         return self._consumed
 
-
     def records(self, step: int) -> list[PromptRecord]:
         """This rank's prompts of loop step ``step``."""
         self._ensure_setup()
         return self._stream.step(step, self.prompts_per_step, self.rank, self.world_size)
+
+    def upcoming_records(self, ahead: int) -> list[PromptRecord]:
+        """This rank's prompts of the loop step ``ahead`` steps after the one being drawn (its batch already fetched:
+        the position has passed it)."""
+        return self.records(self.position - 1 + ahead)
 
     def refill_records(self) -> list[PromptRecord]:
         """This rank's share of the next refill round (dynamic sampling): ``prompts_per_step`` prompts of the refill

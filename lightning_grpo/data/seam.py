@@ -21,6 +21,10 @@ class PromptProvider:
     """Records skipped so far (``on_bad_record=skip``); the module adds the ones it skips."""
     long_prompts_dropped: int = 0
     """Training prompts dropped as longer than the prompt limit."""
+    val_samples_per_prompt: int = 0
+    """k sampled completions per held-out prompt beside the greedy one (``val/pass@k``; 0 = none)."""
+    val_pass_reward: float = 1.0
+    """A sampled held-out completion passes when its total reward is at least this."""
 
     @property
     def has_images(self) -> bool:
@@ -35,6 +39,15 @@ class PromptProvider:
     def prepare_prompts(self, tokenizer, max_tokens: int | None, on_long: str = "drop") -> None:
         """Fit the prompts to the policy once, before training; raise before any step runs."""
         raise NotImplementedError
+
+    def count_skipped(self, n: int) -> None:
+        """``n`` more records were skipped for an unreadable image (``bad_records_skipped``)."""
+        self.bad_records_skipped += n
+
+    def upcoming_records(self, ahead: int) -> list | None:
+        """This rank's records of the loop step ``ahead`` steps after the one drawn now (async rollouts put it in
+        flight early); None when unknown until Lightning fetches it."""
+        return None
 
     def refill_records(self) -> list:
         """This rank's share of the next refill round (``rl.dynamic_sampling``): further prompts, never the loop

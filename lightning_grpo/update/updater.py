@@ -75,12 +75,12 @@ class Updater:
     Args:
         policy: the trained model (its trainable parameters are stepped).
         forward_chunk: ``(chunk, pi_old or None) -> (loss, denom, stats)``: the objective on one chunk.
-        split: how a batch is cut; a callable is read at every update (a config edited between updates counts).
-        needs: what a batch needs before training (``plan.batch_needs``); a callable is read at every update.
+        split: how a batch is cut (a Trainer's per-rank split replaces it in ``attach``).
+        needs: what a batch needs before training (``plan.batch_needs``).
         ahead: the ahead pass (required when ``needs`` asks for one).
         routing: MoE routing replay (``routing.RoutingReplay``), entered around every training chunk.
         seed: seeds the later inner epochs' window order (with the loop step).
-        dp: data-parallel operations.
+        dp: data-parallel operations (a Trainer's replace them in ``attach``).
         max_grad_norm: clip threshold (0 = no clipping).
         max_consecutive_skips: stop after more non-finite windows in a row than this (None = never).
 
@@ -91,14 +91,18 @@ class Updater:
         result = updater.update(batch)
     """
 
-    def __init__(self, policy: nn.Module, forward_chunk: ForwardChunk, split: Split | Callable[[], Split],
-                 needs: Needs | Callable[[], Needs] = NOTHING, ahead: AheadPass | None = None, routing=None,
+    def __init__(self, policy: nn.Module, forward_chunk: ForwardChunk, split: Split,
+                 needs: Needs = NOTHING, ahead: AheadPass | None = None, routing=None,
                  seed: int = 0, dp: DataParallel = ONE_PROCESS, max_grad_norm: float = 0.0,
                  max_consecutive_skips: int | None = None) -> None:
-        self.policy, self.forward_chunk = policy, forward_chunk
-        self._split = split if callable(split) else (lambda: split)
-        self._needs = needs if callable(needs) else (lambda: needs)
-        self.ahead, self.routing, self.seed, self.dp = ahead, routing, seed, dp
+        self.policy = policy
+        self.forward_chunk = forward_chunk
+        self.split = split
+        self.needs = needs
+        self.ahead = ahead
+        self.routing = routing
+        self.seed = seed
+        self.dp = dp
         self.max_grad_norm, self.max_consecutive_skips = max_grad_norm, max_consecutive_skips
         self.loop: CollectedBatchLoop | None = None  # built by attach, once the optimizer exists
         self.last_plan: ChunkPlan | None = None
@@ -106,21 +110,20 @@ class Updater:
         self.ahead_seconds = self.update_seconds = 0.0  # wall time of the last ahead pass / whole update
 
     @property
-    def split(self) -> Split:
-        return self._split()
-
-    @property
-    def needs(self) -> Needs:
-        return self._needs()
-
-    @property
     def loop_step(self) -> int:
         """Collected batches consumed so far."""
         return self.loop.progress.loop_step if self.loop is not None else 0
 
-    def attach(self, optimizer, scheduler=None, backward=None, step=None, clip=None) -> CollectedBatchLoop:
+    def attach(self, optimizer, scheduler=None, backward=None, step=None, clip=None, split: Split | None = None,
+               dp: DataParallel | None = None) -> CollectedBatchLoop:
         """Build the accumulator and loop around ``optimizer`` (``scheduler`` stepped with it). ``backward``, ``step``
-        and ``clip`` default to plain torch; under a Trainer they go through the precision plugin."""
+        and ``clip`` default to plain torch; under a Trainer they go through the precision plugin, and ``split`` and
+        ``dp`` are the ranks' (known only once the strategy is set up: a part decided earlier would plan one rank's
+        chunk counts while the others plan theirs, and the ranks hang in their collectives)."""
+        if split is not None:
+            self.split = split
+        if dp is not None:
+            self.dp = dp
         acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.split.n_micro,
                                   max_grad_norm=self.max_grad_norm, backward=backward, scheduler=scheduler,
                                   grad_sync=self.dp.grad_sync, all_finite=self.dp.all_finite, step=step, clip=clip)

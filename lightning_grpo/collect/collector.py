@@ -1,0 +1,191 @@
+"""The Collector owns one rollout: a loop step's records in, this rank's ``RolloutBatch`` and its metrics out.
+
+One collection, in call order (docs/collect.md draws it):
+
+1. ``_round``: records -> prompts (``prompts.py``: a VLM's images expanded, unreadable ones skipped) -> rollouts
+   (``draw.py``; under async rollouts through ``schedule.py``) -> rewards (``rewards.py``) -> the overlong penalty
+   (``shaping.py``) -> whole groups (``groups.py``).
+2. ``rl.dynamic_sampling``: only groups whose rewards differ, refilled from further prompts (``refill.py``).
+3. ``_advantages``: group-normalized advantages of the trained rows (``advantages.py``).
+4. ``pack_rollouts`` -> the ``RolloutBatch``; shaping leaves only the tokens that count in the loss.
+
+No Lightning in here: a module builds one Collector once the engine exists and the strategy is known, from
+explicit parts, and calls ``collect`` from ``training_step``; a test drives it with a fake engine the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_grpo.advantages import dp_batch_std, group_advantages
+from lightning_grpo.batch import RolloutBatch, pack_rollouts
+from lightning_grpo.collect.draw import Drawer
+from lightning_grpo.collect.groups import Groups, scatter
+from lightning_grpo.collect.prompts import StepSampling, live_prompts, step_prompts, with_skipped_groups
+from lightning_grpo.collect.refill import fill
+from lightning_grpo.collect.rewards import RewardScorer
+from lightning_grpo.collect.rows import StepRows
+from lightning_grpo.collect.schedule import AsyncSchedule
+from lightning_grpo.collect.shaping import completion_metrics, counted_only, overlong_of
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.data.seam import PromptProvider
+from lightning_grpo.distributed import ONE_PROCESS_GROUP, DataParallelGroup
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
+from lightning_grpo.vision import VisionProcessor
+
+Score = Callable[[Sequence[Rollout]], tuple[Tensor, dict[str, float]]]
+"""``rollouts -> ([N] float32 total rewards, metrics)``: ``GRPOModule.compute_rewards``, or a ``RewardScorer``."""
+
+
+class Collector:
+    """Owns one rollout: prompts -> draw -> rewards -> shaping / refill -> advantages -> ``RolloutBatch``.
+
+    Args:
+        drawer: draws rollouts with the run's engine (completions or episodes).
+        score: one total reward per rollout, and reward metrics.
+        rewards: the scorer whose per-function parts the completions log shows (begun afresh each loop step), or
+            None (no parts shown).
+        rl: group size, advantages, dynamic sampling and shaping knobs.
+        max_new_tokens: the completion cap (``rollout.max_new_tokens``; the overlong penalty counts from it).
+        sampling: the loop step's sampling (its seed per rank).
+        tokenizer: the policy's tokenizer (prompt encoding, pad and EOS ids).
+        vision: a vision-language policy's image side (None: text-only).
+        context: the policy's context in tokens (None = unknown): rows are cut to it.
+        prompts: the datamodule's side (refills, counters, what a bad record does), or None (not a
+            ``PromptProvider``: nothing is asked of it).
+        dp: the data-parallel ranks (batch-wide reward std, agreed refill rounds).
+        schedule: async rollouts (``rollout.max_off_policy_steps``), or None (drawn now).
+
+    Example::
+
+        scorer = RewardScorer(None)  # the built-in task's reward
+        collector = Collector(Drawer(engine, None), scorer, rewards=scorer, rl=rl, max_new_tokens=16,
+                              sampling=sampling, tokenizer=tokenizer)
+        batch, metrics = collector.collect(records, loop_step=0)
+    """
+
+    def __init__(self, drawer: Drawer, score: Score, *, rl: GRPOConfig, max_new_tokens: int,
+                 sampling: StepSampling, tokenizer, rewards: RewardScorer | None = None,
+                 vision: VisionProcessor | None = None, context: int | None = None,
+                 prompts: PromptProvider | None = None, dp: DataParallelGroup = ONE_PROCESS_GROUP,
+                 schedule: AsyncSchedule | None = None) -> None:
+        self.drawer = drawer
+        self.score = score
+        self.rewards = rewards
+        self.rl = rl
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.tokenizer = tokenizer
+        self.vision = vision
+        self.context = context
+        self.prompts = prompts
+        self.dp = dp
+        self.schedule = schedule
+        self.last_rows: StepRows | None = None
+        """The last loop step's rows on this rank (``completions.py`` writes a few)."""
+
+    def collect(self, records: Sequence, loop_step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """This rank's collected batch for the loop step after ``loop_step`` (batches consumed so far), and metrics.
+
+        ``group_size`` completions per record, scored and normalized per group (``rl.dynamic_sampling``: only groups
+        whose rewards differ, refilled from further prompts).
+        """
+        if self.rewards is not None:
+            self.rewards.begin_step()
+        groups, metrics = self._round(records, loop_step)
+        if self.rl.dynamic_sampling:
+            refill = functools.partial(self._refill, loop_step)
+            groups, counts = fill(groups, self.rl.group_size, len(records), self.rl.max_refill_rounds, refill,
+                                  self.dp.total, self.dp.rank)
+            metrics.update(counts.metrics())
+        advantages, adv_metrics = self._advantages(groups)
+        batch = pack_rollouts(groups.rollouts, advantages, groups.rewards, self.tokenizer.pad_token_id, self.context)
+        metrics.update(adv_metrics)
+        metrics.update(completion_metrics(groups, batch, self.rl, self.max_new_tokens))
+        metrics.update(self._data_counters())
+        parts = self.rewards.parts if self.rewards is not None else None
+        self.last_rows = StepRows(loop_step + 1, groups.rollouts, groups.rewards, advantages, parts)
+        return counted_only(batch, groups, self.rl.mask_truncated_completions), metrics
+
+    # -- the pieces validation shares ---------------------------------------------------------------------------------
+    def prompts_of(self, records: Sequence) -> tuple[list[Prompt], list[int]]:
+        """``(prompts, skipped)`` of ``records`` (``prompts.step_prompts`` with the data's bad-record rule)."""
+        return step_prompts(records, self.tokenizer, self.vision, self._on_bad_record())
+
+    def draw(self, prompts: Sequence[Prompt], group_size: int,
+             sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
+        """``group_size`` rollouts per prompt now, with the engine as it is (validation; never in flight)."""
+        return self.drawer(prompts, group_size, sampling)
+
+    # -- one round ----------------------------------------------------------------------------------------------------
+    def _round(self, records: Sequence, loop_step: int) -> tuple[Groups, dict[str, float]]:
+        """``group_size`` completions per record, scored and shaped; a skipped bad record's group keeps its rows (the
+        batch size is the config's) with nothing to learn from."""
+        # A VLM's image placeholders are expanded here (its images decoded): an unreadable one is met at this step.
+        prompts, skipped = self.prompts_of(records)
+        rollouts, metrics = self._training_draw(live_prompts(prompts, skipped), loop_step)
+        rewards, reward_metrics = self.score(rollouts)
+        metrics = {**reward_metrics, **metrics}
+        rewards = rewards + overlong_of(rollouts, self.rl, self.max_new_tokens)
+        keep = torch.ones(len(rollouts), dtype=torch.bool)
+        if skipped:
+            if self.prompts is not None:
+                self.prompts.count_skipped(len(skipped))
+            rollouts, keep = with_skipped_groups(rollouts, prompts, skipped, self.rl.group_size,
+                                                 self.tokenizer.eos_token_id)
+            rewards = scatter(rewards, keep)
+        return Groups(rollouts, rewards, keep, keep), metrics
+
+    def _training_draw(self, prompts: list[Prompt], loop_step: int) -> tuple[list[Rollout], dict[str, float]]:
+        sampling = self.sampling.at(loop_step)
+        if self.schedule is None:
+            return self.drawer(prompts, self.rl.group_size, sampling)
+        upcoming = functools.partial(self._upcoming, loop_step)
+        return self.schedule.draw(loop_step + 1, prompts, sampling, self._job, upcoming)
+
+    def _job(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
+        """One training batch drawn with the engine the async schedule wraps (on its worker thread)."""
+        inner = Drawer(self.schedule.rollouts.engine, self.drawer.episodes)
+        return inner(prompts, self.rl.group_size, sampling)
+
+    def _upcoming(self, loop_step: int, ahead: int) -> tuple[list[Prompt], SamplingConfig] | None:
+        """Loop step ``loop_step + 1 + ahead``'s prompts (without the bad records the draw would skip) and sampling."""
+        records = self.prompts.upcoming_records(ahead) if self.prompts is not None else None
+        if records is None:
+            return None  # not a PromptDataModule: its next batch is unknown until Lightning fetches it
+        try:
+            prompts, skipped = self.prompts_of(records)
+        except Exception:  # noqa: BLE001 - the step itself meets (and reports) a bad record when it comes
+            return None
+        return live_prompts(prompts, skipped), self.sampling.at(loop_step + ahead)
+
+    def _refill(self, loop_step: int, generate: bool) -> Groups | None:
+        """One refill round: every rank advances the refill cursor; a rank already full generates nothing."""
+        records = self.prompts.refill_records()
+        if not generate:
+            return None
+        return self._round(records, loop_step)[0]
+
+    # -- advantages ---------------------------------------------------------------------------------------------------
+    def _advantages(self, groups: Groups) -> tuple[Tensor, dict[str, float]]:
+        """``[N]`` group-normalized advantages, 0 on rows not trained, and their statistics."""
+        trained = groups.trained
+        across = self.rl.scale_rewards == "batch" and self.dp.size > 1  # the std of every rank's trained rewards
+        batch_std = dp_batch_std(groups.rewards[trained], self.dp.reduce) if across else None
+        rows = trained if bool(trained.any()) else groups.live  # nothing to train: the statistics of what was drawn
+        advantages, stats = group_advantages(groups.rewards[rows], self.rl.group_size, self.rl.scale_rewards,
+                                             batch_std=batch_std)
+        advantages = scatter(advantages, rows).masked_fill(~trained, 0.0)
+        return advantages, {k: float(v) for k, v in stats.items()}
+
+    def _on_bad_record(self) -> str:
+        return self.prompts.on_bad_record if self.prompts is not None else "error"
+
+    def _data_counters(self) -> dict[str, float]:
+        skipped = self.prompts.bad_records_skipped if self.prompts is not None else 0
+        dropped = self.prompts.long_prompts_dropped if self.prompts is not None else 0
+        return {"data/bad_records_skipped": float(skipped), "data/long_prompts_dropped": float(dropped)}

@@ -1,0 +1,56 @@
+"""One loop step's rows as the completions log shows them: each rollout with its rewards (total and per function)
+and advantage (``completions.py`` writes them; the Collector keeps the last step's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from lightning_grpo.rollout.base import Rollout
+
+
+class RewardParts:
+    """Per-function rewards of the rollouts scored since ``clear``, found by the rollout object itself.
+
+    Dynamic sampling scores several draws in one loop step and keeps some groups of each, so the parts are kept
+    per rollout (by identity: a ``Rollout`` holds lists, it has no hash) rather than per draw. One per loop step.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[int, tuple[Rollout, dict[str, float]]] = {}
+
+    def add(self, rollouts: list[Rollout], parts: dict[str, Tensor]) -> None:
+        for i, r in enumerate(rollouts):  # the rollout is kept too: its id() is only unique while it lives
+            self._parts[id(r)] = (r, {name: float(v[i]) for name, v in parts.items()})
+
+    def of(self, rollout: Rollout) -> dict[str, float]:
+        return self._parts.get(id(rollout), (None, {}))[1]
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One loop step's rows on this rank (``N`` = its share of the collected batch, groups contiguous)."""
+
+    step: int
+    """The loop step the rows were drawn for, as metrics.csv's ``step`` counts it (1 for the first)."""
+    rollouts: list[Rollout]
+    """``[N]`` completions."""
+    rewards: Tensor
+    """``[N]`` total rewards (shaped)."""
+    advantages: Tensor
+    """``[N]`` advantages (0 on rows not trained)."""
+    parts: RewardParts
+    """Per-function rewards of the rows."""
+
+    def samples(self, n: int, group_size: int) -> list[dict]:
+        """Up to ``n`` rows as JSON-ready dicts: the first row of each group, then the second, ... (spread)."""
+        order = sorted(range(len(self.rollouts)), key=lambda i: (i % group_size, i // group_size))
+        return [self._row(i) for i in order[:n]]
+
+    def _row(self, i: int) -> dict:
+        r = self.rollouts[i]
+        return {"step": self.step, "prompt_id": r.prompt.id, "prompt": r.prompt.text, "completion": r.text,
+                "reward": float(self.rewards[i]), "rewards": self.parts.of(r), "advantage": float(self.advantages[i]),
+                "finish_reason": r.finish_reason}

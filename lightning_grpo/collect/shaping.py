@@ -1,0 +1,66 @@
+"""Shaping a draw: which completion tokens of a collected batch count, and the overlong penalty.
+
+Trained rows only count (a dynamic-sampling padding group or a skipped record's rows leave the loss and every
+divisor), and under ``rl.mask_truncated_completions`` only completions that ended on EOS or a stop string. The
+overlong penalty (DAPO's soft punishment) shapes rewards before the advantages. ``completion_metrics`` says what
+the draw looked like and what shaping did to it.
+
+A new shaping rule is one function here, called from ``Collector`` (docs/collect.md shows one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.collect.groups import Groups
+from lightning_grpo.data.rewards import overlong_penalty
+from lightning_grpo.metrics import length_metrics
+from lightning_grpo.rollout.base import Rollout
+
+
+def overlong_of(rollouts: list[Rollout], rl, max_new_tokens: int) -> Tensor:
+    """``[N]`` the overlong penalty of each completion under ``rl.overlong_buffer`` / ``rl.overlong_penalty``."""
+    # an episode's length is its model tokens: tool results are not the policy's verbosity
+    lengths = torch.tensor([len(r.token_ids) if r.model_mask is None else sum(r.model_mask) for r in rollouts],
+                           dtype=torch.long)
+    return overlong_penalty(lengths, max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
+
+
+def counted_only(batch: RolloutBatch, groups: Groups, mask_truncated: bool) -> RolloutBatch:
+    """``batch`` with completion tokens only on trained rows (and, under ``mask_truncated``, only on completions that
+    ended on EOS or a stop string): the others leave the loss and every divisor. Their rewards already counted in
+    their group's advantages (TRL's ``mask_truncated_completions``)."""
+    counted = groups.trained
+    if mask_truncated:
+        counted = counted & ~truncated(groups.rollouts)
+    if bool(counted.all()):
+        return batch
+    return replace(batch, completion_mask=batch.completion_mask & counted[:, None])
+
+
+def truncated(rollouts: list[Rollout]) -> Tensor:
+    """``[N]`` bool: completions cut at ``max_new_tokens`` (finish reason ``length``), not ended by EOS or a stop."""
+    return torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.bool)
+
+
+def completion_metrics(groups: Groups, batch: RolloutBatch, rl, max_new_tokens: int) -> dict[str, float]:
+    """Lengths and endings of the real completions (placeholders left out), and what shaping did to them."""
+    live = groups.live
+    reasons = [r.finish_reason for r, real in zip(groups.rollouts, live.tolist()) if real]
+    out = length_metrics(batch.completion_mask.sum(-1)[live], reasons)
+    if rl.overlong_buffer:
+        out["reward/overlong_penalty_mean"] = float(overlong_of(groups.rollouts, rl, max_new_tokens)[live].mean())
+    if rl.mask_truncated_completions:  # trained rows whose completion leaves the loss
+        out["completion/truncated_masked"] = float((truncated(groups.rollouts) & groups.trained)[live].sum())
+    return out
+
+
+def scatter(values: Tensor, keep: Tensor) -> Tensor:
+    """``[len(keep)]``: ``values`` at the kept rows, 0 at the others."""
+    out = values.new_zeros(keep.shape)
+    out[keep] = values
+    return out
