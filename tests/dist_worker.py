@@ -350,6 +350,8 @@ def run_case(case: str, policy: str, out: Path, rank: int, teacher: str | None =
     module = cls(policy=policy_config(case, policy), rl=case_config(case), rollout=RolloutConfig(),
                  seed=lora_seed(case))
     module.grad_trace, module.lr = [], lr_of(case)
+    if "early" in case:  # the user builds the model before fit (docs/lightning.md): nothing rank-dependent may stick
+        module.configure_model()
     if "rankmean" in case:  # the wrong reduction: each rank divides by its own token count
         module.objective.dp_mean = lambda t: t
     if "nan" in case:

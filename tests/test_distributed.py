@@ -31,7 +31,7 @@ TOL = 1e-6
 WORKER = Path(__file__).with_name("dist_worker.py")
 CASES = ["ddp-m1", "ddp-m4", "ddp-m4-clip", "ddp-m1-rankmean", "ddp-m4-nan", "ddp-m4-steps2",
          "fsdp2-m1", "fsdp2-m4", "fsdp2-m4-clip", "ddp-m1-refuse", "ddp-budget", "fsdp2-budget", "ddp-m4-lora",
-         "ddp-budget-packed", "fsdp2-budget-packed"]
+         "ddp-budget-packed", "fsdp2-budget-packed", "ddp-budget-early"]
 
 
 def launch_two_ranks(out: Path, policy: Path, cases: list[str], timeout: float = 300, teacher: Path | None = None,
@@ -122,6 +122,23 @@ def test_token_budget_with_uneven_chunk_counts_per_rank_equals_one_rank(two_rank
         assert [present for present, _ in t0] == [False, True]
     assert r0["metrics"]["grpo/chunks"] == 3.0 and r0["metrics"]["grpo/empty_chunks"] == 1.0
     assert r0["metrics"]["grpo/n"] == 8.0 and r0["metrics"]["grpo/tokens"] == sum(W.LENGTHS)  # fillers count nothing
+
+
+def test_a_model_built_before_fit_plans_its_chunks_with_every_rank(two_ranks, tiny_policy_dir):
+    """``configure_model()`` called by the user before ``Trainer.fit`` (one process then): the per-rank split and the
+    cross-rank max of chunk counts are decided when the optimizer joins, under the strategy. Were either kept from
+    before fit, rank 0 would plan 2 chunks and rank 1 one, and the two would hang in their collectives (the
+    fixture's launch then times out) or refuse a batch of the one-process size."""
+    before, ref, _ = one_rank(tiny_policy_dir, "ddp-budget")
+    r0, r1 = two_ranks("ddp-budget-early", 0), two_ranks("ddp-budget-early", 1)
+    assert [len(c) for c in r0["chunks"]] == [2] and r1["chunks"] == (((0, 1, 2, 3), ()),)  # agreed: 2 chunks each
+    assert max_rel_delta(before, ref, r0["params"]) <= TOL
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in ref)
+    assert _untimed(r0["metrics"]) == _untimed(two_ranks("ddp-budget", 0)["metrics"])
+
+
+def _untimed(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith("grpo/ahead_")}  # wall-clock time differs
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

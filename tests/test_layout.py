@@ -3,6 +3,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).parents[1] / "lightning_grpo"
 MAX_FILE, MAX_FUNCTION = 400, 60
 
@@ -23,9 +25,11 @@ def test_no_function_over_60_lines():
     assert not long, f"over {MAX_FUNCTION} lines: {long}"
 
 
-def test_the_update_package_imports_no_lightning_module():
-    """``update/`` is the Lightning-free core (tests/test_updater.py also checks what importing it loads)."""
-    for p in (PACKAGE / "update").rglob("*.py"):
+@pytest.mark.parametrize("package", ["update", "collect"])
+def test_the_lightning_free_packages_import_no_lightning_module(package):
+    """``update/`` and ``collect/`` are the Lightning-free core (tests/test_updater.py and
+    tests/collect/test_collector.py also check what importing them loads)."""
+    for p in (PACKAGE / package).rglob("*.py"):
         for node in ast.walk(ast.parse(p.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []

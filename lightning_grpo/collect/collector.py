@@ -3,11 +3,12 @@
 One collection, in call order (docs/collect.md draws it):
 
 1. ``_round``: records -> prompts (``prompts.py``: a VLM's images expanded, unreadable ones skipped) -> rollouts
-   (``draw.py``; under async rollouts through ``schedule.py``) -> rewards (``rewards.py``) -> the overlong penalty
-   (``shaping.py``) -> whole groups (``groups.py``).
+   (``draw.py``; under async rollouts through ``schedule.py``) -> rewards (``rewards.py``) shaped by
+   ``shaping.REWARD_RULES`` (the overlong penalty) -> whole groups (``groups.py``).
 2. ``rl.dynamic_sampling``: only groups whose rewards differ, refilled from further prompts (``refill.py``).
 3. ``_advantages``: group-normalized advantages of the trained rows (``advantages.py``).
-4. ``pack_rollouts`` -> the ``RolloutBatch``; shaping leaves only the tokens that count in the loss.
+4. ``pack_rollouts`` -> the ``RolloutBatch`` and ``shaping.BATCH_METRICS`` over it; shaping leaves only the tokens
+   that count in the loss.
 
 No Lightning in here: a module builds one Collector once the engine exists and the strategy is known, from
 explicit parts, and calls ``collect`` from ``training_step``; a test drives it with a fake engine the same way.
@@ -30,7 +31,7 @@ from lightning_grpo.collect.refill import fill
 from lightning_grpo.collect.rewards import RewardScorer
 from lightning_grpo.collect.rows import StepRows
 from lightning_grpo.collect.schedule import AsyncSchedule
-from lightning_grpo.collect.shaping import completion_metrics, counted_only, overlong_of
+from lightning_grpo.collect.shaping import batch_metrics, counted_only, shape_rewards
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.distributed import ONE_PROCESS_GROUP, DataParallelGroup
@@ -105,7 +106,7 @@ class Collector:
         advantages, adv_metrics = self._advantages(groups)
         batch = pack_rollouts(groups.rollouts, advantages, groups.rewards, self.tokenizer.pad_token_id, self.context)
         metrics.update(adv_metrics)
-        metrics.update(completion_metrics(groups, batch, self.rl, self.max_new_tokens))
+        metrics.update(batch_metrics(groups, batch, self.rl, self.max_new_tokens))
         metrics.update(self._data_counters())
         parts = self.rewards.parts if self.rewards is not None else None
         self.last_rows = StepRows(loop_step + 1, groups.rollouts, groups.rewards, advantages, parts)
@@ -130,7 +131,7 @@ class Collector:
         rollouts, metrics = self._training_draw(live_prompts(prompts, skipped), loop_step)
         rewards, reward_metrics = self.score(rollouts)
         metrics = {**reward_metrics, **metrics}
-        rewards = rewards + overlong_of(rollouts, self.rl, self.max_new_tokens)
+        rewards = shape_rewards(rollouts, rewards, self.rl, self.max_new_tokens)
         keep = torch.ones(len(rollouts), dtype=torch.bool)
         if skipped:
             if self.prompts is not None:

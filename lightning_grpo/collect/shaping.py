@@ -5,11 +5,13 @@ divisor), and under ``rl.mask_truncated_completions`` only completions that ende
 overlong penalty (DAPO's soft punishment) shapes rewards before the advantages. ``completion_metrics`` says what
 the draw looked like and what shaping did to it.
 
-A new shaping rule is one function here, called from ``Collector`` (docs/collect.md shows one).
+A new rule is one function here, listed in ``REWARD_RULES`` (adds to every rollout's reward before the advantages)
+or ``BATCH_METRICS`` (metrics over the collected batch): docs/collect.md shows one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -17,12 +19,13 @@ from torch import Tensor
 
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.collect.groups import Groups
+from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.rewards import overlong_penalty
 from lightning_grpo.metrics import length_metrics
 from lightning_grpo.rollout.base import Rollout
 
 
-def overlong_of(rollouts: list[Rollout], rl, max_new_tokens: int) -> Tensor:
+def overlong_of(rollouts: list[Rollout], rl: GRPOConfig, max_new_tokens: int) -> Tensor:
     """``[N]`` the overlong penalty of each completion under ``rl.overlong_buffer`` / ``rl.overlong_penalty``."""
     # an episode's length is its model tokens: tool results are not the policy's verbosity
     lengths = torch.tensor([len(r.token_ids) if r.model_mask is None else sum(r.model_mask) for r in rollouts],
@@ -47,7 +50,7 @@ def truncated(rollouts: list[Rollout]) -> Tensor:
     return torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.bool)
 
 
-def completion_metrics(groups: Groups, batch: RolloutBatch, rl, max_new_tokens: int) -> dict[str, float]:
+def completion_metrics(groups: Groups, batch: RolloutBatch, rl: GRPOConfig, max_new_tokens: int) -> dict[str, float]:
     """Lengths and endings of the real completions (placeholders left out), and what shaping did to them."""
     live = groups.live
     reasons = [r.finish_reason for r, real in zip(groups.rollouts, live.tolist()) if real]
@@ -59,8 +62,28 @@ def completion_metrics(groups: Groups, batch: RolloutBatch, rl, max_new_tokens: 
     return out
 
 
-def scatter(values: Tensor, keep: Tensor) -> Tensor:
-    """``[len(keep)]``: ``values`` at the kept rows, 0 at the others."""
-    out = values.new_zeros(keep.shape)
-    out[keep] = values
+
+RewardRule = Callable[[list[Rollout], GRPOConfig, int], Tensor]
+"""``(rollouts, rl, max_new_tokens) -> [N]`` added to the rollouts' rewards (a penalty is negative)."""
+BatchMetric = Callable[[Groups, RolloutBatch, GRPOConfig, int], dict[str, float]]
+"""``(groups, batch, rl, max_new_tokens) -> metrics`` of one collected batch on this rank (mean over ranks)."""
+
+REWARD_RULES: list[RewardRule] = [overlong_of]
+"""Applied in order to every draw's rewards (round 0 and refills alike)."""
+BATCH_METRICS: list[BatchMetric] = [completion_metrics]
+"""Computed on every collected batch, after its advantages."""
+
+
+def shape_rewards(rollouts: list[Rollout], rewards: Tensor, rl: GRPOConfig, max_new_tokens: int) -> Tensor:
+    """``[N]`` rewards with every rule of ``REWARD_RULES`` added."""
+    for rule in REWARD_RULES:
+        rewards = rewards + rule(rollouts, rl, max_new_tokens)
+    return rewards
+
+
+def batch_metrics(groups: Groups, batch: RolloutBatch, rl: GRPOConfig, max_new_tokens: int) -> dict[str, float]:
+    """Every metric of ``BATCH_METRICS`` over the collected batch."""
+    out = {}
+    for metric in BATCH_METRICS:
+        out.update(metric(groups, batch, rl, max_new_tokens))
     return out
