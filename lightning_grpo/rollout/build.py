@@ -56,7 +56,7 @@ def build_engine(cfg, module, will_sleep: bool = True) -> RolloutEngine:
 
 def _server_engine(cfg, module) -> RolloutEngine:
     """A ``vllm serve`` engine whose syncs are checked against the policy's own logprobs (the probe)."""
-    from lightning_grpo.rollout.server_ranks import Ranks
+    from lightning_grpo.rollout.server.ranks import Ranks
     from lightning_grpo.rollout.vllm_server import VLLMServerEngine, sequence_logprobs
 
     tokenizer, server, ranks = module.tokenizer, cfg.server or ServerConfig(), Ranks.current()
