@@ -41,6 +41,7 @@ from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.distributed import data_parallel_mesh, shard_fsdp2
 from lightning_grpo.dynamic_sampling import Groups, completion_metrics, counted_only, fill, overlong_of, scatter
+from lightning_grpo.engines import EngineParts, build_engine
 from lightning_grpo.envs.config import EnvConfig
 from lightning_grpo.envs.draw import draw_rollouts, episode_runner
 from lightning_grpo.handoff import attach_handoff
@@ -54,7 +55,6 @@ from lightning_grpo.precision import check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
-from lightning_grpo.rollout.build import build_engine
 from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.scoring import ChunkScorer
 from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder, Split, Updater, batch_needs
@@ -145,7 +145,8 @@ class GRPOModule(UpdateModule):
 
     def build_engine(self, will_sleep: bool = True) -> RolloutEngine:
         """The rollout engine (``rollout.engine``). ``will_sleep``: whether the hand-off puts it to sleep."""
-        return async_rollouts.wrap(self, build_engine(self.rollout_cfg, self, will_sleep=will_sleep))
+        parts = EngineParts(self.policy, self.tokenizer, self.policy_cfg, self.rl, self.vision, trainer=self._trainer)
+        return async_rollouts.wrap(self, build_engine(self.rollout_cfg, parts, will_sleep=will_sleep))
 
     def compute_rewards(self, rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, float]]:
         """One reward per rollout. Recorded rewards (replay) are used as they are."""

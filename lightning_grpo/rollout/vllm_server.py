@@ -8,9 +8,9 @@ processed_logprobs``: log-softmax after temperature/top-k/top-p, as ``HFEngine``
 i's whole group goes to server i % N, and since every row carries its own seed the tokens do not depend on the split.
 
 Weight sync: vLLM 0.32's RL API (``/start_weight_update``, ``/update_weights`` per bucket, ``/finish_weight_update``
-with the new weight version), with our CPU backend ``lightning_grpo_shm`` (``rollout/server/shm_transfer.py``): each bucket
-is a safetensors blob in ``/dev/shm`` (same node) or in the request body (``weight_transport: http``). Each phase has
-``sync_timeout_s`` and a failure names the phase. After the sync the engine is checked: ``/weight_info`` must report
+with the new weight version), with our CPU backend ``lightning_grpo_shm`` (``rollout/server/shm_transfer.py``): each
+bucket is a safetensors blob in ``/dev/shm`` (same node) or in the request body (``weight_transport: http``). Each phase
+has ``sync_timeout_s`` and a failure names the phase. After the sync the engine is checked: ``/weight_info`` must report
 the new version, and the server's logprobs on a fixed probe sequence must match the trainer's within
 ``probe_tolerance``, so a sync that did not land is an error, never a quiet bias. With several servers every phase
 reaches each (one thread per server, ``server/client.each``) before any samples again, and each is checked.
@@ -32,13 +32,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_rollout
-from lightning_grpo.rollout.server.same_model import check_same_model
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server.adapters import ServerAdapters
 from lightning_grpo.rollout.server.client import ServerClient, each
-from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.server.process import ServerError, ServerProcess, free_ports, request_json
 from lightning_grpo.rollout.server.ranks import Ranks
+from lightning_grpo.rollout.server.same_model import check_same_model
+from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
 
 log = logging.getLogger(__name__)
