@@ -54,6 +54,7 @@ def child(k: int, steps: int, model: str, nice: int = 0) -> dict:
     from lightning_grpo.handoff import HandoffCallback
     from lightning_grpo.module import GRPOModule
     from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.rollout.prefetch import unwrapped
     from lightning_grpo.rollout.server_config import ServerConfig
 
     torch.manual_seed(0)
@@ -87,7 +88,7 @@ def child(k: int, steps: int, model: str, nice: int = 0) -> dict:
         last = None
 
         def on_train_start(self, trainer, pl_module):
-            engine = getattr(pl_module.engine, "engine", pl_module.engine)  # the server client under AsyncRollouts
+            engine = unwrapped(pl_module.engine)  # the server client under AsyncRollouts
             timed(pl_module, "update", "update")
             timed(pl_module.engine, "load_weights", "sync")
             timed(pl_module.engine, "reset_prefix_cache", "sync")

@@ -46,6 +46,8 @@ from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
 from lightning_grpo.plot import build_parser as plot_parser
 from lightning_grpo.plot import main as plot_main
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.rollout.base import Served
+from lightning_grpo.rollout.prefetch import unwrapped
 from lightning_grpo.run_folder import RunFolderInUseError, claim_versions, explicit_version, refuse_reused_version
 from lightning_grpo.summary import RunSummary
 from lightning_grpo.tiny.spec import TinyPolicySpec
@@ -278,10 +280,8 @@ class GRPOCLI(LightningCLI):
         # The run is over: stop the `vllm serve` children it launched (and their SIGTERM handler) now, not at
         # interpreter exit: a CLI called from Python (a notebook, a test suite) would keep them for the whole process.
         # In-process engines stay as before (they go with the process; closing one mid-process is the caller's call).
-        from lightning_grpo.rollout.vllm_server import VLLMServerEngine  # deferred: imports the server client
-
-        engine = getattr(self.model, "engine", None)
-        if isinstance(getattr(engine, "engine", engine), VLLMServerEngine):  # AsyncRollouts wraps it
+        engine = self.model.engine if isinstance(self.model, GRPOModule) else None
+        if engine is not None and isinstance(unwrapped(engine), Served):  # AsyncRollouts wraps it: both close
             engine.close()
 
     def _add_summary(self) -> None:

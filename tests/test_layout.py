@@ -62,3 +62,23 @@ def test_the_rollout_package_imports_nothing_above_it():
         if found:
             bad[str(p.relative_to(PACKAGE))] = sorted(set(found))
     assert not bad, f"rollout/ imports above itself: {bad}"
+
+
+def _probes_engine(node: ast.AST) -> bool:
+    """``getattr(engine, ...)`` / ``hasattr(self._engine, ...)``: the first argument's last name says it is an engine."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")):
+        return False
+    first = node.args[0] if node.args else None
+    name = first.id if isinstance(first, ast.Name) else first.attr if isinstance(first, ast.Attribute) else ""
+    return "engine" in name.lower()
+
+
+def test_no_call_site_probes_an_engine_for_attributes():
+    """What an engine can do beyond the protocol is a typed capability (``rollout/base.py``, checked with
+    ``isinstance``), never ``getattr(engine, ...)`` / ``hasattr(engine, ...)``."""
+    roots = [PACKAGE, PACKAGE.parent / "tests", PACKAGE.parent / "bench", PACKAGE.parent / "examples"]
+    found = []
+    for p in (f for root in roots for f in root.rglob("*.py")):
+        found.extend(f"{p.relative_to(PACKAGE.parent)}:{node.lineno}" for node in ast.walk(ast.parse(p.read_text()))
+                     if _probes_engine(node))
+    assert not found, f"attribute probing on an engine (declare a capability instead): {found}"

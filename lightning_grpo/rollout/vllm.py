@@ -161,6 +161,11 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
         self._derived_stale = True
 
+    @property
+    def serves_adapters(self) -> bool:
+        """Built with a LoRA rank: a sync publishes the adapter alone (``load_adapter``)."""
+        return self.adapters is not None
+
     def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None:
         """Serve this LoRA adapter (peft format) from the next generation on: a new request id, loaded now."""
         self._sleep.require("weights", call="VLLMEngine.load_adapter()")

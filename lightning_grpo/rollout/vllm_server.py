@@ -242,6 +242,11 @@ class VLLMServerEngine(BookkeptSleep):
         finally:
             path.unlink(missing_ok=True)
 
+    @property
+    def serves_adapters(self) -> bool:
+        """Built with a LoRA rank: a sync publishes the adapter alone (``load_adapter``)."""
+        return self.adapters is not None
+
     def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None:
         """Serve this LoRA adapter (peft format) from the next generation on, on every server (a new name each time)."""
         self._sleep.require("weights", call="VLLMServerEngine.load_adapter()")
