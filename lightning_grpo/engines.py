@@ -119,13 +119,13 @@ def _server_engine(cfg: RolloutConfig, parts: EngineParts) -> RolloutEngine:
         raise ValueError("policy.lora.sync=adapter with rollout.server.weight_transport=http: the servers load each "
                          "adapter from a folder on this machine, which a server on another node cannot read; set "
                          "policy.lora.sync: merge (every weight, over HTTP) or weight_transport: shm (same node)")
+
     def republish() -> None:  # what the hand-off pushes once per collected batch, for a restarted server
         adapter_sync.publish_policy(parts.policy, engine, int(cfg.sync_bucket_mb * (1 << 20)))
 
-    tokenizer = parts.tokenizer
     engine = VLLMServerEngine(str(resolve_path(parts.policy_cfg)), server,
                               reference=lambda ids: sequence_logprobs(parts.policy, ids),
-                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                              decode=lambda ids: parts.tokenizer.decode(ids, skip_special_tokens=True),
                               sampler_logprobs=parts.sampler_logprobs, ranks=ranks, republish=republish,
                               lora_rank=parts.lora_rank)
     return engine

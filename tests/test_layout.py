@@ -65,7 +65,7 @@ def test_the_rollout_package_imports_nothing_above_it():
 
 
 def _probes_engine(node: ast.AST) -> bool:
-    """``getattr(engine, ...)`` / ``hasattr(self._engine, ...)``: the first argument's last name says it is an engine."""
+    """``getattr(engine, ...)`` / ``hasattr(self._engine, ...)``: the first argument's last name names an engine."""
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")):
         return False
     first = node.args[0] if node.args else None
