@@ -47,6 +47,7 @@ def child(k: int, steps: int, model: str, nice: int = 0) -> dict:
     import torch
     from lightning.pytorch import Callback, Trainer
 
+    from lightning_grpo.collect.async_rollouts import unwrapped
     from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
     from lightning_grpo.correction import RolloutCorrection
     from lightning_grpo.data.prompts import PromptDataModule
@@ -87,7 +88,7 @@ def child(k: int, steps: int, model: str, nice: int = 0) -> dict:
         last = None
 
         def on_train_start(self, trainer, pl_module):
-            engine = getattr(pl_module.engine, "engine", pl_module.engine)  # the server client under AsyncRollouts
+            engine = unwrapped(pl_module.engine)  # the server client under AsyncRollouts
             timed(pl_module, "update", "update")
             timed(pl_module.engine, "load_weights", "sync")
             timed(pl_module.engine, "reset_prefix_cache", "sync")

@@ -41,7 +41,8 @@ _EXPORTS = {
     "SamplingConfig": "lightning_grpo.rollout.base",
     "Prompt": "lightning_grpo.rollout.base",
     "Rollout": "lightning_grpo.rollout.base",
-    "build_engine": "lightning_grpo.rollout.build",
+    "build_engine": "lightning_grpo.engines",
+    "EngineParts": "lightning_grpo.engines",
     "HFEngine": "lightning_grpo.rollout.hf",
     "ReplayEngine": "lightning_grpo.rollout.replay",
     "VLLMEngine": "lightning_grpo.rollout.vllm",
@@ -65,6 +66,7 @@ __all__ = [
     "ConfigError",
     "DPOConfig",
     "DPOModule",
+    "EngineParts",
     "GRPOCheckpoint",
     "GRPOConfig",
     "GRPOModule",
@@ -123,6 +125,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.data.prompts import PromptDataModule, PromptRecord
     from lightning_grpo.data.rewards import RewardError, RewardSpec, score
     from lightning_grpo.dpo import DPOConfig, DPOModule
+    from lightning_grpo.engines import EngineParts, build_engine
     from lightning_grpo.handoff import HandoffCallback
     from lightning_grpo.module import GRPOModule
     from lightning_grpo.objectives import register_objective
@@ -132,7 +135,6 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.policy import PolicyConfig, load_policy
     from lightning_grpo.progress import GRPOProgressBar, GRPORichProgressBar
     from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
-    from lightning_grpo.rollout.build import build_engine
     from lightning_grpo.rollout.hf import HFEngine
     from lightning_grpo.rollout.replay import ReplayEngine
     from lightning_grpo.rollout.vllm import VLLMEngine

@@ -31,6 +31,7 @@ from lightning_grpo.alarm import SignalAlarm
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
 from lightning_grpo.checkpoint.resume import check_ckpt_file
 from lightning_grpo.checks import retired_key
+from lightning_grpo.collect.async_rollouts import unwrapped
 from lightning_grpo.completions import CompletionLog
 from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
 from lightning_grpo.data.prompts import PromptDataModule
@@ -46,6 +47,7 @@ from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
 from lightning_grpo.plot import build_parser as plot_parser
 from lightning_grpo.plot import main as plot_main
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.rollout.base import Served
 from lightning_grpo.run_folder import RunFolderInUseError, claim_versions, explicit_version, refuse_reused_version
 from lightning_grpo.summary import RunSummary
 from lightning_grpo.tiny.spec import TinyPolicySpec
@@ -278,10 +280,8 @@ class GRPOCLI(LightningCLI):
         # The run is over: stop the `vllm serve` children it launched (and their SIGTERM handler) now, not at
         # interpreter exit: a CLI called from Python (a notebook, a test suite) would keep them for the whole process.
         # In-process engines stay as before (they go with the process; closing one mid-process is the caller's call).
-        from lightning_grpo.rollout.vllm_server import VLLMServerEngine  # deferred: imports the server client
-
-        engine = getattr(self.model, "engine", None)
-        if isinstance(getattr(engine, "engine", engine), VLLMServerEngine):  # AsyncRollouts wraps it
+        engine = self.model.engine if isinstance(self.model, GRPOModule) else None
+        if engine is not None and isinstance(unwrapped(engine), Served):  # AsyncRollouts wraps it: both close
             engine.close()
 
     def _add_summary(self) -> None:

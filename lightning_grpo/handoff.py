@@ -33,7 +33,7 @@ from lightning_grpo.offload import OffloadBackend, TrainerOffload, memory_saver_
 from lightning_grpo.profiling import LoopProfile, profiling_requested
 from lightning_grpo.publisher import generates_with
 from lightning_grpo.rollout import adapter_sync
-from lightning_grpo.rollout.base import RolloutEngine
+from lightning_grpo.rollout.base import DeclaresWeights, DrawsAhead, RolloutEngine
 from lightning_grpo.rollout.sleep import sleep_level_problem
 from lightning_grpo.rollout.weight_sync import SyncStats, named_weights
 
@@ -152,7 +152,7 @@ class HandoffCallback(Callback):
                         sync_bucket_mb: float) -> None:
         """The module built its engine (``on_fit_start``, before Lightning restores optimizer state onto the device):
         enter the batch boundary, so the engine sleeps first and the first hand-off publishes the (restored) policy."""
-        if self.handoff and getattr(engine, "max_off_policy_steps", None):
+        if self.handoff and isinstance(engine, DrawsAhead):
             raise ValueError(f"rollout.max_off_policy_steps={engine.max_off_policy_steps} with HandoffCallback("
                              "placement='colocated', colocated_offload=True): async rollouts sample in another process "
                              "while this one updates, so there is no device to hand back and forth; set the "
@@ -261,8 +261,7 @@ class HandoffCallback(Callback):
 
     def _check_complete(self, pushed: list[str]) -> None:
         """After a level-2 sleep every tensor the engine holds was discarded: the sync must have rewritten each."""
-        declared = getattr(self._engine, "weight_names", None)
-        names = declared() if declared is not None else None
+        names = self._engine.weight_names() if isinstance(self._engine, DeclaresWeights) else None
         # An engine that cannot say what it holds is checked against the policy's own tensors.
         own = adapter_sync.engine_weights(self._policy, merged=False) if lora.is_lora(self._policy) else named_weights(self._policy)
         expected = set(names) if names else {name for name, _ in own}

@@ -31,6 +31,7 @@ from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.collect import Collector, RewardScorer, StepRows, StepSampling
+from lightning_grpo.collect.async_rollouts import AsyncRollouts
 from lightning_grpo.collect.draw import Drawer, episode_runner
 from lightning_grpo.collect.schedule import AsyncSchedule, in_flight_of
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
@@ -40,6 +41,7 @@ from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.distributed import data_parallel_mesh, shard_fsdp2
+from lightning_grpo.engines import EngineParts, build_engine
 from lightning_grpo.envs.config import EnvConfig
 from lightning_grpo.envs.episode import EpisodeRunner
 from lightning_grpo.handoff import attach_handoff
@@ -53,8 +55,6 @@ from lightning_grpo.precision import check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
-from lightning_grpo.rollout.build import build_engine
-from lightning_grpo.rollout.prefetch import AsyncRollouts
 from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.scoring import ChunkScorer
 from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder, Split, Updater, batch_needs
@@ -92,10 +92,9 @@ class GRPOModule(UpdateModule):
         module = GRPOModule()     # outside a Trainer: build the policy yourself
         module.configure_model()  # module.policy, module.tokenizer now exist
 
-    The policy is built in ``configure_model`` (Lightning calls it on each rank inside the strategy's
-    init context, so it loads on its device and FSDP2 shards it before the optimizer exists), the
-    engine in ``on_fit_start``. Subclasses override ``configure_policy`` (model construction),
-    ``compute_rewards`` or ``build_engine`` to plug in their own parts.
+    The policy is built in ``configure_model`` (Lightning calls it on each rank inside the strategy's init context,
+    so it loads on its device and FSDP2 shards it before the optimizer exists), the engine and the collector in
+    ``on_fit_start``. Subclasses override ``configure_policy``, ``compute_rewards`` or ``build_engine``.
     """
 
     def __init__(self, policy: PolicyConfig = _POLICY, rl: GRPOConfig = _RL, optim: OptimConfig = _OPTIM,
@@ -149,7 +148,8 @@ class GRPOModule(UpdateModule):
     def build_engine(self, will_sleep: bool = True) -> RolloutEngine:
         """The rollout engine (``rollout.engine``), drawing ahead under ``rollout.max_off_policy_steps``.
         ``will_sleep``: whether the hand-off puts it to sleep."""
-        engine = build_engine(self.rollout_cfg, self, will_sleep=will_sleep)
+        parts = EngineParts(self.policy, self.tokenizer, self.policy_cfg, self.rl, self.vision, trainer=self._trainer)
+        engine = build_engine(self.rollout_cfg, parts, will_sleep=will_sleep)
         if not self.rollout_cfg.max_off_policy_steps:
             return engine
         return AsyncRollouts(engine, self.rollout_cfg.max_off_policy_steps, weights_step=self._weights_step)

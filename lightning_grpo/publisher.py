@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 from lightning.pytorch import Trainer
 from torch import nn
 
-from lightning_grpo.rollout.base import RolloutEngine
+from lightning_grpo.rollout.base import HoldsWeights, RolloutEngine, SamplesWithModule
 
 
 @runtime_checkable
@@ -59,12 +59,14 @@ class NoPublisher:
 
 def generates_with(engine: RolloutEngine, policy: nn.Module) -> bool:
     """The engine samples with the trained module itself (``HFEngine(policy)``): there is nothing to publish."""
-    return getattr(engine, "model", None) is policy
+    return isinstance(engine, SamplesWithModule) and engine.model is policy
 
 
 def needs_publisher(engine: RolloutEngine, policy: nn.Module) -> bool:
-    """The engine samples from weights of its own, which go stale after every update unless published."""
-    return not generates_with(engine, policy) and getattr(engine, "holds_weights", True)
+    """The engine samples from weights of its own (unless it says it holds none), which go stale after every
+    update unless published."""
+    holds = engine.holds_weights if isinstance(engine, HoldsWeights) else True
+    return not generates_with(engine, policy) and holds
 
 
 def find_publisher(callbacks: Iterable[object]) -> WeightPublisher | None:

@@ -19,6 +19,7 @@ import torch
 from helpers import TINY_JOB  # tests/ is on sys.path: it is this script's folder
 from lightning.pytorch import Callback, Trainer
 
+from lightning_grpo.collect.async_rollouts import unwrapped
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.correction import RolloutCorrection
 from lightning_grpo.data.prompts import PromptDataModule
@@ -36,7 +37,7 @@ class Seen(Callback):
         self.versions, self.metrics = [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        engine = getattr(pl_module.engine, "engine", pl_module.engine)  # under AsyncRollouts
+        engine = unwrapped(pl_module.engine)  # under AsyncRollouts
         self.versions.append(engine.version)
         self.metrics.append(dict(pl_module.last_metrics))
 
@@ -61,7 +62,7 @@ def main() -> None:
                       callbacks=[seen, HandoffCallback(placement="disaggregated")])
     try:
         trainer.fit(module, datamodule=PromptDataModule("builtin:arith", val_size=0))
-        engine = getattr(module.engine, "engine", module.engine)
+        engine = unwrapped(module.engine)
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in module.policy.parameters()))
         result = {"urls": [c.url for c in engine.clients], "versions": seen.versions, "launched":
                   engine.server is not None, "probe_error": engine.last_probe_error,

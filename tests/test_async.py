@@ -21,12 +21,12 @@ from lightning.pytorch import Callback
 
 pytest.importorskip("vllm")
 
+from lightning_grpo.collect.async_rollouts import AsyncRollouts
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.correction import RolloutCorrection
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
-from lightning_grpo.rollout.prefetch import AsyncRollouts
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_server import VLLMServerEngine
 

@@ -259,7 +259,7 @@ def test_a_stopped_server_hands_sigterm_back_and_a_wrapped_handler_stays_inert(t
     """A launched `vllm serve` installs a SIGTERM handler that stops it. Once the last server stopped, it must not
     outlive it: the previous handler comes back, and where something wrapped it meanwhile (Lightning, GRPOCheckpoint),
     it does nothing, so a later fit's graceful SIGTERM stop is not turned into a kill (it killed pytest itself)."""
-    from lightning_grpo.rollout import server_process as sp
+    from lightning_grpo.rollout.server import process as sp
     from lightning_grpo.rollout.server_config import ServerConfig
 
     before = signal.getsignal(signal.SIGTERM)

@@ -11,7 +11,7 @@ How the graph is read (``ast`` only, nothing is imported):
   depends on those packages, except on the packages that contain the importing module itself: Python has started
   them before the module runs, and a package ``__init__`` importing its own submodules is the ordinary layout, not a
   circle. (So ``vision.py`` importing ``rollout.base`` depends on ``rollout/__init__.py`` too: that is why
-  ``build_engine``, which imports the engines and the policy, lives in ``rollout/build.py``, not there.)
+  ``build_engine``, which imports the engines and the policy, lives in ``engines.py``, not there.)
 - ``lightning_grpo/__init__.py`` re-exports lazily: its ``__getattr__`` imports the module named by a string in
   ``_EXPORTS`` (invisible to ``ast``), and its ``TYPE_CHECKING`` block never runs, so the top package itself has no
   edges. It contains every module of the package, so nothing inside could close a circle through it anyway;

@@ -27,8 +27,8 @@ pytest.importorskip("vllm")
 
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
+from lightning_grpo.rollout.server.process import ServerError, ServerProcess, request_json
 from lightning_grpo.rollout.server_config import ServerConfig
-from lightning_grpo.rollout.server_process import ServerError, ServerProcess, request_json
 from lightning_grpo.rollout.vllm_server import StaleEngineError, VLLMServerEngine, sequence_logprobs
 from lightning_grpo.rollout.weight_sync import push_weights
 
@@ -404,7 +404,7 @@ def test_restarts_are_refused_where_they_cannot_work(tiny_policy_dir):
     """A server at a URL cannot be started again by this run; restarts under async rollouts are refused at build."""
     from helpers import tiny_grpo_module
 
-    from lightning_grpo.rollout.build import build_engine
+    from lightning_grpo.engines import EngineParts, build_engine
     from lightning_grpo.rollout.rollout_config import RolloutConfig
 
     with pytest.raises(ValueError, match="restarts=1 with url set"):
@@ -414,7 +414,7 @@ def test_restarts_are_refused_where_they_cannot_work(tiny_policy_dir):
     module = tiny_grpo_module(tiny_policy_dir)
     cfg = RolloutConfig(engine="vllm_server", max_off_policy_steps=1, server=ServerConfig(restarts=1))
     with pytest.raises(ValueError, match="restarts=1 with max_off_policy_steps=1"):
-        build_engine(cfg, module)
+        build_engine(cfg, EngineParts(module.policy, module.tokenizer, module.policy_cfg, module.rl))
 
 
 

@@ -268,7 +268,7 @@ def test_vllm_request_carries_images_and_unexpanded_placeholders(tiny_vlm_dir):
     """vLLM gets ``multi_modal_data`` and one placeholder per image (it expands them itself); the rollout keeps
     our expanded prompt. (vLLM's Qwen-VL model class itself does not import on this CPU build: docs/vlm.md.)"""
     from lightning_grpo.collect.prompts import step_prompts
-    from lightning_grpo.data.images import with_image_parts
+    from lightning_grpo.data.images import load_images, with_image_parts
     from lightning_grpo.data.prompts import PromptRecord
     from lightning_grpo.rollout.vllm import _image_token_id, vllm_request
 
@@ -279,7 +279,7 @@ def test_vllm_request_carries_images_and_unexpanded_placeholders(tiny_vlm_dir):
     prompts, _ = step_prompts(records, module.tokenizer, module.vision)
     token = _image_token_id(tiny_vlm_dir)
     assert token == module.vision.image_token_id
-    request = vllm_request(prompts[0], token)
+    request = vllm_request(prompts[0], token, load_images)
     assert request["prompt_token_ids"] == records[0].to_prompt(module.tokenizer).token_ids  # 1 placeholder per image
     assert [im.size for im in request["multi_modal_data"]["image"]] == [(56, 56), (84, 56)]
     assert sum(t == token for t in prompts[0].token_ids) == 4 + 6  # what the update scores: expanded

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from lightning_grpo.collect.async_rollouts import AsyncRollouts, Job, staleness_metrics
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
-from lightning_grpo.rollout.prefetch import AsyncRollouts, Job, staleness_metrics
 
 log = logging.getLogger(__name__)
 

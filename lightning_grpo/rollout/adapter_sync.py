@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_grpo.checks import ConfigError
 from lightning_grpo.lora import ADAPTER_NAME, adapter_config_json, adapter_state_dict, is_lora
+from lightning_grpo.rollout.base import LoadsAdapters, RolloutEngine
 from lightning_grpo.rollout.weight_sync import SyncStats, named_weights, push_weights
 
 NamedTensors = Iterable[tuple[str, Tensor]]
@@ -90,9 +91,9 @@ def served_rank(rank: int) -> int:
     return next(r for r in VLLM_RANKS if r >= rank)
 
 
-def serves_adapters(engine: object) -> bool:
+def serves_adapters(engine: RolloutEngine) -> bool:
     """The engine takes a LoRA adapter itself (``VLLMEngine`` or ``VLLMServerEngine`` built with ``lora_rank``)."""
-    return getattr(engine, "adapters", None) is not None and hasattr(engine, "load_adapter")
+    return isinstance(engine, LoadsAdapters) and engine.serves_adapters
 
 
 def publish_policy(model: nn.Module, engine, bucket_bytes: int, with_base: bool = False,

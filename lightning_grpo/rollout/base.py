@@ -1,4 +1,5 @@
-"""The rollout-engine protocol every generator implements (transformers, vLLM, replay)."""
+"""The rollout-engine protocol every generator implements (transformers, vLLM, replay), and the optional
+capabilities some engines add (typed ``Protocol``s checked with ``isinstance``, never attribute probing)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from lightning_grpo.checks import is_finite, is_int, raise_problems
 
@@ -109,6 +111,85 @@ class RolloutEngine(Protocol):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
+
+
+# -- capabilities: what some engines offer beyond the protocol, each checked with ``isinstance`` ----------------------
+@runtime_checkable
+class Closable(Protocol):
+    """Holds resources beyond this process's memory (vLLM's workers, launched servers): ``close`` frees them."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class SamplesWithModule(Protocol):
+    """Generates with a torch module it was handed (``HFEngine``); when that is the trained policy itself, a weight
+    sync has nothing to move."""
+
+    model: nn.Module
+
+
+@runtime_checkable
+class HoldsWeights(Protocol):
+    """Says whether it samples from weights of its own; an engine without this capability is taken to hold them.
+    ``holds_weights = False`` (recorded rollouts) means nothing is published to it."""
+
+    holds_weights: bool
+
+
+@runtime_checkable
+class WeightDtype(Protocol):
+    """Holds its weights in one dtype (vLLM): ``push_weights`` casts each bucket to it (None: as the trainer has it)."""
+
+    dtype: torch.dtype | None
+
+
+@runtime_checkable
+class WeightDevice(Protocol):
+    """Takes its weights on one device (a server: the host): ``push_weights`` moves each bucket there (None: as the
+    trainer has it)."""
+
+    device: torch.device | None
+
+
+@runtime_checkable
+class DeclaresWeights(Protocol):
+    """Can name every tensor it holds (the hand-off checks that a sync after a level-2 sleep rewrote each)."""
+
+    def weight_names(self) -> list[str]:
+        """Every tensor name a full sync must write; an empty list: it cannot say."""
+        ...
+
+
+@runtime_checkable
+class LoadsAdapters(Protocol):
+    """Can take a LoRA adapter itself (vLLM built with a LoRA rank) instead of merged weights."""
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether it was built to serve adapters (else it takes merged weights like any engine)."""
+        ...
+
+    def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None: ...
+
+
+@runtime_checkable
+class Served(Protocol):
+    """Samples in other processes (``vllm serve``) that outlive this one unless closed."""
+
+    @property
+    def server(self) -> object | None:
+        """The server process it launched (stopped by ``close``); None for a server at a URL, left running."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class DrawsAhead(Protocol):
+    """Draws training batches ahead of the update (``rollout.max_off_policy_steps``, ``AsyncRollouts``)."""
+
+    max_off_policy_steps: int
 
 
 def cut_before_forbidden(token_ids: Sequence[int], forbidden: Sequence[int]) -> tuple[list[int], bool]:

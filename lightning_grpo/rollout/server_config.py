@@ -11,7 +11,8 @@ from typing import Literal
 from lightning_grpo.checks import is_finite, is_int, raise_problems
 
 BACKEND = "lightning_grpo_shm"
-"""The weight-transfer backend a server is started with (``--weight-transfer-config``; ``rollout/shm_transfer.py``)."""
+"""The weight-transfer backend a server is started with (``--weight-transfer-config``;
+``rollout/server/shm_transfer.py``)."""
 
 
 @dataclass

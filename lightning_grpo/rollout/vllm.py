@@ -36,19 +36,23 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from lightning_grpo.config import ConfigError, VLLMConfig
-from lightning_grpo.data.images import load_images
+from lightning_grpo.checks import ConfigError
 from lightning_grpo.lora import write_adapter_folder
 from lightning_grpo.rollout.adapter_sync import served_rank
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_rollout
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.sleep import SleepState
+from lightning_grpo.rollout.vllm_config import VLLMConfig
+
+ImageLoader = Callable[[Sequence, int | None], list]
+"""Decodes a prompt's image references (``Prompt.images``) into images, naming the prompt id in its errors
+(``lightning_grpo.data.images.load_images``): the data layer owns the reference formats, so it is passed in."""
 
 # Loggers that complain on every partial (bucketed) reload that the other layers were "not loaded".
 _RELOAD_LOGGERS = (
@@ -65,6 +69,8 @@ class VLLMEngine:
         config: engine knobs (``VLLMConfig``).
         sampler_logprobs: whether generations will ask for sampler logprobs (``logprobs_mode="auto"``
             resolves to processed logprobs when they will).
+        lora_rank: the policy's LoRA rank when adapters are published as such (None: a plain engine).
+        load_images: decodes prompts' images (needed only for prompts with images: a vision-language policy).
 
     Example::
 
@@ -74,7 +80,8 @@ class VLLMEngine:
     """
 
     def __init__(self, model_path: str | os.PathLike, config: VLLMConfig | None = None,
-                 sampler_logprobs: bool = True, lora_rank: int | None = None) -> None:
+                 sampler_logprobs: bool = True, lora_rank: int | None = None,
+                 load_images: ImageLoader | None = None) -> None:
         self.config = cfg = config or VLLMConfig()
         _check_launch(cfg)
         auto = "processed_logprobs" if sampler_logprobs else "raw_logprobs"
@@ -96,6 +103,7 @@ class VLLMEngine:
         """Weight dtype inside vLLM; ``push_weights`` casts to it."""
         self.image_token_id: int | None = _image_token_id(self.model_path)
         """A vision-language model's image placeholder id (prompts with images go as ``multi_modal_data``)."""
+        self._load_images = load_images
         self._sleep = SleepState()
         self._derived_stale = False
 
@@ -115,7 +123,8 @@ class VLLMEngine:
         self._refresh_derived()
         seeds = row_seeds([p.id for p in prompts], group_size, sampling.seed)
         rows = [p for p in prompts for _ in range(group_size)]
-        per_prompt = [vllm_request(p, self.image_token_id) for p in prompts]  # a prompt's images decoded once
+        # a prompt's images are decoded once, for all its samples
+        per_prompt = [vllm_request(p, self.image_token_id, self._load_images) for p in prompts]
         requests = [dict(r) for r in per_prompt for _ in range(group_size)]
         params = [_sampling_params(sampling, s) for s in seeds]
         lora = self.adapters.request if self.adapters else None  # None: the base (no adapter published yet)
@@ -151,6 +160,11 @@ class VLLMEngine:
         with _quiet(_RELOAD_LOGGERS):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
         self._derived_stale = True
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Built with a LoRA rank: a sync publishes the adapter alone (``load_adapter``)."""
+        return self.adapters is not None
 
     def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None:
         """Serve this LoRA adapter (peft format) from the next generation on: a new request id, loaded now."""
@@ -245,7 +259,7 @@ def _repack_cpu_embeddings(worker) -> int:
     return count
 
 
-def vllm_request(prompt: Prompt, image_token_id: int | None = None) -> dict:
+def vllm_request(prompt: Prompt, image_token_id: int | None = None, load_images: ImageLoader | None = None) -> dict:
     """vLLM's input for ``prompt``: its tokens, and for an image prompt its decoded images as ``multi_modal_data``.
 
     vLLM expands each image placeholder itself (its processor replaces one ``<|image_pad|>`` per image with the
@@ -256,6 +270,9 @@ def vllm_request(prompt: Prompt, image_token_id: int | None = None) -> dict:
         return {"prompt_token_ids": list(prompt.token_ids)}
     if image_token_id is None:
         raise ValueError(f"prompt id={prompt.id} has images but the engine's model is text-only")
+    if load_images is None:
+        raise ValueError(f"prompt id={prompt.id} has images but the engine has no image loader: build it with "
+                         "VLLMEngine(load_images=lightning_grpo.data.images.load_images)")
     ids = prompt.token_ids
     collapsed = [t for i, t in enumerate(ids) if not (t == image_token_id and i and ids[i - 1] == image_token_id)]
     return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": load_images(prompt.images, prompt.id)}}

@@ -8,12 +8,12 @@ processed_logprobs``: log-softmax after temperature/top-k/top-p, as ``HFEngine``
 i's whole group goes to server i % N, and since every row carries its own seed the tokens do not depend on the split.
 
 Weight sync: vLLM 0.32's RL API (``/start_weight_update``, ``/update_weights`` per bucket, ``/finish_weight_update``
-with the new weight version), with our CPU backend ``lightning_grpo_shm`` (``rollout/shm_transfer.py``): each bucket
-is a safetensors blob in ``/dev/shm`` (same node) or in the request body (``weight_transport: http``). Each phase has
-``sync_timeout_s`` and a failure names the phase. After the sync the engine is checked: ``/weight_info`` must report
+with the new weight version), with our CPU backend ``lightning_grpo_shm`` (``rollout/server/shm_transfer.py``): each
+bucket is a safetensors blob in ``/dev/shm`` (same node) or in the request body (``weight_transport: http``). Each phase
+has ``sync_timeout_s`` and a failure names the phase. After the sync the engine is checked: ``/weight_info`` must report
 the new version, and the server's logprobs on a fixed probe sequence must match the trainer's within
 ``probe_tolerance``, so a sync that did not land is an error, never a quiet bias. With several servers every phase
-reaches each (one thread per server, ``server_client.each``) before any samples again, and each is checked.
+reaches each (one thread per server, ``server/client.each``) before any samples again, and each is checked.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_rollout
-from lightning_grpo.rollout.same_model import check_same_model
 from lightning_grpo.rollout.sampler import row_seeds
-from lightning_grpo.rollout.server_adapters import ServerAdapters
-from lightning_grpo.rollout.server_client import ServerClient, each
+from lightning_grpo.rollout.server.adapters import ServerAdapters
+from lightning_grpo.rollout.server.client import ServerClient, each
+from lightning_grpo.rollout.server.process import ServerError, ServerProcess, free_ports, request_json
+from lightning_grpo.rollout.server.ranks import Ranks
+from lightning_grpo.rollout.server.same_model import check_same_model
 from lightning_grpo.rollout.server_config import ServerConfig
-from lightning_grpo.rollout.server_process import ServerError, ServerProcess, free_ports, request_json
-from lightning_grpo.rollout.server_ranks import Ranks
 from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
 
 log = logging.getLogger(__name__)
@@ -73,12 +73,12 @@ class VLLMServerEngine(BookkeptSleep):
             (special tokens skipped, as the other engines decode).
         sampler_logprobs: whether generations ask for sampler logprobs (a launched server then runs
             ``--logprobs-mode processed_logprobs``).
-        ranks: the trainer ranks sharing the servers (``server_ranks.py``): rank 0 launches and pushes weights,
+        ranks: the trainer ranks sharing the servers (``server/ranks.py``): rank 0 launches and pushes weights,
             every rank generates its own prompts and checks every sync; None = one rank.
         republish: pushes the trainer's current weights to this engine (a full sync); a launched server restarted
             after it died (``ServerConfig.restarts``) gets them before it samples again. None = no restarts.
         lora_rank: a LoRA policy published adapter-only (``policy.lora.sync: adapter``): launched servers serve
-            adapters, ``load_adapter`` loads each publication and requests name it (``server_adapters.py``).
+            adapters, ``load_adapter`` loads each publication and requests name it (``server/adapters.py``).
 
     Example::
 
@@ -241,6 +241,11 @@ class VLLMServerEngine(BookkeptSleep):
             self._post("/update_weights", {"update_info": {"path": str(path)}}, phase)
         finally:
             path.unlink(missing_ok=True)
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Built with a LoRA rank: a sync publishes the adapter alone (``load_adapter``)."""
+        return self.adapters is not None
 
     def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None:
         """Serve this LoRA adapter (peft format) from the next generation on, on every server (a new name each time)."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.rollout.base import RolloutEngine
+from lightning_grpo.rollout.base import RolloutEngine, WeightDevice, WeightDtype
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 """256 MiB: large enough that per-call overhead vanishes, small enough to stay off the memory peak."""
@@ -106,11 +106,13 @@ def push_weights(
 ) -> SyncStats:
     """Load ``source`` (a module, or its named tensors) into ``engine``, then reset its prefix cache.
 
-    ``dtype`` None = the engine's ``dtype`` attribute when it has one (vLLM), else unchanged.
+    ``dtype`` None = the engine's own when it has one (``WeightDtype``: vLLM), else unchanged; each bucket goes to
+    the engine's device when it has one (``WeightDevice``: a server's host).
     """
     named = named_weights(source) if isinstance(source, nn.Module) else source
-    dtype = dtype if dtype is not None else getattr(engine, "dtype", None)
-    device = getattr(engine, "device", None)
+    if dtype is None and isinstance(engine, WeightDtype):
+        dtype = engine.dtype
+    device = engine.device if isinstance(engine, WeightDevice) else None
     start = time.perf_counter()
     n_buckets = n_tensors = n_bytes = 0
     for bucket in iter_buckets(named, bucket_bytes, dtype, device, group_key):

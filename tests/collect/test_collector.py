@@ -13,8 +13,7 @@ import sys
 import pytest
 import torch
 
-from lightning_grpo.collect import Collector, Drawer, RewardScorer, StepSampling
-from lightning_grpo.collect import shaping
+from lightning_grpo.collect import Collector, Drawer, RewardScorer, StepSampling, shaping
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.data.stream import PromptRecord

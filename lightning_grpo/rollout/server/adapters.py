@@ -20,8 +20,8 @@ from torch import Tensor
 
 from lightning_grpo.lora import write_adapter_folder
 from lightning_grpo.rollout.adapter_sync import served_rank
-from lightning_grpo.rollout.server_client import ServerClient, each
-from lightning_grpo.rollout.server_process import ServerError
+from lightning_grpo.rollout.server.client import ServerClient, each
+from lightning_grpo.rollout.server.process import ServerError
 
 
 class ServerAdapters:

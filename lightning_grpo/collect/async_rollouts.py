@@ -24,9 +24,21 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
-from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
+from lightning_grpo.rollout.base import (
+    Closable,
+    DeclaresWeights,
+    LoadsAdapters,
+    Prompt,
+    Rollout,
+    RolloutEngine,
+    SamplingConfig,
+    Served,
+    WeightDevice,
+    WeightDtype,
+)
 
 Job = Callable[[Sequence[Prompt], SamplingConfig], tuple[list[Rollout], dict[str, float]]]
 """Draws one batch with the wrapped engine: (prompts, sampling) -> (rollouts, episode metrics)."""
@@ -54,6 +66,11 @@ class InFlight:
 
 class AsyncRollouts:
     """An engine whose training draws run ahead of the update by up to ``max_off_policy_steps`` loop steps.
+
+    It implements the engine protocol and, by delegating to the wrapped engine, the capabilities the hand-off and
+    the weight sync use (``rollout/base.py``): ``Closable``, ``HoldsWeights``, ``WeightDtype``, ``WeightDevice``,
+    ``DeclaresWeights``, ``LoadsAdapters`` and ``DrawsAhead``. Anything else is the wrapped engine's:
+    ``unwrapped(engine)``.
 
     Args:
         engine: the wrapped engine (its weights live elsewhere: ``VLLMServerEngine``).
@@ -126,10 +143,6 @@ class AsyncRollouts:
         self.wait_idle()  # a batch is drawn with one weight version, never a mix
         self.engine.load_weights(named_tensors)
 
-    def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None:
-        self.wait_idle()  # no batch samples while the adapter it names is swapped
-        self.engine.load_adapter(tensors, config_json)
-
     def reset_prefix_cache(self) -> None:
         self.wait_idle()
         self.engine.reset_prefix_cache()
@@ -142,23 +155,40 @@ class AsyncRollouts:
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self.engine.wake_up(tags)
 
+    # -- the capabilities of the wrapped engine ----------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self.engine.dtype if isinstance(self.engine, WeightDtype) else None
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.engine.device if isinstance(self.engine, WeightDevice) else None
+
+    def weight_names(self) -> list[str]:
+        return self.engine.weight_names() if isinstance(self.engine, DeclaresWeights) else []
+
+    @property
+    def serves_adapters(self) -> bool:
+        return isinstance(self.engine, LoadsAdapters) and self.engine.serves_adapters
+
+    def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None:
+        if not isinstance(self.engine, LoadsAdapters):
+            raise TypeError(f"AsyncRollouts.load_adapter(): the wrapped {type(self.engine).__name__} takes no adapters")
+        self.wait_idle()  # no batch samples while the adapter it names is swapped
+        self.engine.load_adapter(tensors, config_json)
+
     def close(self) -> None:
         """Stop the worker; a server at a URL (left running) first finishes what is in flight, so no request of
         this run reaches it later."""
-        if getattr(self.engine, "server", None) is None:
+        if not (isinstance(self.engine, Served) and self.engine.server is not None):
             deadline = time.monotonic() + 60.0
             for flight in list(self._flight.values()):
                 flight.done.wait(max(0.0, deadline - time.monotonic()))
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self.engine.close()  # a launched server stops: a request still in flight fails; the worker is a daemon
-
-    def __getattr__(self, name: str):
-        # Read-only facts of the wrapped engine (asleep, version, max_model_len, check_current, ...).
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+        if isinstance(self.engine, Closable):
+            self.engine.close()  # a launched server stops: a request still in flight fails; the worker is a daemon
 
     # -- the worker --------------------------------------------------------------------------------------------
     def _submit(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job) -> InFlight:
@@ -182,6 +212,11 @@ class AsyncRollouts:
             except BaseException as err:  # noqa: BLE001 - handed to the main thread when the batch is taken
                 flight.error = err
             flight.done.set()
+
+
+def unwrapped(engine: RolloutEngine) -> RolloutEngine:
+    """The engine that samples: the wrapped one under ``AsyncRollouts``, else ``engine`` itself."""
+    return engine.engine if isinstance(engine, AsyncRollouts) else engine
 
 
 def _settle(flight: InFlight, should_stop: Callable[[], bool] | None) -> None:

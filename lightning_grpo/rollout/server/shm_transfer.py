@@ -7,8 +7,9 @@ blob, either a file the trainer wrote to shared memory (``/dev/shm``, same node:
 themselves, base64 in the request body (any node: ``{"data": ...}``). The worker loads it with the same layerwise
 reload vLLM's IPC backend uses, so fused layers (q/k/v, gate/up) are rebuilt only once all their inputs arrived.
 
-Registration: the ``vllm.general_plugins`` entry point ``lightning_grpo_shm = lightning_grpo.rollout.shm_transfer:
-register`` (``pyproject.toml``), which vLLM runs in every process it starts (API server, engine core, workers).
+Registration: the ``vllm.general_plugins`` entry point
+``lightning_grpo_shm = lightning_grpo.rollout.server.shm_transfer:register`` (``pyproject.toml``), which vLLM runs in
+every process it starts (API server, engine core, workers).
 The server then needs ``--weight-transfer-config '{"backend": "lightning_grpo_shm"}'``.
 This module imports vLLM; only the server side (and ``register``) ever loads it.
 """

@@ -17,8 +17,8 @@ import json
 import re
 from pathlib import Path
 
-from lightning_grpo.rollout.server_client import ServerClient
-from lightning_grpo.rollout.server_process import ServerError
+from lightning_grpo.rollout.server.client import ServerClient
+from lightning_grpo.rollout.server.process import ServerError
 
 _EMBEDDING = re.compile(r"VocabParallelEmbedding\(num_embeddings=\d+.*?embedding_dim=(\d+).*?org_vocab_size=(\d+)")
 _ENTRY = re.compile(r"^( *)\((\d+)(?:-(\d+))?\): ")
