@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_grpo import async_rollouts, lora
 from lightning_grpo.advantages import dp_batch_std, group_advantages
-from lightning_grpo.base import UpdateModule, quiet_upstream_warnings
+from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.checkpoint.signals import stop_poll
@@ -50,8 +50,6 @@ from lightning_grpo.objectives import OBJECTIVES, Objective, Stats, build_object
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.packing import Packing
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_seed
-from lightning_grpo.precision import check_precision
-from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.rollout.build import build_engine
@@ -168,14 +166,18 @@ class GRPOModule(UpdateModule):
         """Prompts per loop step (``data/seam.py``: what ``PromptDataModule`` draws when not told)."""
         return self.rl.prompts_per_batch
 
-    def setup(self, stage: str) -> None:
+    @property
+    def steps_per_loop_step(self) -> int:
+        """Optimizer steps per collected batch: ``mu_iterations x n_mini`` (``trainer.max_steps`` counts these)."""
+        return self.rl.steps_per_loop_step
+
+    def check_strategy(self) -> None:
+        """``rl``'s per-rank rules and LoRA's strategy rule; ``UpdateModule.setup`` calls it."""
         self.rl.validate(self.dp_size())  # per-rank divisibility needs the DP size
-        quiet_upstream_warnings()
         lora.check_strategy(self.policy_cfg.lora, getattr(self._trainer, "strategy", None))
-        if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
-            count_loop_steps(self.trainer)
-        if stage == "fit":
-            self.resolve_horizon(self.rl.steps_per_loop_step)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)  # check_strategy, loop-step bars, the schedule's horizon
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 
@@ -190,7 +192,7 @@ class GRPOModule(UpdateModule):
         if self.rollout_cfg.max_prompt_tokens is not None:
             return self.rollout_cfg.max_prompt_tokens
         engine = {"vllm": self.rollout_cfg.vllm, "vllm_server": self.rollout_cfg.server}.get(self.rollout_cfg.engine)
-        contexts = [self._context(), engine.max_model_len if engine is not None else None]
+        contexts = [self.context_length(), engine.max_model_len if engine is not None else None]
         context = min((c for c in contexts if c), default=None)
         return None if context is None else max(context - self.rollout_cfg.max_new_tokens, 1)
 
@@ -246,9 +248,7 @@ class GRPOModule(UpdateModule):
                        max_consecutive_skips=self.rl.max_consecutive_skips)
 
     def on_fit_start(self) -> None:
-        # The weights are final here (precision plugin conversion, FSDP2 sharding): refuse or warn once per fit,
-        # before an engine is built.
-        check_precision(str(self.trainer.precision), self.policy, self.device.type == "cpu", self._scaler())
+        super().on_fit_start()  # the precision check: before an engine is built
         # Outside configure_model: its default device/dtype contexts must not leak into an engine (vLLM). Before
         # Lightning restores optimizer state onto the device, so the hand-off can put the engine to sleep first.
         self.check_data()  # before the engine: a data problem is reported in seconds, not after vLLM starts
@@ -309,7 +309,8 @@ class GRPOModule(UpdateModule):
         rows = trained if bool(trained.any()) else groups.live  # nothing to train: the statistics of what was drawn
         advantages, adv_stats = group_advantages(groups.rewards[rows], g, self.rl.scale_rewards, batch_std=batch_std)
         advantages = scatter(advantages, rows).masked_fill(~trained, 0.0)
-        batch = pack_rollouts(groups.rollouts, advantages, groups.rewards, self.tokenizer.pad_token_id, self._context())
+        batch = pack_rollouts(groups.rollouts, advantages, groups.rewards, self.tokenizer.pad_token_id,
+                              self.context_length())
         metrics.update({k: float(v) for k, v in adv_stats.items()})
         metrics.update(completion_metrics(groups, batch, self.rl, self.rollout_cfg.max_new_tokens))
         metrics["data/bad_records_skipped"] = self._data_counter("bad_records_skipped")
@@ -394,6 +395,3 @@ class GRPOModule(UpdateModule):
 
     def _datamodule(self):
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-
-    def _context(self) -> int | None:
-        return getattr(self.policy.config, "max_position_embeddings", None)

@@ -18,7 +18,8 @@ def episode_runner(module) -> EpisodeRunner | None:
     if getattr(module, "_episodes", None) is None:
         tok = module.tokenizer
         eos = [tok.eos_token_id, *_ids(getattr(getattr(module.policy, "generation_config", None), "eos_token_id", None))]
-        module._episodes = EpisodeRunner(module.env_cfg, tok, [i for i in eos if i is not None], module._context())
+        stops = [i for i in eos if i is not None]
+        module._episodes = EpisodeRunner(module.env_cfg, tok, stops, module.context_length())
     return module._episodes
 
 
