@@ -46,7 +46,7 @@ from lightning_grpo.envs.draw import draw_rollouts, episode_runner
 from lightning_grpo.handoff import attach_handoff
 from lightning_grpo.logprobs import fuses_head
 from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
-from lightning_grpo.objectives import OBJECTIVES, Objective, Stats, build_objective
+from lightning_grpo.objectives import OBJECTIVES, Objective, ObjectiveParts, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.packing import Packing
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_seed
@@ -130,7 +130,8 @@ class GRPOModule(UpdateModule):
             self.opd_cfg = OPDConfig()  # refused by the objective: a teacher is required
         if section == "opd" and self.opd_cfg.teacher is not None:  # a tiny: teacher is seeded like the policy
             self.opd_cfg.teacher = with_seed(self.opd_cfg.teacher, self.seed)
-        return build_objective(objective, self)
+        parts = ObjectiveParts(self.rl, self.dp_mean, self.rollout_cfg.max_new_tokens, opd=self.opd_cfg)
+        return build_objective(objective, parts)
 
     def configure_policy(self):
         """(model, tokenizer). Default: ``load_policy(self.policy_cfg)``."""
