@@ -35,7 +35,7 @@ from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.completions import RewardParts, StepRows
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
 from lightning_grpo.correction import derived_metrics
-from lightning_grpo.data.fitting import fit_prompts
+from lightning_grpo.data.fitting import PromptFit, fit_prompts
 from lightning_grpo.data.rewards import RewardSpec, score
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
@@ -185,7 +185,11 @@ class GRPOModule(UpdateModule):
     def check_data(self) -> None:
         """Fit the datamodule's prompts to this policy (chat template, max_prompt_tokens) and check that every
         column a reward function requires exists. Raises before any step runs (``data/fitting.py``)."""
-        fit_prompts(self, self._datamodule())
+        fit = PromptFit(tokenizer=self.tokenizer, max_prompt_tokens=self.max_prompt_tokens(),
+                        long_prompts=self.rollout_cfg.long_prompts, reward_specs=self.reward_specs or [],
+                        policy_path=self.policy_cfg.path, vision=self.vision is not None,
+                        objective=self.objective.name, dynamic_sampling=self.rl.dynamic_sampling)
+        fit_prompts(fit, self._datamodule())
         episode_runner(self)  # loads model.env: an environment that does not import is refused here
 
     def max_prompt_tokens(self) -> int | None:
