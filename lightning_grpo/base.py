@@ -200,14 +200,14 @@ class UpdateModule(DataParallelOps, LightningModule):
             checkpoint[STATE_KEY] = {"refused": str(refused)}
             return
         self._state.write(self.trainer, checkpoint)
-        checkpoint[IDENTITY_KEY] = identity(self)  # a resume compares its config with it (checkpoint/identity.py)
+        checkpoint[IDENTITY_KEY] = self._identity()  # a resume compares its config with it (checkpoint/identity.py)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
         if refused:  # written without weights on the way out of a failure: nothing to resume
             raise NonFiniteParametersError.loading(refused)
         # seed/model/dtype changed: refused now; optimizer hyper-parameters: applied at on_train_start, with a warning
-        self._optim_changes = optim_changes(checkpoint.get(IDENTITY_KEY), identity(self))
+        self._optim_changes = optim_changes(checkpoint.get(IDENTITY_KEY), self._identity())
         self._state.load(checkpoint)  # put back at on_train_start, once the updater has its loop
 
     # -- the batch boundary and the report -----------------------------------------------------------------------------
@@ -220,6 +220,10 @@ class UpdateModule(DataParallelOps, LightningModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         self.last_metrics = metrics
+
+    def _identity(self) -> dict:
+        """What a checkpoint records about this run: seed, model, dtype, optimizer (``checkpoint/identity.py``)."""
+        return identity(self.seed, self.policy, self.policy_cfg.dtype, self.optim_cfg)
 
     def _scaler(self):
         """The precision plugin's GradScaler (16-mixed), or None."""
