@@ -173,7 +173,6 @@ class GRPOModule(UpdateModule):
         return self.rl.steps_per_loop_step
 
     def check_strategy(self) -> None:
-        """``rl``'s per-rank rules and LoRA's strategy rule; ``UpdateModule.setup`` calls it."""
         self.rl.validate(self.dp_size())  # per-rank divisibility needs the DP size
         lora.check_strategy(self.policy_cfg.lora, getattr(self._trainer, "strategy", None))
 
@@ -183,8 +182,7 @@ class GRPOModule(UpdateModule):
             enable_determinism(self.seed)
 
     def check_data(self) -> None:
-        """Fit the datamodule's prompts to this policy (chat template, max_prompt_tokens) and check that every
-        column a reward function requires exists. Raises before any step runs (``data/fitting.py``)."""
+        """Fit the datamodule's prompts to this policy and its rewards before any step runs (``data/fitting.py``)."""
         fit = PromptFit(tokenizer=self.tokenizer, max_prompt_tokens=self.max_prompt_tokens(),
                         long_prompts=self.rollout_cfg.long_prompts, reward_specs=self.reward_specs or [],
                         policy_path=self.policy_cfg.path, vision=self.vision is not None,
