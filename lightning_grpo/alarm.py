@@ -12,6 +12,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_grpo.config import GRPOConfig, RolloutConfig
+
 
 class SignalAlarm(Callback):
     """Warns when the learning signal is gone for ``patience`` consecutive loop steps.
@@ -43,11 +45,13 @@ class SignalAlarm(Callback):
             self._streak[name] = self._streak[name] + 1 if above else 0
             if self.patience and self._streak[name] == self.patience and name not in self._warned:
                 self._warned.add(name)  # once per fit: the message names the fix, repeating it adds nothing
-                rank_zero_warn(self.message(name, pl_module, metrics))
+                rollout, rl = getattr(pl_module, "rollout_cfg", None), getattr(pl_module, "rl", None)
+                rank_zero_warn(self.message(name, metrics, rollout, rl))
 
-    def message(self, name: str, pl_module: LightningModule, metrics: dict[str, float]) -> str:
-        """The warning for metric ``name``, with the values of the knobs that set it."""
-        rollout, rl = getattr(pl_module, "rollout_cfg", None), getattr(pl_module, "rl", None)
+    def message(self, name: str, metrics: dict[str, float], rollout: RolloutConfig | None,
+                rl: GRPOConfig | None) -> str:
+        """The warning for metric ``name``, with the values of the knobs that set it (``rollout``, ``rl``: the run's
+        sections, None where the module has none)."""
         temperature = getattr(rollout, "temperature", "?")
         step = int(metrics.get("step", 0))
         if name == "completion/clipped_frac":

@@ -4,6 +4,9 @@ and the lifecycle that makes any Lightning checkpoint resume exactly.
 A subclass (``GRPOModule``, ``DPOModule``) builds its policy and its ``Updater`` in ``configure_model`` and turns a
 ``training_step`` batch into an update; everything around the update is here, written once:
 
+* ``setup``: the subclass's rules that need the strategy (``check_strategy``), loop-step progress bars and the LR
+  schedule's horizon (``steps_per_loop_step`` optimizer steps per batch).
+* ``on_fit_start``: the precision check, once the weights are final.
 * ``configure_optimizers``: AdamW over the trainable parameters, with the schedule stepped per optimizer step.
 * ``on_train_start``: the updater gets the optimizer, stepped through the precision plugin (unscale -> 1/sum ->
   clip -> step), and a loaded checkpoint's state is put back into it.
@@ -31,7 +34,8 @@ from lightning_grpo.config import OptimConfig
 from lightning_grpo.determinism import run_seed
 from lightning_grpo.distributed import DataParallelOps
 from lightning_grpo.policy import PolicyConfig, with_seed
-from lightning_grpo.precision import PluginStep, adamw_kernel
+from lightning_grpo.precision import PluginStep, adamw_kernel, check_precision
+from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
 from lightning_grpo.update import DataParallel, Split, Updater
 from lightning_grpo.validation import ValidationMeans, is_measurement
@@ -107,6 +111,11 @@ class UpdateModule(DataParallelOps, LightningModule):
         """Whether no optimizer step was taken since the last loop step ended (an emergency save is exact then)."""
         return self._state.at_boundary(self.global_step)
 
+    @property
+    def steps_per_loop_step(self) -> int:
+        """Optimizer steps one batch takes when no window is skipped (1 here; GRPO: ``mu_iterations x n_mini``)."""
+        return 1
+
     def resolve_horizon(self, steps_per_loop_step: int) -> None:
         """A decaying LR schedule needs a horizon: resolved from the Trainer (refused here, before the model is set
         up, when there is none)."""
@@ -114,7 +123,27 @@ class UpdateModule(DataParallelOps, LightningModule):
         self.schedule_horizon = self.optim_cfg.total_steps or run
         check_horizon(self.optim_cfg, self.schedule_horizon, run)
 
+    def check_strategy(self) -> None:
+        """Raise the rules that need the strategy (the DP size, its kind); ``setup`` calls it before any model is
+        built. Nothing here; a subclass checks its sections."""
+
+    def context_length(self) -> int | None:
+        """The policy's context length (prompt + completion tokens), or None where its config does not say."""
+        return getattr(getattr(self.policy, "config", None), "max_position_embeddings", None)
+
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        self.check_strategy()  # per-rank divisibility needs the DP size
+        quiet_upstream_warnings()
+        if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
+            count_loop_steps(self.trainer)
+        if stage == "fit":
+            self.resolve_horizon(self.steps_per_loop_step)
+
+    def on_fit_start(self) -> None:
+        # The weights are final here (precision plugin conversion, FSDP2 sharding): refuse or warn once per fit.
+        check_precision(str(self.trainer.precision), self.policy, self.device.type == "cpu", self._scaler())
+
     def configure_optimizers(self):
         o = self.optim_cfg
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -173,14 +202,14 @@ class UpdateModule(DataParallelOps, LightningModule):
             checkpoint[STATE_KEY] = {"refused": str(refused)}
             return
         self._state.write(self.trainer, checkpoint)
-        checkpoint[IDENTITY_KEY] = identity(self)  # a resume compares its config with it (checkpoint/identity.py)
+        checkpoint[IDENTITY_KEY] = self._identity()  # a resume compares its config with it (checkpoint/identity.py)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
         if refused:  # written without weights on the way out of a failure: nothing to resume
             raise NonFiniteParametersError.loading(refused)
         # seed/model/dtype changed: refused now; optimizer hyper-parameters: applied at on_train_start, with a warning
-        self._optim_changes = optim_changes(checkpoint.get(IDENTITY_KEY), identity(self))
+        self._optim_changes = optim_changes(checkpoint.get(IDENTITY_KEY), self._identity())
         self._state.load(checkpoint)  # put back at on_train_start, once the updater has its loop
 
     def data_parallel(self) -> tuple[Split, DataParallel]:
@@ -194,11 +223,20 @@ class UpdateModule(DataParallelOps, LightningModule):
         """The batch boundary: what any checkpoint records until the next loop step ends."""
         self._state.boundary(self.updater, self.global_step, self.trainer.datamodule)
 
+    def log_validation(self, metrics: dict[str, float], weight: int) -> None:
+        """One validation batch's ``val/*`` metrics, averaged over the epoch (weighted, synced across ranks)."""
+        for name, mean, attribute in self.val_means.add(metrics, weight, self.device):
+            self.log(name, mean, on_step=False, on_epoch=True, metric_attribute=attribute)
+
     def publish(self, metrics: dict[str, float], bar: dict[str, float]) -> None:
         """Log one roll-up per loop step (``metrics`` to the loggers, ``bar`` to the progress bar)."""
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         self.last_metrics = metrics
+
+    def _identity(self) -> dict:
+        """What a checkpoint records about this run: seed, model, dtype, optimizer (``checkpoint/identity.py``)."""
+        return identity(self.seed, self.policy, self.policy_cfg.dtype, self.optim_cfg)
 
     def _scaler(self):
         """The precision plugin's GradScaler (16-mixed), or None."""

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.base import UpdateModule, quiet_upstream_warnings
+from lightning_grpo.base import UpdateModule
 from lightning_grpo.checks import is_finite, is_int, raise_problems
 from lightning_grpo.config import OptimConfig
 from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
@@ -31,8 +31,6 @@ from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives.dpo import DPOObjective, DPOStats
 from lightning_grpo.policy import PolicyConfig, load_policy
-from lightning_grpo.precision import check_precision
-from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.update import ChunkPlan, DataParallel, LoopResult, Split, Updater, eval_mode
 
 
@@ -132,13 +130,9 @@ class DPOModule(UpdateModule):
         self.objective = DPOObjective(self.dpo.beta, self.dpo.loss_type, self.dpo.label_smoothing, self.dp_mean)
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
-    def setup(self, stage: str) -> None:
+    def check_strategy(self) -> None:
+        """``dpo``'s per-rank rule (pairs per train call split over the DP size); ``UpdateModule.setup`` calls it."""
         self.dpo.validate(self.dp_size())
-        quiet_upstream_warnings()
-        if self._trainer is not None:  # loop-step bars: no "Epoch 0/-2", no v_num (progress.py)
-            count_loop_steps(self.trainer)
-        if stage == "fit":  # one optimizer step per batch
-            self.resolve_horizon(1)
 
     def configure_model(self) -> None:
         """Policy, tokenizer, (unless reference-free) the frozen reference and the updater. Idempotent."""
@@ -150,9 +144,6 @@ class DPOModule(UpdateModule):
             dp = DataParallel(grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
             self.updater = Updater(self.policy, self.forward_chunk, Split(n_micro=self.dpo.grad_accum), dp=dp,
                                    max_grad_norm=self.dpo.max_grad_norm)
-
-    def on_fit_start(self) -> None:
-        check_precision(str(self.trainer.precision), self.policy, self.device.type == "cpu", self._scaler())
 
     def training_step(self, pairs: Sequence[PreferencePair], batch_idx: int) -> None:
         # 1. tokenize this rank's pairs; 2. reference pass; 3. grad_accum train calls, one optimizer step
@@ -170,13 +161,12 @@ class DPOModule(UpdateModule):
         metrics = {"val/accuracy": float((chosen > rejected).float().mean()),
                    "val/reward_accuracy": float(stats.accuracy), "val/margin": float(stats.margin),
                    "step": float(self.loop_step)}
-        self.val_means.log(self, metrics, weight=len(pairs))
+        self.log_validation(metrics, weight=len(pairs))
 
     # -- the phases ---------------------------------------------------------------------------------------------------
     def encode(self, pairs: Sequence[PreferencePair]) -> PreferenceBatch:
         """Token ids of this rank's pairs (prompt, answer, EOS; answers cut at ``dpo.max_length``)."""
-        context = getattr(self.policy.config, "max_position_embeddings", None)
-        return encode_pairs(pairs, self.tokenizer, self.dpo.max_length or context)
+        return encode_pairs(pairs, self.tokenizer, self.dpo.max_length or self.context_length())
 
     def update(self, batch: PreferenceBatch) -> LoopResult:
         """One optimizer step of ``grad_accum`` chunks over this rank's pairs, after the reference pass."""
@@ -225,7 +215,4 @@ class DPOModule(UpdateModule):
         world = self.dp_size()
         if world > 1:  # one figure per metric for the whole job (pairs summed, per-pair means over equal shares)
             metrics = combine_ranks(metrics, self.dp_all_reduce, world, self.dpo.pairs_per_rank(world))
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
-        bar = {"loss": metrics.get("dpo/loss", math.nan), "acc": metrics.get("dpo/accuracy", math.nan)}
-        self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
-        self.last_metrics = metrics
+        self.publish(metrics, {"loss": metrics.get("dpo/loss", math.nan), "acc": metrics.get("dpo/accuracy", math.nan)})

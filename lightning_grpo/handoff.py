@@ -159,7 +159,7 @@ class HandoffCallback(Callback):
                              "callback's placement: disaggregated (or colocated_offload: false)")
         self._engine, self._policy = engine, policy
         self._bucket_bytes = int((self._sync_bucket_mb or sync_bucket_mb) * (1 << 20))
-        self._start(trainer, trainer.lightning_module)
+        self._start(trainer)
 
     def on_rollout_end(self, trainer: Trainer) -> None:
         """Generation done: the engine releases the device, the trainer takes it."""
@@ -187,7 +187,7 @@ class HandoffCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._require(Phase.BOUNDARY, Phase.GENERATE, hook="on_train_batch_start")
-        self._publish(pl_module)
+        self._publish(trainer)
         self._event(GENERATE)
 
     @override
@@ -198,7 +198,7 @@ class HandoffCallback(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._phase is Phase.BOUNDARY:
-            self._publish(pl_module)  # validation samples from the engine: it must hold the current policy
+            self._publish(trainer)  # validation samples from the engine: it must hold the current policy
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -215,20 +215,21 @@ class HandoffCallback(Callback):
         self._phase, self._failure = Phase.IDLE, None
 
     # -- the phase machine -----------------------------------------------------------------------------------------
-    def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _start(self, trainer: Trainer) -> None:
         """Enter the batch boundary once per fit: engine asleep, trainer resident, publication pending."""
         if self._phase is not Phase.IDLE:
             return
-        self._profile = self._make_profile(trainer, pl_module)
+        self._profile = self._make_profile(trainer)
         # Lightning reads the module's state_dict first thing in a save, before any callback hook runs: this pre-hook
         # is the checkpoint window (engine asleep, trainer resident) whatever point of the step the save comes from.
-        self._state_dict_hook = pl_module.register_state_dict_pre_hook(lambda *_: self._checkpoint_window())
+        hook = trainer.lightning_module.register_state_dict_pre_hook(lambda *_: self._checkpoint_window())
+        self._state_dict_hook = hook
         self._events, self._offload, self._stale, self._discarded = [], None, True, False
         self._sleep_engine()
         self._profile.boundary(None)  # start-up ends here: restore/sanity time is not charged to engine.sleep
         self._phase = Phase.BOUNDARY
 
-    def _publish(self, pl_module: LightningModule) -> None:
+    def _publish(self, trainer: Trainer) -> None:
         """Boundary -> generate: wake weights, sync if stale, offload the trainer, wake the KV cache."""
         if self._phase is not Phase.BOUNDARY:
             return
@@ -242,7 +243,7 @@ class HandoffCallback(Callback):
             self._stale = self._discarded = False
         if self.handoff:
             self._event(TRAINER_OFFLOAD)
-            self._step_bytes["offloaded"] += self._trainer_offload(pl_module).offload()
+            self._step_bytes["offloaded"] += self._trainer_offload(trainer).offload()
             self._event(WAKE_KV_CACHE)
             self._engine.wake_up(["kv_cache"])
         self._phase = Phase.GENERATE
@@ -319,27 +320,28 @@ class HandoffCallback(Callback):
             )
 
     # -- setup helpers ---------------------------------------------------------------------------------------------
-    def _trainer_offload(self, pl_module: LightningModule) -> TrainerOffload:
+    def _trainer_offload(self, trainer: Trainer) -> TrainerOffload:
         if self._offload is None:
-            self._offload = self._select_offload(pl_module.trainer, pl_module)
+            self._offload = self._select_offload(trainer)
         return self._offload
 
-    def _select_offload(self, trainer: Trainer, pl_module: LightningModule) -> TrainerOffload:
-        device = pl_module.device
+    def _select_offload(self, trainer: Trainer) -> TrainerOffload:
+        trained = trainer.lightning_module  # every tensor the trainer holds: policy, reference, optimizer's params
+        device = trained.device
         usable, why_not = memory_saver_usable() if device.type == "cuda" else (False, "not on CUDA")
         usable = trainer.strategy.reduce_boolean_decision(usable, all=True)  # every rank uses the same backend
         if self.engine_is_policy:
             # The engine generates with the policy itself: its parameters stay; the rest of the trainer moves.
-            modules = [m for m in pl_module.children() if not _shares_parameters(m, self._policy)]
+            modules = [m for m in trained.children() if not _shares_parameters(m, self._policy)]
             return select_offload(self.offload_backend, modules, trainer.optimizers, device, False, "engine is policy")
-        return select_offload(self.offload_backend, [pl_module], trainer.optimizers, device, usable, why_not)
+        return select_offload(self.offload_backend, [trained], trainer.optimizers, device, usable, why_not)
 
-    def _make_profile(self, trainer: Trainer, pl_module: LightningModule) -> LoopProfile:
+    def _make_profile(self, trainer: Trainer) -> LoopProfile:
         wanted = profiling_requested() if self._profile_flag is None else self._profile_flag
         if not trainer.strategy.broadcast(wanted):
             return LoopProfile(None)
         name = "profile.jsonl" if trainer.global_rank == 0 else f"profile.rank{trainer.global_rank}.jsonl"
-        return LoopProfile(f"{trainer.log_dir or trainer.default_root_dir}/{name}", pl_module.device)
+        return LoopProfile(f"{trainer.log_dir or trainer.default_root_dir}/{name}", trainer.lightning_module.device)
 
     def _write_profile(self, trainer: Trainer) -> None:
         sync, self._step_sync = self._step_sync, None

@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 
 from lightning_grpo import lora
-from lightning_grpo.base import UpdateModule, quiet_upstream_warnings
+from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.checkpoint.signals import stop_poll
@@ -36,7 +36,7 @@ from lightning_grpo.collect.draw import Drawer, episode_runner
 from lightning_grpo.collect.schedule import AsyncSchedule, in_flight_of
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
 from lightning_grpo.correction import derived_metrics
-from lightning_grpo.data.fitting import fit_prompts
+from lightning_grpo.data.fitting import PromptFit, fit_prompts
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.determinism import enable_determinism
@@ -47,12 +47,10 @@ from lightning_grpo.envs.episode import EpisodeRunner
 from lightning_grpo.handoff import attach_handoff
 from lightning_grpo.logprobs import fuses_head
 from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
-from lightning_grpo.objectives import OBJECTIVES, Objective, Stats, build_objective
+from lightning_grpo.objectives import OBJECTIVES, Objective, ObjectiveParts, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.packing import Packing
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_seed
-from lightning_grpo.precision import check_precision
-from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
@@ -134,7 +132,8 @@ class GRPOModule(UpdateModule):
             self.opd_cfg = OPDConfig()  # refused by the objective: a teacher is required
         if section == "opd" and self.opd_cfg.teacher is not None:  # a tiny: teacher is seeded like the policy
             self.opd_cfg.teacher = with_seed(self.opd_cfg.teacher, self.seed)
-        return build_objective(objective, self)
+        parts = ObjectiveParts(self.rl, self.dp_mean, self.rollout_cfg.max_new_tokens, opd=self.opd_cfg)
+        return build_objective(objective, parts)
 
     def configure_policy(self):
         """(model, tokenizer). Default: ``load_policy(self.policy_cfg)``."""
@@ -163,7 +162,7 @@ class GRPOModule(UpdateModule):
         """``model.env``'s episode runner (None: single-turn completions)."""
         generation = getattr(self.policy, "generation_config", None)
         eos = getattr(generation, "eos_token_id", None)
-        return episode_runner(self.env_cfg, self.tokenizer, eos, self._context())
+        return episode_runner(self.env_cfg, self.tokenizer, eos, self.context_length())
 
     def configure_collector(self) -> Collector:
         """The rollout of one loop step, from this module's parts and ``self.engine``. Built once the strategy is known
@@ -178,7 +177,7 @@ class GRPOModule(UpdateModule):
             schedule = AsyncSchedule(self.engine, waiting, reissue=self._in_flight)
         return Collector(Drawer(self.engine, self.episodes), self.compute_rewards, rewards=self.reward_scorer,
                          rl=self.rl, max_new_tokens=self.rollout_cfg.max_new_tokens, sampling=self.step_sampling(),
-                         tokenizer=self.tokenizer, vision=self.vision, context=self._context(),
+                         tokenizer=self.tokenizer, vision=self.vision, context=self.context_length(),
                          prompts=self._prompt_provider(), dp=self.dp_group(), schedule=schedule)
 
     def sampling(self) -> SamplingConfig:
@@ -198,21 +197,27 @@ class GRPOModule(UpdateModule):
         """Prompts per loop step (``data/seam.py``: what ``PromptDataModule`` draws when not told)."""
         return self.rl.prompts_per_batch
 
-    def setup(self, stage: str) -> None:
+    @property
+    def steps_per_loop_step(self) -> int:
+        """Optimizer steps per collected batch: ``mu_iterations x n_mini`` (``trainer.max_steps`` counts these)."""
+        return self.rl.steps_per_loop_step
+
+    def check_strategy(self) -> None:
         self.rl.validate(self.dp_size())  # per-rank divisibility needs the DP size
-        quiet_upstream_warnings()
         lora.check_strategy(self.policy_cfg.lora, getattr(self._trainer, "strategy", None))
-        if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
-            count_loop_steps(self.trainer)
-        if stage == "fit":
-            self.resolve_horizon(self.rl.steps_per_loop_step)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)  # check_strategy, loop-step bars, the schedule's horizon
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 
     def check_data(self) -> None:
-        """Fit the datamodule's prompts to this policy (chat template, max_prompt_tokens) and check that every
-        column a reward function requires exists. Raises before any step runs (``data/fitting.py``)."""
-        fit_prompts(self, self._datamodule())
+        """Fit the datamodule's prompts to this policy and its rewards before any step runs (``data/fitting.py``)."""
+        fit = PromptFit(tokenizer=self.tokenizer, max_prompt_tokens=self.max_prompt_tokens(),
+                        long_prompts=self.rollout_cfg.long_prompts, reward_specs=self.reward_specs or [],
+                        policy_path=self.policy_cfg.path, vision=self.vision is not None,
+                        objective=self.objective.name, dynamic_sampling=self.rl.dynamic_sampling)
+        fit_prompts(fit, self._datamodule())
         if self.episodes is None:  # loads model.env: an environment that does not import is refused here
             self.episodes = self.configure_episodes()
 
@@ -221,7 +226,7 @@ class GRPOModule(UpdateModule):
         if self.rollout_cfg.max_prompt_tokens is not None:
             return self.rollout_cfg.max_prompt_tokens
         engine = {"vllm": self.rollout_cfg.vllm, "vllm_server": self.rollout_cfg.server}.get(self.rollout_cfg.engine)
-        contexts = [self._context(), engine.max_model_len if engine is not None else None]
+        contexts = [self.context_length(), engine.max_model_len if engine is not None else None]
         context = min((c for c in contexts if c), default=None)
         return None if context is None else max(context - self.rollout_cfg.max_new_tokens, 1)
 
@@ -282,9 +287,7 @@ class GRPOModule(UpdateModule):
         return self.split(), super().data_parallel()[1]
 
     def on_fit_start(self) -> None:
-        # The weights are final here (precision plugin conversion, FSDP2 sharding): refuse or warn once per fit,
-        # before an engine is built.
-        check_precision(str(self.trainer.precision), self.policy, self.device.type == "cpu", self._scaler())
+        super().on_fit_start()  # the precision check: before an engine is built
         # Outside configure_model: its default device/dtype contexts must not leak into an engine (vLLM). Before
         # Lightning restores optimizer state onto the device, so the hand-off can put the engine to sleep first.
         self.check_data()  # before the engine: a data problem is reported in seconds, not after vLLM starts
@@ -333,7 +336,7 @@ class GRPOModule(UpdateModule):
         metrics = greedy_scores(self.collector, records, self.loop_step, data.val_samples_per_prompt,
                                 data.val_pass_reward)
         metrics["step"] = float(self.loop_step)  # x-axis: the loop step
-        self.val_means.log(self, metrics, weight=len(records))
+        self.log_validation(metrics, weight=len(records))
 
     # -- the phases -----------------------------------------------------------------------------------------------
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
@@ -395,6 +398,3 @@ class GRPOModule(UpdateModule):
         """The datamodule's side of the prompt seam, or None (a datamodule of the user's own is asked nothing)."""
         dm = self._datamodule()
         return dm if isinstance(dm, PromptProvider) else None
-
-    def _context(self) -> int | None:
-        return getattr(self.policy.config, "max_position_embeddings", None)

@@ -5,8 +5,8 @@ steps here) but take their total from ``max_steps``, which counts optimizer step
 ``mu_iterations x n_mini``): a 3-loop-step run at ``n_mini = 2`` ends on "3/6". A resumed run keeps counting from the
 restored batch while the total shrinks to the optimizer steps left ("40/29"), and the rich bar
 titles itself "Epoch 0/-2" because ``max_steps`` sets ``max_epochs = -1``. The two bars below keep
-every argument and look of Lightning's, fix the numbers and drop ``v_num``; ``GRPOModule.setup`` and
-``DPOModule.setup`` swap a stock bar for its twin, so the CLI and a plain ``Trainer`` both get them.
+every argument and look of Lightning's, fix the numbers and drop ``v_num``; ``UpdateModule.setup``
+(``base.py``) swaps a stock bar for its twin, so the CLI and a plain ``Trainer`` both get them.
 """
 
 from __future__ import annotations
@@ -19,12 +19,6 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from typing_extensions import override
 
 
-def optimizer_steps_per_loop_step(module: LightningModule) -> int:
-    """Optimizer steps one collected batch takes when no window is skipped (``mu_iterations x n_mini``; 1 without
-    ``rl``)."""
-    return int(getattr(getattr(module, "rl", None), "steps_per_loop_step", 1))
-
-
 def loop_steps_total(trainer: Trainer, done: int) -> int | float:
     """Loop steps this epoch holds: ``done`` so far plus those ``max_steps`` leaves, capped by the epoch's length.
 
@@ -34,7 +28,9 @@ def loop_steps_total(trainer: Trainer, done: int) -> int | float:
     total = trainer.num_training_batches  # inf: the prompt stream never ends an epoch
     if trainer.max_steps is not None and trainer.max_steps >= 0:  # -1: no step limit
         left = max(trainer.max_steps - trainer.global_step, 0)
-        total = min(total, done + math.ceil(left / optimizer_steps_per_loop_step(trainer.lightning_module)))
+        # optimizer steps one loop step takes when no window is skipped (UpdateModule's; 1 for any other module)
+        steps = int(getattr(trainer.lightning_module, "steps_per_loop_step", 1))
+        total = min(total, done + math.ceil(left / steps))
     return total
 
 

@@ -27,11 +27,6 @@ THROUGHPUT = {"grpo/tokens": "trained tokens/s", "dpo/pairs": "trained pairs/s"}
 """Per-loop-step counts summed into the wall-time line."""
 
 
-def loop_step_of(module: LightningModule, fallback: int = 0) -> int:
-    """The module's loop step (``UpdateModule.loop_step``: a loaded checkpoint's before training resumes it)."""
-    return int(getattr(module, "loop_step", fallback))
-
-
 class RunSummary(Callback):
     """Prints what a person wants to know when a run ends.
 
@@ -62,14 +57,14 @@ class RunSummary(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start, self._counts = time.perf_counter(), {}
-        self._first_step = loop_step_of(pl_module)
+        self._first_step = int(getattr(pl_module, "loop_step", 0))  # UpdateModule's: a loaded checkpoint's
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not is_measurement(trainer):
             return
         values = {k: float(v) for k, v in trainer.callback_metrics.items() if k in VAL_HEADLINES}
-        step = float(loop_step_of(pl_module, len(self._rows)))
+        step = float(getattr(pl_module, "loop_step", len(self._rows)))
         if not values or (self._val and self._val[-1]["step"] == step):  # a loop step already measured counts once
             return
         self._val.append({"step": step, **values})
@@ -77,7 +72,7 @@ class RunSummary(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         metrics = getattr(pl_module, "last_metrics", {})
-        step = float(metrics.get("step", loop_step_of(pl_module, len(self._rows) + 1)))
+        step = float(metrics.get("step", getattr(pl_module, "loop_step", len(self._rows) + 1)))
         self._rows.append({"step": step, **{k: float(metrics[k]) for k in HEADLINES if k in metrics}})
         for key in THROUGHPUT.keys() & metrics.keys():
             self._counts[key] = self._counts.get(key, 0.0) + float(metrics[key])

@@ -29,6 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from lightning_grpo.collect import Collector
@@ -125,17 +126,20 @@ class ValidationMeans(nn.Module):
         self.means = nn.ModuleDict()
         self._keys: dict[str, str] = {}  # metric name -> ModuleDict key (names hold '/' and '.')
 
-    def log(self, module, metrics: dict[str, float], weight: int) -> None:
-        """Add one validation batch of ``weight`` prompts, logged through ``module.log`` (epoch level)."""
+    def add(self, metrics: dict[str, float], weight: int, device: torch.device) -> list[tuple[str, nn.Module, str]]:
+        """Add one validation batch of ``weight`` prompts. Returns ``(name, mean, attribute)`` per metric, for the
+        module to log at epoch level (``self.log(name, mean, metric_attribute=attribute)``)."""
         from torchmetrics import MeanMetric
 
+        out = []
         for name, value in metrics.items():
             if name not in self._keys:
-                self._keys[name] = key = f"m{len(self._keys)}"
-                self.means[key] = MeanMetric().to(module.device)
+                self._keys[name] = f"m{len(self._keys)}"
+                self.means[self._keys[name]] = MeanMetric().to(device)
             key = self._keys[name]
             self.means[key].update(value, weight)
-            module.log(name, self.means[key], on_step=False, on_epoch=True, metric_attribute=f"val_means.means.{key}")
+            out.append((name, self.means[key], f"val_means.means.{key}"))
+        return out
 
     def names(self) -> list[str]:
         """The metric names logged so far (``step`` among them)."""

@@ -2,7 +2,6 @@
 and the top-entropy mask exact under any chunking; and the length metrics (item 5) with their rank reductions."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
 from lightning_grpo.distributed import single_process
 from lightning_grpo.logprobs import KEEP_BYTES, token_logprobs
 from lightning_grpo.metrics import combine_ranks, length_metrics, rank_reduction, roll_up
-from lightning_grpo.objectives import build_objective
+from lightning_grpo.objectives import ObjectiveParts, build_objective
 from lightning_grpo.objectives.entropy import top_entropy_mask
 from lightning_grpo.objectives.grpo import GRPOObjective
 from lightning_grpo.scoring import ChunkScorer
@@ -205,9 +204,8 @@ def test_opd_refuses_the_entropy_knobs(knob, value):
 
 
 def test_builder_passes_the_entropy_knobs():
-    module = SimpleNamespace(rl=GRPOConfig(entropy_coef=0.003, top_entropy_quantile=0.2),
-                             rollout_cfg=RolloutConfig(), dp_mean=single_process)
-    obj = build_objective("grpo", module)
+    rl = GRPOConfig(entropy_coef=0.003, top_entropy_quantile=0.2)
+    obj = build_objective("grpo", ObjectiveParts(rl, single_process, RolloutConfig().max_new_tokens))
     assert (obj.entropy_coef, obj.top_entropy_quantile) == (0.003, 0.2)
 
 

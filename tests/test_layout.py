@@ -86,3 +86,70 @@ def test_no_call_site_probes_an_engine_for_attributes():
         found.extend(f"{p.relative_to(PACKAGE.parent)}:{node.lineno}" for node in ast.walk(ast.parse(p.read_text()))
                      if _probes_engine(node))
     assert not found, f"attribute probing on an engine (declare a capability instead): {found}"
+
+
+LIGHTNING_FILES = {"module.py", "base.py", "dpo.py"}
+"""The Lightning modules themselves: the only files whose functions may take one."""
+MODULE_TYPES = {"LightningModule", "UpdateModule", "GRPOModule", "DPOModule"}
+
+
+def _lightning_hooks() -> set[str]:
+    """Methods Lightning itself calls with ``pl_module`` (a Callback's hooks, a progress bar's ``get_metrics``)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
+
+    return {name for cls in (ModelCheckpoint, RichProgressBar, TQDMProgressBar) for name in dir(cls)
+            if not name.startswith("_")}
+
+
+def _takes_a_module(arg: ast.arg) -> bool:
+    """Named ``module`` without saying it is something else (``module: nn.Module`` is a torch module), or annotated
+    with a LightningModule class (``type[LightningModule]`` is a class, not a module)."""
+    annotation = arg.annotation
+    if annotation is None:
+        return arg.arg == "module"
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):  # a string annotation
+        annotation = ast.parse(annotation.value, mode="eval").body
+    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "type":
+        return False
+    named = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(annotation)
+             if isinstance(n, ast.Name | ast.Attribute)}
+    return bool(named & MODULE_TYPES)
+
+
+def _offences(tree: ast.Module, where: str, hooks: set[str]) -> list[str]:
+    """Module-level functions and methods of ``tree`` that take a LightningModule; the ``pl_module`` argument of a
+    Lightning hook (``on_train_start(trainer, pl_module)``: Lightning's API) is exempt, a helper's is not."""
+    functions = [(None, f) for f in tree.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+    for cls in (c for c in tree.body if isinstance(c, ast.ClassDef)):
+        functions += [(cls.name, f) for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+    found = []
+    for owner, f in functions:
+        for a in [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs]:
+            if _takes_a_module(a) and not (a.arg == "pl_module" and owner is not None and f.name in hooks):
+                found.append(f"{where}:{f.lineno} {owner + '.' if owner else ''}{f.name}({a.arg})")
+    return found
+
+
+def test_no_function_outside_lightning_files_takes_a_lightning_module():
+    """ARCHITECTURE.md: parts get what they read explicitly, never the module (a trainer is fine)."""
+    hooks, found = _lightning_hooks(), []
+    for p in PACKAGE.rglob("*.py"):
+        name = p.relative_to(PACKAGE).as_posix()
+        if name not in LIGHTNING_FILES:
+            found += _offences(ast.parse(p.read_text()), name, hooks)
+    assert not found, f"take the LightningModule (give them the parts they read instead): {found}"
+
+
+def test_the_module_scan_sees_what_it_forbids():
+    """The scan above catches each form it forbids (a guard against a scan that finds nothing)."""
+    code = ("def a(module): ...\n"
+            "def b(m: GRPOModule): ...\n"
+            "def c(m: 'UpdateModule | None'): ...\n"
+            "def fine(module: nn.Module, cls: type[LightningModule], model): ...\n"
+            "class Cb(Callback):\n"
+            "    def on_train_start(self, trainer, pl_module: LightningModule): ...\n"
+            "    def _helper(self, pl_module: pl.LightningModule): ...\n"
+            "    def setup(self, trainer, module): ...\n")
+    found = _offences(ast.parse(code), "x.py", {"on_train_start", "setup"})
+    assert found == ["x.py:1 a(module)", "x.py:2 b(m)", "x.py:3 c(m)", "x.py:7 Cb._helper(pl_module)",
+                     "x.py:8 Cb.setup(module)"]

@@ -1,18 +1,17 @@
 """The GRPO loss family (rl.loss_type x rl.ratio_level x rl.loss): each formula against an independent float64
 implementation, chunking exactness of every allowed combination, the default unchanged, and the refusals."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import max_rel_delta, params_of, synthetic_batch
 from transformers import AutoModelForCausalLM
 
-from lightning_grpo.config import LOSS_TYPES, ConfigError, GRPOConfig, RolloutConfig
+from lightning_grpo.config import LOSS_TYPES, ConfigError, GRPOConfig
 from lightning_grpo.distributed import single_process
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.metrics import roll_up
-from lightning_grpo.objectives import PolicyView, build_objective
+from lightning_grpo.objectives import ObjectiveParts, PolicyView, build_objective
 from lightning_grpo.objectives.grpo import GRPOObjective
 from lightning_grpo.update import AheadPass, Needs, Split, Updater
 from lightning_grpo.update.plan import plan_update
@@ -156,9 +155,8 @@ def test_a_row_without_tokens_is_no_sequence():
 
 
 def test_builder_passes_the_family_and_max_new_tokens():
-    module = SimpleNamespace(rl=GRPOConfig(loss_type="dr_grpo", ratio_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
-                             rollout_cfg=RolloutConfig(max_new_tokens=17), dp_mean=single_process)
-    obj = build_objective("grpo", module)
+    rl = GRPOConfig(loss_type="dr_grpo", ratio_level="sequence", epsilon=3e-4, epsilon_high=4e-4)
+    obj = build_objective("grpo", ObjectiveParts(rl, single_process, max_new_tokens=17))
     assert (obj.loss_type, obj.ratio_level, obj.loss, obj.max_completion_length) == ("dr_grpo", "sequence",
                                                                                     "ppo_clip", 17)
 

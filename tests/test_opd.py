@@ -4,7 +4,10 @@ direct form, and teachers that read token ids differently refused at setup."""
 from __future__ import annotations
 
 import math
+import re
+import runpy
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from helpers import SMALL, max_rel_delta, params_of, synthetic_batch
 from lightning_grpo.config import ConfigError, GRPOConfig
 from lightning_grpo.metrics import roll_up
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.objectives import OBJECTIVES
 from lightning_grpo.objectives.kl import reverse_kl
 from lightning_grpo.objectives.opd import OPDConfig, OPDObjective
 from lightning_grpo.objectives.teacher import VocabularyMismatchError
@@ -212,3 +216,17 @@ def test_an_opd_section_with_another_objective_is_refused():
 def test_unknown_objective_lists_the_registered_ones():
     with pytest.raises(ValueError, match="known: grpo, opd"):
         GRPOModule(objective="ppo")
+
+
+def test_the_documented_objective_registers_and_builds_from_its_parts(tmp_path):
+    """docs/objectives.md's "Adding an objective" as written: its builder gets ``ObjectiveParts``, never the module."""
+    text = (Path(__file__).parents[1] / "docs" / "objectives.md").read_text()
+    example = re.search(r"## Adding an objective.*?```python\n(.*?)```", text, re.DOTALL).group(1)
+    (tmp_path / "mine.py").write_text(example)
+    try:
+        runpy.run_path(str(tmp_path / "mine.py"))
+        module = GRPOModule(objective="mine")
+        assert type(module.objective).__name__ == "MyObjective"
+        assert module.objective.dp_mean == module.dp_mean
+    finally:
+        OBJECTIVES.pop("mine", None)  # the registry is process-wide: other tests list its names

@@ -119,8 +119,8 @@ def _fit_dpo(tiny_policy_dir, tmp_path, callbacks) -> None:
 
 
 def _trainer(max_steps: int, global_step: int, n_mini: int, batches: float = math.inf, mu: int = 1):
-    module = SimpleNamespace(rl=GRPOConfig(batch_per_replica=2 * n_mini, group_size=2, mini_batch_per_replica=2,
-                                           mu_iterations=mu))
+    rl = GRPOConfig(batch_per_replica=2 * n_mini, group_size=2, mini_batch_per_replica=2, mu_iterations=mu)
+    module = SimpleNamespace(steps_per_loop_step=rl.steps_per_loop_step)  # UpdateModule's property
     return SimpleNamespace(num_training_batches=batches, max_steps=max_steps, global_step=global_step,
                            lightning_module=module)
 

@@ -3,9 +3,11 @@ from itertools import chain
 
 import pytest
 import torch
+from helpers import png
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_grpo.data.fitting import PromptFit, fit_prompts
 from lightning_grpo.data.items import TaskItem
 from lightning_grpo.data.prompts import PromptDataModule, PromptRecord, PromptStream
 from lightning_grpo.data.sources import PromptDataError, load_items
@@ -217,3 +219,21 @@ def test_records_carry_task_items():
     item = load_items("builtin:arith", size=1)[0]
     assert isinstance(item, TaskItem) and item.text.endswith("=")
     assert json.dumps(make_dm().state_dict())  # checkpoint state is plain data
+
+
+def _fit(**changes) -> PromptFit:
+    """A text-only grpo run's parts, ``changes`` applied (no module: fit_prompts reads only these)."""
+    parts = {"tokenizer": None, "max_prompt_tokens": None, "long_prompts": "drop", "reward_specs": [],
+             "policy_path": "tiny:text", "vision": False, "objective": "grpo", "dynamic_sampling": False}
+    return PromptFit(**{**parts, **changes})
+
+
+def test_fit_prompts_refusals_read_only_the_parts_given():
+    with pytest.raises(ValueError, match="rl.dynamic_sampling=true refills .* which LightningModule lacks"):
+        fit_prompts(_fit(dynamic_sampling=True), LightningModule())
+    fit_prompts(_fit(), LightningModule())  # not a PromptProvider, nothing to refill: nothing to fit
+    rows = [{"prompt": "which color?", "answer": "red", "images": png((8, 8))} for _ in range(4)]
+    with pytest.raises(ValueError, match="has prompts with images but policy.path='tiny:text' is a text-only model"):
+        fit_prompts(_fit(), PromptDataModule(rows, prompts_per_step=2, val_size=0))
+    with pytest.raises(ValueError, match="model.objective=opd does not score prompts with images"):
+        fit_prompts(_fit(vision=True, objective="opd"), PromptDataModule(rows, prompts_per_step=2, val_size=0))

@@ -16,7 +16,7 @@ from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig, VLLMCo
 from lightning_grpo.correction import RolloutCorrection, derived_metrics
 from lightning_grpo.distributed import single_process
 from lightning_grpo.metrics import combine_ranks, roll_up
-from lightning_grpo.objectives import build_objective
+from lightning_grpo.objectives import ObjectiveParts, build_objective
 from lightning_grpo.objectives.grpo import CorrectedChunkStats, GRPOObjective
 from lightning_grpo.rollout.replay import ReplayEngine
 from lightning_grpo.update import Needs, Split
@@ -246,12 +246,11 @@ def combine_two(tables: list[dict]) -> dict:
 # -- the module path: build, sampler logprobs requested, refusals -----------------------------------------------------
 def test_builder_passes_the_correction_and_the_sampler_is_asked_for_logprobs():
     rl = GRPOConfig(rollout_correction={"mode": "mask", "level": "geometric", "band": [0.9, 1.1]})
-    module = SimpleNamespace(rl=rl, rollout_cfg=RolloutConfig(), dp_mean=single_process)
-    obj = build_objective("grpo", module)
+    obj = build_objective("grpo", ObjectiveParts(rl, single_process, RolloutConfig().max_new_tokens))
     assert obj.correction.bounds == (0.9, 1.1) and obj.stats is CorrectedChunkStats
     assert rl.needs_sampler_logprobs and not rl.pi_old_is_sampler
-    assert build_objective("grpo", SimpleNamespace(rl=GRPOConfig(), rollout_cfg=RolloutConfig(),
-                                                   dp_mean=single_process)).correction is None
+    plain = ObjectiveParts(GRPOConfig(), single_process, RolloutConfig().max_new_tokens)
+    assert build_objective("grpo", plain).correction is None
 
 
 @pytest.mark.parametrize("kw,names", [

@@ -149,7 +149,7 @@ class GRPOCheckpoint(Checkpoint):
         # Saved here, at the batch boundary, but published (renamed into place) only once Lightning has written this
         # loop step's metrics row, right after this hook: a checkpoint of step K never exists without row K, so a
         # kill -9 just after the publish, or a signal, loses no row. The signal is agreed on here (a collective).
-        step = _loop_step(pl_module)
+        step = _loop_step(trainer)
         signum = self._signals.pending(trainer) if self._signals.active else None
         scheduled = bool(self.every_n_loop_steps) and step % self.every_n_loop_steps == 0
         if scheduled or signum is not None:
@@ -159,13 +159,13 @@ class GRPOCheckpoint(Checkpoint):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._after_row(trainer, pl_module)
+        self._after_row(trainer)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._in_fit:
             return
-        self._after_row(trainer, pl_module, validation="pending")  # marked done at its end (a resume re-runs it)
+        self._after_row(trainer, validation="pending")  # marked done at its end (a resume re-runs it)
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -173,22 +173,22 @@ class GRPOCheckpoint(Checkpoint):
         if self._signals.active and not trainer.sanity_checking:  # a validation inside fit: stop at the batch
             self._stop = self._signals.pending(trainer)
             if self._stop is not None:
-                self._stop_now(trainer, _loop_step(pl_module), validation="pending")
+                self._stop_now(trainer, _loop_step(trainer), validation="pending")
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        step = _loop_step(pl_module)
+        step = _loop_step(trainer)
         if self._in_fit and not trainer.sanity_checking and self._last_saved == step and trainer.is_global_zero:
             mark_validation(self.last_path, "done")
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._after_row(trainer, pl_module)
+        self._after_row(trainer)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._after_row(trainer, pl_module)
-        step = _loop_step(pl_module)
+        self._after_row(trainer)
+        step = _loop_step(trainer)
         if self.save_on_train_end and step > 0 and step != self._last_saved:
             self.save(trainer, step, reason="train_end")
         self._let_go()
@@ -198,7 +198,7 @@ class GRPOCheckpoint(Checkpoint):
         try:
             self._publish_pending(trainer)  # a finished save of a boundary whose row was written
             if self._in_fit and not isinstance(exception, Preempted):
-                self._emergency_save(trainer, pl_module, exception)
+                self._emergency_save(trainer, exception)
         finally:
             self._let_go()
 
@@ -263,11 +263,11 @@ class GRPOCheckpoint(Checkpoint):
             publish(staging_path(path), path)
             prune(self.dirpath, self.keep_last, self.lineage)
 
-    def _after_row(self, trainer: Trainer, pl_module: LightningModule, validation: str | None = None) -> None:
+    def _after_row(self, trainer: Trainer, validation: str | None = None) -> None:
         """The first hook after Lightning wrote the loop step's metrics row: publish, then act on a signal."""
         self._publish_pending(trainer, validation)
         if self._stop is not None:
-            self._stop_now(trainer, _loop_step(pl_module), validation)
+            self._stop_now(trainer, _loop_step(trainer), validation)
 
     def _stop_now(self, trainer: Trainer, loop_step: int, validation: str | None = None) -> None:
         """Save the boundary (unless saved), run the wrapped handler (Lightning's / SLURM requeue), exit non-zero."""
@@ -284,7 +284,7 @@ class GRPOCheckpoint(Checkpoint):
             log.warning("%s", stop)
         raise stop
 
-    def _emergency_save(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+    def _emergency_save(self, trainer: Trainer, exception: BaseException) -> None:
         """A run failing inside a loop step, before its first optimizer step, saves the batch boundary it left.
 
         The parameters and optimizer state are still those of the boundary, and the checkpoint records the
@@ -292,13 +292,14 @@ class GRPOCheckpoint(Checkpoint):
         repeats the failed loop step exactly. Under DP a failure may be one rank's alone, and a save is a
         collective that the other ranks would never join: only the scheduled checkpoints count there.
         """
-        step = _loop_step(pl_module)
+        step = _loop_step(trainer)
         if step == 0 or step == self._last_saved:
             return
         # In this order: the non-finite check is a collective, never reached with several ranks.
+        at_boundary = getattr(trainer.lightning_module, "at_batch_boundary", False)
         why = ("it runs on several ranks" if trainer.world_size > 1 else
                "a save had just failed" if self._save_failed else
-               "the update had already stepped" if not getattr(pl_module, "at_batch_boundary", False) else
+               "the update had already stepped" if not at_boundary else
                "parameters hold NaN/inf" if nonfinite_parameter(trainer) is not None else None)
         if why is not None:
             if trainer.is_global_zero:
@@ -351,7 +352,9 @@ def _written(trainer: Trainer, staging: Path) -> tuple[str, int]:
     return recorded if recorded is not None else digest(staging)
 
 
-def _loop_step(module: LightningModule) -> int:
+def _loop_step(trainer: Trainer) -> int:
+    """The trained module's ``loop_step`` (``UpdateModule``'s), refused for a module that does not count them."""
+    module = trainer.lightning_module
     step = getattr(module, "loop_step", None)
     if not isinstance(step, int):
         raise TypeError(f"GRPOCheckpoint counts loop steps through module.loop_step, which {type(module).__name__} "

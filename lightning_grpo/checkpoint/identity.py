@@ -17,6 +17,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from torch import nn
+
+from lightning_grpo.config import OptimConfig
+
 log = logging.getLogger(__name__)
 
 IDENTITY_KEY = "grpo_run"
@@ -30,11 +34,17 @@ class ResumeMismatchError(ValueError):
     """A resume's config differs from its checkpoint's in something that breaks the run's identity."""
 
 
-def identity(module) -> dict[str, Any]:
-    """What a checkpoint of ``module`` records about the run (plain values: ``weights_only`` loads them)."""
-    o = module.optim_cfg
-    return {"seed": module.seed, "model": _model(module.policy), "policy.dtype": module.policy_cfg.dtype,
-            "optim": {"lr": o.lr, "weight_decay": o.weight_decay, "betas": list(o.betas), "eps": o.eps}}
+def identity(seed: int, policy: nn.Module | None, dtype: str, optim: OptimConfig) -> dict[str, Any]:
+    """What a checkpoint records about the run (plain values: ``weights_only`` loads them).
+
+    Args:
+        seed: the run's seed (the sampling streams derive from it).
+        policy: the trained model (None before it is built).
+        dtype: ``policy.dtype``.
+        optim: the optimizer's section.
+    """
+    return {"seed": seed, "model": _model(policy), "policy.dtype": dtype,
+            "optim": {"lr": optim.lr, "weight_decay": optim.weight_decay, "betas": list(optim.betas), "eps": optim.eps}}
 
 
 def _model(policy) -> str | None:

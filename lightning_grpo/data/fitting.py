@@ -1,31 +1,57 @@
-"""Fit a datamodule's prompts to the module that trains on them, before any step runs: a text-only policy refuses
+"""Fit a datamodule's prompts to the policy that trains on them, before any step runs: a text-only policy refuses
 images, OPD refuses pixels, dynamic sampling needs a refill lane, prompts are templated and cut to
 ``max_prompt_tokens``, and every column a reward function reads must exist."""
 
 from __future__ import annotations
 
-from lightning_grpo.data.rewards import check_reward_columns
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_grpo.data.rewards import RewardSpec, check_reward_columns
 from lightning_grpo.data.seam import PromptProvider
 
 
-def fit_prompts(module, dm) -> None:
-    """``GRPOModule.check_data``: raise the first problem with ``dm`` for ``module``, else prepare its prompts."""
+@dataclass(frozen=True)
+class PromptFit:
+    """What prompts are fitted to: the trained policy's side and the run's rules (``GRPOModule.check_data``)."""
+
+    tokenizer: Any
+    """The policy's tokenizer: its chat template formats chat prompts, its ids count prompt tokens."""
+    max_prompt_tokens: int | None
+    """Prompts longer than this follow ``long_prompts``; None = no limit."""
+    long_prompts: str
+    """``rollout.long_prompts``: ``drop`` (counted) or ``error``."""
+    reward_specs: Sequence[RewardSpec]
+    """The reward functions: every column one of them reads must exist."""
+    policy_path: str | None
+    """``policy.path``, named when a text-only policy meets prompts with images."""
+    vision: bool
+    """Whether the policy has an image side (a vision-language model)."""
+    objective: str
+    """The objective's name: only ``grpo`` scores prompts with images."""
+    dynamic_sampling: bool
+    """``rl.dynamic_sampling``: refills from the datamodule's refill lane."""
+
+
+def fit_prompts(fit: PromptFit, dm) -> None:
+    """Raise the first problem with ``dm`` for ``fit``, else prepare its prompts."""
     if not isinstance(dm, PromptProvider):
-        if module.rl.dynamic_sampling:
+        if fit.dynamic_sampling:
             raise ValueError(f"rl.dynamic_sampling=true refills from the datamodule's refill lane, which "
                              f"{type(dm).__name__} lacks (not a PromptProvider); use PromptDataModule")
         return
-    if module.vision is None and dm.has_images:
+    if not fit.vision and dm.has_images:
         raise ValueError(
             f"data.source={_source_name(dm)} has prompts with images but policy.path="
-            f"{module.policy_cfg.path!r} is a text-only model; use a vision-language policy (Qwen2-VL, Qwen2.5-VL, "
+            f"{fit.policy_path!r} is a text-only model; use a vision-language policy (Qwen2-VL, Qwen2.5-VL, "
             "Qwen3-VL, or tiny.arch=qwen2_5_vl) or a text-only data source"
         )
-    if dm.has_images and module.objective.name != "grpo":  # OPD scores hidden states, no pixels
-        raise ValueError(f"model.objective={module.objective.name} does not score prompts with images (data.source="
+    if dm.has_images and fit.objective != "grpo":  # OPD scores hidden states, no pixels
+        raise ValueError(f"model.objective={fit.objective} does not score prompts with images (data.source="
                          f"{_source_name(dm)} has some); use model.objective=grpo for image prompts")
-    dm.prepare_prompts(module.tokenizer, module.max_prompt_tokens(), module.rollout_cfg.long_prompts)
-    check_reward_columns(module.reward_specs or [], dm.columns)
+    dm.prepare_prompts(fit.tokenizer, fit.max_prompt_tokens, fit.long_prompts)
+    check_reward_columns(fit.reward_specs, dm.columns)
 
 
 def _source_name(dm) -> str:
