@@ -30,12 +30,6 @@ def wrap(module, engine: RolloutEngine) -> RolloutEngine:
     k = module.rollout_cfg.max_off_policy_steps
     if not k:
         return engine
-    if module.rl.rollout_correction.mode == "off":
-        raise ValueError(
-            f"rollout.max_off_policy_steps={k} draws batches with weights up to {k} loop step(s) old, and "
-            "rl.rollout_correction.mode=off would train on them as if on-policy (a silent bias). Set "
-            "rl.rollout_correction.mode: tis (pi_old = the trainer's ahead pass, the behaviour gap weighed by the "
-            "sampler's logprobs; docs/async.md) or bypass (pi_old = the sampler's logprobs)")
     return AsyncRollouts(engine, k, weights_step=lambda: module.loop_step)
 
 

@@ -13,16 +13,12 @@ from typing import Literal
 
 from lightning_grpo.checks import ConfigError, is_finite, is_int, raise_problems, retire
 from lightning_grpo.correction import RolloutCorrection
-from lightning_grpo.rollout.rollout_config import (  # importable from here
-    RolloutConfig,
-    check_overlong,
-    check_sampler_logprobs,
-)
+from lightning_grpo.rollout.rollout_config import RolloutConfig  # importable from here
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_config import VLLMConfig
 
 __all__ = ["LOSS_FORMS", "LOSS_TYPES", "RATIO_LEVELS", "ConfigError", "GRPOConfig", "OptimConfig", "RankSizes",
-           "RolloutConfig", "ServerConfig", "VLLMConfig", "check_overlong", "check_sampler_logprobs"]
+           "RolloutConfig", "ServerConfig", "VLLMConfig"]
 
 
 @dataclass(frozen=True)
@@ -324,7 +320,7 @@ class GRPOConfig:
         return p
 
     def _shaping_problems(self) -> list[str]:
-        """Dynamic sampling, overlong shaping, truncated completions (the buffer's bound is in check_overlong)."""
+        """Dynamic sampling, overlong shaping, truncated completions (the buffer's bound reads rollout: run_check.py)."""
         p: list[str] = []
         if self.packed != "auto" and not isinstance(self.packed, bool):
             p.append(f"packed={self.packed!r}: must be true, false or 'auto'")

@@ -33,7 +33,7 @@ from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.completions import RewardParts, StepRows
-from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
+from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.correction import derived_metrics
 from lightning_grpo.data.fitting import fit_prompts
 from lightning_grpo.data.rewards import RewardSpec, score
@@ -56,6 +56,7 @@ from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publishe
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.rollout.build import build_engine
 from lightning_grpo.routing import RoutingReplay, attach_routing
+from lightning_grpo.run_check import check_run
 from lightning_grpo.scoring import ChunkScorer
 from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder, Split, Updater, batch_needs
 from lightning_grpo.update.ahead import warn_if_unfrozen
@@ -105,10 +106,10 @@ class GRPOModule(UpdateModule):
         super().__init__(policy, optim, seed)
         self.rl = copy.deepcopy(rl or GRPOConfig())
         self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
-        check_sampler_logprobs(self.rl, self.rollout_cfg)  # config errors: before any model is built
-        check_overlong(self.rl, self.rollout_cfg)
         warn_if_unfrozen(self.rl)
         self.opd_cfg, self.env_cfg = copy.deepcopy(opd), copy.deepcopy(env)
+        named = objective if isinstance(objective, str) else None  # an Objective instance brings its own config
+        check_run(self.policy_cfg, self.rl, self.rollout_cfg, self.opd_cfg, named)  # before any model is built
         self.objective = self.configure_objective(objective)
         self.vision: VisionProcessor | None = None  # a vision-language policy's image side (None: text-only)
         self.lora_base: lora.BaseFingerprint | None = None  # the frozen base under policy.lora
@@ -124,10 +125,6 @@ class GRPOModule(UpdateModule):
         if not isinstance(objective, str):
             return objective
         section = OBJECTIVES[objective].section if objective in OBJECTIVES else None
-        if section != "opd" and self.opd_cfg is not None and self.opd_cfg != OPDConfig():
-            # a sweep that sets opd.* but not the objective would otherwise silently train something else
-            raise ValueError(f"objective={objective!r} but the opd section is set, which configures objective='opd': "
-                             "set model.objective=opd or drop model.opd")
         if section == "opd" and self.opd_cfg is None:
             self.opd_cfg = OPDConfig()  # refused by the objective: a teacher is required
         if section == "opd" and self.opd_cfg.teacher is not None:  # a tiny: teacher is seeded like the policy
@@ -170,6 +167,8 @@ class GRPOModule(UpdateModule):
 
     def setup(self, stage: str) -> None:
         self.rl.validate(self.dp_size())  # per-rank divisibility needs the DP size
+        # rules across sections that need the DP size (the objective's ran in __init__): before the policy loads
+        check_run(self.policy_cfg, self.rl, self.rollout_cfg, objective=None, dp_size=self.dp_size())
         quiet_upstream_warnings()
         lora.check_strategy(self.policy_cfg.lora, getattr(self._trainer, "strategy", None))
         if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
@@ -213,7 +212,7 @@ class GRPOModule(UpdateModule):
             self.ref = copy.deepcopy(self.policy).requires_grad_(False) if copy_ref else None
             self.objective.setup(self.policy, self.tokenizer)  # OPD: loads the teacher, refuses another vocabulary
             # MoE routing: before FSDP2 shards the routers, and before an engine starts (refusals)
-            self.routing = attach_routing(self.policy, self.rl, self.rollout_cfg.engine, self.dp_mean)
+            self.routing = attach_routing(self.policy, self.rl, self.dp_mean)
             has_ref = self.ref is not None or (lora.is_lora(self.policy) and self.objective.needs_reference())
             packing = Packing.resolve(self.rl.packed, self.policy, self.vision is not None, self.routing is not None,
                                       fuses_head(self.policy))  # refuses rl.packed=true where inexact

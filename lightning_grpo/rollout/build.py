@@ -60,20 +60,10 @@ def _server_engine(cfg, module) -> RolloutEngine:
     from lightning_grpo.rollout.vllm_server import VLLMServerEngine, sequence_logprobs
 
     tokenizer, server, ranks = module.tokenizer, cfg.server or ServerConfig(), Ranks.current()
-    if server.restarts and (ranks.size > 1 or cfg.max_off_policy_steps):
-        where = f"{ranks.size} trainer ranks" if ranks.size > 1 else f"max_off_policy_steps={cfg.max_off_policy_steps}"
-        raise ValueError(f"rollout.server.restarts={server.restarts} with {where}: a restarted server gets the "
-                         "weights from the thread that noticed the death, which is safe with one rank drawing "
-                         "synchronously only; set rollout.server.restarts: 0 (the run stops with the server's log and "
-                         "an emergency checkpoint, and resumes from it)")
     if server.url is None and server.launch:  # the child runs this Python's vLLM
         check_vllm_can_load(resolve_path(module.policy_cfg), "vllm_server")
 
     adapter = module.policy_cfg.lora is not None and module.policy_cfg.lora.sync == "adapter"
-    if adapter and server.weight_transport == "http":
-        raise ValueError("policy.lora.sync=adapter with rollout.server.weight_transport=http: the servers load each "
-                         "adapter from a folder on this machine, which a server on another node cannot read; set "
-                         "policy.lora.sync: merge (every weight, over HTTP) or weight_transport: shm (same node)")
 
     def republish() -> None:  # what the hand-off pushes once per collected batch, for a restarted server
         adapter_sync.publish_policy(module.policy, engine, int(cfg.sync_bucket_mb * (1 << 20)))
