@@ -57,9 +57,15 @@ BYPASS_RENAMED = (
     "rl.use_rollout_logprobs_for_loss was renamed: set rl.rollout_correction.mode=bypass (pi_old = the sampler's "
     "logprobs), one of the rollout-correction modes (docs/objectives.md)"
 )
+PI_OLD_DERIVED = (
+    "rl.needs_cached_old_logprobs was removed: it was derived, never a knob. Where pi_old comes from is decided from "
+    "rl.rollout_correction.mode (bypass: the sampler's logprobs), rl.freeze_pi_old, n_mini and mu_iterations "
+    "(lightning_grpo.update.plan.pi_old_source); drop the key"
+)
 
 
-@retire("rl", "rl config", grad_accum=GRAD_ACCUM_RETIRED, use_rollout_logprobs_for_loss=BYPASS_RENAMED)
+@retire("rl", "rl config", grad_accum=GRAD_ACCUM_RETIRED, use_rollout_logprobs_for_loss=BYPASS_RENAMED,
+        needs_cached_old_logprobs=PI_OLD_DERIVED)
 @dataclass
 class GRPOConfig:
     """The ``rl`` section: how a collected batch is sized, split and optimized."""
@@ -197,12 +203,6 @@ class GRPOConfig:
         """Token budget of an ahead-pass chunk: max_tokens_per_ahead_micro, else 2 x max_tokens_per_micro (0: the
         ahead pass walks the training chunks)."""
         return self.max_tokens_per_ahead_micro or 2 * self.max_tokens_per_micro
-
-    @property
-    def needs_cached_old_logprobs(self) -> bool:
-        """Several optimizer steps per batch and pi_old not from the sampler: the ahead pass must freeze pi_old."""
-        several = self.n_mini > 1 or self.mu_iterations > 1
-        return several and not self.pi_old_is_sampler and self.freeze_pi_old
 
     @property
     def prompts_per_batch(self) -> int:

@@ -60,6 +60,7 @@ from lightning_grpo.run_check import check_run
 from lightning_grpo.scoring import ChunkScorer
 from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder, Split, Updater, batch_needs
 from lightning_grpo.update.ahead import warn_if_unfrozen
+from lightning_grpo.update.plan import pi_old_source
 from lightning_grpo.validation import greedy_scores
 from lightning_grpo.vision import VisionProcessor, step_prompts, touch_vision, with_skipped_groups
 
@@ -341,7 +342,7 @@ class GRPOModule(UpdateModule):
         """Score one chunk with the objective: it asks the policy (and reference, teacher) for what it needs."""
         chunk = chunk.to(self.device)
         vision = self.scorer.materialize(chunk)  # this chunk's pixels only; freed once its backward has run
-        if old_logprobs is None and self.rl.pi_old_is_sampler:
+        if old_logprobs is None and pi_old_source(self.rl) == "sampler":
             if chunk.rollout_logprobs is None:
                 raise ValueError("rl.rollout_correction.mode=bypass but the engine returned no sampler logprobs")
             old_logprobs = chunk.rollout_logprobs[:, 1:]

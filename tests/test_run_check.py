@@ -1,5 +1,5 @@
 """Every rule across config sections (``run_check.py``) fires before the policy loads, through the CLI and through
-``GRPOModule`` + a Trainer."""
+``GRPOModule`` + a Trainer; and a retired ``rl`` key is refused by name with what to do instead."""
 
 from __future__ import annotations
 
@@ -90,3 +90,20 @@ def test_an_objective_instance_brings_its_own_config():
     check_run(PolicyConfig(), GRPOConfig(), RolloutConfig(), opd, objective=None)
     with pytest.raises(ConfigError, match="set model.objective=opd"):
         check_run(PolicyConfig(), GRPOConfig(), RolloutConfig(), opd)
+
+
+@pytest.mark.parametrize("how", ["python", "flag", "yaml"])
+def test_the_derived_needs_cached_old_logprobs_is_refused_by_name(how, tmp_path, capsys):
+    says = "rl.needs_cached_old_logprobs was removed: it was derived, never a knob"
+    if how == "python":
+        with pytest.raises(ConfigError, match=says):
+            GRPOConfig(needs_cached_old_logprobs=True)
+        return
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  rl:\n    needs_cached_old_logprobs: true\n")
+    extra = ["--model.rl.needs_cached_old_logprobs=true"] if how == "flag" else ["--config", str(old)]
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", QUICKSTART, *extra])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert err.startswith(f"lightning-grpo: error: {says}") and "drop the key" in err
