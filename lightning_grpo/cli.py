@@ -48,6 +48,7 @@ from lightning_grpo.plot import build_parser as plot_parser
 from lightning_grpo.plot import main as plot_main
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.base import Served
+from lightning_grpo.run_check import check_run
 from lightning_grpo.run_folder import RunFolderInUseError, claim_versions, explicit_version, refuse_reused_version
 from lightning_grpo.summary import RunSummary
 from lightning_grpo.tiny.spec import TinyPolicySpec
@@ -239,8 +240,19 @@ class GRPOCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
+            self._check_run()
         except LOAD_ERRORS as err:
             config_error(err)
+
+    def _check_run(self) -> None:
+        """The rules across sections, now with the Trainer's world size: before fit launches a rank or reads a weight
+        (``GRPOModule.__init__`` ran those that need no world size; ``setup`` runs them again on every rank)."""
+        if not isinstance(self.model, GRPOModule):
+            return  # DPOModule and other modules have no rl / rollout sections
+        objective = self.config[self.subcommand].get("model.init_args.objective") if self.subcommand else None
+        named = objective if isinstance(objective, str) else None
+        check_run(self.model.policy_cfg, self.model.rl, self.model.rollout_cfg, self.model.opd_cfg, named,
+                  dp_size=self.trainer.world_size)
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:

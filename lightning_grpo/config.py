@@ -13,16 +13,12 @@ from typing import Literal
 
 from lightning_grpo.checks import ConfigError, is_finite, is_int, raise_problems, retire
 from lightning_grpo.correction import RolloutCorrection
-from lightning_grpo.rollout.rollout_config import (  # importable from here
-    RolloutConfig,
-    check_overlong,
-    check_sampler_logprobs,
-)
+from lightning_grpo.rollout.rollout_config import RolloutConfig  # importable from here
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_config import VLLMConfig
 
 __all__ = ["LOSS_FORMS", "LOSS_TYPES", "RATIO_LEVELS", "ConfigError", "GRPOConfig", "OptimConfig", "RankSizes",
-           "RolloutConfig", "ServerConfig", "VLLMConfig", "check_overlong", "check_sampler_logprobs"]
+           "RolloutConfig", "ServerConfig", "VLLMConfig"]
 
 
 @dataclass(frozen=True)
@@ -61,9 +57,15 @@ BYPASS_RENAMED = (
     "rl.use_rollout_logprobs_for_loss was renamed: set rl.rollout_correction.mode=bypass (pi_old = the sampler's "
     "logprobs), one of the rollout-correction modes (docs/objectives.md)"
 )
+PI_OLD_DERIVED = (
+    "rl.needs_cached_old_logprobs was removed: it was derived, never a knob. Where pi_old comes from is decided from "
+    "rl.rollout_correction.mode (bypass: the sampler's logprobs), rl.freeze_pi_old, n_mini and mu_iterations "
+    "(lightning_grpo.update.plan.pi_old_source); drop the key"
+)
 
 
-@retire("rl", "rl config", grad_accum=GRAD_ACCUM_RETIRED, use_rollout_logprobs_for_loss=BYPASS_RENAMED)
+@retire("rl", "rl config", grad_accum=GRAD_ACCUM_RETIRED, use_rollout_logprobs_for_loss=BYPASS_RENAMED,
+        needs_cached_old_logprobs=PI_OLD_DERIVED)
 @dataclass
 class GRPOConfig:
     """The ``rl`` section: how a collected batch is sized, split and optimized."""
@@ -203,12 +205,6 @@ class GRPOConfig:
         return self.max_tokens_per_ahead_micro or 2 * self.max_tokens_per_micro
 
     @property
-    def needs_cached_old_logprobs(self) -> bool:
-        """Several optimizer steps per batch and pi_old not from the sampler: the ahead pass must freeze pi_old."""
-        several = self.n_mini > 1 or self.mu_iterations > 1
-        return several and not self.pi_old_is_sampler and self.freeze_pi_old
-
-    @property
     def prompts_per_batch(self) -> int:
         """Prompts per loop step (per replica): batch_per_replica / group_size."""
         return self.batch_per_replica // self.group_size
@@ -324,7 +320,7 @@ class GRPOConfig:
         return p
 
     def _shaping_problems(self) -> list[str]:
-        """Dynamic sampling, overlong shaping, truncated completions (the buffer's bound is in check_overlong)."""
+        """Dynamic sampling, overlong shaping, truncated completions (the buffer's bound reads rollout: run_check.py)."""
         p: list[str] = []
         if self.packed != "auto" and not isinstance(self.packed, bool):
             p.append(f"packed={self.packed!r}: must be true, false or 'auto'")

@@ -107,6 +107,14 @@ def generate() -> str:
         "with `lightning_grpo.PreferenceDataModule`) nests its keys under `init_args`, as configs/dpo-arith.yaml does.",
         "See also: [getting started](getting-started.md), [metrics](metrics.md), [OOM](oom.md).",
         "",
+        "When rules run: each section refuses its own bad values when it is built, so a bad file or flag is reported",
+        "while the CLI parses it. Rules that read several sections (`rl` with `rollout`, `policy.lora` with",
+        "`rollout.server`, `model.objective` with `opd`) live in one place, `lightning_grpo/run_check.py`",
+        "(`check_run`): `GRPOModule(...)` runs it when built, the CLI again once the Trainer exists (with its world",
+        "size, before any rank is launched), and `setup` on every rank; all before the policy's weights are read.",
+        "Every broken rule is listed at once (`invalid run config (N problems)`). Only rules that need the loaded",
+        "model (MoE layers, whether a policy packs exactly, the chat template) wait for it.",
+        "",
     ]
     problems: list[str] = []
     for prefix, cls in DATACLASS_SECTIONS:

@@ -105,20 +105,9 @@ def _server_engine(cfg: RolloutConfig, parts: EngineParts) -> RolloutEngine:
 
     server = cfg.server or ServerConfig()
     ranks = Ranks.current()
-    if server.restarts and (ranks.size > 1 or cfg.max_off_policy_steps):
-        where = f"{ranks.size} trainer ranks" if ranks.size > 1 else f"max_off_policy_steps={cfg.max_off_policy_steps}"
-        raise ValueError(f"rollout.server.restarts={server.restarts} with {where}: a restarted server gets the "
-                         "weights from the thread that noticed the death, which is safe with one rank drawing "
-                         "synchronously only; set rollout.server.restarts: 0 (the run stops with the server's log and "
-                         "an emergency checkpoint, and resumes from it)")
+    # The rules across sections (restarts with several ranks or async, an adapter over HTTP) ran in run_check.
     if server.url is None and server.launch:  # the child runs this Python's vLLM
         check_vllm_can_load(resolve_path(parts.policy_cfg), "vllm_server")
-
-    adapter = parts.lora_rank is not None
-    if adapter and server.weight_transport == "http":
-        raise ValueError("policy.lora.sync=adapter with rollout.server.weight_transport=http: the servers load each "
-                         "adapter from a folder on this machine, which a server on another node cannot read; set "
-                         "policy.lora.sync: merge (every weight, over HTTP) or weight_transport: shm (same node)")
 
     def republish() -> None:  # what the hand-off pushes once per collected batch, for a restarted server
         adapter_sync.publish_policy(parts.policy, engine, int(cfg.sync_bucket_mb * (1 << 20)))

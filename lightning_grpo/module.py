@@ -34,7 +34,7 @@ from lightning_grpo.collect import Collector, RewardScorer, StepRows, StepSampli
 from lightning_grpo.collect.async_rollouts import AsyncRollouts
 from lightning_grpo.collect.draw import Drawer, episode_runner
 from lightning_grpo.collect.schedule import AsyncSchedule, in_flight_of
-from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, check_overlong, check_sampler_logprobs
+from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.correction import derived_metrics
 from lightning_grpo.data.fitting import PromptFit, fit_prompts
 from lightning_grpo.data.rewards import RewardSpec
@@ -54,9 +54,11 @@ from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_s
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
+from lightning_grpo.run_check import check_run
 from lightning_grpo.scoring import ChunkScorer
 from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder, Split, Updater, batch_needs
 from lightning_grpo.update.ahead import warn_if_unfrozen
+from lightning_grpo.update.plan import pi_old_source
 from lightning_grpo.validation import greedy_scores
 from lightning_grpo.vision import VisionProcessor, touch_vision
 
@@ -102,10 +104,10 @@ class GRPOModule(UpdateModule):
         super().__init__(policy, optim, seed)
         self.rl = copy.deepcopy(rl or GRPOConfig())
         self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
-        check_sampler_logprobs(self.rl, self.rollout_cfg)  # config errors: before any model is built
-        check_overlong(self.rl, self.rollout_cfg)
         warn_if_unfrozen(self.rl)
         self.opd_cfg, self.env_cfg = copy.deepcopy(opd), copy.deepcopy(env)
+        named = objective if isinstance(objective, str) else None  # an Objective instance brings its own config
+        check_run(self.policy_cfg, self.rl, self.rollout_cfg, self.opd_cfg, named)  # before any model is built
         self.objective = self.configure_objective(objective)
         self.vision: VisionProcessor | None = None  # a vision-language policy's image side (None: text-only)
         self.lora_base: lora.BaseFingerprint | None = None  # the frozen base under policy.lora
@@ -124,10 +126,6 @@ class GRPOModule(UpdateModule):
         if not isinstance(objective, str):
             return objective
         section = OBJECTIVES[objective].section if objective in OBJECTIVES else None
-        if section != "opd" and self.opd_cfg is not None and self.opd_cfg != OPDConfig():
-            # a sweep that sets opd.* but not the objective would otherwise silently train something else
-            raise ValueError(f"objective={objective!r} but the opd section is set, which configures objective='opd': "
-                             "set model.objective=opd or drop model.opd")
         if section == "opd" and self.opd_cfg is None:
             self.opd_cfg = OPDConfig()  # refused by the objective: a teacher is required
         if section == "opd" and self.opd_cfg.teacher is not None:  # a tiny: teacher is seeded like the policy
@@ -204,6 +202,8 @@ class GRPOModule(UpdateModule):
 
     def check_strategy(self) -> None:
         self.rl.validate(self.dp_size())  # per-rank divisibility needs the DP size
+        # rules across sections that need the DP size (the objective's ran in __init__): before the policy loads
+        check_run(self.policy_cfg, self.rl, self.rollout_cfg, objective=None, dp_size=self.dp_size())
         lora.check_strategy(self.policy_cfg.lora, getattr(self._trainer, "strategy", None))
 
     def setup(self, stage: str) -> None:
@@ -249,7 +249,7 @@ class GRPOModule(UpdateModule):
             self.ref = copy.deepcopy(self.policy).requires_grad_(False) if copy_ref else None
             self.objective.setup(self.policy, self.tokenizer)  # OPD: loads the teacher, refuses another vocabulary
             # MoE routing: before FSDP2 shards the routers, and before an engine starts (refusals)
-            self.routing = attach_routing(self.policy, self.rl, self.rollout_cfg.engine, self.dp_mean)
+            self.routing = attach_routing(self.policy, self.rl, self.dp_mean)
             has_ref = self.ref is not None or (lora.is_lora(self.policy) and self.objective.needs_reference())
             packing = Packing.resolve(self.rl.packed, self.policy, self.vision is not None, self.routing is not None,
                                       fuses_head(self.policy))  # refuses rl.packed=true where inexact
@@ -351,7 +351,7 @@ class GRPOModule(UpdateModule):
         """Score one chunk with the objective: it asks the policy (and reference, teacher) for what it needs."""
         chunk = chunk.to(self.device)
         vision = self.scorer.materialize(chunk)  # this chunk's pixels only; freed once its backward has run
-        if old_logprobs is None and self.rl.pi_old_is_sampler:
+        if old_logprobs is None and pi_old_source(self.rl) == "sampler":
             if chunk.rollout_logprobs is None:
                 raise ValueError("rl.rollout_correction.mode=bypass but the engine returned no sampler logprobs")
             old_logprobs = chunk.rollout_logprobs[:, 1:]

@@ -4,14 +4,9 @@ import math
 import pytest
 import yaml
 
-from lightning_grpo.config import (
-    ConfigError,
-    GRPOConfig,
-    OptimConfig,
-    RolloutConfig,
-    VLLMConfig,
-    check_sampler_logprobs,
-)
+from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, VLLMConfig
+from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.run_check import check_run
 
 # (overrides, a fragment the message must contain). Each row breaks exactly one rule.
 BAD_RL = [
@@ -137,13 +132,13 @@ def test_raw_vllm_logprobs_as_pi_old_under_a_warped_sampler_are_refused(warp):
     rl = GRPOConfig(rollout_correction={"mode": "bypass"})
     raw = RolloutConfig(engine="vllm", vllm=VLLMConfig(logprobs_mode="raw_logprobs"), **warp)
     with pytest.raises(ConfigError, match="vllm.logprobs_mode='raw_logprobs'.*set vllm.logprobs_mode to 'auto'"):
-        check_sampler_logprobs(rl, raw)
+        check_run(PolicyConfig(), rl, raw)
     for ok_rl, ok_rollout in [
         (rl, RolloutConfig(engine="vllm", vllm=VLLMConfig(logprobs_mode="auto"), **warp)),  # resolves to processed
         (rl, RolloutConfig(engine="vllm", vllm=VLLMConfig(logprobs_mode="raw_logprobs"))),  # T=1, no cut: the same
         (GRPOConfig(), raw),  # sampler logprobs unused
     ]:
-        check_sampler_logprobs(ok_rl, ok_rollout)
+        check_run(PolicyConfig(), ok_rl, ok_rollout)
     from lightning_grpo.module import GRPOModule
 
     with pytest.raises(ConfigError, match="raw_logprobs"):  # at construction, before any model is built

@@ -197,9 +197,11 @@ def test_refusals_name_the_knob(kw, names):
 def test_opd_refuses_the_entropy_knobs(knob, value):
     from lightning_grpo.objectives.opd import OPDConfig
     from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.run_check import check_run
 
+    opd = OPDConfig(teacher=PolicyConfig(path="teacher"))
     with pytest.raises(ConfigError) as err:
-        OPDConfig(teacher=PolicyConfig(path="teacher")).validate_with(GRPOConfig(**{knob: value}))
+        check_run(PolicyConfig(), GRPOConfig(**{knob: value}), RolloutConfig(), opd, "opd")
     assert [p for p in err.value.problems if p.startswith(f"rl.{knob}={value!r}")]
 
 

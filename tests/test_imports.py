@@ -4,7 +4,8 @@ How the graph is read (``ast`` only, nothing is imported):
 
 - Every ``import`` / ``from ... import`` of our packages counts, at module level, inside functions and in classes
   alike: a function-local import does not make a circle go away, it only hides it until the call. The one
-  exception is an ``if TYPE_CHECKING:`` block, which never runs.
+  exception is an ``if TYPE_CHECKING:`` block, which never runs; a second graph counts those too (a circle there is
+  the same tangle of concepts, only hidden from the interpreter).
 - ``import a.b.c`` depends on ``a.b.c``; ``from a.b import c`` on ``a.b.c`` when that is a module, else on ``a.b``
   (``c`` is then a name of its ``__init__``). Relative imports are resolved against the importing module's package.
 - Package ``__init__`` edges: importing ``a.b.c`` first runs ``a/__init__.py`` and ``a/b/__init__.py``, so it also
@@ -51,16 +52,17 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(node: ast.AST):
-    """Every import statement under ``node`` that can run (``if TYPE_CHECKING:`` bodies skipped)."""
+def _imports(node: ast.AST, type_checking: bool = False):
+    """Every import statement under ``node`` that can run (``if TYPE_CHECKING:`` bodies skipped unless
+    ``type_checking``)."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        elif isinstance(child, ast.If) and _type_checking(child):
+        elif isinstance(child, ast.If) and _type_checking(child) and not type_checking:
             for other in child.orelse:
                 yield from _imports(ast.Module(body=[other], type_ignores=[]))
         else:
-            yield from _imports(child)
+            yield from _imports(child, type_checking)
 
 
 def _exports(files: dict[str, Path]) -> dict[str, str]:
@@ -71,8 +73,10 @@ def _exports(files: dict[str, Path]) -> dict[str, str]:
     raise AssertionError("lightning_grpo/__init__.py has no _EXPORTS")
 
 
-def import_graph(root: Path = ROOT) -> dict[str, list[Edge]]:
-    """Module -> the edges to the modules of our packages it imports (see the module docstring for the rules)."""
+def import_graph(root: Path = ROOT, type_checking: bool = False) -> dict[str, list[Edge]]:
+    """Module -> the edges to the modules of our packages it imports (see the module docstring for the rules);
+    ``type_checking``: count the imports of ``if TYPE_CHECKING:`` blocks too, but the top package's (its lazy
+    re-exports name every module)."""
     files = modules(root)
     exports = _exports(files)
     graph: dict[str, list[Edge]] = {}
@@ -81,7 +85,8 @@ def import_graph(root: Path = ROOT) -> dict[str, list[Edge]]:
         package = name if is_package else name.rpartition(".")[0]
         started = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)} | {name}  # run before this one
         edges = graph.setdefault(name, [])
-        for node in _imports(ast.parse(file.read_text(), str(file))):
+        hidden = type_checking and name != "lightning_grpo"
+        for node in _imports(ast.parse(file.read_text(), str(file)), hidden):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -168,6 +173,15 @@ def test_there_are_no_import_circles():
     files = modules()
     assert not found, "import circles (move the shared piece into a lower module; a function-local import only hides " \
                       "one):\n  " + "\n  ".join(_describe(c, files) for c in found)
+
+
+def test_there_are_no_import_circles_through_type_checking_imports():
+    """An ``if TYPE_CHECKING:`` import closes no circle at run time, but a circle through one still ties two concepts
+    into one (rollout_config.py once typed with config.py, which imports it)."""
+    found = cycles(import_graph(type_checking=True))
+    files = modules()
+    assert not found, "import circles through TYPE_CHECKING imports:\n  " + "\n  ".join(
+        _describe(c, files) for c in found)
 
 
 def test_the_graph_sees_function_local_imports_and_package_inits():

@@ -7,7 +7,7 @@ import torch
 from helpers import max_rel_delta, params_of, synthetic_batch
 from transformers import AutoModelForCausalLM
 
-from lightning_grpo.config import LOSS_TYPES, ConfigError, GRPOConfig
+from lightning_grpo.config import LOSS_TYPES, ConfigError, GRPOConfig, RolloutConfig
 from lightning_grpo.distributed import single_process
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.metrics import roll_up
@@ -265,7 +265,9 @@ def test_peer_names_point_to_ours():
 def test_opd_refuses_the_family(knob, value):
     from lightning_grpo.objectives.opd import OPDConfig
     from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.run_check import check_run
 
+    opd = OPDConfig(teacher=PolicyConfig(path="teacher"))
     with pytest.raises(ConfigError) as err:
-        OPDConfig(teacher=PolicyConfig(path="teacher")).validate_with(GRPOConfig(**{knob: value}))
+        check_run(PolicyConfig(), GRPOConfig(**{knob: value}), RolloutConfig(), opd, "opd")
     assert [p for p in err.value.problems if p.startswith(f"rl.{knob}={value!r}")]

@@ -11,6 +11,7 @@ from lightning_grpo.update.plan import (
     EMPTY,
     ChunkPlan,
     TokenBudgetError,
+    pi_old_source,
     plan_update,
     sequence_lengths,
     take,
@@ -156,3 +157,16 @@ def test_poisoned_window_discards_exactly_the_rest_of_a_data_dependent_window(ti
     assert result.discarded_chunks == 2  # the NaN chunk and the one after it, nothing of the next window
     assert seen == [(0,), (1,), (3,), (4, 5, 6, 7)]
     assert not module.updater.loop.accumulator.discarding()
+
+
+@pytest.mark.parametrize("rl,reads,expected", [
+    ({}, True, "current"),  # one optimizer step per batch: the policy has not moved yet
+    ({"mini_batch_per_replica": 8}, True, "ahead"),
+    ({"mu_iterations": 2}, True, "ahead"),
+    ({"mini_batch_per_replica": 8}, False, "current"),  # an objective without a ratio (distillation alone)
+    ({"mini_batch_per_replica": 8, "freeze_pi_old": False}, True, "current"),  # the diagnostic switch
+    ({"mini_batch_per_replica": 8, "rollout_correction": {"mode": "bypass"}}, True, "sampler"),
+    ({"rollout_correction": {"mode": "bypass"}}, True, "sampler"),
+])
+def test_pi_old_source_is_decided_from_the_config(rl, reads, expected):
+    assert pi_old_source(GRPOConfig(batch_per_replica=16, group_size=2, **rl), reads) == expected

@@ -12,13 +12,15 @@ from helpers import max_rel_delta, params_of, synthetic_batch, with_sampler_logp
 from test_loss_family import COMBOS, aggregate, bare
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig, VLLMConfig, check_sampler_logprobs
+from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig, VLLMConfig
 from lightning_grpo.correction import RolloutCorrection, derived_metrics
 from lightning_grpo.distributed import single_process
 from lightning_grpo.metrics import combine_ranks, roll_up
 from lightning_grpo.objectives import ObjectiveParts, build_objective
 from lightning_grpo.objectives.grpo import CorrectedChunkStats, GRPOObjective
+from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.replay import ReplayEngine
+from lightning_grpo.run_check import check_run
 from lightning_grpo.update import Needs, Split
 
 EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 6
@@ -276,7 +278,7 @@ def test_the_retired_knob_points_to_bypass():
 def test_raw_vllm_logprobs_under_a_warped_sampler_are_refused_for_every_mode():
     raw = RolloutConfig(engine="vllm", vllm=VLLMConfig(logprobs_mode="raw_logprobs"), temperature=0.7)
     with pytest.raises(ConfigError, match="rl.rollout_correction.mode='tis'"):
-        check_sampler_logprobs(GRPOConfig(rollout_correction={"mode": "tis"}), raw)
+        check_run(PolicyConfig(), GRPOConfig(rollout_correction={"mode": "tis"}), raw)
 
 
 def test_replay_records_without_sampler_logprobs_are_refused_naming_the_field(tmp_path):

@@ -400,21 +400,21 @@ def test_a_dead_server_is_started_again_with_the_trainers_weights(engine, traine
         engine.generate(prompts(2), 2, sampling)
 
 
-def test_restarts_are_refused_where_they_cannot_work(tiny_policy_dir):
-    """A server at a URL cannot be started again by this run; restarts under async rollouts are refused at build."""
-    from helpers import tiny_grpo_module
-
-    from lightning_grpo.engines import EngineParts, build_engine
+def test_restarts_are_refused_where_they_cannot_work():
+    """A server at a URL cannot be started again by this run; restarts under async rollouts are refused before any
+    model loads (tests/test_run_check.py: through the CLI)."""
+    from lightning_grpo.config import GRPOConfig
+    from lightning_grpo.policy import PolicyConfig
     from lightning_grpo.rollout.rollout_config import RolloutConfig
+    from lightning_grpo.run_check import check_run
 
     with pytest.raises(ValueError, match="restarts=1 with url set"):
         ServerConfig(url="http://127.0.0.1:1", restarts=1)
     with pytest.raises(ValueError, match="restarts=-1: must be an integer >= 0"):
         ServerConfig(restarts=-1)
-    module = tiny_grpo_module(tiny_policy_dir)
     cfg = RolloutConfig(engine="vllm_server", max_off_policy_steps=1, server=ServerConfig(restarts=1))
     with pytest.raises(ValueError, match="restarts=1 with max_off_policy_steps=1"):
-        build_engine(cfg, EngineParts(module.policy, module.tokenizer, module.policy_cfg, module.rl))
+        check_run(PolicyConfig(), GRPOConfig(rollout_correction={"mode": "tis"}), cfg)
 
 
 

@@ -84,29 +84,6 @@ class OPDConfig:
             p.append(f"kl_chunk_mb={self.kl_chunk_mb}: must be > 0")
         return p
 
-    def validate_with(self, rl: GRPOConfig) -> None:
-        """Rules that need the ``rl`` section too (checked when the module is built), raised as one ConfigError."""
-        p = []
-        if self.teacher is None:
-            p.append("opd.teacher=None: objective=opd needs a teacher (opd.teacher.path: a Hugging Face folder or "
-                     "tiny:<name>)")
-        if not self.use_rewards and rl.beta > 0:
-            p.append(f"rl.beta={rl.beta}: the k3 KL to the initial policy belongs to the GRPO term, which "
-                     "opd.use_rewards=false leaves out; set rl.beta=0 (the teacher is the anchor) or use_rewards=true")
-        mode = rl.rollout_correction.mode
-        if not self.use_rewards and mode != "off":
-            p.append(f"rl.rollout_correction.mode={mode!r}: distillation alone has no ratio, so pi_old is never used; "
-                     "set it to 'off' or opd.use_rewards=true")
-        elif mode not in ("off", "bypass"):
-            p.append(f"rl.rollout_correction.mode={mode!r}: objective=opd adds its KL to the uncorrected GRPO term; "
-                     "set 'off' or 'bypass', or use objective=grpo")
-        for knob, default in (("loss_type", "dapo"), ("ratio_level", "token"), ("loss", "ppo_clip"),
-                              ("entropy_coef", 0.0), ("top_entropy_quantile", 1.0)):
-            if getattr(rl, knob) != default:  # the KL term is a token mean: it shares the GRPO term's token divisor
-                p.append(f"rl.{knob}={getattr(rl, knob)!r}: objective=opd adds its token-mean KL to the default GRPO "
-                         f"term only (dapo, token ratio, ppo_clip); set rl.{knob}={default!r} or use objective=grpo")
-        raise_problems("opd config", p)
-
 
 @dataclass(frozen=True)
 class OPDStats(ChunkStats):
@@ -135,8 +112,7 @@ class OPDObjective:
 
     def __init__(self, config: OPDConfig | None, rl: GRPOConfig | None = None, dp_mean: DPMean = single_process):
         self.config = config or OPDConfig()
-        rl = rl or GRPOConfig()
-        self.config.validate_with(rl)
+        rl = rl or GRPOConfig()  # the rules across opd and rl are checked before any model loads (run_check.py)
         self.grpo = GRPOObjective(rl.epsilon, rl.epsilon_high, rl.beta, dp_mean=dp_mean)
         self.teacher: HFTeacher | VLLMTeacher | None = None  # built by setup()
         self._dp_mean = dp_mean

@@ -1,45 +1,18 @@
 """``RolloutConfig``: how rollouts are produced (the ``rollout`` section; ``lightning_grpo.config`` re-exports it).
 
-A plain dataclass beside the engines, like ``VLLMConfig``: it imports nothing but ``checks.py`` and
-``vllm_config.py``. ``check_sampler_logprobs`` and ``check_overlong`` are the rules that read two sections (``rl`` and
-``rollout``).
+A plain dataclass beside the engines, like ``VLLMConfig``: it imports nothing but ``checks.py``, ``server_config.py``
+and ``vllm_config.py``. Its rules that read another section too (``rl``, ``policy.lora``) are in
+``lightning_grpo/run_check.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from lightning_grpo.checks import is_finite, is_int, raise_problems
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_config import VLLMConfig
-
-if TYPE_CHECKING:
-    from lightning_grpo.config import GRPOConfig
-
-
-def check_sampler_logprobs(rl: GRPOConfig, rollout: RolloutConfig) -> None:
-    """Refuse vLLM raw sampler logprobs as pi_old when sampling warps the logits: they are of the plain logits,
-    while the update scores at the sampling temperature, so the ratio would compare unlike quantities."""
-    mode = rollout.vllm.logprobs_mode if rollout.vllm is not None else "auto"
-    warped = rollout.temperature != 1.0 or rollout.top_p < 1.0 or rollout.top_k > 0
-    if rollout.engine == "vllm" and rl.needs_sampler_logprobs and mode == "raw_logprobs" and warped:
-        raise_problems("rollout config", [(
-            "vllm.logprobs_mode='raw_logprobs': with "
-            f"rl.rollout_correction.mode={rl.rollout_correction.mode!r} and temperature={rollout.temperature}, "
-            f"top_p={rollout.top_p}, top_k={rollout.top_k} the loss would compare log-softmax of the unwarped logits "
-            "with the trainer's; set "
-            "vllm.logprobs_mode to 'auto' or 'processed_logprobs'"
-        )])
-
-
-def check_overlong(rl: GRPOConfig, rollout: RolloutConfig) -> None:
-    """Refuse an overlong buffer as long as the completion: the penalty would start before the first token."""
-    if rl.overlong_buffer and rl.overlong_buffer >= rollout.max_new_tokens:
-        raise_problems("rl config", [(
-            f"overlong_buffer={rl.overlong_buffer}: must be below rollout.max_new_tokens={rollout.max_new_tokens} "
-            "(the penalty ramps over the last overlong_buffer tokens); lower it or set 0 (off)"
-        )])
 
 
 @dataclass

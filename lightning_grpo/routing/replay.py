@@ -232,16 +232,14 @@ def rollout_refusal(engine: str) -> str:
     return f"the {engine!r} engine returns no per-token routing"
 
 
-def attach_routing(model: nn.Module, rl, engine: str, dp_mean) -> RoutingReplay | None:
+def attach_routing(model: nn.Module, rl, dp_mean) -> RoutingReplay | None:
     """The policy's ``RoutingReplay``, or None when neither ``rl.routing_replay`` nor an aux loss asks for one.
 
-    Refuses (naming the knob) ``routing_replay`` on a dense model or an unsupported MoE block, ``rollout`` on an
-    engine that cannot return routing, and a several-chunk aux loss without replay.
+    Refuses (naming the knob) ``routing_replay`` on a dense model or an unsupported MoE block, and a several-chunk aux
+    loss without replay. ``rollout`` on an engine that cannot return routing needs no model: ``run_check.py``
+    refuses it before the policy loads.
     """
     mode = rl.routing_replay
-    if mode == "rollout":
-        raise RoutingReplayError(f"rl.routing_replay='rollout' with rollout.engine={engine!r}: {rollout_refusal(engine)}."
-                                 " Use rl.routing_replay='ahead' (records routing in the ahead pass)")
     aux = aux_loss_spec(model) if moe_blocks(model) else None
     if mode == "off" and aux is None:
         return None

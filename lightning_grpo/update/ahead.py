@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.distributed import single_process
-from lightning_grpo.update.plan import EMPTY, ChunkPlan, Needs, Rows, sequence_lengths, take
+from lightning_grpo.update.plan import EMPTY, ChunkPlan, Needs, Rows, pi_old_source, sequence_lengths, take
 from lightning_grpo.update.records import Recorder, RowRecords
 
 log = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ def _sync(out: list[Tensor | None]) -> None:
 
 def warn_if_unfrozen(rl) -> None:
     """The diagnostic switch is off-label: say so once, when the module is built."""
-    if rl.steps_per_loop_step > 1 and not rl.freeze_pi_old and not rl.pi_old_is_sampler:
+    if rl.steps_per_loop_step > 1 and pi_old_source(rl) == "current":  # several steps, pi_old not frozen
         log.warning("rl.freeze_pi_old=false at n_mini=%d, mu_iterations=%d: pi_old follows the drifting policy, the "
                     "ratio returns to 1 on every mini-batch and the clip never binds. Diagnostic only; keep it true to "
                     "train.", rl.n_mini, rl.mu_iterations)

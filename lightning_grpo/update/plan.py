@@ -1,7 +1,8 @@
 """The plan of one collected batch: what it needs (``Needs``) and which rows make up chunk ``(mini, micro)``.
 
 ``batch_needs`` is the one place that decides what a collected batch needs before training: the ahead pass
-(frozen pi_old), MoE routing records, and whether mini-batch 0 may go unrecorded.
+(frozen pi_old), MoE routing records, and whether mini-batch 0 may go unrecorded; ``pi_old_source`` beside it
+decides where pi_old comes from (the sampler, the ahead pass, or the chunk's current logprobs).
 
 The plan is computed once per collected batch and then only indexed, so the ahead pass
 and the training walk see the very same chunks in the very same order. Two ways to cut a
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -40,6 +42,8 @@ EMPTY: Rows = ()
 """The rows of an empty chunk (a DP filler: one masked-out row, zero loss, zero divisor)."""
 # Max over data-parallel ranks of an int64 vector (identity on one device).
 DPMax = Callable[[Tensor], Tensor]
+PiOldSource = Literal["sampler", "ahead", "current"]
+"""Where pi_old comes from (``pi_old_source``)."""
 
 
 @dataclass(frozen=True)
@@ -69,16 +73,36 @@ class Needs:
         return probe_passed and mu_iterations == 1 and not self.every_chunk
 
 
+def pi_old_source(rl, reads_pi_old: bool = True) -> PiOldSource:
+    """The one place that decides where the ratio's pi_old comes from; the ahead pass, the module's chunk and the
+    unfrozen-pi_old warning read this answer.
+
+    * ``sampler``: ``rl.rollout_correction.mode=bypass``: the sampler's logprobs, carried by the batch (no ahead pass).
+    * ``ahead``: several optimizer steps per batch (n_mini or mu_iterations > 1) with ``rl.freeze_pi_old``, and an
+      objective that reads pi_old: the ahead pass records it, frozen, before the first step.
+    * ``current``: the chunk's own logprobs, detached: exact when the policy has not moved yet (one step per batch),
+      or the diagnostic ``freeze_pi_old=false``, or an objective without a ratio.
+
+    Args:
+        rl: the ``rl`` section (``GRPOConfig``).
+        reads_pi_old: whether the objective reads pi_old at all (``Objective.needs_old_logprobs``).
+    """
+    if rl.rollout_correction.mode == "bypass":
+        return "sampler"
+    several_steps = rl.n_mini > 1 or rl.mu_iterations > 1
+    if several_steps and rl.freeze_pi_old and reads_pi_old:
+        return "ahead"
+    return "current"
+
+
 def batch_needs(rl, objective, routing=None, recorders: bool = False) -> Needs:
     """The one place that decides what a collected batch needs, from the config, the objective and MoE routing.
 
-    ``rl``: n_mini, mu_iterations, freeze_pi_old, pi_old_is_sampler and the micro split
-    (``GRPOConfig``); ``routing``: the policy's ``RoutingReplay`` or None; ``recorders``: whether the module added
-    recorders of its own (``GRPOModule.configure_recorders``).
+    ``rl``: what ``pi_old_source`` reads and the micro split (``GRPOConfig``); ``routing``: the policy's
+    ``RoutingReplay`` or None; ``recorders``: whether the module added recorders of its own
+    (``GRPOModule.configure_recorders``).
     """
-    several_steps = rl.n_mini > 1 or rl.mu_iterations > 1
-    frozen = several_steps and rl.freeze_pi_old and not rl.pi_old_is_sampler
-    pi_old = frozen and objective.needs_old_logprobs()
+    pi_old = pi_old_source(rl, objective.needs_old_logprobs()) == "ahead"
     aux = routing is not None and routing.aux is not None
     routes = aux and routing.mode != "off" and several_chunks(rl)
     return Needs(pi_old=pi_old, routes=routes, records=recorders, every_chunk=aux or recorders)
