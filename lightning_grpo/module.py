@@ -235,14 +235,15 @@ class GRPOModule(UpdateModule):
         """The update of one collected batch: split by ``rl``, the objective on each chunk, the ahead pass (frozen
         pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it."""
         extra = self.configure_recorders()
+        hooks = [self.routing] if self.routing is not None else []  # per-chunk hooks (update/records.py ChunkHook)
         ahead = AheadPass(self.policy, lambda c: self.scorer.logprobs(self.policy, c.to(self.device)),
-                          dp_sum=lambda t: self.dp_mean(t) * self.dp_size(), routing=self.routing, recorders=extra)
+                          dp_sum=lambda t: self.dp_mean(t) * self.dp_size(), hooks=hooks, recorders=extra)
         dp = DataParallel(max=(lambda t: self.dp_all_reduce(t, "max")) if self.dp_size() > 1 else (lambda t: t),
                           grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
         split = lambda: Split.of(self.rl, self.dp_size(), self.scorer.packed)  # packed: budgets count real tokens
         return Updater(self.policy, self.forward_chunk, split=split,
-                       needs=lambda: batch_needs(self.rl, self.objective, self.routing, bool(extra)), ahead=ahead,
-                       routing=self.routing, seed=self.seed, dp=dp, max_grad_norm=self.rl.max_grad_norm,
+                       needs=lambda: batch_needs(self.rl, self.objective, hooks, bool(extra)), ahead=ahead,
+                       hooks=hooks, seed=self.seed, dp=dp, max_grad_norm=self.rl.max_grad_norm,
                        max_consecutive_skips=self.rl.max_consecutive_skips)
 
     def on_fit_start(self) -> None:
