@@ -91,13 +91,13 @@ class RoutingReplay:
         """Record the routers' choice during one ahead forward (nothing with ``mode='off'``)."""
         return self.hooks.record() if self.mode != "off" else contextlib.nullcontext(_Recording())
 
-    def split(self, record: RoutingRecord | None, rows: Sequence[int], lengths: Sequence[int]) -> list[Tensor]:
-        """Chunk ``rows``'s record as one ``[layers, tokens, k]`` tensor per row (``lengths``: each batch row's real
-        tokens; a copy, so the padded chunk record is freed)."""
-        if record is None or not rows:
+    def split(self, value: RoutingRecord | None, rows: Sequence[int], lengths: Sequence[int]) -> list[Tensor]:
+        """Chunk ``rows``'s record ``value`` as one ``[layers, tokens, k]`` tensor per row (``lengths``: each batch
+        row's real tokens; a copy, so the padded chunk record is freed)."""
+        if value is None or not rows:
             return []
-        stacked = torch.stack(record.routes)  # [L, B*T, k]
-        per_row = stacked.view(stacked.shape[0], len(rows), record.rows // len(rows), stacked.shape[-1])
+        stacked = torch.stack(value.routes)  # [L, B*T, k]
+        per_row = stacked.view(stacked.shape[0], len(rows), value.rows // len(rows), stacked.shape[-1])
         return [per_row[:, i, :lengths[r]].clone() for i, r in enumerate(rows)]
 
     def replay(self, record: RoutingRecord | None):
