@@ -1,15 +1,18 @@
 """A per-chunk hook (``update/records.py`` ``ChunkHook``) that is not MoE, driven by a bare Updater on a toy model."""
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
 from helpers import synthetic_batch
 from torch import nn
 
-from lightning_grpo.update import AheadPass, HookNeeds, Needs, Split, Updater, batch_needs
+from lightning_grpo.routing import RoutingReplay
+from lightning_grpo.update import AheadPass, ChunkHook, HookNeeds, Needs, Split, Updater, batch_needs
 
 LENS = [3, 9, 1, 6, 12, 2, 5, 8]  # 8 unequal completions: n_mini=2 x n_micro=2 chunks of 2 rows
 VOCAB = 80
@@ -35,7 +38,7 @@ def score(model: Toy, chunk):
 
 @dataclass(frozen=True)
 class ToyStats:
-    REDUCE = {}
+    REDUCE: ClassVar[dict] = {}
     loss: torch.Tensor
     denom: torch.Tensor
 
@@ -59,7 +62,9 @@ class EmbedNorm:
     name, token_dim = "embed_norm", 0
 
     def __init__(self, model: Toy, events: list, needs: HookNeeds) -> None:
-        self.embed, self.events, self.declared = model.embed, events, needs
+        self.embed = model.embed
+        self.events = events
+        self.declared = needs
         self.records = None
         self.begun = []  # (batch, plan, records) per update
         self.replayed = []  # what the probe's re-score replayed
@@ -107,8 +112,8 @@ class EmbedNorm:
 
 def rl_config(**kw):
     """What ``batch_needs`` reads of ``GRPOConfig``: two optimizer steps, an objective without a ratio."""
-    base = dict(n_mini=2, mu_iterations=1, freeze_pi_old=True, pi_old_is_sampler=False, n_micro=2,
-                max_tokens_per_micro=0)
+    base = {"n_mini": 2, "mu_iterations": 1, "freeze_pi_old": True, "pi_old_is_sampler": False, "n_micro": 2,
+            "max_tokens_per_micro": 0}
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -168,14 +173,33 @@ def test_a_hook_that_needs_nothing_gets_no_records_without_an_ahead_pass():
     assert [e for e in events if isinstance(e, tuple)] == [(side, k) for k in range(4) for side in ("enter", "exit")]
 
 
+class Declares:
+    """Only the needs of a hook: what it declares, and what it was told."""
+
+    def __init__(self, declared: HookNeeds) -> None:
+        self.declared = declared
+        self.told = []
+
+    def needs(self, several_chunks: bool) -> HookNeeds:
+        self.told.append(several_chunks)
+        return self.declared
+
+
 @pytest.mark.parametrize(("declared", "several", "want"), [
     (HookNeeds(every_chunk=True), True, Needs(every_chunk=True)),
     (HookNeeds(ahead_pass=True), False, Needs(records=True)),
 ])
 def test_batch_needs_folds_in_what_each_hook_declares(declared, several, want):
-    seen = []
-    hook = SimpleNamespace(needs=lambda several_chunks: seen.append(several_chunks) or declared)
+    hook = Declares(declared)
     rl = rl_config(n_micro=2 if several else 1)
     assert batch_needs(rl, NO_RATIO, [hook]) == want
-    assert seen == [several]  # told whether a window may take several chunks
+    assert hook.told == [several]  # told whether a window may take several chunks
     assert batch_needs(rl, NO_RATIO, [hook], recorders=True) == Needs(records=True, every_chunk=True)
+
+
+@pytest.mark.parametrize("hook", [RoutingReplay, EmbedNorm], ids=["RoutingReplay", "toy"])
+def test_every_hook_has_the_protocols_members_with_its_parameter_names(hook):
+    for member in ("needs", "capture", "split", "replay", "begin", "scope"):
+        want = list(inspect.signature(getattr(ChunkHook, member)).parameters)
+        assert list(inspect.signature(getattr(hook, member)).parameters) == want, member
+    assert isinstance(hook.name, str) and isinstance(hook.token_dim, int)
