@@ -90,6 +90,15 @@ def plan_metrics(plan) -> dict[str, float]:
             "grpo/oversized_rows": float(plan.oversized)}
 
 
+def update_metrics(result: LoopResult, plan, ahead_seconds: float, update_seconds: float,
+                   stats: type | None = None) -> dict[str, float]:
+    """One update's roll-up, how its batch was cut, and the ahead pass's wall time and share of the update."""
+    out = {**roll_up(result, stats=stats), **plan_metrics(plan)}
+    out["grpo/ahead_seconds"] = ahead_seconds
+    out["grpo/ahead_share"] = ahead_seconds / update_seconds if update_seconds > 0 else 0.0
+    return out
+
+
 def length_metrics(lengths: torch.Tensor, finish_reasons: list[str]) -> dict[str, float]:
     """Length figures of this rank's completions (TRL's ``completions/*``): ``lengths`` ``[B]`` completion tokens,
     ``finish_reasons`` ``"stop"`` (EOS or a stop string) or ``"length"`` (cut at ``rollout.max_new_tokens``).

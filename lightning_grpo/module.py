@@ -46,7 +46,7 @@ from lightning_grpo.envs.config import EnvConfig
 from lightning_grpo.envs.episode import EpisodeRunner
 from lightning_grpo.handoff import attach_handoff
 from lightning_grpo.logprobs import fuses_head
-from lightning_grpo.metrics import combine_ranks, plan_metrics, roll_up
+from lightning_grpo.metrics import combine_ranks, update_metrics
 from lightning_grpo.objectives import OBJECTIVES, Objective, ObjectiveParts, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.packing import Packing
@@ -60,7 +60,7 @@ from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder,
 from lightning_grpo.update.ahead import warn_if_unfrozen
 from lightning_grpo.update.plan import pi_old_source
 from lightning_grpo.validation import greedy_scores
-from lightning_grpo.vision import VisionProcessor, touch_vision
+from lightning_grpo.vision import VisionProcessor
 
 # The sections' defaults: instances rather than None, so `--help` and `--print_config` show every field.
 # Shared between modules, hence copied by GRPOModule.__init__ and never mutated.
@@ -184,10 +184,8 @@ class GRPOModule(UpdateModule):
 
     def step_sampling(self) -> StepSampling:
         """How each loop step samples on this rank (``rollout`` section; a seed per seed, loop step and rank)."""
-        r = self.rollout_cfg
-        forbidden = self.vision.special_ids if self.vision is not None else ()
-        return StepSampling(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop or ()),
-                            self.rl.needs_sampler_logprobs, self.seed, self.dp_size(), self.global_rank, forbidden)
+        logprobs = self.rl.needs_sampler_logprobs
+        return StepSampling.of(self.rollout_cfg, logprobs, self.seed, self.dp_size(), self.global_rank, self.vision)
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     @property
@@ -213,22 +211,14 @@ class GRPOModule(UpdateModule):
 
     def check_data(self) -> None:
         """Fit the datamodule's prompts to this policy and its rewards before any step runs (``data/fitting.py``)."""
-        fit = PromptFit(tokenizer=self.tokenizer, max_prompt_tokens=self.max_prompt_tokens(),
+        limit = self.rollout_cfg.prompt_limit(self.context_length())
+        fit = PromptFit(tokenizer=self.tokenizer, max_prompt_tokens=limit,
                         long_prompts=self.rollout_cfg.long_prompts, reward_specs=self.reward_specs or [],
                         policy_path=self.policy_cfg.path, vision=self.vision is not None,
                         objective=self.objective.name, dynamic_sampling=self.rl.dynamic_sampling)
         fit_prompts(fit, self._datamodule())
         if self.episodes is None:  # loads model.env: an environment that does not import is refused here
             self.episodes = self.configure_episodes()
-
-    def max_prompt_tokens(self) -> int | None:
-        """The prompt-length limit: ``rollout.max_prompt_tokens``, else the context left after the completion."""
-        if self.rollout_cfg.max_prompt_tokens is not None:
-            return self.rollout_cfg.max_prompt_tokens
-        engine = {"vllm": self.rollout_cfg.vllm, "vllm_server": self.rollout_cfg.server}.get(self.rollout_cfg.engine)
-        contexts = [self.context_length(), engine.max_model_len if engine is not None else None]
-        context = min((c for c in contexts if c), default=None)
-        return None if context is None else max(context - self.rollout_cfg.max_new_tokens, 1)
 
     def configure_model(self) -> None:
         """Build policy, tokenizer and (beta > 0) the frozen reference; FSDP2-shard them under ModelParallelStrategy.
@@ -272,10 +262,11 @@ class GRPOModule(UpdateModule):
         pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it. What depends on the ranks (the
         per-rank split, the reductions) joins with the optimizer (``data_parallel``), once the strategy is known."""
         extra = self.configure_recorders()
-        ahead = AheadPass(self.policy, self.scorer.pi_old, dp_sum=self.dp_sum, routing=self.routing, recorders=extra)
-        needs = batch_needs(self.rl, self.objective, self.routing, bool(extra))
+        hooks = [self.routing] if self.routing is not None else []  # per-chunk hooks (update/records.py ChunkHook)
+        ahead = AheadPass(self.policy, self.scorer.pi_old, dp_sum=self.dp_sum, hooks=hooks, recorders=extra)
+        needs = batch_needs(self.rl, self.objective, hooks, bool(extra))
         return Updater(self.policy, self.forward_chunk, split=self.split(), needs=needs, ahead=ahead,
-                       routing=self.routing, seed=self.seed, max_grad_norm=self.rl.max_grad_norm,
+                       hooks=hooks, seed=self.seed, max_grad_norm=self.rl.max_grad_norm,
                        max_consecutive_skips=self.rl.max_consecutive_skips)
 
     def split(self) -> Split:
@@ -348,27 +339,17 @@ class GRPOModule(UpdateModule):
         return self.updater.update(batch)
 
     def forward_chunk(self, chunk: RolloutBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, Stats]:
-        """Score one chunk with the objective: it asks the policy (and reference, teacher) for what it needs."""
-        chunk = chunk.to(self.device)
-        vision = self.scorer.materialize(chunk)  # this chunk's pixels only; freed once its backward has run
-        if old_logprobs is None and pi_old_source(self.rl) == "sampler":
-            if chunk.rollout_logprobs is None:
-                raise ValueError("rl.rollout_correction.mode=bypass but the engine returned no sampler logprobs")
-            old_logprobs = chunk.rollout_logprobs[:, 1:]
-        loss, denom, stats = self.objective.chunk_loss(chunk, self.scorer.policy_view(chunk, vision), old_logprobs)
-        if vision is None and self.vision is not None:  # no pixels: DDP still needs the vision side in the backward
-            loss = touch_vision(loss, self.policy)
-        return loss, denom, stats
+        """Score one chunk with the objective (``ChunkScorer.chunk_loss``)."""
+        sampler = pi_old_source(self.rl) == "sampler"
+        return self.scorer.chunk_loss(self.objective, chunk, old_logprobs, sampler)
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
-        metrics = {**rollout_metrics, **roll_up(result, stats=getattr(self.objective, "stats", None)),
-                   **plan_metrics(self.updater.last_plan)}
+        u = self.updater
+        stats = getattr(self.objective, "stats", None)
+        metrics = {**rollout_metrics, **update_metrics(result, u.last_plan, u.ahead_seconds, u.update_seconds, stats)}
         metrics["loop_step"] = float(self.loop_step)
         metrics["global_step"] = float(self.global_step)
         metrics["step"] = metrics["loop_step"]  # the logger's x-axis: collected batches
-        ahead, whole = self.updater.ahead_seconds, self.updater.update_seconds
-        metrics["grpo/ahead_seconds"] = ahead
-        metrics["grpo/ahead_share"] = ahead / whole if whole > 0 else 0.0
         if self.routing is not None:
             metrics.update(self.routing.metrics())  # moe/route_flip_frac, moe/aux_loss
         world = self.dp_size()

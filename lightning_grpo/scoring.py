@@ -14,10 +14,10 @@ from lightning_grpo import lora
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import token_logprobs
-from lightning_grpo.objectives.base import PolicyView
+from lightning_grpo.objectives.base import Objective, PolicyView, Stats
 from lightning_grpo.packing import PADDED, Packing
 from lightning_grpo.update.ahead import eval_mode
-from lightning_grpo.vision import VisionInputs, VisionProcessor
+from lightning_grpo.vision import VisionInputs, VisionProcessor, touch_vision
 
 
 class ChunkScorer:
@@ -66,6 +66,23 @@ class ChunkScorer:
                           call=lambda fn, *args: root_call(self.policy, fn, *args),
                           logprobs_and_entropy=lambda c, grad: self.logprobs(self.policy, c, pixels(c),
                                                                              "grad" if grad else "value"))
+
+    def chunk_loss(self, objective: Objective, chunk: RolloutBatch, old_logprobs: Tensor | None,
+                   sampler_is_pi_old: bool) -> tuple[Tensor, Tensor, Stats]:
+        """The objective on one chunk: it asks the policy (and reference, teacher) for what it needs.
+
+        ``sampler_is_pi_old``: ``rl.rollout_correction.mode=bypass`` (``plan.pi_old_source``): the sampler's logprobs
+        stand in for a pi_old the ahead pass did not record."""
+        chunk = chunk.to(self.device())
+        vision = self.materialize(chunk)  # this chunk's pixels only; freed once its backward has run
+        if old_logprobs is None and sampler_is_pi_old:
+            if chunk.rollout_logprobs is None:
+                raise ValueError("rl.rollout_correction.mode=bypass but the engine returned no sampler logprobs")
+            old_logprobs = chunk.rollout_logprobs[:, 1:]
+        loss, denom, stats = objective.chunk_loss(chunk, self.policy_view(chunk, vision), old_logprobs)
+        if vision is None and self.vision is not None:  # no pixels: DDP still needs the vision side in the backward
+            loss = touch_vision(loss, self.policy)
+        return loss, denom, stats
 
     def reference_logprobs(self, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
         """``[B, T-1]`` logprobs of the frozen reference: the copy, or under LoRA the policy with its adapter off."""

@@ -153,3 +153,37 @@ def test_the_module_scan_sees_what_it_forbids():
     found = _offences(ast.parse(code), "x.py", {"on_train_start", "setup"})
     assert found == ["x.py:1 a(module)", "x.py:2 b(m)", "x.py:3 c(m)", "x.py:7 Cb._helper(pl_module)",
                      "x.py:8 Cb.setup(module)"]
+
+
+def code_names(tree: ast.AST) -> set[str]:
+    """Every name the code itself uses: identifiers, attributes, parameters, keywords, definitions, imports."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg) or (isinstance(node, ast.keyword) and node.arg):
+            names.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.update(part for part in (node.name, node.asname) if part)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_update_package_knows_no_moe():
+    """``update/`` drives per-chunk hooks (``records.ChunkHook``); MoE routing replay is one of them, in routing/."""
+    named = {}
+    for p in (PACKAGE / "update").rglob("*.py"):
+        hits = sorted(n for n in code_names(ast.parse(p.read_text())) if "routing" in n.lower() or "moe" in n.lower())
+        if hits:
+            named[str(p.relative_to(PACKAGE))] = hits
+    assert not named, f"update/ names MoE routing (make it a ChunkHook in routing/): {named}"
+
+
+def test_the_moe_check_sees_parameters_attributes_and_imports():
+    code = "from lightning_grpo.routing import X\ndef f(routing=None):\n    return self.moe_aux\n"
+    assert {"lightning_grpo.routing", "routing", "moe_aux"} <= code_names(ast.parse(code))

@@ -87,6 +87,14 @@ class StepSampling:
     forbidden_token_ids: tuple[int, ...] = ()
     """Tokens a completion must never hold (a VLM's vision tokens)."""
 
+    @classmethod
+    def of(cls, rollout, logprobs: bool, seed: int, world: int, rank: int,
+           vision: VisionProcessor | None) -> StepSampling:
+        """The sampling of the ``rollout`` section on this rank (a VLM's vision tokens forbidden in completions)."""
+        forbidden = vision.special_ids if vision is not None else ()
+        return cls(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k, tuple(rollout.stop or ()),
+                   logprobs, seed, world, rank, forbidden)
+
     def at(self, loop_step: int) -> SamplingConfig:
         """The sampling of the draw for ``loop_step`` (engines derive one stream per prompt and sample from it)."""
         seed = (self.seed * 1_000_003 + loop_step) * max(self.world, 1) + self.rank

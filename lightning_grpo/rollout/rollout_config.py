@@ -51,6 +51,16 @@ class RolloutConfig:
     long_prompts: Literal["drop", "error"] = "drop"
     """Prompts over max_prompt_tokens: drop (counted in data/long_prompts_dropped, warned once) or error at setup."""
 
+    def prompt_limit(self, context: int | None) -> int | None:
+        """The prompt-length limit: ``max_prompt_tokens``, else the context left after the completion (the policy's
+        ``context``, or the engine's ``max_model_len`` when smaller); None when neither is known."""
+        if self.max_prompt_tokens is not None:
+            return self.max_prompt_tokens
+        engine = {"vllm": self.vllm, "vllm_server": self.server}.get(self.engine)
+        contexts = [context, engine.max_model_len if engine is not None else None]
+        known = min((c for c in contexts if c), default=None)
+        return None if known is None else max(known - self.max_new_tokens, 1)
+
     def __post_init__(self) -> None:
         raise_problems("rollout config", self.problems())
 

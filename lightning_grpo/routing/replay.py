@@ -1,9 +1,10 @@
 """MoE routing replay over one collected batch: per-row records, the training walk's replay scopes, the aux loss.
 
-The ahead pass (``update/ahead.py``) records every router's choice through ``RoutingReplay`` (a ``Recorder``:
-``capture`` around each ahead forward, ``split`` into per-row ``[layers, tokens, k]`` records); each training
-chunk lays its rows' records out (``RowRecords.layout``) and replays them through its forward and backward.
-The hooks themselves live in ``routing/hooks.py``.
+``RoutingReplay`` is a ``ChunkHook`` (``update/records.py``), driven by the ``Updater`` like any other: the ahead
+pass (``update/ahead.py``) records every router's choice through it (``capture`` around each ahead forward,
+``split`` into per-row ``[layers, tokens, k]`` records) and the probe's re-score replays it (``replay``); each
+training chunk lays its rows' records out (``RowRecords.layout``) and replays them through its forward and
+backward (``scope``). The router hooks themselves live in ``routing/hooks.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from lightning_grpo.routing.hooks import (
     record_counts,
 )
 from lightning_grpo.update.plan import several_chunks
-from lightning_grpo.update.records import RowRecords
+from lightning_grpo.update.records import HookNeeds, RowRecords
 
 
 # -- one collected batch: records per chunk, replay scopes for the training walk, the aux loss -------------------
@@ -57,7 +58,8 @@ class RoutingReplay:
             (hooks only collect the aux loss, when the model enables one).
         dp_mean: mean over data-parallel ranks (the window divisor of the aux term).
 
-    Per collected batch: ``begin(batch, plan, routes)`` with the ahead pass's per-row records
+    A ``ChunkHook`` (``update/records.py``). Per collected batch: ``needs`` decides whether the ahead pass
+    must run for routing alone, ``begin(batch, plan, records)`` takes the ahead pass's per-row records
     (``AheadPass.records["routes"]``), then the loop enters ``scope(k, chunk)`` around the k-th chunk
     of the training walk (every epoch), through its forward *and* backward (a checkpointed layer
     re-runs its router in backward).
@@ -74,21 +76,28 @@ class RoutingReplay:
         self._steps = 0
         self._aux_values: list[Tensor] = []
 
-    # -- the Recorder the ahead pass drives (``update/records.py``) ---------------------------------------------
+    # -- the ChunkHook the Updater drives (``update/records.py``) ----------------------------------------------
     name = "routes"
     token_dim = 1  # a row's record is [layers, tokens, k]
+
+    def needs(self, several_chunks: bool) -> HookNeeds:
+        """With the aux loss on, every chunk's routing is read (``f_e`` per window), so every chunk is recorded; a
+        window of several chunks must know it before its first backward, so the ahead pass runs even without a
+        pi_old to freeze (unless ``mode='off'``, refused with several chunks at setup)."""
+        aux = self.aux is not None
+        return HookNeeds(ahead_pass=aux and self.mode != "off" and several_chunks, every_chunk=aux)
 
     def capture(self):
         """Record the routers' choice during one ahead forward (nothing with ``mode='off'``)."""
         return self.hooks.record() if self.mode != "off" else contextlib.nullcontext(_Recording())
 
-    def split(self, record: RoutingRecord | None, rows: Sequence[int], lengths: Sequence[int]) -> list[Tensor]:
-        """Chunk ``rows``'s record as one ``[layers, tokens, k]`` tensor per row (``lengths``: each batch row's real
-        tokens; a copy, so the padded chunk record is freed)."""
-        if record is None or not rows:
+    def split(self, value: RoutingRecord | None, rows: Sequence[int], lengths: Sequence[int]) -> list[Tensor]:
+        """Chunk ``rows``'s record ``value`` as one ``[layers, tokens, k]`` tensor per row (``lengths``: each batch
+        row's real tokens; a copy, so the padded chunk record is freed)."""
+        if value is None or not rows:
             return []
-        stacked = torch.stack(record.routes)  # [L, B*T, k]
-        per_row = stacked.view(stacked.shape[0], len(rows), record.rows // len(rows), stacked.shape[-1])
+        stacked = torch.stack(value.routes)  # [L, B*T, k]
+        per_row = stacked.view(stacked.shape[0], len(rows), value.rows // len(rows), stacked.shape[-1])
         return [per_row[:, i, :lengths[r]].clone() for i, r in enumerate(rows)]
 
     def replay(self, record: RoutingRecord | None):
@@ -98,9 +107,9 @@ class RoutingReplay:
         return self.hooks.replay(record, count_flips=False)
 
     # -- one collected batch ---------------------------------------------------------------------------------------
-    def begin(self, batch, plan, routes: RowRecords | None) -> None:
+    def begin(self, batch, plan, records: RowRecords | None) -> None:
         """Take the ahead pass's per-row records and prepare each window's aux-loss constants."""
-        self._routes = routes if self.mode != "off" else None
+        self._routes = records if self.mode != "off" else None
         self._walk = [(mini, plan.rows[mini][micro]) for _, mini, micro in plan.training_walk()]
         self._windows, self._aux_values, self._steps = {}, [], plan.mu_iterations * plan.n_mini
         if self.aux is None:

@@ -17,7 +17,8 @@ walks bigger chunks of its own and lays its per-row records out as the training 
 
 The probe is a one-shot screen, not a monitor: on the first ahead chunk of a run it
 re-scores that chunk in ``train()`` mode at unchanged weights and compares with the
-``eval()`` record. A stochastic layer that fires there (dropout left on, MoE routing churn)
+``eval()`` record, with every ``ChunkHook`` replaying what it captured on that chunk. A stochastic
+layer that fires there (dropout left on, a discontinuous choice that churns between forwards)
 fails the run with an explicit error instead of silently biasing every ratio.
 """
 
@@ -36,7 +37,7 @@ from torch import Tensor, nn
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.distributed import single_process
 from lightning_grpo.update.plan import EMPTY, ChunkPlan, Needs, Rows, pi_old_source, sequence_lengths, take
-from lightning_grpo.update.records import Recorder, RowRecords
+from lightning_grpo.update.records import ChunkHook, Recorder, RowRecords
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class ProbeResult:
 
 
 class AheadPass:
-    """Records frozen pi_old (and every ``Recorder``'s per-token record) before training; runs the probe once.
+    """Records frozen pi_old (and every hook's and ``Recorder``'s per-token record) before training; runs the probe.
 
     Args:
         model: the policy (its modes are toggled, its ``forward_noise_policy`` read).
@@ -123,8 +124,8 @@ class AheadPass:
         dp_sum: sum over data-parallel ranks, so every rank takes the same probe decision.
         skip_first_mini: leave mini-batch 0 out of the walk once the probe passed (``False``
             keeps the reference design's full walk; the bench compares both).
-        routing: MoE routing replay (``routing.RoutingReplay``): a recorder of each chunk's experts, replayed
-            in the probe's train() re-score. None for a dense policy.
+        hooks: per-chunk hooks (``records.ChunkHook``): recorded first, on every chunk scored, and each one's capture
+            of the probe's chunk replayed in the probe's train() re-score.
         recorders: more per-token records to take on every chunk scored (``records.Recorder``; docs/update.md).
 
     Example::
@@ -134,18 +135,19 @@ class AheadPass:
     """
 
     def __init__(self, model: nn.Module, score: Score, dp_sum: DPSum = single_process,
-                 skip_first_mini: bool = True, routing=None, recorders: Sequence[Recorder] = ()) -> None:
+                 skip_first_mini: bool = True, hooks: Sequence[ChunkHook] = (),
+                 recorders: Sequence[Recorder] = ()) -> None:
         self.model = model
         self.score = score
         self.dp_sum = dp_sum
         self.skip_first_mini = skip_first_mini
-        self.routing = routing
-        self.recorders: list[Recorder] = ([routing] if routing is not None else []) + list(recorders)
+        self.hooks: list[ChunkHook] = list(hooks)
+        self.recorders: list[Recorder] = [*self.hooks, *recorders]  # the hooks first: their captures lead
         self._probe: ProbeResult | None = None  # set once per run; resumes from state_dict
         self.last_seconds = 0.0
         """Wall time of the latest ahead pass (device work included)."""
         self.records: dict[str, RowRecords] = {}
-        """The latest pass's per-row records: ``pi_old`` and one per recorder (``routes`` for MoE replay)."""
+        """The latest pass's per-row records: ``pi_old`` and one per hook or recorder, under its ``name``."""
 
     @property
     def probe_passed(self) -> bool:
@@ -176,7 +178,7 @@ class AheadPass:
                 for _, micro in ahead.walk():
                     self._score(batch, ahead.rows[0][micro], lengths)
         if self.skips_first_mini(needs, plan.mu_iterations):  # also when the probe passed during this pass
-            for record in self.records.values():  # mini-batch 0 trains at pi_old itself: it routes naturally too
+            for record in self.records.values():  # mini-batch 0 trains at pi_old itself: its hooks see no record
                 record.drop(r for rows in plan.rows[0] for r in rows)
         laid: dict[tuple[int, int], Tensor | None] = {}  # each chunk laid out once: every epoch reuses its record
         for mini, micro in plan.walk():
@@ -192,8 +194,8 @@ class AheadPass:
         with contextlib.ExitStack() as stack:
             captures = [stack.enter_context(r.capture()) for r in self.recorders]
             logprobs = self.score(chunk)  # [B, T-1]
-        if self._probe is None:  # the probe's train() re-score replays this chunk's routes (routing is recorder 0)
-            self._run_probe(chunk, logprobs, captures[0].value if self.routing is not None else None)
+        if self._probe is None:  # the probe's train() re-score replays what each hook captured on this chunk
+            self._run_probe(chunk, logprobs, [cap.value for cap in captures[:len(self.hooks)]])
         self.records["pi_old"].put(rows, logprobs)
         for recorder, cap in zip(self.recorders, captures):
             self.records[recorder.name].put(rows, recorder.split(cap.value, rows, lengths))
@@ -208,14 +210,17 @@ class AheadPass:
         return record.layout(rows, max(max(lengths[r] for r in rows), 2) - 1)  # the training chunk's [B, T-1]
 
     # -- the probe ---------------------------------------------------------------------------------------------
-    def _run_probe(self, chunk: RolloutBatch, eval_logprobs: Tensor, route=None) -> None:
-        """Re-score ``chunk`` in train() mode at unchanged weights; raise if it moved past the declared bound."""
+    def _run_probe(self, chunk: RolloutBatch, eval_logprobs: Tensor, captured: Sequence = ()) -> None:
+        """Re-score ``chunk`` in train() mode at unchanged weights; raise if it moved past the declared bound.
+        ``captured``: each hook's capture of ``chunk``'s eval() forward, in hook order."""
         policy = noise_policy_of(self.model)
-        # Still under no_grad: what differs between the two forwards is the mode (dropout, routing), and a forward
-        # with grad but no backward would leave an autograd graph (and FSDP2/DDP hooks) waiting for nothing.
-        # With routing replay the re-score forces the recorded experts, exactly as training will.
-        replay = self.routing.replay(route) if self.routing is not None else contextlib.nullcontext()
-        with train_mode(self.model), replay:
+        # Still under no_grad: what differs between the two forwards is the mode (dropout, a hook's choice), and a
+        # forward with grad but no backward would leave an autograd graph (and FSDP2/DDP hooks) waiting for nothing.
+        # Each hook replays its capture in the re-score, exactly as training will replay its records.
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(train_mode(self.model))
+            for hook, value in zip(self.hooks, captured):
+                stack.enter_context(hook.replay(value))
             train_logprobs = self.score(chunk)
         mask = chunk.completion_mask[:, 1:].to(eval_logprobs.device)  # [B, T-1]
         diff = (train_logprobs - eval_logprobs).abs().masked_fill(~mask, 0.0)

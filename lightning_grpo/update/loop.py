@@ -9,11 +9,10 @@ plan (fixed, or data-dependent under a token budget) and is handed to the accumu
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from torch import Tensor
 
@@ -22,29 +21,12 @@ from lightning_grpo.objectives.base import Stats
 from lightning_grpo.update.accumulate import DeferredAccumulator, StepOutcome
 from lightning_grpo.update.ahead import paired
 from lightning_grpo.update.plan import EMPTY, ChunkPlan
+from lightning_grpo.update.records import ChunkHook
 
 log = logging.getLogger(__name__)
 
 # (chunk, pi_old for it or None) -> (normalized loss, divisor, stats); any objective (objectives/base.py)
 ForwardChunk = Callable[[RolloutBatch, Tensor | None], tuple[Tensor, Tensor, Stats]]
-
-
-class _Scope(Protocol):
-    def loss_with_aux(self, loss: Tensor, denom: Tensor) -> Tensor: ...
-
-
-# (walk index k, chunk) -> context around the chunk's forward + backward; yields what may add an aux loss term
-ChunkScope = Callable[[int, RolloutBatch], AbstractContextManager[_Scope]]
-
-
-class _Plain:
-    def loss_with_aux(self, loss: Tensor, denom: Tensor) -> Tensor:
-        return loss
-
-
-@contextmanager
-def _no_scope(k: int, chunk: RolloutBatch) -> Iterator[_Scope]:
-    yield _Plain()
 
 
 @dataclass
@@ -91,17 +73,18 @@ class CollectedBatchLoop:
     Args:
         accumulator: owns backward, the deferred divisor, the countdown and the step.
         forward_chunk: scores one chunk with the objective.
+        hooks: per-chunk hooks (``records.ChunkHook``) whose ``scope(k, chunk)`` is entered, in this order, around
+            the k-th chunk of the training walk; each may add an auxiliary term to the chunk's loss.
         max_consecutive_skips: raise ``NonFiniteRunError`` once more windows than this are skipped in a
             row (``global_step`` counts only steps taken, so an always-NaN run would never reach
             ``max_steps``); None = never.
     """
 
     def __init__(self, accumulator: DeferredAccumulator, forward_chunk: ForwardChunk,
-                 chunk_scope: ChunkScope | None = None, max_consecutive_skips: int | None = None) -> None:
+                 hooks: Sequence[ChunkHook] = (), max_consecutive_skips: int | None = None) -> None:
         self.accumulator = accumulator
         self.forward_chunk = forward_chunk
-        self.chunk_scope = chunk_scope or _no_scope
-        """Entered around chunk k's forward and backward (MoE routing replay of record k; ``routing/replay.py``)."""
+        self.hooks = list(hooks)
         self.max_consecutive_skips = max_consecutive_skips
         self.progress = LoopProgress()
         self.last_nonfinite = ""  # where the last non-finite value came from, for the error
@@ -122,12 +105,15 @@ class CollectedBatchLoop:
                     outcome = acc.discard()
                 else:
                     chunk = plan.chunk(batch, mini, micro)
-                    with self.chunk_scope(k, chunk) as scope:  # spans backward: a checkpointed recompute replays too
+                    with contextlib.ExitStack() as stack:  # spans backward: a checkpointed recompute sees it too
+                        scopes = [stack.enter_context(hook.scope(k, chunk)) for hook in self.hooks]
                         loss, denom, stats = self.forward_chunk(chunk, paired(pi_old, k, chunk))
                         if plan.rows[mini][micro] != EMPTY:  # a DP filler trains nothing: it reports nothing either
                             window.append(stats)
+                        for scope in scopes:  # each hook's auxiliary term, if any
+                            loss = scope.loss_with_aux(loss, denom)
                         skipped_before = acc.skipped_steps
-                        outcome = acc.train(scope.loss_with_aux(loss, denom), denom)
+                        outcome = acc.train(loss, denom)
                     if acc.skipped_steps != skipped_before:  # this call poisoned the window, or its step was skipped
                         self._note_nonfinite(acc, mini, micro)
                 k += 1

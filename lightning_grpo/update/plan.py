@@ -1,8 +1,9 @@
 """The plan of one collected batch: what it needs (``Needs``) and which rows make up chunk ``(mini, micro)``.
 
 ``batch_needs`` is the one place that decides what a collected batch needs before training: the ahead pass
-(frozen pi_old), MoE routing records, and whether mini-batch 0 may go unrecorded; ``pi_old_source`` beside it
-decides where pi_old comes from (the sampler, the ahead pass, or the chunk's current logprobs).
+(frozen pi_old, the records its hooks and recorders declare), and whether mini-batch 0 may go unrecorded;
+``pi_old_source`` beside it decides where pi_old comes from (the sampler, the ahead pass, or the chunk's current
+logprobs).
 
 The plan is computed once per collected batch and then only indexed, so the ahead pass
 and the training walk see the very same chunks in the very same order. Two ways to cut a
@@ -28,7 +29,7 @@ order over the same chunks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.update.records import ChunkHook
 
 Rows = tuple[int, ...]
 EMPTY: Rows = ()
@@ -52,18 +54,17 @@ class Needs:
 
     pi_old: bool = False
     """Freeze pi_old with the ahead pass: several optimizer steps per batch, a ratio, pi_old not the sampler's."""
-    routes: bool = False
-    """The ahead pass records MoE routing even without a pi_old to freeze (a several-chunk window's aux loss)."""
     records: bool = False
-    """The ahead pass takes records of its own recorders (``records.Recorder``), whatever else is needed."""
+    """The ahead pass runs for its records even without a pi_old to freeze (a module's ``records.Recorder``, or a
+    ``records.ChunkHook`` whose ``HookNeeds.ahead_pass`` asks for it)."""
     every_chunk: bool = False
-    """Record every chunk: mini-batch 0 may not be skipped (an MoE aux loss needs every chunk's routing; a
-    recorder's records cover every row)."""
+    """Record every chunk: mini-batch 0 may not be skipped (a recorder's records cover every row; a hook's scope
+    reads every chunk's record)."""
 
     @property
     def ahead_pass(self) -> bool:
         """Whether the ahead pass walks the batch at all."""
-        return self.pi_old or self.routes or self.records
+        return self.pi_old or self.records
 
     def skips_first_mini(self, probe_passed: bool, mu_iterations: int) -> bool:
         """Whether mini-batch 0 goes unrecorded. It trains before any update, so its pi_old *is* its current
@@ -95,17 +96,18 @@ def pi_old_source(rl, reads_pi_old: bool = True) -> PiOldSource:
     return "current"
 
 
-def batch_needs(rl, objective, routing=None, recorders: bool = False) -> Needs:
-    """The one place that decides what a collected batch needs, from the config, the objective and MoE routing.
+def batch_needs(rl, objective, hooks: Sequence[ChunkHook] = (), recorders: bool = False) -> Needs:
+    """The one place that decides what a collected batch needs, from the config, the objective and the hooks.
 
-    ``rl``: what ``pi_old_source`` reads and the micro split (``GRPOConfig``); ``routing``: the policy's
-    ``RoutingReplay`` or None; ``recorders``: whether the module added recorders of its own
-    (``GRPOModule.configure_recorders``).
+    ``rl``: what ``pi_old_source`` reads and the micro split (``GRPOConfig``); ``hooks``: the per-chunk hooks the
+    Updater drives, each declaring its ``HookNeeds``; ``recorders``: whether the module added recorders of its own
+    (``GRPOModule.configure_recorders``): they are taken on every chunk, so they always need the ahead pass.
     """
     pi_old = pi_old_source(rl, objective.needs_old_logprobs()) == "ahead"
-    aux = routing is not None and routing.aux is not None
-    routes = aux and routing.mode != "off" and several_chunks(rl)
-    return Needs(pi_old=pi_old, routes=routes, records=recorders, every_chunk=aux or recorders)
+    declared = [hook.needs(several_chunks(rl)) for hook in hooks]
+    ahead = recorders or any(d.ahead_pass for d in declared)
+    every_chunk = recorders or any(d.every_chunk for d in declared)
+    return Needs(pi_old=pi_old, records=ahead, every_chunk=every_chunk)
 
 
 def several_chunks(rl) -> bool:

@@ -6,17 +6,22 @@ window order), so each training chunk lays its record out from its rows with ``R
 layout function every kind of record uses. Rows are packed from position 0, so token ``t`` of a row sits at
 position ``t`` in every chunk; past a row's own tokens a record is zero (nothing reads it there).
 
-Kinds today: pi_old (``[T]`` logprobs per row, token axis 0) and MoE routes (``[layers, T, k]`` expert indices,
-token axis 1). A new per-token record is a ``Recorder``: see docs/update.md.
+Kinds today: pi_old (``[T]`` logprobs per row, token axis 0) and each recorder's own. A new per-token record is a
+``Recorder``: see docs/update.md. A recorder that training reads back chunk by chunk is a ``ChunkHook``: it declares
+what it needs of the batch (``HookNeeds``), is handed its records when the update begins, and gives a context entered
+around each training chunk's forward and backward, and one around the probe's re-score.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import Tensor
+
+from lightning_grpo.batch import RolloutBatch
 
 
 class RowRecords:
@@ -80,3 +85,48 @@ class Recorder(Protocol):
     def capture(self) -> AbstractContextManager[Capture]: ...
 
     def split(self, value: Any, rows: Sequence[int], lengths: Sequence[int]) -> list[Tensor]: ...
+
+
+@dataclass(frozen=True)
+class HookNeeds:
+    """What a ``ChunkHook`` asks of one collected batch (``plan.batch_needs`` folds it into ``Needs``)."""
+
+    ahead_pass: bool = False
+    """Walk the batch ahead even when no pi_old is frozen (its record must exist before the first backward)."""
+    every_chunk: bool = False
+    """Record every chunk: mini-batch 0 may not go unrecorded (its scope reads every chunk's record)."""
+
+
+class ChunkLoss(Protocol):
+    """What ``ChunkHook.scope`` yields: it may add an auxiliary term to the chunk's loss."""
+
+    def loss_with_aux(self, loss: Tensor, denom: Tensor) -> Tensor:
+        """``loss`` plus this chunk's auxiliary term (``denom``: the chunk's divisor), or ``loss`` itself."""
+        ...
+
+
+class ChunkHook(Recorder, Protocol):
+    """A ``Recorder`` whose records training reads back: driven by the ``Updater`` around every chunk.
+
+    Per collected batch: ``needs`` before the plan, ``capture``/``split`` on every ahead chunk, ``replay`` around
+    the probe's train() re-score of the first one (once per run), ``begin`` once the ahead pass is done, then
+    ``scope(k, chunk)`` around the k-th chunk of the training walk (every epoch), through its forward *and*
+    backward (a checkpointed layer re-runs its forward in backward).
+    """
+
+    def needs(self, several_chunks: bool) -> HookNeeds:
+        """What this batch needs; ``several_chunks``: a window may take several chunks (``plan.several_chunks``)."""
+        ...
+
+    def replay(self, record: Any) -> AbstractContextManager:
+        """Entered around the probe's train() re-score of the chunk whose ``capture`` gave ``record`` (its value)."""
+        ...
+
+    def begin(self, batch: RolloutBatch, plan, records: RowRecords | None) -> None:
+        """An update of ``batch`` cut by ``plan`` (its ``ChunkPlan``, every epoch) starts, once the ahead pass is
+        done; ``records`` are this hook's per-row records (None: no ahead pass ran)."""
+        ...
+
+    def scope(self, k: int, chunk: RolloutBatch) -> AbstractContextManager[ChunkLoss]:
+        """Entered around chunk ``k`` of the training walk: its forward, the objective and its backward."""
+        ...

@@ -4,10 +4,11 @@ One update, in call order (docs/update.md draws it):
 
 1. ``plan``: the ``ChunkPlan`` of this batch (fixed or token-budgeted chunks, every inner epoch's window order), and
    the ahead pass's own plan when it has a token budget of its own. Computed once, only indexed afterwards.
-2. ``AheadPass.compute``: when ``Needs`` says so, one no-grad walk records frozen pi_old and every recorder's
-   per-token record (MoE routes) per row; the probe runs on its first chunk, once per run.
-3. ``CollectedBatchLoop.run``: ``for window: for chunk:`` forward -> objective -> ``DeferredAccumulator.train``;
-   the window's last chunk scales by ``1 / sum(denom)``, clips and steps.
+2. ``AheadPass.compute``: when ``Needs`` says so, one no-grad walk records frozen pi_old and every hook's and
+   recorder's per-token record per row; the probe runs on its first chunk, once per run.
+3. ``ChunkHook.begin`` for every hook: its records of this batch.
+4. ``CollectedBatchLoop.run``: ``for window: for chunk:`` (inside every hook's ``scope``) forward -> objective ->
+   ``DeferredAccumulator.train``; the window's last chunk scales by ``1 / sum(denom)``, clips and steps.
 
 A Lightning module builds one Updater in ``configure_model``, attaches the optimizer in ``on_train_start`` and calls
 ``update`` from ``training_step``; a test drives it with a bare model and optimizer the same way.
@@ -16,7 +17,7 @@ A Lightning module builds one Updater in ``configure_model``, attaches the optim
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from lightning_grpo.update.accumulate import DeferredAccumulator
 from lightning_grpo.update.ahead import AheadPass
 from lightning_grpo.update.loop import CollectedBatchLoop, ForwardChunk, LoopResult
 from lightning_grpo.update.plan import ChunkPlan, Needs, plan_update
+from lightning_grpo.update.records import ChunkHook
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ class Updater:
         split: how a batch is cut (a Trainer's per-rank split replaces it in ``attach``).
         needs: what a batch needs before training (``plan.batch_needs``).
         ahead: the ahead pass (required when ``needs`` asks for one).
-        routing: MoE routing replay (``routing.RoutingReplay``), entered around every training chunk.
+        hooks: per-chunk hooks (``records.ChunkHook``): told each batch's records, their scopes entered around every
+            training chunk in this order (the same hooks the ahead pass records first).
         seed: seeds the later inner epochs' window order (with the loop step).
         dp: data-parallel operations (a Trainer's replace them in ``attach``).
         max_grad_norm: clip threshold (0 = no clipping).
@@ -92,7 +95,7 @@ class Updater:
     """
 
     def __init__(self, policy: nn.Module, forward_chunk: ForwardChunk, split: Split,
-                 needs: Needs = NOTHING, ahead: AheadPass | None = None, routing=None,
+                 needs: Needs = NOTHING, ahead: AheadPass | None = None, hooks: Sequence[ChunkHook] = (),
                  seed: int = 0, dp: DataParallel = ONE_PROCESS, max_grad_norm: float = 0.0,
                  max_consecutive_skips: int | None = None) -> None:
         self.policy = policy
@@ -100,7 +103,7 @@ class Updater:
         self.split = split
         self.needs = needs
         self.ahead = ahead
-        self.routing = routing
+        self.hooks: list[ChunkHook] = list(hooks)
         self.seed = seed
         self.dp = dp
         self.max_grad_norm, self.max_consecutive_skips = max_grad_norm, max_consecutive_skips
@@ -127,8 +130,8 @@ class Updater:
         acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.split.n_micro,
                                   max_grad_norm=self.max_grad_norm, backward=backward, scheduler=scheduler,
                                   grad_sync=self.dp.grad_sync, all_finite=self.dp.all_finite, step=step, clip=clip)
-        scope = self.routing.scope if self.routing is not None else None
-        self.loop = CollectedBatchLoop(acc, self.forward_chunk, scope, max_consecutive_skips=self.max_consecutive_skips)
+        self.loop = CollectedBatchLoop(acc, self.forward_chunk, self.hooks,
+                                       max_consecutive_skips=self.max_consecutive_skips)
         return self.loop
 
     def update(self, batch) -> LoopResult:
@@ -141,8 +144,8 @@ class Updater:
         # pi_old per chunk in walk order, frozen before the first step; None = no ahead pass (n_mini == 1, ...).
         pi_old = self.ahead.compute(batch, plan, needs, ahead) if needs.ahead_pass else None
         self.ahead_seconds = self.ahead.last_seconds if needs.ahead_pass else 0.0
-        if self.routing is not None:  # MoE: each chunk's recorded experts, replayed in training (routing/)
-            self.routing.begin(batch, plan, self.ahead.records.get("routes") if needs.ahead_pass else None)
+        for hook in self.hooks:  # each hook's records of this batch, read back chunk by chunk in training
+            hook.begin(batch, plan, self.ahead.records.get(hook.name) if needs.ahead_pass else None)
         result = self.loop.run(batch, plan, pi_old if needs.pi_old else None)
         self.update_seconds = time.perf_counter() - start
         return result
