@@ -173,7 +173,10 @@ class GRPOModule(UpdateModule):
         if isinstance(self.engine, AsyncRollouts):
             waiting = stop_poll(self.trainer, "rollouts in flight") if self._trainer is not None else None
             schedule = AsyncSchedule(self.engine, waiting, reissue=self._in_flight)
-        return Collector(Drawer(self.engine, self.episodes), self.compute_rewards, rewards=self.reward_scorer,
+        # A subclass's compute_rewards is its hook; by default the scorer itself (the rollout's walk stays in collect/).
+        overridden = type(self).compute_rewards is not GRPOModule.compute_rewards
+        score = self.compute_rewards if overridden else self.reward_scorer
+        return Collector(Drawer(self.engine, self.episodes), score, rewards=self.reward_scorer,
                          rl=self.rl, max_new_tokens=self.rollout_cfg.max_new_tokens, sampling=self.step_sampling(),
                          tokenizer=self.tokenizer, vision=self.vision, context=self.context_length(),
                          prompts=self._prompt_provider(), dp=self.dp_group(), schedule=schedule)
