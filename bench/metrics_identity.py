@@ -33,6 +33,11 @@ other column is compared as the CSV's string (rows in file order, columns by nam
 columns per config. Rows are numbered from 0, header excluded.
 
 Run-to-run at d0260cd (CPU, 2 torch threads): two recordings compared IDENTICAL on all five configs.
+
+Issue 41 (the rollout moved into ``collect/``, ``rollout/`` in layers, ``run_check``, ``update/``'s per-chunk hook),
+recorded with ``OMP_NUM_THREADS=1`` at a69de49 (before, with this file's nine configs) and after the merge of all four
+parts: IDENTICAL on all nine (quickstart, opd-arith, dpo-arith, lora-quickstart, vlm-quickstart, tools-quickstart,
+vllm-cpu, vllm-server, async-quickstart).
 """
 
 from __future__ import annotations
