@@ -273,3 +273,15 @@ def image_batch(module, completion_lens: list[int], sizes: list[tuple[int, int]]
                 for i, n in enumerate(completion_lens)]
     advantages, rewards = torch.randn(len(rollouts), generator=g), torch.rand(len(rollouts), generator=g)
     return pack_rollouts(rollouts, advantages, rewards, module.tokenizer.pad_token_id)
+
+
+@contextlib.contextmanager
+def output_norm_capture(module: torch.nn.Module):
+    """A recorder's ``capture``: yields an object whose ``value`` is the L2 norm over the last axis of ``module``'s
+    output (``[B, T]``) once the forward has run."""
+    cap = type("Capture", (), {"value": None})()
+    handle = module.register_forward_hook(lambda m, a, out: setattr(cap, "value", out.norm(dim=-1)))
+    try:
+        yield cap
+    finally:
+        handle.remove()

@@ -3,12 +3,11 @@
 import contextlib
 import inspect
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
 import torch
-from helpers import synthetic_batch
+from helpers import output_norm_capture, synthetic_batch
 from torch import nn
 
 from lightning_grpo.config import GRPOConfig
@@ -74,14 +73,8 @@ class EmbedNorm:
     def needs(self, several_chunks: bool) -> HookNeeds:
         return self.declared
 
-    @contextlib.contextmanager
     def capture(self):
-        cap = SimpleNamespace(value=None)
-        handle = self.embed.register_forward_hook(lambda m, a, out: setattr(cap, "value", out.norm(dim=-1)))
-        try:
-            yield cap  # cap.value: [B, T] once the forward ran
-        finally:
-            handle.remove()
+        return output_norm_capture(self.embed)  # cap.value: [B, T] once the forward ran
 
     def split(self, value, rows, lengths):
         return [value[i, : lengths[r]].clone() for i, r in enumerate(rows)]

@@ -1,12 +1,11 @@
 """The Updater without Lightning: a bare model and optimizer drive one update; splits stay exact; records extend."""
 
-import contextlib
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import max_rel_delta, params_of, synthetic_batch
+from helpers import max_rel_delta, output_norm_capture, params_of, synthetic_batch
 from transformers import AutoModelForCausalLM
 
 from lightning_grpo.logprobs import token_logprobs
@@ -68,14 +67,8 @@ class HiddenNorm:
     def __init__(self, model):
         self.norm = model.model.norm  # the decoder's final norm: its output is the last hidden state
 
-    @contextlib.contextmanager
     def capture(self):
-        cap = type("Capture", (), {"value": None})()
-        handle = self.norm.register_forward_hook(lambda m, a, out: setattr(cap, "value", out.norm(dim=-1)))
-        try:
-            yield cap  # cap.value: [B, T] once the forward ran
-        finally:
-            handle.remove()
+        return output_norm_capture(self.norm)  # cap.value: [B, T] once the forward ran
 
     def split(self, value, rows, lengths):
         return [value[i, : lengths[r]].clone() for i, r in enumerate(rows)]
