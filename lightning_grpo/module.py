@@ -306,6 +306,8 @@ class GRPOModule(UpdateModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)  # put back at on_train_start, once the updater has its loop
         self._in_flight = in_flight_of(checkpoint, self.global_rank)  # checked when drawn again
+        if self.collector is not None and self.collector.schedule is not None:  # restored after on_fit_start
+            self.collector.schedule.expect_reissue(self._in_flight)
         if lora.is_lora(self.policy):  # before Lightning loads the state dict: the base comes from this policy
             adapter_checkpoint.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
 

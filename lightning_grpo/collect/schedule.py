@@ -48,6 +48,10 @@ class AsyncSchedule:
         self.rollouts.submit_ahead(step, upcoming, job)
         return rollouts, {**metrics, **staleness_metrics(step - 1 - weights_step, self.rollouts.k)}
 
+    def expect_reissue(self, reissue: dict[int, list[int]]) -> None:
+        """A checkpoint loaded after this schedule was built (a strategy that restores after ``on_fit_start``)."""
+        self._reissue = dict(reissue)
+
     def record(self, checkpoint: dict) -> None:
         """The prompts in flight go into the checkpoint (with the data position, which has not passed them)."""
         checkpoint[KEY] = {"in_flight": self.rollouts.in_flight()}

@@ -145,3 +145,11 @@ def test_staleness_zero_is_the_synchronous_order():
         texts.append(collector.last_rows.rollouts[0].text)
         engine.reset_prefix_cache()
     assert texts == ["v0", "v1", "v2"]
+
+
+def test_a_checkpoint_loaded_after_the_schedule_was_built_is_still_checked(caplog):
+    run = Trainer(VersionedEngine())
+    run.schedule.expect_reissue({1: [0, 1]})
+    with caplog.at_level(logging.INFO, logger="lightning_grpo.collect.schedule"):
+        run.step()
+    assert any("drawing again the 2 prompts" in r.getMessage() for r in caplog.records)
