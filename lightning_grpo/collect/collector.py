@@ -29,7 +29,7 @@ from lightning_grpo.collect.groups import Groups, scatter
 from lightning_grpo.collect.prompts import StepSampling, live_prompts, step_prompts, with_skipped_groups
 from lightning_grpo.collect.refill import fill
 from lightning_grpo.collect.rewards import RewardScorer
-from lightning_grpo.collect.rows import StepRows
+from lightning_grpo.collect.rows import RewardParts, StepRows
 from lightning_grpo.collect.schedule import AsyncSchedule
 from lightning_grpo.collect.shaping import batch_metrics, counted_only, shape_rewards
 from lightning_grpo.config import GRPOConfig
@@ -108,7 +108,7 @@ class Collector:
         metrics.update(adv_metrics)
         metrics.update(batch_metrics(groups, batch, self.rl, self.max_new_tokens))
         metrics.update(self._data_counters())
-        parts = self.rewards.parts if self.rewards is not None else None
+        parts = self.rewards.parts if self.rewards is not None else RewardParts()  # no parts shown
         self.last_rows = StepRows(loop_step + 1, groups.rollouts, groups.rewards, advantages, parts)
         return counted_only(batch, groups, self.rl.mask_truncated_completions), metrics
 

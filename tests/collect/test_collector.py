@@ -81,6 +81,15 @@ def test_advantages_are_normalized_per_group_and_rows_keep_the_draw_order():
     assert metrics["data/bad_records_skipped"] == 0.0
 
 
+def test_the_last_rows_are_what_the_completions_log_writes():
+    rl = GRPOConfig(batch_per_replica=4, group_size=GROUP, micro_batch_per_replica=4)
+    c = collector(rl)
+    c.collect([record(0), record(2)], loop_step=4)
+    first, second = c.last_rows.samples(2, GROUP)
+    assert (first["step"], first["prompt_id"], second["prompt_id"]) == (5, 0, 2)  # one row of each group first
+    assert first["rewards"] == {} and first["advantage"] > 0  # a plain scoring callable shows no parts
+
+
 def test_the_seed_is_one_per_run_seed_loop_step_and_rank():
     engine = CountingEngine()
     rl = GRPOConfig(batch_per_replica=2, group_size=GROUP, micro_batch_per_replica=2)
