@@ -590,3 +590,18 @@ def test_the_tools_quickstart_runs_as_shipped(tmp_path, monkeypatch):
         assert 1 <= float(r["episode/turns_mean"]) <= 3 and 0 <= float(r["episode/truncated_frac"]) <= 1
         assert float(r["tools/call_frequency"]) >= float(r["tools/failure_frequency"]) >= 0
     assert any(float(r["tools/call_frequency"]) > 0 for r in rows)  # 20 warm-start steps: it writes calls (few valid)
+
+
+@pytest.mark.parametrize("parser", ["os:system", "builtins:eval", "subprocess:getoutput", "shutil:rmtree"])
+def test_a_standard_library_callable_is_refused_as_the_tool_call_parser(parser):
+    """The parser is handed the model's generated text: a stdlib callable there would run it with the user's rights."""
+    from lightning_grpo.envs.environment import load_parser
+
+    with pytest.raises(ValueError, match=rf"model.env.parser='{parser}' is a function of Python's standard library"):
+        load_parser(parser)
+
+
+def test_a_parser_of_the_users_own_module_is_loaded():
+    from lightning_grpo.envs.environment import load_parser
+
+    assert load_parser("test_envs:add_every_turn") is add_every_turn

@@ -80,6 +80,14 @@ def load_parser(name: str) -> Parser:
     fn = _import(name, f"model.env.parser={name!r}", f"a registered parser ({', '.join(PARSERS)}) or 'module:function'")
     if not callable(fn):
         raise ValueError(f"model.env.parser={name!r} is not callable; a parser maps a turn's text to tool calls")  # noqa: TRY004
+    origin = (getattr(fn, "__module__", None) or "builtins").split(".")[0]
+    if origin == "builtins" or origin in sys.stdlib_module_names:
+        # The parser reads the model's generated text: a standard-library callable there (os:system, builtins:eval,
+        # subprocess:getoutput) would run that text with the user's rights. Nothing of model output is executed.
+        raise ValueError(f"model.env.parser={name!r} is a function of Python's standard library ({origin}), which "
+                         "would be handed the model's generated text; a parser is a function of your own module, "
+                         "`def parse(text: str) -> list[ToolCall | str]`, or a registered name "
+                         f"({', '.join(PARSERS)})")
     return fn
 
 
