@@ -119,6 +119,9 @@ class UpdateModule(DataParallelOps, LightningModule):
     def resolve_horizon(self, steps_per_loop_step: int) -> None:
         """A decaying LR schedule needs a horizon: resolved from the Trainer (refused here, before the model is set
         up, when there is none)."""
+        if self.trainer.max_steps == 0:  # Lightning would set up, train nothing and end without a word
+            raise ValueError("trainer.max_steps=0: the fit would train nothing and end silently; set trainer.max_steps "
+                             "> 0 (optimizer steps = loop steps x mu_iterations x n_mini), or -1 with trainer.max_epochs")
         run = run_length(self.trainer, steps_per_loop_step)
         self.schedule_horizon = self.optim_cfg.total_steps or run
         check_horizon(self.optim_cfg, self.schedule_horizon, run)

@@ -107,3 +107,11 @@ def test_the_derived_needs_cached_old_logprobs_is_refused_by_name(how, tmp_path,
     err = capsys.readouterr().err
     assert stop.value.code == 2
     assert err.startswith(f"lightning-grpo: error: {says}") and "drop the key" in err
+
+
+def test_max_steps_zero_is_refused_before_the_policy_loads(no_policy, tmp_path, monkeypatch):
+    """Lightning would set up, train nothing and end without a word."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LIGHTNING_GRPO_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"trainer.max_steps=0: the fit would train nothing.*set trainer.max_steps > 0"):
+        main(["fit", "--config", QUICKSTART, "--trainer.logger=false", "--trainer.max_steps=0"])
