@@ -215,11 +215,15 @@ class UpdateModule(DataParallelOps, LightningModule):
         self._optim_changes = optim_changes(checkpoint.get(IDENTITY_KEY), self._identity())
         self._state.load(checkpoint)  # put back at on_train_start, once the updater has its loop
 
+    def split(self) -> Split:
+        """How this rank cuts a collected batch (here: the updater's own; GRPO derives it from ``rl`` per rank)."""
+        return self.updater.split
+
     def data_parallel(self) -> tuple[Split, DataParallel]:
         """How this rank cuts a batch and the reductions one update needs, as the strategy set the ranks up. Read in
         ``on_train_start``, never earlier: a user may build the model (``configure_model``) before ``fit``."""
         dp = DataParallel(max=self.dp_group().max, grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
-        return self.updater.split, dp
+        return self.split(), dp
 
     # -- the batch boundary and the report -----------------------------------------------------------------------------
     def end_loop_step(self) -> None:

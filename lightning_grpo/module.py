@@ -56,7 +56,7 @@ from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.run_check import check_run
 from lightning_grpo.scoring import ChunkScorer
-from lightning_grpo.update import AheadPass, DataParallel, LoopResult, Recorder, Split, Updater, batch_needs
+from lightning_grpo.update import AheadPass, LoopResult, Recorder, Split, Updater, batch_needs
 from lightning_grpo.update.ahead import warn_if_unfrozen
 from lightning_grpo.update.plan import pi_old_source
 from lightning_grpo.validation import greedy_scores
@@ -173,10 +173,7 @@ class GRPOModule(UpdateModule):
         if isinstance(self.engine, AsyncRollouts):
             waiting = stop_poll(self.trainer, "rollouts in flight") if self._trainer is not None else None
             schedule = AsyncSchedule(self.engine, waiting, reissue=self._in_flight)
-        # A subclass's compute_rewards is its hook; by default the scorer itself (the rollout's walk stays in collect/).
-        overridden = type(self).compute_rewards is not GRPOModule.compute_rewards
-        score = self.compute_rewards if overridden else self.reward_scorer
-        return Collector(Drawer(self.engine, self.episodes), score, rewards=self.reward_scorer,
+        return Collector(Drawer(self.engine, self.episodes), self.compute_rewards, rewards=self.reward_scorer,
                          rl=self.rl, max_new_tokens=self.rollout_cfg.max_new_tokens, sampling=self.step_sampling(),
                          tokenizer=self.tokenizer, vision=self.vision, context=self.context_length(),
                          prompts=self._prompt_provider(), dp=self.dp_group(), schedule=schedule)
@@ -275,10 +272,6 @@ class GRPOModule(UpdateModule):
     def split(self) -> Split:
         """How this rank cuts a collected batch (packed: token budgets count real tokens)."""
         return Split.of(self.rl, self.dp_size(), self.scorer.packed)
-
-    def data_parallel(self) -> tuple[Split, DataParallel]:
-        """The split recomputed for the ranks the strategy set up (``UpdateModule.on_train_start``)."""
-        return self.split(), super().data_parallel()[1]
 
     def on_fit_start(self) -> None:
         super().on_fit_start()  # the precision check: before an engine is built

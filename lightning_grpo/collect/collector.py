@@ -86,6 +86,9 @@ class Collector:
         self.prompts = prompts
         self.dp = dp
         self.schedule = schedule
+        # Under async rollouts the worker thread draws with the engine the schedule wraps (never through the wrapper,
+        # whose draws wait for the worker).
+        self._worker_drawer = Drawer(schedule.rollouts.engine, drawer.episodes) if schedule is not None else None
         self.last_rows: StepRows | None = None
         """The last loop step's rows on this rank (``completions.py`` writes a few)."""
 
@@ -150,8 +153,7 @@ class Collector:
 
     def _job(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
         """One training batch drawn with the engine the async schedule wraps (on its worker thread)."""
-        inner = Drawer(self.schedule.rollouts.engine, self.drawer.episodes)
-        return inner(prompts, self.rl.group_size, sampling)
+        return self._worker_drawer(prompts, self.rl.group_size, sampling)
 
     def _upcoming(self, loop_step: int, ahead: int) -> tuple[list[Prompt], SamplingConfig] | None:
         """Loop step ``loop_step + 1 + ahead``'s prompts (without the bad records the draw would skip) and sampling."""
