@@ -25,6 +25,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfigCallback
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
 
 from lightning_grpo.alarm import SignalAlarm
@@ -49,7 +50,13 @@ from lightning_grpo.plot import main as plot_main
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.base import Served
 from lightning_grpo.run_check import check_run
-from lightning_grpo.run_folder import RunFolderInUseError, claim_versions, explicit_version, refuse_reused_version
+from lightning_grpo.run_folder import (
+    RunFolderInUseError,
+    claim_versions,
+    explicit_version,
+    refuse_reused_version,
+    version_wandb_logger,
+)
 from lightning_grpo.summary import RunSummary
 from lightning_grpo.tiny.spec import TinyPolicySpec
 
@@ -145,7 +152,7 @@ class GRPOCLI(LightningCLI):
             auto_configure_optimizers=auto_configure_optimizers, seed_everything_default=seed_everything_default,
             trainer_defaults=TRAINER_DEFAULTS if trainer_defaults is None else trainer_defaults,
             save_config_callback=save_config_callback,
-            # Sweeps re-run in one directory: overwrite the saved config instead of aborting.
+            # --overwrite_run=true replaces a run's folder (run_folder.py refuses it otherwise): its config too.
             save_config_kwargs={"overwrite": True} if save_config_kwargs is None else save_config_kwargs, **kwargs)
 
     @staticmethod
@@ -236,6 +243,8 @@ class GRPOCLI(LightningCLI):
                     config_error(f"--{key}: {OPTIMIZER_REFUSED}")
         if self.subcommand and config.get("trainer.enable_checkpointing") is False:
             self._parser(self.subcommand).callback_keys.remove("checkpoint")  # Lightning refuses a Checkpoint then
+        if self.subcommand:  # a W&B run's files get a version folder of their own (two sweep trials: two folders)
+            version_wandb_logger(config.get("trainer.logger"), first_process=rank_zero_only.rank == 0)
 
     def instantiate_classes(self) -> None:
         try:

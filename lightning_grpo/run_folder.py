@@ -5,16 +5,21 @@ CSVLogger warns that "previous log files will be deleted" and a new fit overwrit
 curves.png and mixes its checkpoints with the old run's. ``refuse_reused_version`` stops that before the fit writes
 anything: a resume (``--ckpt_path``) continues its run there, ``--overwrite_run=true`` says the old run may go, and
 without an explicit version the logger makes a fresh ``version_N`` as always.
+
+A ``WandbLogger`` has no version folders: ``trainer.log_dir`` is its ``save_dir``, so two W&B runs (two trials of a
+sweep) wrote completions.jsonl, config.yaml, curves.png and checkpoints into one folder. ``version_wandb_logger``
+gives each such run a ``version_N`` folder of its own, claimed like the CSV logger's (``claim_folder``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import os
 from pathlib import Path
 
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
 RUN_FILES = ("metrics.csv", "config.yaml", "hparams.yaml", "checkpoints", "completions.jsonl", "curves.png")
 """What a run leaves in its folder."""
@@ -71,6 +76,47 @@ def claim_versions(loggers) -> None:
         root.mkdir(parents=True, exist_ok=True)
         with _flocked(root / VERSIONS_LOCK):
             Path(logger.log_dir).mkdir(parents=True, exist_ok=True)  # log_dir resolves the version (a fresh pick)
+
+
+def claim_folder(root: str | os.PathLike) -> Path:
+    """Create and return ``<root>/version_N``, N one past the highest there, under the lock CSV loggers pick with."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with _flocked(root / VERSIONS_LOCK):
+        taken = [int(p.name[8:]) for p in root.glob("version_*") if p.name[8:].isdigit() and p.is_dir()]
+        folder = root / f"version_{max(taken, default=-1) + 1}"
+        folder.mkdir()
+    return folder
+
+
+def version_wandb_logger(logger_config, first_process: bool) -> None:
+    """Point a ``WandbLogger`` config's ``save_dir`` at a new ``<save_dir>/<name>/version_N`` (in place).
+
+    Everything that writes under ``trainer.log_dir`` (config.yaml, completions.jsonl, curves.png, checkpoints, and
+    W&B's own ``wandb/`` files) then lands in a folder of this run only. Only the first listed logger gives
+    ``trainer.log_dir``. Other ranks keep the config as is: ``trainer.log_dir`` is rank 0's (a broadcast), and a
+    second claim would leave an empty folder.
+
+    Args:
+        logger_config: the CLI's ``trainer.logger`` (a class_path/init_args namespace, a list of them, or a bool).
+        first_process: this process is global rank 0 (Lightning's ``rank_zero_only.rank``, read from the env).
+    """
+    first = logger_config[0] if isinstance(logger_config, list) and logger_config else logger_config
+    init = getattr(first, "init_args", None)
+    if not first_process or init is None or not _is_wandb(getattr(first, "class_path", "")):
+        return
+    save_dir = getattr(init, "save_dir", None) or "."
+    name = getattr(init, "name", None) or "lightning_logs"
+    init.save_dir = str(claim_folder(Path(save_dir) / name))
+
+
+def _is_wandb(class_path: str) -> bool:
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name) if module else None
+    except ImportError:
+        return False
+    return isinstance(cls, type) and issubclass(cls, WandbLogger)
 
 
 @contextlib.contextmanager

@@ -55,3 +55,39 @@ def test_two_runs_starting_at_once_in_one_save_dir_get_two_version_folders(tmp_p
         Path(first.log_dir).mkdir()
     other.join(timeout=10)
     assert picked == {"second": 1} and Path(second.log_dir).is_dir()
+
+
+def _logger(class_path: str, **init_args):
+    from jsonargparse import Namespace
+
+    return Namespace(class_path=class_path, init_args=Namespace(**init_args))
+
+
+def test_each_wandb_run_claims_a_version_folder_of_its_own(tmp_path):
+    """Issue 47: a WandbLogger has no version folders, so trainer.log_dir was its save_dir for every run and two sweep
+    trials wrote one completions.jsonl and config.yaml. Each run now gets <save_dir>/<name>/version_N, numbered with
+    the CSV runs of that experiment (one lock)."""
+    from lightning_grpo.run_folder import version_wandb_logger
+
+    (tmp_path / "quickstart" / "version_0").mkdir(parents=True)  # a CSV run of the same experiment
+    first = _logger("lightning.pytorch.loggers.WandbLogger", save_dir=str(tmp_path), name="quickstart")
+    second = [_logger("lightning.pytorch.loggers.WandbLogger", save_dir=str(tmp_path), name="quickstart"),
+              _logger("lightning.pytorch.loggers.CSVLogger", save_dir=str(tmp_path))]  # the first logger gives log_dir
+    version_wandb_logger(first, first_process=True)
+    version_wandb_logger(second, first_process=True)
+    assert first.init_args.save_dir == str(tmp_path / "quickstart" / "version_1")
+    assert second[0].init_args.save_dir == str(tmp_path / "quickstart" / "version_2")
+    assert second[1].init_args.save_dir == str(tmp_path)  # a CSV logger numbers its own folders
+    assert (tmp_path / "quickstart" / "version_2").is_dir()
+
+
+def test_other_ranks_and_versioned_loggers_keep_their_config(tmp_path):
+    from lightning_grpo.run_folder import version_wandb_logger
+
+    other_rank = _logger("lightning.pytorch.loggers.WandbLogger", save_dir=str(tmp_path), name="x")
+    version_wandb_logger(other_rank, first_process=False)  # trainer.log_dir is rank 0's (a broadcast)
+    csv = _logger("lightning.pytorch.loggers.CSVLogger", save_dir=str(tmp_path), name="x")
+    version_wandb_logger(csv, first_process=True)
+    version_wandb_logger(False, first_process=True)  # --trainer.logger=false
+    assert other_rank.init_args.save_dir == csv.init_args.save_dir == str(tmp_path)
+    assert not any(tmp_path.iterdir())

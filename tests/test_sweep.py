@@ -10,6 +10,7 @@ The W&B run files are read back with ``wandb_offline.read_run``.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,9 @@ SHORTEN = ["--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", 
            "--model.policy.warm_start_steps=30"]
 """2 loop steps, validated before (the config's full sanity check) and at the end on 16 held-out prompts; the warm
 start of QUICKSTART_ARGS (cached)."""
+TINY_TRIAL = ["--trainer.limit_train_batches=1", "--data.val_size=0", "--trainer.num_sanity_val_steps=0",
+              "--model.policy.warm_start_steps=30"]
+"""One loop step, no validation, the warm start of SHORTEN (cached): a trial's files in seconds."""
 
 
 def agent_command(sweep: dict, params: dict, extra: list[str]) -> list[str]:
@@ -42,6 +46,26 @@ def agent_command(sweep: dict, params: dict, extra: list[str]) -> list[str]:
     return argv
 
 
+def trial_env(tmp_path: Path) -> dict:
+    """The environment a W&B agent gives a trial: offline, its run files under ``tmp_path``, the venv's
+    ``lightning-grpo`` first on PATH. No inherited WANDB_* (an earlier in-process wandb run leaves WANDB_SERVICE set: a
+    child would join that service and write its run elsewhere)."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    return {**inherited, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+def run_trials(tmp_path: Path, sweep: dict, trials: list[dict], extra: list[str]) -> None:
+    """Run ``trials`` one after another in ``tmp_path`` (holding configs/quickstart.yaml) as the agent would."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "quickstart.yaml").symlink_to(ROOT / "configs" / "quickstart.yaml")
+    env = trial_env(tmp_path)
+    for i, params in enumerate(trials):
+        proc = subprocess.run(agent_command(sweep, params, extra), cwd=tmp_path, env={**env, "WANDB_RUN_ID": f"trial{i}"},
+                              check=False, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def grid(sweep: dict) -> list[dict]:
     names = list(sweep["parameters"])
     return [dict(zip(names, values)) for values in itertools.product(*(sweep["parameters"][n]["values"] for n in names))]
@@ -55,24 +79,30 @@ def test_agent_command_is_the_sweep_command_with_dotted_flags():
     assert argv[-3:] == ["--model.rl.mini_batch_per_replica=32", "--model.optim.lr=0.001", "--seed_everything=2"]
 
 
+def test_two_sweep_trials_get_a_run_folder_each(tmp_path):
+    """Issue 47: two trials of configs/sweep.yaml wrote into one runs/completions.jsonl (the second appended its loop
+    steps after the first's) and the second replaced config.yaml. Each trial now has a version folder of its own
+    holding its own config, completions and W&B files. Trials shortened to one loop step of the quickstart."""
+    sweep = yaml.safe_load((ROOT / "configs" / "sweep.yaml").read_text())
+    first, last = grid(sweep)[0], grid(sweep)[-1]
+    run_trials(tmp_path, sweep, [first, last], TINY_TRIAL)
+    folders = sorted((tmp_path / "runs" / "quickstart").glob("version_*"))
+    assert [f.name for f in folders] == ["version_0", "version_1"]
+    for i, (folder, params) in enumerate(zip(folders, (first, last))):
+        config = yaml.safe_load((folder / "config.yaml").read_text())
+        assert config["seed_everything"] == params["seed_everything"]  # this trial's config, not the other's
+        rows = [json.loads(line) for line in (folder / "completions.jsonl").read_text().splitlines()]
+        assert rows and {r["step"] for r in rows} == {1}  # one run: one loop step, written once
+        assert [p.name for p in folder.rglob("run-*.wandb")] == [f"run-trial{i}.wandb"]
+    assert not (tmp_path / "runs" / "completions.jsonl").exists() and not (tmp_path / "runs" / "config.yaml").exists()
+
+
 @pytest.mark.slow
 def test_two_sweep_trials_run_offline_in_one_directory(tmp_path):
     sweep = yaml.safe_load((ROOT / "configs" / "sweep.yaml").read_text())
     first, last = grid(sweep)[0], grid(sweep)[-1]
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "quickstart.yaml").symlink_to(ROOT / "configs" / "quickstart.yaml")
-    # No inherited WANDB_* (an earlier in-process wandb run leaves WANDB_SERVICE set: a child would join that
-    # service and write its run elsewhere).
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env = {**inherited, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the venv's lightning-grpo
-    runs = {}
-    for i, params in enumerate((first, last)):
-        run_id = f"trial{i}"
-        proc = subprocess.run(agent_command(sweep, params, SHORTEN), cwd=tmp_path, env={**env, "WANDB_RUN_ID": run_id},
-                              check=False, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]  # the second trial must not abort on config.yaml
-        runs[run_id] = read_run(next(tmp_path.rglob(f"run-{run_id}.wandb")))
+    run_trials(tmp_path, sweep, [first, last], SHORTEN)
+    runs = {run_id: read_run(next(tmp_path.rglob(f"run-{run_id}.wandb"))) for run_id in ("trial0", "trial1")}
     a, b = runs["trial0"], runs["trial1"]
     for key in ("model.rl.mini_batch_per_replica", "model.optim.lr", "seed_everything"):
         assert (a.config[key], b.config[key]) == (first[key], last[key])  # logged params differ as swept
