@@ -28,6 +28,7 @@ from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfig
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
 
+from lightning_grpo import run_folder
 from lightning_grpo.alarm import SignalAlarm
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
 from lightning_grpo.checkpoint.resume import check_ckpt_file
@@ -40,7 +41,7 @@ from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.data.sources import PromptDataError
 from lightning_grpo.determinism import DeterminismError
 from lightning_grpo.dpo import DPOConfig
-from lightning_grpo.errors import USER_ERRORS, write_error_log
+from lightning_grpo.errors import USER_ERRORS, RunWriteError, logged_error
 from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.objectives.opd import OPDConfig
@@ -50,13 +51,7 @@ from lightning_grpo.plot import main as plot_main
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.base import Served
 from lightning_grpo.run_check import check_run
-from lightning_grpo.run_folder import (
-    RunFolderInUseError,
-    claim_versions,
-    explicit_version,
-    refuse_reused_version,
-    version_wandb_logger,
-)
+from lightning_grpo.run_folder import RunFolderInUseError, claim_versions, explicit_version, refuse_reused_version
 from lightning_grpo.summary import RunSummary
 from lightning_grpo.tiny.spec import TinyPolicySpec
 
@@ -244,7 +239,7 @@ class GRPOCLI(LightningCLI):
         if self.subcommand and config.get("trainer.enable_checkpointing") is False:
             self._parser(self.subcommand).callback_keys.remove("checkpoint")  # Lightning refuses a Checkpoint then
         if self.subcommand:  # a W&B run's files get a version folder of their own (two sweep trials: two folders)
-            version_wandb_logger(config.get("trainer.logger"), first_process=rank_zero_only.rank == 0)
+            run_folder.version_wandb_logger(config.get("trainer.logger"), first_process=rank_zero_only.rank == 0)
 
     def instantiate_classes(self) -> None:
         try:
@@ -269,9 +264,10 @@ class GRPOCLI(LightningCLI):
         except Exception as err:
             if isinstance(err, RunFolderInUseError):  # that folder is another run's: leave it untouched
                 raise
-            if (log := write_error_log(getattr(self, "trainer", None), err)) is not None:
-                err.add_note(f"full traceback: {log}")  # the short report names the file
-            raise
+            reported = logged_error(getattr(self, "trainer", None), err)  # a full disk: a RunWriteError
+            if reported is err:
+                raise
+            raise reported from err
 
     def before_validate(self) -> None:
         # The fit's RunSummary, so the callback states of a fit's checkpoint all find their callback: Lightning warns
@@ -295,7 +291,6 @@ class GRPOCLI(LightningCLI):
         # before anything is written: a new fit never lands on a run folder that already holds a run (run_folder.py)
         refuse_reused_version(self.trainer.loggers, explicit_version(self.config[self.subcommand].get("trainer.logger")),
                               resuming=config["ckpt_path"] is not None, overwrite=config.get("overwrite_run", False))
-
 
     def after_fit(self) -> None:
         # The run is over: stop the `vllm serve` children it launched (and their SIGTERM handler) now, not at
@@ -355,6 +350,8 @@ def _innermost_message(err: BaseException) -> str:
     """The message of the error our code raised: jsonargparse re-raises a class's own error inside its own."""
     if isinstance(err, argparse.ArgumentError):  # jsonargparse's parse errors name the key and what was expected
         return "\n".join(line for line in str(err).splitlines() if not _UNION_NOISE.search(line))
+    if isinstance(err, RunWriteError):  # says the file, the cause and the fix; its cause is the raw OSError
+        return str(err)
     chain = [err]
     # `raise ... from None` hides the context on purpose: the message raised already says all of it
     while (cause := chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else chain[-1].__context__)) \

@@ -10,6 +10,9 @@ first, and
 - logs them as a W&B Table ``completions`` when a ``WandbLogger`` is attached,
 - prints one every ``log_completions_every`` loop steps.
 
+A write that fails (a full disk) stops the run at the next hook, once the loop step's metrics row is logged: the
+checkpoint callback saves that batch boundary and the CLI names the file and the fix (``errors.write_failed``).
+
 Rank 0 writes its own share of the batch (other ranks' rows would cost a gather for a few examples).
 """
 
@@ -46,6 +49,7 @@ class CompletionLog(Callback):
                              f"{log_completions_every}): both must be >= 0 (0 = off)")
         self.samples_per_step, self.log_completions_every = samples_per_step, log_completions_every
         self._path: Path | None = None
+        self._failed: OSError | None = None  # a write that failed, raised at the next hook (see _append)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -59,9 +63,7 @@ class CompletionLog(Callback):
             return
         samples = rows.samples(self.samples_per_step, pl_module.rl.group_size)
         if self._path is not None:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            with self._path.open("a", encoding="utf-8") as f:
-                f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
+            self._append(samples)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 data = [[json.dumps(s[c]) if c == "rewards" else s[c] for c in COLUMNS] for s in samples]
@@ -69,6 +71,40 @@ class CompletionLog(Callback):
         every = self.log_completions_every
         if every and samples and rows.step % every == 0:
             _print(trainer, format_sample(samples[0]))
+
+
+    def _append(self, samples: list[dict]) -> None:
+        """Append to completions.jsonl; a failed write (a full disk) is raised once this loop step's row is logged."""
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            with self._path.open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
+        except OSError as err:
+            err.filename = err.filename or str(self._path)  # a failed write() names no file
+            self._failed = err
+
+    # The first hooks after Lightning logged the loop step's metrics row: the run stops there, so the emergency
+    # checkpoint of this boundary (GRPOCheckpoint.on_exception) never exists without its row.
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self._raise_failed()
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._raise_failed()
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._raise_failed()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
 
 
 def format_sample(sample: dict) -> str:
