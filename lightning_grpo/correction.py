@@ -34,6 +34,8 @@ MODES = ("off", "tis", "mask", "icepop", "bypass")
 LEVELS = ("token", "sequence", "geometric")
 DEFAULT_BAND = {"mask": (0.5, 2.0), "icepop": (0.5, 5.0)}
 """``band`` when unset: verl's reciprocal pair around its threshold 2.0, and IcePop's published [0.5, 5.0]."""
+DEFAULT_THRESHOLD = 2.0
+"""``threshold`` when unset (tis): verl's ``rollout_is_threshold`` default."""
 LOG_BOUND = 20.0
 
 
@@ -46,8 +48,8 @@ class RolloutCorrection:
     outside) | bypass (pi_old = the sampler's logprobs, no ahead pass)."""
     level: Literal["token", "sequence", "geometric"] = "token"
     """rho per token, per sequence (the product), or geometric (exp of the token mean of log rho; mask only)."""
-    threshold: float = 2.0
-    """tis: the weight is min(rho, threshold)."""
+    threshold: float | None = None
+    """tis: the weight is min(rho, threshold); None = 2.0. Only tis reads it (set with another mode: refused)."""
     band: tuple[float, float] | None = None
     """mask / icepop: rho must lie in [low, high]; None = (0.5, 2.0) for mask, (0.5, 5.0) for icepop."""
 
@@ -65,6 +67,11 @@ class RolloutCorrection:
     def needs_sampler_logprobs(self) -> bool:
         """The engine must return its per-token logprobs (every mode but off)."""
         return self.mode != "off"
+
+    @property
+    def cap(self) -> float:
+        """The TIS truncation in force: ``threshold``, else 2.0 (verl's ``rollout_is_threshold``)."""
+        return DEFAULT_THRESHOLD if self.threshold is None else self.threshold
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -86,8 +93,11 @@ class RolloutCorrection:
                      "or mode='mask' for a sequence band")
         elif self.level != "token" and self.mode in ("off", "bypass"):
             p.append(f"level={self.level!r} with mode={self.mode!r}: no weight is computed; leave level='token'")
-        if not is_finite(self.threshold) or self.threshold <= 1:
+        if self.threshold is not None and (not is_finite(self.threshold) or self.threshold <= 1):
             p.append(f"threshold={self.threshold}: must be a finite number > 1 (TIS truncates rho at it; 2.0 is usual)")
+        elif self.threshold is not None and self.mode != "tis":  # it would be ignored without a word
+            p.append(f"threshold={self.threshold} with mode={self.mode!r}: only tis truncates at a threshold; "
+                     + ("set band=[low, high] instead" if self.mode in DEFAULT_BAND else "drop threshold"))
         if self.band is not None:
             low, high = (tuple(self.band) + (None, None))[:2] if len(self.band) == 2 else (None, None)
             if not (is_finite(low) and is_finite(high) and 0 <= low < 1 < high):
@@ -124,7 +134,7 @@ def correct(cfg: RolloutCorrection, trainer: Tensor, rollout: Tensor, mask: Tens
     inside = (rho >= low) & (rho <= high)
     weight = keep = None
     if cfg.mode == "tis":
-        weight = rho.clamp(max=cfg.threshold)
+        weight = rho.clamp(max=cfg.cap)
     elif cfg.mode == "mask":
         keep = inside & mask
     elif cfg.mode == "icepop":
@@ -134,7 +144,7 @@ def correct(cfg: RolloutCorrection, trainer: Tensor, rollout: Tensor, mask: Tens
     stats = {
         "is_weight": w.sum(), "is_weight_sq": (w * w).sum(),
         "is_weight_max": w.detach().masked_fill(~mask, float("-inf")).amax() if mask.numel() else m.sum() * 0,
-        "outside": (((rho > cfg.threshold) if cfg.mode == "tis" else ~inside).to(m.dtype) * m).sum(),
+        "outside": (((rho > cfg.cap) if cfg.mode == "tis" else ~inside).to(m.dtype) * m).sum(),
         "logprob_gap": gap.abs().sum(), "mult_prob_error": (torch.exp(gap.abs()) * m).sum(),
         "trainer_logprob": (trainer * m).sum(), "rollout_logprob": (rollout * m).sum(), "sampled": m.sum(),
     }

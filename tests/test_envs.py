@@ -3,13 +3,16 @@ divisor against an independent count, chunked == unchunked in float64, tool-call
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
+from dataclasses import replace as dc_replace
 
 import pytest
 import torch
 from helpers import max_rel_delta, params_of
+from lightning.pytorch import Callback
 from test_loss_family import bare
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
@@ -605,3 +608,55 @@ def test_a_parser_of_the_users_own_module_is_loaded():
     from lightning_grpo.envs.environment import load_parser
 
     assert load_parser("test_envs:add_every_turn") is add_every_turn
+
+
+# -- issue 47: protocol breaks an environment made silently -----------------------------------------------------------
+class DictReset(AddOnly):
+    """``reset`` returns a dict (a gymnasium-style observation): it was formatted into the prompt as its repr."""
+
+    def reset(self, **row) -> dict:
+        return {"text": " use add.", "info": {}}
+
+
+class NaNReward(AddOnly):
+    """An episode reward of NaN once ``BROKEN`` is set (a scoring bug that shows up mid-run)."""
+
+    BROKEN = False
+
+    @property
+    def reward(self) -> float | None:
+        return math.nan if NaNReward.BROKEN else 1.0
+
+
+def test_a_reset_that_returns_a_dict_is_refused_naming_the_fix(gpt2_dir):
+    from lightning_grpo.envs.environment import EnvProtocolError
+
+    with pytest.raises(EnvProtocolError) as err:
+        play(gpt2_dir, n_prompts=1, name="test_envs:DictReset", max_turns=1)
+    assert str(err.value).startswith("DictReset.reset returned a dict ({'text': ' use add.', 'info': {}}); reset "
+                                     "returns the first observation as a str")
+
+
+def test_a_nan_environment_reward_stops_the_run_at_that_loop_step(tiny_chat_policy_dir, tmp_path):
+    """A NaN episode reward made the loss NaN; the skipped updates did not count toward max_steps, so a
+    max_steps=2 run went on for 9 skipped loop steps before max_consecutive_skips stopped it. It is refused where
+    it is read, like a reward function's NaN: the run stops at that loop step, its boundary saved."""
+    from helpers import fit_tiny
+
+    from lightning_grpo.checkpoint import GRPOCheckpoint, checkpoint_name, read_manifest
+    from lightning_grpo.envs.environment import EnvProtocolError
+
+    class BreakAtStep2(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            NaNReward.BROKEN = pl_module.loop_step == 1
+
+    module = episode_module(tiny_chat_policy_dir)
+    module.env_cfg = dc_replace(module.env_cfg, name="test_envs:NaNReward")
+    saver = GRPOCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_loop_steps=10)
+    try:
+        with pytest.raises(EnvProtocolError, match=r"NaNReward.reward is nan for an episode of model.env; an "
+                                                   r"episode reward must be a finite number"):
+            fit_tiny(module, tmp_path, loop_steps=2, callbacks=[BreakAtStep2(), saver])
+    finally:
+        NaNReward.BROKEN = False
+    assert read_manifest(saver.dirpath / checkpoint_name(1, saver.lineage)).reason == "error:EnvProtocolError"

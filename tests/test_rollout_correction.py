@@ -35,7 +35,8 @@ def band_of(mode: str, level: str) -> tuple[float, float] | None:
 
 
 def cfg(mode: str, level: str = "token") -> RolloutCorrection:
-    return RolloutCorrection(mode=mode, level=level, threshold=1.3, band=band_of(mode, level))
+    threshold = 1.3 if mode == "tis" else None  # only tis reads it (refused with another mode)
+    return RolloutCorrection(mode=mode, level=level, threshold=threshold, band=band_of(mode, level))
 
 
 def reference_loss(lp, old, roll, mask, adv, mode, level, loss_type="dapo", threshold=1.3):
@@ -262,6 +263,11 @@ def test_builder_passes_the_correction_and_the_sampler_is_asked_for_logprobs():
     ({"mode": "tis", "band": [0.5, 2.0]}, "only mask and icepop use a band"),
     ({"mode": "mask", "band": [1.2, 2.0]}, "band=(1.2, 2.0)"),
     ({"mode": "tis", "threshold": 0.5}, "threshold=0.5"),
+    # issue 47: a threshold beside a mode that never reads it was accepted without a word
+    ({"mode": "mask", "threshold": 3.0}, "threshold=3.0 with mode='mask': only tis truncates at a threshold; set band"),
+    ({"mode": "icepop", "threshold": 3.0}, "threshold=3.0 with mode='icepop'"),
+    ({"mode": "off", "threshold": 2.0}, "threshold=2.0 with mode='off': only tis truncates at a threshold; drop"),
+    ({"mode": "bypass", "threshold": 1.5}, "threshold=1.5 with mode='bypass'"),
     ({"mode": "ratio"}, "mode='ratio'"),
 ])
 def test_refusals_name_the_knob(kw, names):

@@ -13,6 +13,7 @@ An environment is a class, one instance per episode (TRL's ``environment_factory
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -91,11 +92,46 @@ def load_parser(name: str) -> Parser:
     return fn
 
 
+class EnvProtocolError(RuntimeError):
+    """An environment broke its protocol mid-run (what ``reset`` returned, a non-finite reward); the message names
+    the class, what it returned and the fix."""
+
+
+def first_observation(env: object, row: dict) -> str | None:
+    """``env.reset(**row)``: the episode's first observation, a string or None; anything else is refused.
+
+    Gymnasium's ``reset`` returns ``(observation, info)`` and some environments a dict: formatted into the prompt as
+    text, that would train the policy on a repr without a word.
+    """
+    observation = env.reset(**row)
+    if observation is not None and not isinstance(observation, str):
+        name = type(env).__name__
+        raise EnvProtocolError(f"{name}.reset returned a {type(observation).__name__} ({_short(observation)}); reset "
+                               "returns the first observation as a str (appended to the prompt) or None. Return "
+                               f"the text (keep other state on self), e.g. `return obs['text']`")
+    return observation
+
+
 def episode_reward(env: object) -> float | None:
-    """The environment's episode reward (attribute, property or method), or None when it defines none."""
+    """The environment's episode reward (attribute, property or method), or None when it defines none.
+
+    A NaN or inf is refused, as a reward function's is: it would make the loop step's loss non-finite, its update
+    would be skipped, and skipped steps do not count toward ``trainer.max_steps`` (the run ran on past it).
+    """
     reward = getattr(env, "reward", None)
     reward = reward() if callable(reward) else reward
-    return None if reward is None else float(reward)
+    if reward is None:
+        return None
+    value = float(reward)
+    if not math.isfinite(value):
+        raise EnvProtocolError(f"{type(env).__name__}.reward is {value} for an episode of model.env; an episode "
+                               "reward must be a finite number (None leaves the episode to model.rewards)")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def row_of(prompt_text: str, messages: list[dict] | None, answer: str | None, meta: Mapping[str, Any]) -> dict:

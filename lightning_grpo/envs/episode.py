@@ -21,7 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from lightning_grpo.envs.config import EnvConfig
-from lightning_grpo.envs.environment import EnvClass, Environment, episode_reward, load_env, load_parser, row_of
+from lightning_grpo.envs.environment import (
+    EnvClass,
+    Environment,
+    episode_reward,
+    first_observation,
+    load_env,
+    load_parser,
+    row_of,
+)
 from lightning_grpo.envs.parse import ToolCall
 from lightning_grpo.envs.template import TurnDelta, first_prompt
 from lightning_grpo.envs.tools import Tool, ToolResult, call_tool
@@ -111,7 +119,7 @@ class EpisodeRunner:
 
     def _start(self, prompt: Prompt, row_id: int) -> _Episode:
         env, tools = self.env_class.new()
-        observation = env.reset(**row_of(prompt.text, prompt.messages, prompt.answer, prompt.meta))
+        observation = first_observation(env, row_of(prompt.text, prompt.messages, prompt.answer, prompt.meta))
         messages = [dict(m) for m in (prompt.messages or [{"role": "user", "content": prompt.text}])]
         if observation:  # TRL's convention: the first observation extends the last user message
             messages[-1]["content"] = f"{messages[-1]['content']}{observation}"
