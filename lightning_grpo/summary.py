@@ -3,7 +3,8 @@
 It keeps the very rows the loggers get (each loop step's roll-up, each logged validation, the one before training
 at loop step 0 included: ``validation.is_measurement``), labelled with the module's loop step (also across a
 resume), and takes first/last the way ``lightning-grpo plot`` draws them (``plot.smoothed``): the summary,
-metrics.csv and curves.png give the same numbers. GRPO/OPD runs report reward, DPO runs loss and accuracy.
+metrics.csv and curves.png give the same numbers. A resume logs into a new version folder, whose metrics.csv and
+curves.png hold only its own loop steps: the ``logs`` line then says which loop steps each folder holds. GRPO/OPD runs report reward, DPO runs loss and accuracy.
 """
 
 from __future__ import annotations
@@ -48,16 +49,19 @@ class RunSummary(Callback):
         self._val: list[dict[str, float]] = []  # per logged validation: its loop step and the VAL_HEADLINES
         self._counts: dict[str, float] = {}  # THROUGHPUT counts of this fit (not of the run a resume continues)
         self._start, self._first_step = 0.0, 0
+        self._earlier: list[dict] = []  # earlier fits of this run (a resume): their loop steps and log folder
+        self._log_dir: str | None = None  # this fit's log folder (where metrics.csv and curves.png are)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":  # a fresh fit starts empty; a resume loads its rows after this (load_state_dict)
-            self._rows, self._val = [], []
+            self._rows, self._val, self._earlier = [], [], []
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start, self._counts = time.perf_counter(), {}
         self._first_step = int(getattr(pl_module, "loop_step", 0))  # UpdateModule's: a loaded checkpoint's
+        self._log_dir = getattr(trainer, "log_dir", None)  # on every rank: a broadcast under DDP
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -101,7 +105,7 @@ class RunSummary(Callback):
             *self._train_lines(series),
             *self._val_lines(series),
             f"  wall time        {seconds:.1f} s" + (f", {', '.join(rates)} (all ranks)" if rates else ""),
-            f"  logs             {trainer.log_dir}",
+            f"  logs             {trainer.log_dir}{self._where_steps_are()}",
         ]
         seed = getattr(trainer.lightning_module, "seed", None)
         if seed is not None:  # the effective seed, and where it came from (model.seed or seed_everything)
@@ -136,6 +140,27 @@ class RunSummary(Callback):
                       f"  {metric} last  {ys[-1]:.3f}  ({last})"]
         return lines or [NOT_MEASURED]
 
+    def _spans(self) -> list[dict]:
+        """Which folder logged which loop steps, over the fits of this run (consecutive fits of one folder merged)."""
+        spans = []
+        last = int(self._rows[-1]["step"]) if self._rows else self._first_step
+        this = [{"first": self._first_step + 1, "last": last, "dir": str(self._log_dir)}]
+        for span in self._earlier + (this if last > self._first_step and self._log_dir is not None else []):
+            if spans and spans[-1]["dir"] == span["dir"]:
+                spans[-1]["last"] = span["last"]
+            else:
+                spans.append(dict(span))
+        return spans
+
+    def _where_steps_are(self) -> str:
+        """After a resume into a new folder: this folder's loop steps (its metrics.csv and curves.png hold only
+        those) and the folders of the earlier ones; the figures above span them all."""
+        spans = self._spans()
+        if len(spans) < 2:
+            return ""
+        earlier = "; ".join(f"loop steps {s['first']}-{s['last']}: {s['dir']}" for s in spans[:-1])
+        return f"  (loop steps {spans[-1]['first']}-{spans[-1]['last']}; {earlier})"
+
     def _curves(self, trainer: Trainer) -> str:
         """The summary's last line: where the curves PNG is, or the command that makes it (rank 0 only)."""
         csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
@@ -154,7 +179,8 @@ class RunSummary(Callback):
         return f"\n  curves           {png}  (redraw: {command})"
 
     def state_dict(self) -> dict:
-        return {"rows": [dict(r) for r in self._rows], "val_rows": [dict(v) for v in self._val]}
+        return {"rows": [dict(r) for r in self._rows], "val_rows": [dict(v) for v in self._val],
+                "folders": self._spans()}
 
     def load_state_dict(self, state: dict) -> None:
         if "rows" not in state:  # an older checkpoint: rewards per loop step, (step, val/reward) pairs
@@ -162,3 +188,4 @@ class RunSummary(Callback):
             self._val = [{"step": float(s), "val/reward": v} for s, v in state.get("val", [])]
             return
         self._rows, self._val = [dict(r) for r in state["rows"]], [dict(v) for v in state["val_rows"]]
+        self._earlier = [dict(f) for f in state.get("folders", [])]  # older checkpoints: not recorded

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import re
 from pathlib import Path
@@ -156,3 +157,48 @@ def test_every_shipped_config_is_covered():
     every = {p.stem for p in CONFIGS.glob("*.yaml") if p.name != "sweep.yaml"}
     assert every == set(SHRUNK) | set(CHECKED_ON_THEIR_OWN_RUN) and set(SHIPPED) == set(SHRUNK)
     assert importlib.util.find_spec("matplotlib") is not None  # the agreement test reads the plot's lines
+
+
+def test_after_a_resume_the_summary_says_which_folder_holds_which_loop_steps():
+    """Issue 47: after a resume the summary reported loop steps 1-6 while the new version folder's metrics.csv and
+    curves.png hold 4-6 only. The logs line now names this folder's loop steps and the folders of the earlier ones."""
+    module = SimpleNamespace(loop_step=0, last_metrics={})
+    first = RunSummary()
+    first.setup(None, module, "fit")
+    first.on_train_start(SimpleNamespace(log_dir="runs/q/version_0"), module)
+    _steps(first, module, [0.1, 0.2, 0.3])
+    resumed = RunSummary()
+    resumed.setup(None, module, "fit")
+    resumed.load_state_dict(first.state_dict())
+    resumed.on_train_start(SimpleNamespace(log_dir="runs/q/version_1"), module)
+    _steps(resumed, module, [0.4, 0.5, 0.6])
+    trainer = SimpleNamespace(global_step=6, log_dir="runs/q/version_1", lightning_module=module)
+    assert "  logs             runs/q/version_1  (loop steps 4-6; loop steps 1-3: runs/q/version_0)" in \
+        resumed.report(trainer).splitlines()
+    again = RunSummary()  # a second resume: every earlier folder is named
+    again.setup(None, module, "fit")
+    again.load_state_dict(resumed.state_dict())
+    again.on_train_start(SimpleNamespace(log_dir="runs/q/version_2"), module)
+    _steps(again, module, [0.7])
+    trainer = SimpleNamespace(global_step=7, log_dir="runs/q/version_2", lightning_module=module)
+    assert ("  logs             runs/q/version_2  (loop steps 7-7; loop steps 1-3: runs/q/version_0; loop steps 4-6: "
+            "runs/q/version_1)") in again.report(trainer).splitlines()
+    assert "  logs             runs/q/version_0" in first.report(SimpleNamespace(
+        global_step=3, log_dir="runs/q/version_0", lightning_module=module)).splitlines()  # one folder: as before
+
+
+def test_a_real_resume_names_the_folder_of_the_earlier_loop_steps(tiny_policy_dir, tmp_path, capsys):
+    from lightning.pytorch.loggers import CSVLogger
+
+    def fit(loop_steps: int, ckpt_path=None) -> str:
+        saver = GRPOCheckpoint(dirpath=tmp_path / "ckpt", every_n_loop_steps=1)
+        fit_tiny(tiny_grpo_module(tiny_policy_dir), tmp_path, loop_steps, callbacks=[RunSummary(plot=False), saver],
+                 ckpt_path=ckpt_path, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1)
+        return capsys.readouterr().out
+
+    fit(2)
+    out = fit(3, ckpt_path=complete_checkpoints(tmp_path / "ckpt")[-1])
+    folder = tmp_path / "run" / "version_1"
+    assert f"  logs             {folder}  (loop steps 3-3; loop steps 1-2: {tmp_path / 'run' / 'version_0'})" in out
+    with open(folder / "metrics.csv") as f:  # what that folder's metrics.csv (and so its curves.png) holds
+        assert [int(r["step"]) for r in csv.DictReader(f) if r.get("grpo/loss")] == [3]
