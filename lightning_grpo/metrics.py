@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_grpo.correction import derived_metrics
+from lightning_grpo.timing import AHEAD, PHASES, PREFIX, UPDATE
 from lightning_grpo.update.loop import LoopResult
 
 
@@ -90,13 +92,26 @@ def plan_metrics(plan) -> dict[str, float]:
             "grpo/oversized_rows": float(plan.oversized)}
 
 
-def update_metrics(result: LoopResult, plan, ahead_seconds: float, update_seconds: float,
-                   stats: type | None = None) -> dict[str, float]:
-    """One update's roll-up, how its batch was cut, and the ahead pass's wall time and share of the update."""
-    out = {**roll_up(result, stats=stats), **plan_metrics(plan)}
-    out["grpo/ahead_seconds"] = ahead_seconds
-    out["grpo/ahead_share"] = ahead_seconds / update_seconds if update_seconds > 0 else 0.0
+def update_metrics(result: LoopResult, plan, stats: type | None = None) -> dict[str, float]:
+    """One update's roll-up and how its batch was cut."""
+    return {**roll_up(result, stats=stats), **plan_metrics(plan)}
+
+
+def time_metrics(columns: dict[str, float]) -> dict[str, float]:
+    """The step timer's ``time/<phase>`` columns and the ahead pass's share of the update."""
+    out = dict(columns)
+    update = columns[PREFIX + UPDATE]
+    ahead = columns[PREFIX + AHEAD]
+    out[PREFIX + "ahead_share"] = ahead / update if update > 0 else 0.0
     return out
+
+
+def job_metrics(metrics: dict[str, float], all_reduce: AllReduce, world_size: int, rows: int) -> dict[str, float]:
+    """One figure per metric for the whole job (``combine_ranks`` when several ranks; reductions:
+    docs/distributed.md), and the ratios of its means (``correction/ess``, ``*_ppl``)."""
+    if world_size > 1:
+        metrics = combine_ranks(metrics, all_reduce, world_size, rows)
+    return metrics | derived_metrics(metrics)
 
 
 def length_metrics(lengths: torch.Tensor, finish_reasons: list[str]) -> dict[str, float]:
@@ -135,7 +150,7 @@ RANK_SAMPLED_WEIGHTED = frozenset({f"correction/{name}" for name in (
     "trainer_logprob_mean", "rollout_logprob_mean")})
 """Rollout-correction means over this rank's sampled tokens (rejected ones too): weighted by ``correction/tokens``."""
 RANK_MAX = frozenset({"grpo/ratio_max", "correction/is_weight_max", "reward/max", "completion/len_max",
-                      "grpo/ahead_seconds"})
+                      *(PREFIX + phase for phase in PHASES)})
 RANK_MIN = frozenset({"reward/min", "completion/len_min"})
 RANK_WEIGHTED = {"completion/terminated_len_mean": "completion/stop_frac"}
 """Means over a subset of each rank's rows, weighted by the subset's share (ranks hold equal row counts)."""

@@ -7,13 +7,15 @@ pixels, decoded when that chunk is scored, so only one chunk's pixels are alive 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor, nn
 
 from lightning_grpo import lora
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.distributed import root_call
-from lightning_grpo.logprobs import token_logprobs
+from lightning_grpo.logprobs import fuses_head, token_logprobs
 from lightning_grpo.objectives.base import Objective, PolicyView, Stats
 from lightning_grpo.packing import PADDED, Packing
 from lightning_grpo.update.ahead import eval_mode
@@ -108,3 +110,35 @@ class ChunkScorer:
         if chunk.images is None or self.vision is None:
             return None
         return self.vision.materialize(chunk.images, chunk.input_ids.cpu(), chunk.group_ids.tolist())
+
+
+def frozen_copy(policy: nn.Module, needed: bool) -> nn.Module | None:
+    """The reference of k3 KL: the initial policy, frozen (None when not ``needed``: no memory spent).
+
+    It stays in train mode like every module Lightning holds and is scored under ``eval_mode`` (no dropout). Under
+    LoRA no copy is needed: the reference is the base with the adapter disabled.
+    """
+    if not needed:
+        return None
+    return copy.deepcopy(policy).requires_grad_(False)
+
+
+def build_scorer(policy: nn.Module, ref: nn.Module | None, vision: VisionProcessor | None, objective: Objective,
+                 rl, temperature: float, routed: bool) -> ChunkScorer:
+    """The scorer of a built policy, with ``rl.packed`` resolved for it (refused where packing is inexact).
+
+    Args:
+        policy: the trained model (LoRA: the reference is its base).
+        ref: the frozen copy (``frozen_copy``), or None.
+        vision: a vision-language policy's image side (None: text-only).
+        objective: whether it asks for reference logprobs.
+        rl: ``packed`` and ``logits_keep_mb``.
+        temperature: the sampling temperature (``rollout.temperature``).
+        routed: whether MoE routing replay is attached (packing refuses it).
+    """
+    wants_ref = objective.needs_reference()
+    has_ref = ref is not None or (lora.is_lora(policy) and wants_ref)
+    fused = fuses_head(policy)
+    packing = Packing.resolve(rl.packed, policy, vision is not None, routed, fused)
+    keep_bytes = int(rl.logits_keep_mb * 2**20)
+    return ChunkScorer(policy, ref, vision, has_ref, temperature, keep_bytes, packing)

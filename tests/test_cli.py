@@ -21,14 +21,14 @@ from lightning_grpo.base import UPSTREAM_WARNINGS, quiet_upstream_warnings
 from lightning_grpo.cli import SECTIONS, flatten, main
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.timing import is_timing
 
-TIMING = ("grpo/ahead_seconds", "grpo/ahead_share")
 """Wall-clock metrics: the only columns two identical runs may differ in."""
 
 
 def _rows(csv_path) -> list[dict[str, str]]:
     with open(csv_path, newline="") as f:
-        return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
+        return [{k: v for k, v in row.items() if not is_timing(k)} for row in csv.DictReader(f)]
 
 
 @pytest.mark.slow

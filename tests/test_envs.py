@@ -557,7 +557,8 @@ def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
     uninterrupted run row for row."""
     from helpers import StepRecorder, fit_tiny, global_determinism_restored
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from test_dynamic_sampling import WALL_CLOCK
+
+    from lightning_grpo.timing import is_timing
 
     with global_determinism_restored():
         whole, ckpt = StepRecorder(), ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}",
@@ -566,7 +567,7 @@ def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
         resumed = StepRecorder()
         fit_tiny(episode_module(tiny_chat_policy_dir), tmp_path / "b", loop_steps=3, callbacks=[resumed],
                  ckpt_path=tmp_path / "ckpt" / "step=1.ckpt")
-    rows = [[{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in run] for run in (whole.metrics[1:],
+    rows = [[{k: v for k, v in r.items() if not is_timing(k)} for r in run] for run in (whole.metrics[1:],
                                                                                             resumed.metrics)]
     assert rows[0] == rows[1] and resumed.prompt_ids == whole.prompt_ids[1:]
     assert all(r["tools/call_frequency"] > 0 for r in rows[1])

@@ -21,6 +21,7 @@ from lightning_grpo.objectives.kl import reverse_kl
 from lightning_grpo.objectives.opd import OPDConfig, OPDObjective
 from lightning_grpo.objectives.teacher import VocabularyMismatchError
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.timing import AHEAD
 from lightning_grpo.tiny.build import build_tiny_policy
 
 UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]  # completion lengths: chunk token counts differ a lot
@@ -151,7 +152,7 @@ def test_direct_form_runs_no_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teache
     module.updater.loop.forward_chunk = lambda chunk, old: (seen.append(old), real(chunk, old))[1]
     result = module.updater.update(synthetic_batch(UNEQUAL, seed=3))
     assert len(result.steps) == 4 and not any(s.skipped for s in result.steps)
-    assert seen == [None] * 4 and module.updater.ahead_seconds == 0.0
+    assert seen == [None] * 4 and module.timer.seconds(AHEAD) == 0.0
 
 
 def test_reward_form_runs_the_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teacher_dir):
@@ -160,7 +161,7 @@ def test_reward_form_runs_the_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teach
     real = module.updater.ahead.compute
     module.updater.ahead.compute = lambda *a: (calls.append(1), real(*a))[1]
     module.updater.update(synthetic_batch(UNEQUAL, seed=3))
-    assert calls == [1] and module.updater.ahead_seconds > 0
+    assert calls == [1] and module.timer.seconds(AHEAD) > 0
 
 
 # -- refusals ----------------------------------------------------------------------------------------------------------
