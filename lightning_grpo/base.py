@@ -86,7 +86,8 @@ class UpdateModule(DataParallelOps, LightningModule):
         super().__init__()
         self.automatic_optimization = False  # the updater steps the optimizer itself
         resolved = run_seed(seed)  # one source of truth: model.seed, else seed_everything's
-        self.seed, self.seed_source = resolved.value, resolved.source
+        self.seed = resolved.value
+        self.seed_source = resolved.source
         self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)  # the tiny build it used
         self.optim_cfg = copy.deepcopy(optim or OptimConfig())
         self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer and the reference

@@ -69,7 +69,8 @@ class DPOConfig:
     def problems(self, dp_size: int = 1) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line."""
         p = []
-        b, k = self.batch_size, self.grad_accum
+        b = self.batch_size
+        k = self.grad_accum
         if not is_int(b) or b < 1:
             p.append(f"batch_size={b}: must be a positive integer")
         if not is_int(k) or k < 1:
@@ -103,7 +104,8 @@ class DPOConfig:
 
 
 # The sections' defaults: instances, so `--help` and `--print_config` show every field (copied, never mutated).
-_POLICY, _OPTIM = PolicyConfig(), OptimConfig()
+_POLICY = PolicyConfig()
+_OPTIM = OptimConfig()
 
 
 class DPOModule(UpdateModule):
@@ -182,7 +184,8 @@ class DPOModule(UpdateModule):
         """``batch`` with every pair's reference logprobs, from one no-grad pass in train-call-sized chunks."""
         if self.ref is None:
             return batch
-        plan, parts = ChunkPlan.fixed(len(batch), 1, self.dpo.grad_accum), []
+        plan = ChunkPlan.fixed(len(batch), 1, self.dpo.grad_accum)
+        parts = []
         with torch.no_grad(), eval_mode(self.ref):
             for mini, micro in plan.walk():
                 parts.append(self.answer_logprobs(self.ref, plan.chunk(batch, mini, micro).to(self.device)))

@@ -19,6 +19,7 @@ it the engine and the policy once (``on_engine_ready``) and tells it about the t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_grpo import lora
-from lightning_grpo.offload import OffloadBackend, TrainerOffload, memory_saver_usable, select_offload
+from lightning_grpo.offload import OffloadBackend, TrainerOffload, trainer_offload
 from lightning_grpo.publisher import generates_with
 from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import DeclaresWeights, DrawsAhead, RolloutEngine
@@ -40,9 +41,14 @@ from lightning_grpo.timing import SYNC, ProfileRecords, StepTimer, profiling_req
 
 log = logging.getLogger(__name__)
 
-GENERATE, ENGINE_SLEEP, TRAINER_ONLOAD, TRAIN = "generate", "engine.sleep", "trainer.onload", "train"
-WAKE_WEIGHTS, WEIGHT_SYNC = "engine.wake_up(weights)", "weight_sync"
-TRAINER_OFFLOAD, WAKE_KV_CACHE = "trainer.offload", "engine.wake_up(kv_cache)"
+GENERATE = "generate"
+ENGINE_SLEEP = "engine.sleep"
+TRAINER_ONLOAD = "trainer.onload"
+TRAIN = "train"
+WAKE_WEIGHTS = "engine.wake_up(weights)"
+WEIGHT_SYNC = "weight_sync"
+TRAINER_OFFLOAD = "trainer.offload"
+WAKE_KV_CACHE = "engine.wake_up(kv_cache)"
 CYCLE = (GENERATE, ENGINE_SLEEP, TRAINER_ONLOAD, TRAIN, WAKE_WEIGHTS, WEIGHT_SYNC, TRAINER_OFFLOAD, WAKE_KV_CACHE)
 """One loop step's events, in order, with colocated offload on."""
 NO_SYNC = SyncStats(n_buckets=0, n_tensors=0, bytes=0, seconds=0.0)
@@ -107,7 +113,9 @@ class HandoffCallback(Callback):
             problems.append(f"sync_bucket_mb={sync_bucket_mb!r}: must be > 0 (or None: the module's rollout config)")
         if problems:
             raise ValueError("HandoffCallback(" + "; ".join(problems) + ")")
-        self.placement, self.sleep_level, self.offload_backend = placement, sleep_level, offload_backend
+        self.placement = placement
+        self.sleep_level = sleep_level
+        self.offload_backend = offload_backend
         self.handoff = placement == "colocated" and colocated_offload
         """Whether engine sleep/wake and trainer offload/onload happen at all."""
         self._sync_bucket_mb = sync_bucket_mb
@@ -231,9 +239,12 @@ class HandoffCallback(Callback):
         self._timer.records = self._profile_records(trainer)
         # Lightning reads the module's state_dict first thing in a save, before any callback hook runs: this pre-hook
         # is the checkpoint window (engine asleep, trainer resident) whatever point of the step the save comes from.
-        hook = trainer.lightning_module.register_state_dict_pre_hook(lambda *_: self._checkpoint_window())
-        self._state_dict_hook = hook
-        self._events, self._offload, self._stale, self._discarded = [], None, True, False
+        trained = trainer.lightning_module
+        self._state_dict_hook = trained.register_state_dict_pre_hook(self._checkpoint_window)
+        self._events = []
+        self._offload = None
+        self._stale = True
+        self._discarded = False
         self._sleep_engine()  # the first profile record holds it
         self._phase = Phase.BOUNDARY
 
@@ -263,8 +274,9 @@ class HandoffCallback(Callback):
             return NO_SYNC  # HFEngine generates with this very module: its weights are already the policy's
         pushed: list[str] = []
         # LoRA: the adapter alone (an engine with LoRA), else merged weights
+        record = functools.partial(_recorded, names=pushed)
         stats = adapter_sync.publish_policy(self._policy, self._engine, self._bucket_bytes, with_base=self._discarded,
-                                            record=lambda named: _recorded(named, pushed))
+                                            record=record)
         if self._discarded:
             self._check_complete(pushed)
         return stats
@@ -295,8 +307,9 @@ class HandoffCallback(Callback):
                 if self._offload is not None:  # None: never offloaded yet, so resident
                     self._step_bytes["onloaded"] += self._offload.onload()
 
-    def _checkpoint_window(self) -> None:
-        """A save is reading the module: make sure the trainer is resident and the engine asleep."""
+    def _checkpoint_window(self, *hook_args: Any) -> None:
+        """A save is reading the module: make sure the trainer is resident and the engine asleep (a state_dict
+        pre-hook: ``hook_args`` are the module, prefix and keep_vars, unread)."""
         if self._phase in (Phase.GENERATE, Phase.PUBLISH):  # a validation or emergency save after publication
             self._sleep_engine()
             self._onload_trainer()
@@ -334,19 +347,9 @@ class HandoffCallback(Callback):
     # -- setup helpers ---------------------------------------------------------------------------------------------
     def _trainer_offload(self, trainer: Trainer) -> TrainerOffload:
         if self._offload is None:
-            self._offload = self._select_offload(trainer)
+            backend = self.offload_backend
+            self._offload = trainer_offload(backend, trainer, self._policy, self.engine_is_policy)
         return self._offload
-
-    def _select_offload(self, trainer: Trainer) -> TrainerOffload:
-        trained = trainer.lightning_module  # every tensor the trainer holds: policy, reference, optimizer's params
-        device = trained.device
-        usable, why_not = memory_saver_usable() if device.type == "cuda" else (False, "not on CUDA")
-        usable = trainer.strategy.reduce_boolean_decision(usable, all=True)  # every rank uses the same backend
-        if self.engine_is_policy:
-            # The engine generates with the policy itself: its parameters stay; the rest of the trainer moves.
-            modules = [m for m in trained.children() if not _shares_parameters(m, self._policy)]
-            return select_offload(self.offload_backend, modules, trainer.optimizers, device, False, "engine is policy")
-        return select_offload(self.offload_backend, [trained], trainer.optimizers, device, usable, why_not)
 
     def _profile_records(self, trainer: Trainer) -> ProfileRecords | None:
         wanted = profiling_requested() if self._profile_flag is None else self._profile_flag
@@ -377,11 +380,6 @@ def _recorded(named: Iterable[tuple[str, Tensor]], names: list[str]) -> Iterator
     for name, tensor in named:
         names.append(name)
         yield name, tensor
-
-
-def _shares_parameters(module: nn.Module, other: nn.Module) -> bool:
-    mine = {id(p) for p in module.parameters()}
-    return module is other or any(id(p) in mine for p in other.parameters())
 
 
 def attach_handoff(trainer: Trainer, engine: RolloutEngine) -> HandoffCallback:

@@ -56,9 +56,12 @@ def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None)
         out.update(_per_epoch(result, col))
     stepped = [s for s in result.steps if not s.skipped]
     if stepped:
-        norms, lrs = [s.grad_norm for s in stepped], [s.lr for s in stepped]
-        out[f"{prefix}/grad_norm"], out[f"{prefix}/grad_norm_max"] = sum(norms) / len(norms), max(norms)
-        out[f"{prefix}/lr"], out[f"{prefix}/lr_max"] = sum(lrs) / len(lrs), max(lrs)
+        norms = [s.grad_norm for s in stepped]
+        lrs = [s.lr for s in stepped]
+        out[f"{prefix}/grad_norm"] = sum(norms) / len(norms)
+        out[f"{prefix}/grad_norm_max"] = max(norms)
+        out[f"{prefix}/lr"] = sum(lrs) / len(lrs)
+        out[f"{prefix}/lr_max"] = max(lrs)
     out[f"{prefix}/optimizer_steps"] = float(len(stepped))
     out[f"{prefix}/skipped_windows"] = float(len(result.steps) - len(stepped))
     out[f"{prefix}/consecutive_skips"] = float(result.consecutive_skips)
@@ -228,7 +231,8 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
         elif kind[n] == "weighted":
             out[n] = out[n] / shares[n] if shares[n] > 0 else math.nan
     for n in (n for n in names if kind[n] == "std"):
-        count, mean = rows * world_size, out.get("reward/mean", 0.0)
+        count = rows * world_size
+        mean = out.get("reward/mean", 0.0)
         out[n] = math.sqrt(max(out[n] - count * mean * mean, 0.0) / (count - 1)) if count > 1 else 0.0
     return out
 

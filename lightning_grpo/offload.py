@@ -253,6 +253,25 @@ def select_offload(backend: OffloadBackend, modules: Sequence[nn.Module], optimi
     return HostOffload(modules, optimizers, device)
 
 
+def trainer_offload(backend: OffloadBackend, trainer, policy: nn.Module, engine_is_policy: bool) -> TrainerOffload:
+    """The offload of every tensor ``trainer`` holds (policy, reference, the optimizers' state), the same backend on
+    every rank. When the engine generates with ``policy`` itself, its parameters stay and the rest moves."""
+    trained = trainer.lightning_module
+    device = trained.device
+    usable, why_not = memory_saver_usable() if device.type == "cuda" else (False, "not on CUDA")
+    usable = trainer.strategy.reduce_boolean_decision(usable, all=True)
+    optimizers = trainer.optimizers
+    if engine_is_policy:
+        modules = [m for m in trained.children() if not _shares_parameters(m, policy)]
+        return select_offload(backend, modules, optimizers, device, False, "engine is policy")
+    return select_offload(backend, [trained], optimizers, device, usable, why_not)
+
+
+def _shares_parameters(module: nn.Module, other: nn.Module) -> bool:
+    mine = {id(p) for p in module.parameters()}
+    return module is other or any(id(p) in mine for p in other.parameters())
+
+
 def _is_host_scalar_step(key: str, value: Tensor, device: torch.device) -> bool:
     """Adam's ``step`` counter lives on the host unless ``capturable``/fused; leave host scalars where they are."""
     return key == "step" and value.device.type == "cpu" and value.dim() == 0 and device.type != "cpu"

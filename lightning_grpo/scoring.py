@@ -8,6 +8,7 @@ pixels, decoded when that chunk is scored, so only one chunk's pixels are alive 
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import Tensor, nn
@@ -61,13 +62,11 @@ class ChunkScorer:
     def policy_view(self, chunk: RolloutBatch | None = None, vision: VisionInputs | None = None) -> PolicyView:
         """What an objective may ask of the policy (``objectives/base.py``). ``vision``: ``chunk``'s pixels,
         materialized once and shared by the policy and the reference (another chunk materializes its own)."""
-        pixels = lambda c: vision if c is chunk else None
-        return PolicyView(model=self.policy, temperature=self.temperature,
-                          logprobs=lambda c: self.logprobs(self.policy, c, pixels(c)),
-                          reference=(lambda c: self.reference_logprobs(c, pixels(c))) if self.has_reference else None,
-                          call=lambda fn, *args: root_call(self.policy, fn, *args),
-                          logprobs_and_entropy=lambda c, grad: self.logprobs(self.policy, c, pixels(c),
-                                                                             "grad" if grad else "value"))
+        scores = _ChunkScores(self, chunk, vision)
+        reference = scores.reference if self.has_reference else None
+        call = functools.partial(root_call, self.policy)
+        return PolicyView(model=self.policy, temperature=self.temperature, logprobs=scores.logprobs,
+                          reference=reference, call=call, logprobs_and_entropy=scores.with_entropy)
 
     def chunk_loss(self, objective: Objective, chunk: RolloutBatch, old_logprobs: Tensor | None,
                    sampler_is_pi_old: bool) -> tuple[Tensor, Tensor, Stats]:
@@ -110,6 +109,29 @@ class ChunkScorer:
         if chunk.images is None or self.vision is None:
             return None
         return self.vision.materialize(chunk.images, chunk.input_ids.cpu(), chunk.group_ids.tolist())
+
+
+class _ChunkScores:
+    """What a ``PolicyView`` scores with: ``chunk``'s pixels, materialized once, go with every score of that chunk
+    (any other chunk materializes its own)."""
+
+    def __init__(self, scorer: ChunkScorer, chunk: RolloutBatch | None, vision: VisionInputs | None) -> None:
+        self.scorer = scorer
+        self.chunk = chunk
+        self.vision = vision
+
+    def pixels(self, chunk: RolloutBatch) -> VisionInputs | None:
+        return self.vision if chunk is self.chunk else None
+
+    def logprobs(self, chunk: RolloutBatch) -> Tensor:
+        return self.scorer.logprobs(self.scorer.policy, chunk, self.pixels(chunk))
+
+    def reference(self, chunk: RolloutBatch) -> Tensor:
+        return self.scorer.reference_logprobs(chunk, self.pixels(chunk))
+
+    def with_entropy(self, chunk: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor]:
+        entropy = "grad" if grad else "value"
+        return self.scorer.logprobs(self.scorer.policy, chunk, self.pixels(chunk), entropy)
 
 
 def frozen_copy(policy: nn.Module, needed: bool) -> nn.Module | None:

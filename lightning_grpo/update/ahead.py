@@ -260,7 +260,8 @@ class _ModeSwitch:
     """Set every submodule to one mode, then restore each one's own mode (a frozen tower may sit in eval)."""
 
     def __init__(self, model: nn.Module, training: bool) -> None:
-        self.model, self.training = model, training
+        self.model = model
+        self.training = training
         self._saved: list[tuple[nn.Module, bool]] = []
 
     def __enter__(self) -> None:

@@ -68,7 +68,10 @@ class DataParallel:
     """Whether a loss is finite on every rank (every rank then poisons the same window)."""
 
 
-NOTHING, ONE_PROCESS = Needs(), DataParallel()  # defaults: a batch that needs no ahead pass; a single process
+NOTHING = Needs()
+"""The default: a batch that needs no ahead pass."""
+ONE_PROCESS = DataParallel()
+"""The default: a single process."""
 
 
 class Updater:
@@ -155,7 +158,8 @@ class Updater:
     def plan(self, batch, needs: Needs | None = None) -> tuple[ChunkPlan, ChunkPlan | None]:
         """The ChunkPlan of this collected batch (every epoch) and the ahead pass's own, computed once and shared by
         the ahead pass and the training walk. Token-budgeted counts are agreed over ranks in one all-reduce."""
-        s, needs = self.split, needs or self.needs
+        s = self.split
+        needs = needs or self.needs
         ahead_rows = None
         if needs.pi_old and s.ahead_budget:
             first = len(batch) // s.n_mini if self.ahead.skips_first_mini(needs, s.mu_iterations) else 0
