@@ -58,3 +58,11 @@ def test_every_metrics_row_has_the_time_columns(tiny_policy_dir, tmp_path):
         assert t["time/sync"] == 0.0  # the HF engine generates with the policy: no publisher, nothing timed
         assert t["time/step"] >= t["time/wait_batch"] + t["time/update"]
     assert module.timer.seconds(SYNC) == 0.0
+
+
+def test_ranks_take_the_slowest_phase_and_the_mean_share():
+    """The slowest rank sets the step's time; the share is a ratio, averaged (docs/distributed.md)."""
+    from lightning_grpo.metrics import rank_reduction
+
+    assert {rank_reduction(f"time/{p}") for p in PHASES} == {"max"}
+    assert rank_reduction("time/ahead_share") == "mean"
