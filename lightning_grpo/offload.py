@@ -82,8 +82,10 @@ class HostOffload:
 
     def __init__(self, modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                  device: torch.device | str, host: torch.device | str = "cpu", pin_memory: bool | None = None) -> None:
-        self.modules, self.optimizers = list(modules), list(optimizers)
-        self.device, self.host = torch.device(device), torch.device(host)
+        self.modules = list(modules)
+        self.optimizers = list(optimizers)
+        self.device = torch.device(device)
+        self.host = torch.device(host)
         self.pin_memory = pinning_available() if pin_memory is None else pin_memory
         if self.pin_memory and not pinning_available():
             raise ValueError(f"HostOffload(pin_memory=True): this torch build ({torch.__version__}) cannot pin memory")
@@ -103,9 +105,12 @@ class HostOffload:
             return 0
         # Non-blocking from pinned memory: later kernels on the stream wait for the copies; the caching host
         # allocator keeps each pinned block alive until its copy is done.
-        moved = self._move(lambda t: t.to(self.device, non_blocking=self.pin_memory))
+        moved = self._move(self._to_device)
         self.resident = True
         return moved
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        return t.to(self.device, non_blocking=self.pin_memory)
 
     def _to_host(self, t: Tensor) -> Tensor:
         out = torch.empty_like(t, device=self.host, pin_memory=self.pin_memory)
