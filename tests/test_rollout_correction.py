@@ -231,6 +231,28 @@ def test_metrics_are_the_whole_batchs_and_combine_over_ranks_exactly():
     assert 0 < derived["correction/ess"] <= 1
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_entropy_under_mask_is_the_mean_over_every_completion_token(level):
+    """mode=mask rejects tokens from the loss, not from grpo/entropy (docs: the completion tokens); main averaged it
+    over the kept tokens only. Whole batch, and two ranks of unequal shares combined, against the hand mean."""
+    lp, old, roll, mask, adv = hand_tensors(5)
+    ent = torch.rand(mask.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3
+    obj = objective("mask", level)
+    whole = obj(lp.detach(), mask, adv, old, None, roll, entropy=ent)[2]
+    assert float(whole.sampled) > float(whole.tokens)  # some tokens are rejected
+    want = float((ent * mask).sum() / mask.sum())
+    assert float(whole.entropy) == pytest.approx(want, rel=1e-12)
+
+    def rolled(stats):
+        return roll_up(SimpleNamespace(chunks=[stats], steps=[], chunk_epochs=[0], consecutive_skips=0,
+                                       discarded_chunks=0))
+
+    halves = [obj(lp.detach()[s], mask[s], adv[s], old[s], None, roll[s], entropy=ent[s])[2]
+              for s in (slice(0, 2), slice(2, 6))]
+    assert rolled(whole)["grpo/entropy"] == pytest.approx(want, rel=1e-12)
+    assert combine_two([rolled(h) for h in halves])["grpo/entropy"] == pytest.approx(want, rel=1e-12)
+
+
 def combine_two(tables: list[dict]) -> dict:
     """``combine_ranks`` as rank 0 of two sees it: each all-reduce returns the sum (or max) of both ranks' tensors."""
     sent: list[list[torch.Tensor]] = [[], []]
