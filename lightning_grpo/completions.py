@@ -10,6 +10,10 @@ first, and
 - logs them as a W&B Table ``completions`` when a ``WandbLogger`` is attached,
 - prints one every ``log_completions_every`` loop steps.
 
+An episode (``model.env``) shows whole: its prompt as the model saw it (tool schemas included), each turn's text, the
+tool calls with their arguments and results, and which tokens trained; ``lightning-grpo show`` prints a step's rows
+the same way. OPD rows show the per-token KL to the teacher instead of an advantage (``objectives.ExplainsTokens``).
+
 Rank 0 writes its own share of the batch (other ranks' rows would cost a gather for a few examples).
 """
 
@@ -25,7 +29,10 @@ from typing_extensions import override
 from lightning_grpo.collect.rows import StepRows
 
 FILE = "completions.jsonl"
-COLUMNS = ("step", "prompt_id", "prompt", "completion", "reward", "rewards", "advantage", "finish_reason")
+COLUMNS = ("step", "prompt_id", "prompt", "completion", "reward", "rewards", "advantage", "finish_reason", "trained")
+EPISODE_COLUMNS = (*COLUMNS, "turns")
+"""With ``model.env``: each row also holds its turns (text, tool calls with arguments and results, token counts)."""
+JSON_COLUMNS = ("rewards", "turns")
 
 
 class CompletionLog(Callback):
@@ -64,19 +71,56 @@ class CompletionLog(Callback):
                 f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
-                data = [[json.dumps(s[c]) if c == "rewards" else s[c] for c in COLUMNS] for s in samples]
-                logger.log_table("completions", columns=list(COLUMNS), data=data)
+                columns = EPISODE_COLUMNS if any("turns" in s for s in samples) else COLUMNS
+                data = [[json.dumps(s.get(c)) if c in JSON_COLUMNS else s[c] for c in columns] for s in samples]
+                logger.log_table("completions", columns=list(columns), data=data)
         every = self.log_completions_every
         if every and samples and rows.step % every == 0:
             _print(trainer, format_sample(samples[0]))
 
 
 def format_sample(sample: dict) -> str:
-    """One sample on two lines: the loop step, prompt and completion; the rewards and the advantage."""
-    parts = ", ".join(f"{k} {v:.3f}" for k, v in sample["rewards"].items())
+    """One sample for a person: an episode turn by turn (``format_episode``), else two lines: the loop step,
+    prompt and completion; the rewards and what the objective trained on (the advantage, or a per-token figure)."""
+    if "turns" in sample:
+        return format_episode(sample)
     return (f"[completion, loop step {sample['step']}] {sample['prompt']!r} -> {sample['completion']!r}"
-            f" ({sample['finish_reason']})\n  reward {sample['reward']:.3f}{f' ({parts})' if parts else ''},"
-            f" advantage {sample['advantage']:+.3f}")
+            f" ({sample['finish_reason']})\n  {_outcome(sample)}")
+
+
+def format_episode(sample: dict) -> str:
+    """A multi-turn episode: its prompt as the model saw it (tool schemas included), then each turn's text, tool
+    calls with their arguments and results, and which tokens trained (the model's) and which were context."""
+    lines = [f"[episode, loop step {sample['step']}, prompt {sample['prompt_id']}] {sample['finish_reason']}, "
+             f"{len(sample['turns'])} turn(s); {_outcome(sample)}", "prompt, as the model saw it:"]
+    lines += [f"  | {line}" for line in sample["prompt"].splitlines()]
+    trained = "trained" if sample.get("trained", True) else "not trained: the row left the loss"
+    for k, turn in enumerate(sample["turns"], 1):
+        lines.append(f"turn {k} ({turn['tokens']} tokens, {trained}): {turn['text']!r}")
+        lines += [f"  {_call(c)}" for c in turn["calls"]]
+        if turn["context_tokens"]:
+            lines.append(f"  + {turn['context_tokens']} tokens of tool results (context, not trained)")
+    return "\n".join(lines)
+
+
+def _call(call: dict) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in (call["arguments"] or {}).items())
+    if call["result"] is None:
+        return f"call {call['name']}({args}): not run (the episode ended first)"
+    return f"call {call['name']}({args}) -> {call['result']!r}{' (failed)' if call['failed'] else ''}"
+
+
+def _outcome(sample: dict) -> str:
+    """The reward and its parts, then the advantage and any per-token figure the objective optimizes."""
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in sample["rewards"].items())
+    out = f"reward {sample['reward']:.3f}{f' ({parts})' if parts else ''}"
+    if sample["advantage"] is not None:
+        out += f", advantage {sample['advantage']:+.3f}"
+    for name, values in sample.items():  # a list of floats beside the row's own fields: OPD's kl_to_teacher
+        if name not in EPISODE_COLUMNS and isinstance(values, list) and values:
+            shown = " ".join(f"{v:.3f}" for v in values[:16]) + (" ..." if len(values) > 16 else "")
+            out += f", {name} per token [{shown}] (mean {sum(values) / len(values):.3f})"
+    return out
 
 
 def _print(trainer: Trainer, text: str) -> None:

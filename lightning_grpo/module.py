@@ -19,8 +19,10 @@ position and per-rank RNG into every checkpoint Lightning writes (``checkpoint/s
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
@@ -33,6 +35,7 @@ from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.collect import Collector, RewardScorer, StepRows, StepSampling
 from lightning_grpo.collect.async_rollouts import AsyncRollouts
 from lightning_grpo.collect.draw import Drawer, episode_runner
+from lightning_grpo.collect.rows import TokenFigure
 from lightning_grpo.collect.schedule import AsyncSchedule, in_flight_of
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.correction import derived_metrics
@@ -48,6 +51,7 @@ from lightning_grpo.handoff import attach_handoff
 from lightning_grpo.logprobs import fuses_head
 from lightning_grpo.metrics import combine_ranks, update_metrics
 from lightning_grpo.objectives import OBJECTIVES, Objective, ObjectiveParts, Stats, build_objective
+from lightning_grpo.objectives.base import ExplainsTokens
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.packing import Packing
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_seed
@@ -359,8 +363,14 @@ class GRPOModule(UpdateModule):
     # -- helpers ------------------------------------------------------------------------------------------------------
     @property
     def last_rows(self) -> StepRows | None:
-        """The last loop step's rows on this rank (``completions.py`` writes a few)."""
-        return self.collector.last_rows if self.collector is not None else None
+        """The last loop step's rows on this rank (``completions.py`` writes a few), with the objective's per-token
+        figure when it has one (OPD's KL to the teacher: ``ExplainsTokens``)."""
+        rows = self.collector.last_rows if self.collector is not None else None
+        if rows is None or not isinstance(self.objective, ExplainsTokens):
+            return rows
+        values = functools.partial(self.scorer.token_figures, self.objective, self.tokenizer.pad_token_id)
+        figure = TokenFigure(self.objective.token_figure, values)
+        return replace(rows, figure=figure, uses_advantages=self.objective.uses_advantages())
 
     def dp_sum(self, t: Tensor) -> Tensor:
         """Sum of ``t`` over data-parallel ranks (the ahead pass's probe counts)."""

@@ -157,6 +157,35 @@ def test_trained_ids_are_the_sampled_ids_and_tool_tokens_are_context(episodes):
     assert metrics["episode/turns_mean"] > 1.5 and metrics["tools/call_frequency"] > 0.5
 
 
+def test_the_transcript_is_every_turn_its_calls_their_results_and_the_opening_the_model_saw(episodes):
+    """What completions.jsonl shows of an episode, against the engine's own record of each turn and the token mask."""
+    tok, _, engine, runner, rollouts, _ = episodes
+    for r in rollouts:
+        turns, sampled = r.transcript.turns, engine.turns[r.prompt.id]
+        assert [t.tokens for t in turns] == [len(ids) for ids, _ in sampled]
+        assert sum(t.tokens for t in turns) == sum(r.model_mask)  # the trained ids
+        assert sum(t.context_tokens for t in turns) == r.model_mask.count(False)  # the context ids
+        assert turns[-1].text == r.text  # what the reward functions read
+        for turn in turns:
+            if turn.context_tokens:  # a turn whose results the model read: the parser's call, the tool's answer
+                (call,) = turn.calls
+                b = len(turn.text)
+                assert call == {"name": "add", "arguments": {"a": 98765, "b": b}, "result": str(98765 + b),
+                                "failed": False}
+        assert tok(r.transcript.opening, add_special_tokens=False)["input_ids"] == r.prompt.token_ids
+        assert '"name": "add"' in r.transcript.opening  # the tool schema the model read
+    assert any(len(r.transcript.turns) > 1 for r in rollouts)
+
+
+def test_an_environments_reward_is_shown_as_its_reward_part(episodes):
+    from lightning_grpo.collect import RewardScorer
+
+    rollouts = episodes[4]
+    scorer = RewardScorer(None)
+    total, _ = scorer(rollouts)
+    assert [scorer.parts.of(r) for r in rollouts] == [{"environment": float(t)} for t in total]
+
+
 def test_sampler_logprobs_equal_the_trainers_on_multi_turn_episodes(episodes):
     """The drift check: the trainer scores the record and meets the sampler on every model token, in float64."""
     tok, model, _, _, rollouts, _ = episodes

@@ -45,7 +45,7 @@ def test_reverse_kl_equals_the_dense_formula_in_value_and_gradient():
     targets = torch.randint(0, 50, (37,))
     teacher = torch.log_softmax(t_logits, -1)
 
-    kl, lp, tlp = reverse_kl(hidden, head, targets, lambda a, b: teacher[a:b], temperature=0.7, chunk=5)
+    kl, lp, tlp, ent = reverse_kl(hidden, head, targets, lambda a, b: teacher[a:b], temperature=0.7, chunk=5)
     (kl.sum() + 0.3 * lp.sum()).backward()
     g_hidden, g_head = hidden.grad.clone(), head.weight.grad.clone()
 
@@ -56,6 +56,7 @@ def test_reverse_kl_equals_the_dense_formula_in_value_and_gradient():
     (dense_kl.sum() + 0.3 * dense_lp.sum()).backward()
     assert torch.allclose(kl, dense_kl, rtol=1e-12, atol=1e-14) and torch.allclose(lp, dense_lp, rtol=1e-12)
     assert torch.equal(tlp, teacher.gather(1, targets[:, None])[:, 0])
+    assert torch.allclose(ent, -(logp.exp() * logp).sum(-1).detach(), rtol=1e-12)  # grpo/entropy under OPD
     assert torch.allclose(g_hidden, hidden.grad, rtol=1e-10) and torch.allclose(g_head, head.weight.grad, rtol=1e-10)
     assert float(dense_kl.detach().min()) >= 0
 
@@ -65,7 +66,7 @@ def test_reverse_kl_is_zero_against_itself():
     hidden, head = torch.randn(9, 8, dtype=torch.float64), torch.nn.Linear(8, 20, bias=False).double()
     with torch.no_grad():
         same = torch.log_softmax(head(hidden), -1)
-        kl, _, _ = reverse_kl(hidden, head, torch.zeros(9, dtype=torch.long), lambda a, b: same[a:b], chunk=4)
+        kl, _, _, _ = reverse_kl(hidden, head, torch.zeros(9, dtype=torch.long), lambda a, b: same[a:b], chunk=4)
     assert float(kl.abs().max()) < 1e-14
 
 
@@ -88,7 +89,7 @@ def test_sampled_estimator_value_and_gradient():
     chunk = replace(chunk, completion_mask=torch.cat([torch.zeros(1, 1, dtype=torch.bool), mask], 1))
     obj = OPDObjective(OPDConfig(teacher=PolicyConfig(), kl="sampled", beta_opd=2.0))
     obj.teacher = _Fixed(teacher)
-    view = type("View", (), {"logprobs": lambda self, c: lp})()
+    view = type("View", (), {"logprobs": lambda self, c: lp, "logprobs_and_entropy": None})()
     loss, denom, stats = obj.chunk_loss(chunk, view, None)
     k = [0.5, -1.0]  # log p_s - log p_t on the two counted tokens
     assert float(denom) == 2 and float(loss) == pytest.approx(2.0 * sum(k) / 2)
@@ -116,8 +117,9 @@ def test_chunked_step_equals_unchunked_on_unequal_lengths(tiny_policy_dir, tiny_
     expected = roll_up(whole.updater.update(batch))
     got = roll_up(chunked.updater.update(batch))
     assert max_rel_delta(before, params_of(whole.policy), params_of(chunked.policy)) <= 5e-8
-    for name in ("grpo/loss", "opd/kl", "opd/teacher_logprob", "grpo/denom", "grpo/tokens"):
+    for name in ("grpo/loss", "opd/kl", "opd/teacher_logprob", "grpo/denom", "grpo/tokens", "grpo/entropy"):
         assert got[name] == pytest.approx(expected[name], rel=1e-12), name  # the roll-up telescopes too
+    assert 0 < got["grpo/entropy"] < math.log(whole.policy.config.vocab_size)  # measured (main: NaN in every row)
 
 
 def test_reward_form_is_grpo_plus_beta_times_the_kl_each_over_the_global_token_count(tiny_policy_dir,

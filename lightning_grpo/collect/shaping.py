@@ -37,12 +37,17 @@ def counted_only(batch: RolloutBatch, groups: Groups, mask_truncated: bool) -> R
     """``batch`` with completion tokens only on trained rows (and, under ``mask_truncated``, only on completions that
     ended on EOS or a stop string): the others leave the loss and every divisor. Their rewards already counted in
     their group's advantages (TRL's ``mask_truncated_completions``)."""
-    counted = groups.trained
-    if mask_truncated:
-        counted = counted & ~truncated(groups.rollouts)
+    counted = counted_rows(groups, mask_truncated)
     if bool(counted.all()):
         return batch
     return replace(batch, completion_mask=batch.completion_mask & counted[:, None])
+
+
+def counted_rows(groups: Groups, mask_truncated: bool) -> Tensor:
+    """``[N]`` bool: the rows whose completion tokens count in the loss (``counted_only``)."""
+    if mask_truncated:
+        return groups.trained & ~truncated(groups.rollouts)
+    return groups.trained
 
 
 def truncated(rollouts: list[Rollout]) -> Tensor:
