@@ -12,7 +12,7 @@ first, and
 
 An episode (``model.env``) shows whole: its prompt as the model saw it (tool schemas included), each turn's text, the
 tool calls with their arguments and results, and which tokens trained; ``lightning-grpo show`` prints a step's rows
-the same way. OPD rows show the per-token KL to the teacher instead of an advantage (``objectives.ExplainsTokens``).
+the same way. OPD rows show the per-token KL to the teacher instead of an advantage (``objectives.base.ExplainsTokens``).
 
 Rank 0 writes its own share of the batch (other ranks' rows would cost a gather for a few examples).
 """
@@ -27,8 +27,10 @@ from lightning.pytorch.loggers import WandbLogger
 from typing_extensions import override
 
 from lightning_grpo.collect.rows import StepRows
+from lightning_grpo.show import FILE, format_sample
 
-FILE = "completions.jsonl"
+__all__ = ["COLUMNS", "EPISODE_COLUMNS", "FILE", "CompletionLog", "format_sample"]
+
 COLUMNS = ("step", "prompt_id", "prompt", "completion", "reward", "rewards", "advantage", "finish_reason", "trained")
 EPISODE_COLUMNS = (*COLUMNS, "turns")
 """With ``model.env``: each row also holds its turns (text, tool calls with arguments and results, token counts)."""
@@ -77,50 +79,6 @@ class CompletionLog(Callback):
         every = self.log_completions_every
         if every and samples and rows.step % every == 0:
             _print(trainer, format_sample(samples[0]))
-
-
-def format_sample(sample: dict) -> str:
-    """One sample for a person: an episode turn by turn (``format_episode``), else two lines: the loop step,
-    prompt and completion; the rewards and what the objective trained on (the advantage, or a per-token figure)."""
-    if "turns" in sample:
-        return format_episode(sample)
-    return (f"[completion, loop step {sample['step']}] {sample['prompt']!r} -> {sample['completion']!r}"
-            f" ({sample['finish_reason']})\n  {_outcome(sample)}")
-
-
-def format_episode(sample: dict) -> str:
-    """A multi-turn episode: its prompt as the model saw it (tool schemas included), then each turn's text, tool
-    calls with their arguments and results, and which tokens trained (the model's) and which were context."""
-    lines = [f"[episode, loop step {sample['step']}, prompt {sample['prompt_id']}] {sample['finish_reason']}, "
-             f"{len(sample['turns'])} turn(s); {_outcome(sample)}", "prompt, as the model saw it:"]
-    lines += [f"  | {line}" for line in sample["prompt"].splitlines()]
-    trained = "trained" if sample.get("trained", True) else "not trained: the row left the loss"
-    for k, turn in enumerate(sample["turns"], 1):
-        lines.append(f"turn {k} ({turn['tokens']} tokens, {trained}): {turn['text']!r}")
-        lines += [f"  {_call(c)}" for c in turn["calls"]]
-        if turn["context_tokens"]:
-            lines.append(f"  + {turn['context_tokens']} tokens of tool results (context, not trained)")
-    return "\n".join(lines)
-
-
-def _call(call: dict) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in (call["arguments"] or {}).items())
-    if call["result"] is None:
-        return f"call {call['name']}({args}): not run (the episode ended first)"
-    return f"call {call['name']}({args}) -> {call['result']!r}{' (failed)' if call['failed'] else ''}"
-
-
-def _outcome(sample: dict) -> str:
-    """The reward and its parts, then the advantage and any per-token figure the objective optimizes."""
-    parts = ", ".join(f"{k} {v:.3f}" for k, v in sample["rewards"].items())
-    out = f"reward {sample['reward']:.3f}{f' ({parts})' if parts else ''}"
-    if sample["advantage"] is not None:
-        out += f", advantage {sample['advantage']:+.3f}"
-    for name, values in sample.items():  # a list of floats beside the row's own fields: OPD's kl_to_teacher
-        if name not in EPISODE_COLUMNS and isinstance(values, list) and values:
-            shown = " ".join(f"{v:.3f}" for v in values[:16]) + (" ..." if len(values) > 16 else "")
-            out += f", {name} per token [{shown}] (mean {sum(values) / len(values):.3f})"
-    return out
 
 
 def _print(trainer: Trainer, text: str) -> None:
