@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import SMALL, max_rel_delta, params_of, synthetic_batch
 
+from lightning_grpo.batch import pack_rollouts
 from lightning_grpo.config import ConfigError, GRPOConfig
 from lightning_grpo.metrics import roll_up
 from lightning_grpo.module import GRPOModule
@@ -142,6 +143,29 @@ def test_reward_form_is_grpo_plus_beta_times_the_kl_each_over_the_global_token_c
     summed = {k: params_of(alone.policy)[k] + params_of(grpo.policy)[k] - before[k] for k in before}
     assert max_rel_delta(before, params_of(both.policy), summed) <= 1e-6
 
+
+@pytest.mark.parametrize("kl", ["full", "sampled"])
+def test_the_completions_log_shows_the_per_token_kl_the_loss_trains_on(tiny_policy_dir, tiny_teacher_dir, kl):
+    """``last_rows`` of an OPD module carry ``kl_to_teacher``: per row, one figure per completion token, whose token
+    mean is the objective's own ``opd/kl`` on the same rows; no advantage (the loss reads none)."""
+    from types import SimpleNamespace
+
+    from lightning_grpo.collect.rows import RewardParts, StepRows
+    from lightning_grpo.rollout.base import Prompt, Rollout
+
+    module = opd_module(tiny_policy_dir, tiny_teacher_dir, kl=kl)
+    g = torch.Generator().manual_seed(0)
+    rollouts = [Rollout(Prompt(id=i, token_ids=torch.randint(3, 60, (3,), generator=g).tolist()),
+                        torch.randint(3, 60, (n,), generator=g).tolist(), "", "stop") for i, n in enumerate((2, 5, 1))]
+    zeros = torch.zeros(3)
+    module.collector = SimpleNamespace(last_rows=StepRows(1, rollouts, zeros, zeros, RewardParts()))
+    rows = module.last_rows.samples(3, group_size=1)
+    assert [len(r["kl_to_teacher"]) for r in rows] == [2, 5, 1] and all(r["advantage"] is None for r in rows)
+    batch = pack_rollouts(rollouts, zeros, zeros, module.tokenizer.pad_token_id)
+    with torch.no_grad():
+        _, _, stats = module.scorer.chunk_loss(module.objective, batch, None, False)
+    shown = [v for r in module.last_rows.figure.values(rollouts) for v in r]
+    assert sum(shown) / len(shown) == pytest.approx(float(stats.opd_kl), rel=1e-9)
 
 # -- the ahead pass gate -----------------------------------------------------------------------------------------------
 def test_direct_form_runs_no_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teacher_dir, monkeypatch):
