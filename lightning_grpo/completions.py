@@ -12,7 +12,8 @@ first, and
 
 An episode (``model.env``) shows whole: its prompt as the model saw it (tool schemas included), each turn's text, the
 tool calls with their arguments and results, and which tokens trained; ``lightning-grpo show`` prints a step's rows
-the same way. OPD rows show the per-token KL to the teacher instead of an advantage (``objectives.base.ExplainsTokens``).
+the same way. OPD rows show the per-token KL to the teacher instead of an advantage
+(``objectives.base.ExplainsTokens``).
 
 Rank 0 writes its own share of the batch (other ranks' rows would cost a gather for a few examples).
 """

@@ -5,7 +5,8 @@ one row per validation, the one before training at loop step 0 included) and dra
 logged ``step`` (the loop step), each panel whose metric the run logged: GRPO's reward (raw, its
 trailing mean over ``window`` loop steps, and the held-out greedy ``val/reward``), loss, KL when it
 moved, clip fraction when it can be non-zero, completion length, and with ``model.env`` the tools (calls and
-failed calls per episode, turns); DPO's loss, held-out accuracy and margin (with ``val/margin``). matplotlib is an optional extra: ``pip install 'lightning-grpo[plot]'``.
+failed calls per episode, turns); DPO's loss, held-out accuracy and margin (with ``val/margin``).
+matplotlib is an optional extra: ``pip install 'lightning-grpo[plot]'``.
 
     lightning-grpo plot runs/quickstart/version_0          # writes runs/quickstart/version_0/curves.png
     lightning-grpo plot runs/quickstart -o /tmp/curves.png # the newest fit run under the folder
@@ -199,7 +200,8 @@ def _panel(ax, series: dict[str, Series], panel: Panel, window: int) -> dict[str
     for overlay in (name for name in panel.overlays if name in series):
         drawn[overlay] = series[overlay]
         held_out = overlay.startswith("val/")
-        ax.plot(*drawn[overlay], label=f"{overlay} (held-out)" if held_out else overlay, marker="o" if held_out else None)
+        label = f"{overlay} (held-out)" if held_out else overlay
+        ax.plot(*drawn[overlay], label=label, marker="o" if held_out else None)
     ax.legend(fontsize=8)
     return drawn
 

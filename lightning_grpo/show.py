@@ -103,7 +103,8 @@ def _span(steps: list[int]) -> str:
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``show`` arguments (``parser_class``: the CLI lists ``show`` among its subcommands with a jsonargparse one)."""
+    """The ``show`` arguments (``parser_class``: the CLI lists ``show`` among its subcommands, with a jsonargparse
+    parser)."""
     parser = parser_class(prog="lightning-grpo show", description=DESCRIPTION)
     parser.add_argument("run", help=f"a run folder (or its {FILE}, or a folder of runs: the newest)")
     parser.add_argument("--step", type=int, default=None, help="the loop step (default: the last one logged)")

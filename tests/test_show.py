@@ -1,4 +1,4 @@
-"""``lightning-grpo show``: a loop step's rows of completions.jsonl, episodes whole, read back as a person reads them."""
+"""``lightning-grpo show``: a loop step's rows of completions.jsonl, episodes whole, read as a person reads them."""
 
 from __future__ import annotations
 
