@@ -54,7 +54,9 @@ def format_episode(sample: dict) -> str:
 
 
 def _call(call: dict) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in (call["arguments"] or {}).items())
+    if call["arguments"] is None:  # a call the parser recognised but could not read: its error went back
+        return f"unreadable call -> {call['result']!r} (failed)"
+    args = ", ".join(f"{k}={v!r}" for k, v in call["arguments"].items())
     if call["result"] is None:
         return f"call {call['name']}({args}): not run (the episode ended first)"
     failed = " (failed)" if call["failed"] else ""

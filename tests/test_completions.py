@@ -39,11 +39,12 @@ def episode_rows() -> StepRows:
     """One calculator episode as ``envs/episode.py`` records it: a call, its result, the answer; a padding row."""
     turns = (Turn('<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>', 12,
                   ({"name": "add", "arguments": {"a": 3, "b": 4}, "result": "7", "failed": False},), 9),
-             Turn('<tool_call>{"name": "submit", "arguments": {"answer": 7}}</tool_call>', 10,
-                  ({"name": "submit", "arguments": {"answer": 7}, "result": None, "failed": False},)))
+             Turn('<tool_call>{"name": "submit", "arguments": {"answer": 7}}</tool_call><tool_call>{"nam', 14,
+                  ({"name": "submit", "arguments": {"answer": 7}, "result": None, "failed": False},
+                   {"name": "error", "arguments": None, "result": "Error: bad JSON", "failed": True})))
     opening = "<|im_start|>system\nTools:\n{\"name\": \"add\"}<|im_end|>\n<|im_start|>user\n3+4=<|im_end|>\n"
     prompt = Prompt(id=5, token_ids=[1], text="3+4=")
-    rollouts = [Rollout(prompt, [2] * 31, "", "length", reward=1.0, model_mask=[True] * 22 + [False] * 9,
+    rollouts = [Rollout(prompt, [2] * 35, "", "length", reward=1.0, model_mask=[True] * 26 + [False] * 9,
                         transcript=Transcript(opening, turns)) for _ in range(2)]
     parts = RewardParts()
     parts.add(rollouts, {"environment": torch.tensor([1.0, 1.0])})
@@ -65,7 +66,8 @@ def test_an_episode_row_holds_the_prompt_the_model_saw_every_turn_and_the_reward
     assert "  | Tools:" in text  # the tool schema, as the model read it
     assert "  call add(a=3, b=4) -> '7'" in text and "+ 9 tokens of tool results (context, not trained)" in text
     assert "call submit(answer=7): not run (the episode ended first)" in text
-    assert "(10 tokens, not trained: the row left the loss)" in format_sample(padding)
+    assert "  unreadable call -> 'Error: bad JSON' (failed)" in text
+    assert "(14 tokens, not trained: the row left the loss)" in format_sample(padding)
 
 
 def test_an_opd_row_shows_the_per_token_kl_and_no_advantage():
