@@ -3,6 +3,7 @@ divisor against an independent count, chunked == unchunked in float64, tool-call
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -530,12 +531,22 @@ class AddOnly:
 def test_a_grpo_loop_step_trains_on_episodes(tiny_chat_policy_dir, tmp_path):
     from helpers import StepRecorder, fit_tiny, tiny_grpo_module
 
+    from lightning_grpo.completions import CompletionLog
+
     steps = StepRecorder()
-    fit_tiny(episode_module(tiny_chat_policy_dir), tmp_path, loop_steps=2, callbacks=[steps])
+    fit_tiny(episode_module(tiny_chat_policy_dir), tmp_path, loop_steps=2,
+             callbacks=[steps, CompletionLog(samples_per_step=2, log_completions_every=0)])
     for m in steps.metrics:
         assert m["tools/call_frequency"] > 0 and 1 < m["episode/turns_mean"] <= 2 and "episode/truncated_frac" in m
         assert m["reward/std"] > 0 and m["grpo/loss"] != 0.0
         assert m["grpo/tokens"] == 8 * m["completion/len_mean"]  # lengths count model tokens, like the loss
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2]
+    for r in rows:  # the whole episode, not only its last turn; the prompt as rendered; the reward functions' parts
+        assert r["turns"] and r["turns"][-1]["text"] == r["completion"] and r["prompt"].endswith("assistant: ")
+        assert set(r["rewards"]) == {"helpers:digit_share"} and r["trained"]
+    calls = [c for r in rows for t in r["turns"][:-1] for c in t["calls"]]
+    assert calls and all(c["name"] == "add" and c["result"] == str(98765 + c["arguments"]["b"]) for c in calls)
     bad = tiny_grpo_module(tiny_chat_policy_dir)
     bad.env_cfg = EnvConfig(name="nowhere:Env")
     with pytest.raises(ValueError, match="cannot import module 'nowhere'"):
