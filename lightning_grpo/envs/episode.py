@@ -5,7 +5,9 @@ batched in one ``engine.generate`` call (episodes that ended drop out; both engi
 turn's sampled ids, and their sampler logprobs, are appended as they are (``model_mask`` True). When the turn
 calls tools, their results go back as the chat template's delta for the new messages (``template.TurnDelta``),
 appended as ids with ``model_mask`` False: context for the next turn, never trained, never in a divisor. No
-model text is ever decoded and re-encoded into the record; the turn's text is only parsed for tool calls.
+model text is ever decoded and re-encoded into the record; the turn's text is only parsed for tool calls. Beside the
+record, each episode keeps a ``Transcript`` for people (its opening as text, each turn's text, calls and results:
+``completions.jsonl``, ``lightning-grpo show``); nothing is trained from it.
 
 Limits: ``max_turns`` (still calling tools after the last one: truncated), ``max_total_tokens`` (a turn never
 runs past it; reaching it truncates), ``max_tool_response_tokens`` (longer results cut). Truncations are counted
