@@ -203,6 +203,8 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
     if float(check[0]) != -float(check[1]):  # max == min: every rank logged the same names
         raise RuntimeError(f"combine_ranks: data-parallel ranks logged different metric names; this rank: {names}")
     kind = {n: rank_reduction(n) for n in names}
+    if "correction/tokens" in kind and "grpo/entropy" in kind:  # over every completion token, rejected ones too
+        kind["grpo/entropy"] = "sampled"
     weight = {"token": "grpo/tokens", "sampled": "correction/tokens"}  # the count each weighted mean is over
     summed = [n for n in names if kind[n] in ("sum", "token", "sampled", "weighted", "std", "mean")]
     maxed = [n for n in names if kind[n] in ("max", "min", "same")]

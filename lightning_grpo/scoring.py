@@ -14,11 +14,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo import lora
-from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import fuses_head, token_logprobs
-from lightning_grpo.objectives.base import Objective, PolicyView, Stats
+from lightning_grpo.objectives.base import ExplainsTokens, Objective, PolicyView, Stats
 from lightning_grpo.packing import PADDED, Packing
+from lightning_grpo.rollout.base import Rollout
 from lightning_grpo.update.ahead import eval_mode
 from lightning_grpo.vision import VisionInputs, VisionProcessor, touch_vision
 
@@ -84,6 +85,16 @@ class ChunkScorer:
         if vision is None and self.vision is not None:  # no pixels: DDP still needs the vision side in the backward
             loss = touch_vision(loss, self.policy)
         return loss, denom, stats
+
+    def token_figures(self, objective: ExplainsTokens, pad_id: int, rollouts: list[Rollout]) -> list[list[float]]:
+        """Per row of ``rollouts``, ``objective``'s figure at each completion token the loss counts, with the policy
+        as it is now (the completions log calls it for the few rows it shows, after the loop step's update)."""
+        zeros = torch.zeros(len(rollouts))
+        chunk = pack_rollouts(rollouts, zeros, zeros, pad_id).to(self.device())
+        with torch.no_grad(), eval_mode(self.policy):
+            values = objective.token_figures(chunk, self.policy_view(chunk, self.materialize(chunk)))
+        mask = chunk.completion_mask[:, 1:]  # [B, T-1]
+        return [values[i][mask[i]].tolist() for i in range(len(rollouts))]
 
     def reference_logprobs(self, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
         """``[B, T-1]`` logprobs of the frozen reference: the copy, or under LoRA the policy with its adapter off."""
