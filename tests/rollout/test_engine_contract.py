@@ -19,7 +19,7 @@ import torch
 from helpers import first_token_spread
 
 from lightning_grpo.policy import PolicyConfig, load_policy
-from lightning_grpo.rollout.base import Prompt, RolloutEngine, SamplingConfig
+from lightning_grpo.rollout.base import Closable, Prompt, RolloutEngine, SamplingConfig
 from lightning_grpo.rollout.vllm_server import sequence_logprobs
 from lightning_grpo.rollout.weight_sync import push_weights
 
@@ -101,7 +101,7 @@ def case(request, tiny_policy_dir, tmp_path_factory):
     out = Case(request.param, engine, model, tok, atol)
     out.publish()
     yield out
-    if hasattr(engine, "close"):
+    if isinstance(engine, Closable):
         engine.close()
 
 
