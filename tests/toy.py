@@ -5,13 +5,14 @@ objective, exactly as docs/update.md draws one update."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lightning_grpo.objectives import PolicyView
 from lightning_grpo.objectives.grpo import GRPOObjective
+from lightning_grpo.timing import StepTimer
 from lightning_grpo.update import AheadPass, Needs, Split, Updater
 
 VOCAB = 80
@@ -63,6 +64,7 @@ class Toy:
     model: ToyLM
     updater: Updater
     objective: GRPOObjective
+    timer: StepTimer = field(default_factory=StepTimer)
 
     def forward_chunk(self, chunk, old):
         view = PolicyView(model=self.model, temperature=1.0, logprobs=functools.partial(score, self.model),
@@ -85,7 +87,8 @@ def make_toy(split: Split = Split(), needs: Needs = Needs(), lr: float = 0.1, se
     model = ToyLM(seed, dropout=dropout).train()
     toy = Toy(model, None, objective or GRPOObjective(epsilon=0.2))
     ahead = AheadPass(model, functools.partial(score, model), skip_first_mini=skip_first_mini)
-    toy.updater = Updater(model, toy.forward_chunk, split, needs, ahead=ahead, max_grad_norm=max_grad_norm)
+    toy.updater = Updater(model, toy.forward_chunk, split, needs, ahead=ahead, max_grad_norm=max_grad_norm,
+                          timer=toy.timer)
     if adam:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     else:

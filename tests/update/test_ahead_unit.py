@@ -9,6 +9,7 @@ import torch
 from helpers import params_of, synthetic_batch
 from toy import LENS, score
 
+from lightning_grpo.timing import AHEAD
 from lightning_grpo.update import AheadPass, ChunkPlan, ForwardNoisePolicy, Needs, Split
 from lightning_grpo.update.ahead import NondeterministicForwardError, PairingError
 
@@ -101,7 +102,7 @@ def test_without_frozen_pi_old_the_clip_never_binds(toy_lm):
     for seed in (0, 1):
         for window in per_step(toy.updater.update(synthetic_batch(LENS, seed=seed))):
             assert weighted(window, "clip_frac") == 0.0 and weighted(window, "ratio_mean") == 1.0
-    assert calls == [] and toy.updater.ahead_seconds == 0.0
+    assert calls == [] and toy.timer.seconds(AHEAD) == 0.0
 
 
 # -- call-order keying ----------------------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ def test_n_mini_1_runs_no_ahead_pass_and_stays_byte_identical(toy_lm):
     batch = synthetic_batch(LENS)
     toy.updater.update(batch)
     reference.loop.run(batch, ChunkPlan.fixed(16, 1, 4))  # the path before the ahead pass existed
-    assert calls == [] and toy.updater.ahead_seconds == 0.0
+    assert calls == [] and toy.timer.seconds(AHEAD) == 0.0
     a, b = params_of(toy.model), params_of(reference.model)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
