@@ -1,6 +1,7 @@
 # make run   - set up .venv and run the quickstart GRPO job (CPU, a few minutes)
 # make test  - set up .venv and run the tests: the fast tier here (~6 min on 2 cores); every test, the slow
 #              end-to-end ones too, when CI is set (.ci/run sets it)
+# make test-unit - the unit tier alone (`pytest -m unit`; about a minute)
 # make test-all - every test, as CI runs them (~45 min on 2 cores)
 # make bench - set up .venv and .venv-bench (TRL, for the comparison) and run bench/ (rewrites docs/benchmarks.md)
 VENV ?= .venv
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 # torch==2.13.0 resolves to the CPU wheel on this machine; on a GPU box install your CUDA torch first.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run test test-all bench bench-env gpu-check clean
+.PHONY: setup run test test-unit test-all bench bench-env gpu-check clean
 
 setup: $(STAMP)
 
@@ -33,6 +34,10 @@ TEST_SELECT := $(if $(CI_SET),,-m "not slow")
 
 test: setup
 	$(PY) -m pytest -q --durations=25 $(TEST_SELECT) tests
+
+# The unit tier alone (toy torch model, fake engine, stub server; tests/update, collect, objectives, rollout, envs).
+test-unit: setup
+	$(PY) -m pytest -q --durations=10 -m unit tests
 
 test-all: setup
 	$(PY) -m pytest -q --durations=25 tests

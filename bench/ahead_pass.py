@@ -35,6 +35,7 @@ def child(n_mini: int, rows: int, completion: int, vocab: int, chunk_rows: int, 
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
     from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.timing import AHEAD, UPDATE
     from lightning_grpo.tiny.spec import TinyPolicySpec
 
     torch.manual_seed(0)
@@ -60,8 +61,11 @@ def child(n_mini: int, rows: int, completion: int, vocab: int, chunk_rows: int, 
     for _ in range(repeats):
         for skip in (True, False):
             module.updater.ahead.skip_first_mini = skip
-            module.updater.update(batch())
-            timings[skip].append((module.updater.ahead_seconds, module.updater.update_seconds))
+            timer = module.timer  # the module's step timer: the updater times its ahead pass there
+            with timer.phase(UPDATE):
+                module.updater.update(batch())
+            timings[skip].append((timer.seconds(AHEAD), timer.seconds(UPDATE)))
+            timer.columns()  # the next update starts from 0
     return {"rows": [_summary(n_mini, skip, t) for skip, t in timings.items()]}
 
 

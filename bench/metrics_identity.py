@@ -26,11 +26,14 @@ editable install of another checkout).
 Every run builds and warm-starts its tiny models itself: ``LIGHTNING_GRPO_CACHE`` points at a fresh folder under the
 run's scratch folder, so the second tree never loads the first tree's cached warm-started weights.
 
-Dropped before comparing: columns whose name contains one of TIMING_MARKERS (wall-clock timing). At d0260cd that is
-exactly ``grpo/ahead_seconds`` (wall time of the ahead pass) and ``grpo/ahead_share`` (its share of the update's wall
-time), in every GRPO/OPD config (0.0 unless n_mini > 1, i.e. nonzero only in lora-quickstart); DPO has none. Every
-other column is compared as the CSV's string (rows in file order, columns by name); ``--compare`` prints the dropped
-columns per config. Rows are numbered from 0, header excluded.
+Dropped before comparing, deliberately: wall-clock timing, which differs run to run. Since issue 41's step timer
+(``lightning_grpo/timing.py``) that is every ``time/*`` column (``time/wait_batch``, ``time/sync``, ``time/ahead``,
+``time/update``, ``time/step``, ``time/ahead_share``; GRPO, OPD and DPO alike), matched by the ``time/`` prefix, the
+first of TIMING_MARKERS. The other markers catch the names before it (at d0260cd exactly ``grpo/ahead_seconds`` and
+``grpo/ahead_share``, renamed ``time/ahead`` and ``time/ahead_share``), so a tree from before compares with one from
+after on every other column; a column present on one side only and not timing is a difference. Every other column is
+compared as the CSV's string (rows in file order, columns by name); ``--compare`` prints the dropped columns per
+config. Rows are numbered from 0, header excluded.
 
 Run-to-run at d0260cd (CPU, 2 torch threads): two recordings compared IDENTICAL on all five configs.
 
@@ -75,8 +78,9 @@ OVERRIDES: dict[str, list[str]] = {
     # the same server drawing one loop step ahead (max_off_policy_steps 1): 4 loop steps; validation at 2 and 4
     "async-quickstart": ["--trainer.max_steps=4", "--trainer.val_check_interval=2"],
 }
-TIMING_MARKERS = ("seconds", "per_s", "_s/", "time", "share", "tokens_per", "throughput")
-"""A column whose name contains one of these is wall-clock timing and is not compared."""
+TIMING_MARKERS = ("time/", "seconds", "per_s", "_s/", "time", "share", "tokens_per", "throughput")
+"""A column whose name contains one of these is wall-clock timing and is not compared (``time/``: the step timer's
+columns, ``lightning_grpo.timing.is_timing``)."""
 CACHE_ENV = "LIGHTNING_GRPO_CACHE"
 """Where tiny policies are built and cached (lightning_grpo.policy.tiny_cache_dir); set per run, see record()."""
 ENV = {"WANDB_MODE": "offline", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

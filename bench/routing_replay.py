@@ -30,6 +30,7 @@ def child(n_mini: int, rows: int, completion: int, repeats: int) -> dict:
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.module import GRPOModule
     from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.timing import UPDATE
     from lightning_grpo.tiny.spec import TinyPolicySpec
 
     torch.manual_seed(0)
@@ -62,8 +63,9 @@ def child(n_mini: int, rows: int, completion: int, repeats: int) -> dict:
     for _ in range(repeats):
         b = batch()
         for mode, m in modules.items():
-            m.updater.update(b)
-            seconds[mode].append(m.updater.update_seconds)
+            with m.timer.phase(UPDATE):
+                m.updater.update(b)
+            seconds[mode].append(m.timer.columns()["time/update"])
         route_bytes = modules["ahead"].updater.ahead.records["routes"].nbytes()
     off, on = statistics.median(seconds["off"]), statistics.median(seconds["ahead"])
     return {"n_mini": n_mini, "update_off_s": off, "update_replay_s": on, "overhead": (on - off) / on,

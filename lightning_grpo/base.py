@@ -24,6 +24,7 @@ import warnings
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
@@ -32,11 +33,12 @@ from lightning_grpo.checkpoint.identity import IDENTITY_KEY, apply_optim, identi
 from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.config import OptimConfig
 from lightning_grpo.determinism import run_seed
-from lightning_grpo.distributed import DataParallelOps
+from lightning_grpo.distributed import DataParallelOps, data_parallel_mesh, shard_fsdp2
 from lightning_grpo.policy import PolicyConfig, with_seed
 from lightning_grpo.precision import PluginStep, adamw_kernel, check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
+from lightning_grpo.timing import StepTimer
 from lightning_grpo.update import DataParallel, Split, Updater
 from lightning_grpo.validation import ValidationMeans, is_measurement
 
@@ -84,7 +86,8 @@ class UpdateModule(DataParallelOps, LightningModule):
         super().__init__()
         self.automatic_optimization = False  # the updater steps the optimizer itself
         resolved = run_seed(seed)  # one source of truth: model.seed, else seed_everything's
-        self.seed, self.seed_source = resolved.value, resolved.source
+        self.seed = resolved.value
+        self.seed_source = resolved.source
         self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)  # the tiny build it used
         self.optim_cfg = copy.deepcopy(optim or OptimConfig())
         self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer and the reference
@@ -96,6 +99,7 @@ class UpdateModule(DataParallelOps, LightningModule):
         self._optim_changes: dict = {}  # optimizer hyper-parameters a resume changed (checkpoint/identity.py)
         self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
         self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
+        self.timer = StepTimer()  # the loop step's phases (timing.py): time/* columns in every row
 
     @property
     def loop_step(self) -> int:
@@ -129,6 +133,16 @@ class UpdateModule(DataParallelOps, LightningModule):
     def check_strategy(self) -> None:
         """Raise the rules that need the strategy (the DP size, its kind); ``setup`` calls it before any model is
         built. Nothing here; a subclass checks its sections."""
+
+    def shard(self, *models: nn.Module | None) -> None:
+        """FSDP2-shard ``models`` over the data-parallel ranks under ``ModelParallelStrategy`` (DDP wraps the whole
+        module itself; one process needs nothing)."""
+        if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        mesh = data_parallel_mesh(self.trainer.strategy)
+        for model in models:
+            if model is not None:
+                shard_fsdp2(model, mesh)
 
     def context_length(self) -> int | None:
         """The policy's context length (prompt + completion tokens), or None where its config does not say."""
@@ -167,6 +181,7 @@ class UpdateModule(DataParallelOps, LightningModule):
         self._optim_changes = {}
         self._state.resume(self.trainer, self.updater, self.trainer.datamodule)
         self.end_loop_step()
+        self.timer.restart(self.device)  # the first loop step's time/step starts here
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self._state.step_started()  # the last hook before training_step: a loaded RNG state is restored here
@@ -229,6 +244,12 @@ class UpdateModule(DataParallelOps, LightningModule):
     def end_loop_step(self) -> None:
         """The batch boundary: what any checkpoint records until the next loop step ends."""
         self._state.boundary(self.updater, self.global_step, self.trainer.datamodule)
+
+    def counters(self) -> dict[str, float]:
+        """The row's counters: ``loop_step`` (also ``step``, the loggers' x-axis: collected batches) and
+        ``global_step`` (optimizer steps)."""
+        loop_step = float(self.loop_step)
+        return {"loop_step": loop_step, "global_step": float(self.global_step), "step": loop_step}
 
     def log_validation(self, metrics: dict[str, float], weight: int) -> None:
         """One validation batch's ``val/*`` metrics, averaged over the epoch (weighted, synced across ranks)."""

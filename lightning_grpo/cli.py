@@ -1,4 +1,4 @@
-"""``lightning-grpo``: the LightningCLI entry point (``fit``, ``validate``, ``--print_config``) and ``plot``.
+"""``lightning-grpo``: the LightningCLI entry point (``fit``, ``validate``, ``--print_config``), ``plot`` and ``show``.
 
 Every knob is a dotted key (``--model.rl.micro_batch_per_replica=8``), so YAML configs and
 ``wandb sweep`` drive the same surface. ``--model.class_path my_pkg.MyModule`` swaps in a
@@ -166,6 +166,9 @@ class GRPOCLI(LightningCLI):
         super()._add_subcommands(parser, **kwargs)
         # `lightning-grpo plot` is handled by main() before LightningCLI; listed so that --help names it.
         parser._subcommands_action.add_subcommand("plot", plot_parser(ArgumentParser), help=PLOT_DESCRIPTION)
+        from lightning_grpo import show  # `show` too: lazily, it is a light module of its own
+
+        parser._subcommands_action.add_subcommand("show", show.build_parser(ArgumentParser), help=show.DESCRIPTION)
 
     def add_arguments_to_parser(self, parser) -> None:
         # Complete, atomic checkpoints once per loop step: `--checkpoint.every_n_loop_steps` (docs/checkpointing.md).
@@ -383,6 +386,11 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] == "plot":
         plot_main(argv[1:])
+        return
+    if argv and argv[0] == "show":  # before LightningCLI, and without its imports: answers at once
+        from lightning_grpo.show import main as show_main
+
+        show_main(argv[1:])
         return
     if os.getcwd() not in sys.path:  # `--model.class_path my_pkg.MyModule` from the working folder, as `python -m`
         sys.path.append(os.getcwd())

@@ -10,6 +10,11 @@ first, and
 - logs them as a W&B Table ``completions`` when a ``WandbLogger`` is attached,
 - prints one every ``log_completions_every`` loop steps.
 
+An episode (``model.env``) shows whole: its prompt as the model saw it (tool schemas included), each turn's text, the
+tool calls with their arguments and results, and which tokens trained; ``lightning-grpo show`` prints a step's rows
+the same way. OPD rows show the per-token KL to the teacher instead of an advantage
+(``objectives.base.ExplainsTokens``).
+
 A write that fails (a full disk) stops the run at the next hook, once the loop step's metrics row is logged: the
 checkpoint callback saves that batch boundary and the CLI names the file and the fix (``errors.write_failed``).
 
@@ -26,9 +31,14 @@ from lightning.pytorch.loggers import WandbLogger
 from typing_extensions import override
 
 from lightning_grpo.collect.rows import StepRows
+from lightning_grpo.show import FILE, format_sample
 
-FILE = "completions.jsonl"
-COLUMNS = ("step", "prompt_id", "prompt", "completion", "reward", "rewards", "advantage", "finish_reason")
+__all__ = ["COLUMNS", "EPISODE_COLUMNS", "FILE", "CompletionLog", "format_sample"]
+
+COLUMNS = ("step", "prompt_id", "prompt", "completion", "reward", "rewards", "advantage", "finish_reason", "trained")
+EPISODE_COLUMNS = (*COLUMNS, "turns")
+"""With ``model.env``: each row also holds its turns (text, tool calls with arguments and results, token counts)."""
+JSON_COLUMNS = ("rewards", "turns")
 
 
 class CompletionLog(Callback):
@@ -66,8 +76,9 @@ class CompletionLog(Callback):
             self._append(samples)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
-                data = [[json.dumps(s[c]) if c == "rewards" else s[c] for c in COLUMNS] for s in samples]
-                logger.log_table("completions", columns=list(COLUMNS), data=data)
+                columns = EPISODE_COLUMNS if any("turns" in s for s in samples) else COLUMNS
+                data = [[json.dumps(s.get(c)) if c in JSON_COLUMNS else s[c] for c in columns] for s in samples]
+                logger.log_table("completions", columns=list(columns), data=data)
         every = self.log_completions_every
         if every and samples and rows.step % every == 0:
             _print(trainer, format_sample(samples[0]))
@@ -105,14 +116,6 @@ class CompletionLog(Callback):
         failed, self._failed = self._failed, None
         if failed is not None:
             raise failed
-
-
-def format_sample(sample: dict) -> str:
-    """One sample on two lines: the loop step, prompt and completion; the rewards and the advantage."""
-    parts = ", ".join(f"{k} {v:.3f}" for k, v in sample["rewards"].items())
-    return (f"[completion, loop step {sample['step']}] {sample['prompt']!r} -> {sample['completion']!r}"
-            f" ({sample['finish_reason']})\n  reward {sample['reward']:.3f}{f' ({parts})' if parts else ''},"
-            f" advantage {sample['advantage']:+.3f}")
 
 
 def _print(trainer: Trainer, text: str) -> None:

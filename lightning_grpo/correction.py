@@ -7,9 +7,11 @@ logprobs both engines return (the "decoupled" form, three policies), or drops pi
 * ``tis``: truncated importance sampling, the surrogate times ``min(rho, threshold)`` (Yao et al. 2025, "Your
   efficient RL framework secretly brings you off-policy RL training"; verl ``rollout_is``; TRL ``*_truncate``).
 * ``mask``: rejection, the tokens (or whole sequences) whose rho leaves ``band`` are taken out of the loss and
-  its divisor (verl ``rollout_rs``, with its ``geometric`` level; TRL ``*_mask``).
+  its divisor (verl ``rollout_rs`` ``token_k1``, ``seq_sum_k1``, ``seq_mean_k1``: their bounds are on -log rho, so
+  verl's ``L_U`` is ``band: [1/U, 1/L]`` here). TRL's ``*_mask`` keep the divisor: they are ``icepop``.
 * ``icepop``: IcePop (Ling team 2025, "Every Step Evolves"): the surrogate times rho inside ``band`` and 0
-  outside, per token; the divisor keeps every token, as in the paper.
+  outside, per token; the divisor keeps every token, as in the paper. TRL's ``token_mask`` (band ``[0, cap]``); at
+  ``level: sequence`` the sequence's product rho weighs or zeroes all its tokens, TRL's ``sequence_mask``.
 * ``bypass``: pi_old *is* pi_rollout (no trainer pi_old, no ahead pass); the PPO ratio pi / pi_rollout does the
   correction (verl ``bypass_mode``, slime ``--use-rollout-logprobs``).
 
@@ -44,8 +46,8 @@ class RolloutCorrection:
     """``rl.rollout_correction``: how the loss corrects for pi_rollout != pi_old (docs/objectives.md)."""
 
     mode: Literal["off", "tis", "mask", "icepop", "bypass"] = "off"
-    """off | tis (truncated IS weight) | mask (reject outside ``band``) | icepop (IS weight inside ``band``, 0
-    outside) | bypass (pi_old = the sampler's logprobs, no ahead pass)."""
+    """off | tis (truncated IS weight) | mask (reject outside ``band``, verl's rollout_rs) | icepop (IS weight inside
+    ``band``, 0 outside: TRL's token_mask / sequence_mask) | bypass (pi_old = the sampler's logprobs, no ahead pass)."""
     level: Literal["token", "sequence", "geometric"] = "token"
     """rho per token, per sequence (the product), or geometric (exp of the token mean of log rho; mask only)."""
     threshold: float | None = None
@@ -88,9 +90,6 @@ class RolloutCorrection:
         elif self.level == "geometric" and self.mode in ("tis", "icepop"):
             p.append(f"level='geometric' with mode={self.mode!r}: the geometric mean is a rejection band for "
                      "mode='mask' (verl rollout_rs=geometric); use level='token' or 'sequence'")
-        elif self.level != "token" and self.mode == "icepop":
-            p.append(f"level={self.level!r} with mode='icepop': IcePop bands each token's rho; use level='token', "
-                     "or mode='mask' for a sequence band")
         elif self.level != "token" and self.mode in ("off", "bypass"):
             p.append(f"level={self.level!r} with mode={self.mode!r}: no weight is computed; leave level='token'")
         if self.threshold is not None and (not is_finite(self.threshold) or self.threshold <= 1):

@@ -187,6 +187,10 @@ class DataParallelOps:
         # otherwise read as the DP mean in the chunk's stats.
         return self.trainer.strategy.reduce(t.clone(), reduce_op="mean")
 
+    def dp_sum(self, t: Tensor) -> Tensor:
+        """Sum of ``t`` over data-parallel ranks (the ahead pass's probe counts)."""
+        return self.dp_mean(t) * self.dp_size()
+
     def dp_all_reduce(self, t: Tensor, op: str) -> Tensor:
         """``op`` (sum, mean, max, min) of ``t`` over data-parallel ranks, on the host."""
         return self.trainer.strategy.reduce(t.to(self.device, copy=True), reduce_op=op).cpu()

@@ -28,9 +28,10 @@ from lightning_grpo.config import OptimConfig
 from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
 from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import token_logprobs
-from lightning_grpo.metrics import combine_ranks, roll_up
+from lightning_grpo.metrics import job_metrics, roll_up, time_metrics
 from lightning_grpo.objectives.dpo import DPOObjective, DPOStats
 from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.timing import UPDATE
 from lightning_grpo.update import ChunkPlan, DataParallel, LoopResult, Split, Updater, eval_mode
 
 
@@ -68,7 +69,8 @@ class DPOConfig:
     def problems(self, dp_size: int = 1) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line."""
         p = []
-        b, k = self.batch_size, self.grad_accum
+        b = self.batch_size
+        k = self.grad_accum
         if not is_int(b) or b < 1:
             p.append(f"batch_size={b}: must be a positive integer")
         if not is_int(k) or k < 1:
@@ -102,7 +104,8 @@ class DPOConfig:
 
 
 # The sections' defaults: instances, so `--help` and `--print_config` show every field (copied, never mutated).
-_POLICY, _OPTIM = PolicyConfig(), OptimConfig()
+_POLICY = PolicyConfig()
+_OPTIM = OptimConfig()
 
 
 class DPOModule(UpdateModule):
@@ -147,7 +150,8 @@ class DPOModule(UpdateModule):
 
     def training_step(self, pairs: Sequence[PreferencePair], batch_idx: int) -> None:
         # 1. tokenize this rank's pairs; 2. reference pass; 3. grad_accum train calls, one optimizer step
-        result = self.update(self.encode(pairs))
+        with self.timer.phase(UPDATE):
+            result = self.update(self.encode(pairs))
         # 4. report: one roll-up per batch
         self.report(result)
         self.end_loop_step()
@@ -180,7 +184,8 @@ class DPOModule(UpdateModule):
         """``batch`` with every pair's reference logprobs, from one no-grad pass in train-call-sized chunks."""
         if self.ref is None:
             return batch
-        plan, parts = ChunkPlan.fixed(len(batch), 1, self.dpo.grad_accum), []
+        plan = ChunkPlan.fixed(len(batch), 1, self.dpo.grad_accum)
+        parts = []
         with torch.no_grad(), eval_mode(self.ref):
             for mini, micro in plan.walk():
                 parts.append(self.answer_logprobs(self.ref, plan.chunk(batch, mini, micro).to(self.device)))
@@ -209,10 +214,14 @@ class DPOModule(UpdateModule):
         return chunk.ref_chosen.to(like.device), chunk.ref_rejected.to(like.device)
 
     def report(self, result: LoopResult) -> None:
+        """One row per batch: the roll-up, counters and timing, one figure per metric (pairs summed, per-pair means
+        over equal shares)."""
         metrics = roll_up(result, prefix="dpo", stats=self.objective.stats)
-        metrics["loop_step"] = metrics["step"] = float(self.loop_step)
-        metrics["global_step"] = float(self.global_step)
+        metrics |= self.counters()
+        metrics |= time_metrics(self.timer.columns())
         world = self.dp_size()
-        if world > 1:  # one figure per metric for the whole job (pairs summed, per-pair means over equal shares)
-            metrics = combine_ranks(metrics, self.dp_all_reduce, world, self.dpo.pairs_per_rank(world))
-        self.publish(metrics, {"loss": metrics.get("dpo/loss", math.nan), "acc": metrics.get("dpo/accuracy", math.nan)})
+        rows = self.dpo.pairs_per_rank(world)
+        metrics = job_metrics(metrics, self.dp_all_reduce, world, rows)
+        loss = metrics.get("dpo/loss", math.nan)
+        accuracy = metrics.get("dpo/accuracy", math.nan)
+        self.publish(metrics, {"loss": loss, "acc": accuracy})

@@ -18,6 +18,8 @@ it the engine and the policy once (``on_engine_ready``) and tells it about the t
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
@@ -29,19 +31,24 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_grpo import lora
-from lightning_grpo.offload import OffloadBackend, TrainerOffload, memory_saver_usable, select_offload
-from lightning_grpo.profiling import LoopProfile, profiling_requested
+from lightning_grpo.offload import OffloadBackend, TrainerOffload, trainer_offload
 from lightning_grpo.publisher import generates_with
 from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import DeclaresWeights, DrawsAhead, RolloutEngine
 from lightning_grpo.rollout.sleep import sleep_level_problem
 from lightning_grpo.rollout.weight_sync import SyncStats, named_weights
+from lightning_grpo.timing import SYNC, ProfileRecords, StepTimer, profiling_requested
 
 log = logging.getLogger(__name__)
 
-GENERATE, ENGINE_SLEEP, TRAINER_ONLOAD, TRAIN = "generate", "engine.sleep", "trainer.onload", "train"
-WAKE_WEIGHTS, WEIGHT_SYNC = "engine.wake_up(weights)", "weight_sync"
-TRAINER_OFFLOAD, WAKE_KV_CACHE = "trainer.offload", "engine.wake_up(kv_cache)"
+GENERATE = "generate"
+ENGINE_SLEEP = "engine.sleep"
+TRAINER_ONLOAD = "trainer.onload"
+TRAIN = "train"
+WAKE_WEIGHTS = "engine.wake_up(weights)"
+WEIGHT_SYNC = "weight_sync"
+TRAINER_OFFLOAD = "trainer.offload"
+WAKE_KV_CACHE = "engine.wake_up(kv_cache)"
 CYCLE = (GENERATE, ENGINE_SLEEP, TRAINER_ONLOAD, TRAIN, WAKE_WEIGHTS, WEIGHT_SYNC, TRAINER_OFFLOAD, WAKE_KV_CACHE)
 """One loop step's events, in order, with colocated offload on."""
 NO_SYNC = SyncStats(n_buckets=0, n_tensors=0, bytes=0, seconds=0.0)
@@ -106,10 +113,13 @@ class HandoffCallback(Callback):
             problems.append(f"sync_bucket_mb={sync_bucket_mb!r}: must be > 0 (or None: the module's rollout config)")
         if problems:
             raise ValueError("HandoffCallback(" + "; ".join(problems) + ")")
-        self.placement, self.sleep_level, self.offload_backend = placement, sleep_level, offload_backend
+        self.placement = placement
+        self.sleep_level = sleep_level
+        self.offload_backend = offload_backend
         self.handoff = placement == "colocated" and colocated_offload
         """Whether engine sleep/wake and trainer offload/onload happen at all."""
-        self._sync_bucket_mb, self._profile_flag = sync_bucket_mb, profile
+        self._sync_bucket_mb = sync_bucket_mb
+        self._profile_flag = profile
         self._phase = Phase.IDLE
         self._events: list[str] = []
         self._stale = True  # the engine does not hold the trainer's current policy
@@ -119,7 +129,7 @@ class HandoffCallback(Callback):
         self._bucket_bytes = 0
         self._loop_step = 0  # of the last update, for the profile record
         self._offload: TrainerOffload | None = None  # chosen at first use: the optimizers exist by then
-        self._profile = LoopProfile(None)
+        self._timer = StepTimer()  # the module's, from on_engine_ready: each action is a phase of the loop step
         self._state_dict_hook: Any = None
         self._failure: BaseException | None = None
         self.last_sync: SyncStats | None = None
@@ -149,15 +159,19 @@ class HandoffCallback(Callback):
         return self.handoff
 
     def on_engine_ready(self, trainer: Trainer, engine: RolloutEngine, policy: nn.Module,
-                        sync_bucket_mb: float) -> None:
+                        sync_bucket_mb: float, timer: StepTimer | None = None) -> None:
         """The module built its engine (``on_fit_start``, before Lightning restores optimizer state onto the device):
-        enter the batch boundary, so the engine sleeps first and the first hand-off publishes the (restored) policy."""
+        enter the batch boundary, so the engine sleeps first and the first hand-off publishes the (restored) policy.
+        ``timer``: the module's step timer (the publication is its phase ``sync``)."""
         if self.handoff and isinstance(engine, DrawsAhead):
             raise ValueError(f"rollout.max_off_policy_steps={engine.max_off_policy_steps} with HandoffCallback("
                              "placement='colocated', colocated_offload=True): async rollouts sample in another process "
                              "while this one updates, so there is no device to hand back and forth; set the "
                              "callback's placement: disaggregated (or colocated_offload: false)")
-        self._engine, self._policy = engine, policy
+        self._engine = engine
+        self._policy = policy
+        if timer is not None:
+            self._timer = timer
         self._bucket_bytes = int((self._sync_bucket_mb or sync_bucket_mb) * (1 << 20))
         self._start(trainer)
 
@@ -166,14 +180,15 @@ class HandoffCallback(Callback):
         self._require(Phase.GENERATE, hook="on_rollout_end")
         self._sleep_engine()
         self._onload_trainer()
-        self._event(TRAIN)
+        self._events.append(TRAIN)
         self._phase = Phase.TRAIN
 
     def on_update_end(self, trainer: Trainer, loop_step: int) -> None:
         """The policy changed: the engine is stale until the next publication (lazy, before the next draw)."""
         self._require(Phase.TRAIN, hook="on_update_end")
-        self._phase, self._stale, self._loop_step = Phase.BOUNDARY, True, loop_step
-        self._profile.boundary("report")
+        self._phase = Phase.BOUNDARY
+        self._stale = True
+        self._loop_step = loop_step
 
     # -- Lightning hooks -------------------------------------------------------------------------------------------
     @override
@@ -188,7 +203,7 @@ class HandoffCallback(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._require(Phase.BOUNDARY, Phase.GENERATE, hook="on_train_batch_start")
         self._publish(trainer)
-        self._event(GENERATE)
+        self._events.append(GENERATE)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -212,21 +227,25 @@ class HandoffCallback(Callback):
         if self._state_dict_hook is not None:
             self._state_dict_hook.remove()
             self._state_dict_hook = None
-        self._phase, self._failure = Phase.IDLE, None
+        self._phase = Phase.IDLE
+        self._failure = None
+        self._timer.records = None  # the next fit decides again
 
     # -- the phase machine -----------------------------------------------------------------------------------------
     def _start(self, trainer: Trainer) -> None:
         """Enter the batch boundary once per fit: engine asleep, trainer resident, publication pending."""
         if self._phase is not Phase.IDLE:
             return
-        self._profile = self._make_profile(trainer)
+        self._timer.records = self._profile_records(trainer)
         # Lightning reads the module's state_dict first thing in a save, before any callback hook runs: this pre-hook
         # is the checkpoint window (engine asleep, trainer resident) whatever point of the step the save comes from.
-        hook = trainer.lightning_module.register_state_dict_pre_hook(lambda *_: self._checkpoint_window())
-        self._state_dict_hook = hook
-        self._events, self._offload, self._stale, self._discarded = [], None, True, False
-        self._sleep_engine()
-        self._profile.boundary(None)  # start-up ends here: restore/sanity time is not charged to engine.sleep
+        trained = trainer.lightning_module
+        self._state_dict_hook = trained.register_state_dict_pre_hook(self._checkpoint_window)
+        self._events = []
+        self._offload = None
+        self._stale = True
+        self._discarded = False
+        self._sleep_engine()  # the first profile record holds it
         self._phase = Phase.BOUNDARY
 
     def _publish(self, trainer: Trainer) -> None:
@@ -234,18 +253,19 @@ class HandoffCallback(Callback):
         if self._phase is not Phase.BOUNDARY:
             return
         self._phase = Phase.PUBLISH
-        if self.handoff:
-            self._event(WAKE_WEIGHTS)
-            self._engine.wake_up(["weights"])
-        if self._stale or self._discarded:
-            self._event(WEIGHT_SYNC)
-            self.last_sync = self._step_sync = self._sync()
-            self._stale = self._discarded = False
-        if self.handoff:
-            self._event(TRAINER_OFFLOAD)
-            self._step_bytes["offloaded"] += self._trainer_offload(trainer).offload()
-            self._event(WAKE_KV_CACHE)
-            self._engine.wake_up(["kv_cache"])
+        with self._timer.phase(SYNC):
+            if self.handoff:
+                with self._event(WAKE_WEIGHTS):
+                    self._engine.wake_up(["weights"])
+            if self._stale or self._discarded:
+                with self._event(WEIGHT_SYNC):
+                    self.last_sync = self._step_sync = self._sync()
+                self._stale = self._discarded = False
+            if self.handoff:
+                with self._event(TRAINER_OFFLOAD):
+                    self._step_bytes["offloaded"] += self._trainer_offload(trainer).offload()
+                with self._event(WAKE_KV_CACHE):
+                    self._engine.wake_up(["kv_cache"])
         self._phase = Phase.GENERATE
 
     def _sync(self) -> SyncStats:
@@ -254,8 +274,9 @@ class HandoffCallback(Callback):
             return NO_SYNC  # HFEngine generates with this very module: its weights are already the policy's
         pushed: list[str] = []
         # LoRA: the adapter alone (an engine with LoRA), else merged weights
+        record = functools.partial(_recorded, names=pushed)
         stats = adapter_sync.publish_policy(self._policy, self._engine, self._bucket_bytes, with_base=self._discarded,
-                                            record=lambda named: _recorded(named, pushed))
+                                            record=record)
         if self._discarded:
             self._check_complete(pushed)
         return stats
@@ -276,18 +297,19 @@ class HandoffCallback(Callback):
 
     def _sleep_engine(self) -> None:
         if self.handoff:
-            self._event(ENGINE_SLEEP)
-            self._engine.sleep(self.sleep_level)
+            with self._event(ENGINE_SLEEP):
+                self._engine.sleep(self.sleep_level)
             self._discarded = self._discarded or self.sleep_level == 2
 
     def _onload_trainer(self) -> None:
         if self.handoff:
-            self._event(TRAINER_ONLOAD)
-            if self._offload is not None:  # None: never offloaded yet, so resident
-                self._step_bytes["onloaded"] += self._offload.onload()
+            with self._event(TRAINER_ONLOAD):
+                if self._offload is not None:  # None: never offloaded yet, so resident
+                    self._step_bytes["onloaded"] += self._offload.onload()
 
-    def _checkpoint_window(self) -> None:
-        """A save is reading the module: make sure the trainer is resident and the engine asleep."""
+    def _checkpoint_window(self, *hook_args: Any) -> None:
+        """A save is reading the module: make sure the trainer is resident and the engine asleep (a state_dict
+        pre-hook: ``hook_args`` are the module, prefix and keep_vars, unread)."""
         if self._phase in (Phase.GENERATE, Phase.PUBLISH):  # a validation or emergency save after publication
             self._sleep_engine()
             self._onload_trainer()
@@ -308,9 +330,12 @@ class HandoffCallback(Callback):
             if hasattr(exception, "add_note"):  # Python >= 3.11
                 exception.add_note(f"(the hand-off cleanup also failed: {err!r})")
 
-    def _event(self, name: str) -> None:
+    @contextlib.contextmanager
+    def _event(self, name: str) -> Iterator[None]:
+        """One action of the cycle: logged in ``events``, timed as a phase (profile records hold it)."""
         self._events.append(name)
-        self._profile.boundary(name)
+        with self._timer.phase(name):
+            yield
 
     def _require(self, *phases: Phase, hook: str) -> None:
         if self._phase not in phases:
@@ -322,48 +347,39 @@ class HandoffCallback(Callback):
     # -- setup helpers ---------------------------------------------------------------------------------------------
     def _trainer_offload(self, trainer: Trainer) -> TrainerOffload:
         if self._offload is None:
-            self._offload = self._select_offload(trainer)
+            backend = self.offload_backend
+            self._offload = trainer_offload(backend, trainer, self._policy, self.engine_is_policy)
         return self._offload
 
-    def _select_offload(self, trainer: Trainer) -> TrainerOffload:
-        trained = trainer.lightning_module  # every tensor the trainer holds: policy, reference, optimizer's params
-        device = trained.device
-        usable, why_not = memory_saver_usable() if device.type == "cuda" else (False, "not on CUDA")
-        usable = trainer.strategy.reduce_boolean_decision(usable, all=True)  # every rank uses the same backend
-        if self.engine_is_policy:
-            # The engine generates with the policy itself: its parameters stay; the rest of the trainer moves.
-            modules = [m for m in trained.children() if not _shares_parameters(m, self._policy)]
-            return select_offload(self.offload_backend, modules, trainer.optimizers, device, False, "engine is policy")
-        return select_offload(self.offload_backend, [trained], trainer.optimizers, device, usable, why_not)
-
-    def _make_profile(self, trainer: Trainer) -> LoopProfile:
+    def _profile_records(self, trainer: Trainer) -> ProfileRecords | None:
         wanted = profiling_requested() if self._profile_flag is None else self._profile_flag
         if not trainer.strategy.broadcast(wanted):
-            return LoopProfile(None)
-        name = "profile.jsonl" if trainer.global_rank == 0 else f"profile.rank{trainer.global_rank}.jsonl"
-        return LoopProfile(f"{trainer.log_dir or trainer.default_root_dir}/{name}", trainer.lightning_module.device)
+            return None
+        rank = trainer.global_rank
+        name = "profile.jsonl" if rank == 0 else f"profile.rank{rank}.jsonl"
+        folder = trainer.log_dir or trainer.default_root_dir
+        return ProfileRecords(f"{folder}/{name}", trainer.lightning_module.device)
 
     def _write_profile(self, trainer: Trainer) -> None:
-        sync, self._step_sync = self._step_sync, None
-        self._profile.write(
-            loop_step=self._loop_step,
-            global_step=trainer.global_step, placement=self.placement, handoff=self.handoff,
-            sleep_level=self.sleep_level, offload_backend=self._offload.kind if self._offload else None,
-            engine_is_policy=self.engine_is_policy, sync=None if sync is None else asdict(sync),
-            offload_bytes=dict(self._step_bytes),
-        )
+        """This loop step's profile record (when profiling): its phases and what the hand-off moved."""
+        sync = self._step_sync
+        moved = self._step_bytes
+        self._step_sync = None
         self._step_bytes = {"offloaded": 0, "onloaded": 0}
+        records = self._timer.records
+        if records is None:
+            return
+        backend = self._offload.kind if self._offload else None
+        records.write(loop_step=self._loop_step, global_step=trainer.global_step, placement=self.placement,
+                      handoff=self.handoff, sleep_level=self.sleep_level, offload_backend=backend,
+                      engine_is_policy=self.engine_is_policy, sync=None if sync is None else asdict(sync),
+                      offload_bytes=moved)
 
 
 def _recorded(named: Iterable[tuple[str, Tensor]], names: list[str]) -> Iterator[tuple[str, Tensor]]:
     for name, tensor in named:
         names.append(name)
         yield name, tensor
-
-
-def _shares_parameters(module: nn.Module, other: nn.Module) -> bool:
-    mine = {id(p) for p in module.parameters()}
-    return module is other or any(id(p) in mine for p in other.parameters())
 
 
 def attach_handoff(trainer: Trainer, engine: RolloutEngine) -> HandoffCallback:

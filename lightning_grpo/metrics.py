@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_grpo.correction import derived_metrics
+from lightning_grpo.timing import AHEAD, PHASES, PREFIX, UPDATE
 from lightning_grpo.update.loop import LoopResult
 
 
@@ -54,9 +56,12 @@ def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None)
         out.update(_per_epoch(result, col))
     stepped = [s for s in result.steps if not s.skipped]
     if stepped:
-        norms, lrs = [s.grad_norm for s in stepped], [s.lr for s in stepped]
-        out[f"{prefix}/grad_norm"], out[f"{prefix}/grad_norm_max"] = sum(norms) / len(norms), max(norms)
-        out[f"{prefix}/lr"], out[f"{prefix}/lr_max"] = sum(lrs) / len(lrs), max(lrs)
+        norms = [s.grad_norm for s in stepped]
+        lrs = [s.lr for s in stepped]
+        out[f"{prefix}/grad_norm"] = sum(norms) / len(norms)
+        out[f"{prefix}/grad_norm_max"] = max(norms)
+        out[f"{prefix}/lr"] = sum(lrs) / len(lrs)
+        out[f"{prefix}/lr_max"] = max(lrs)
     out[f"{prefix}/optimizer_steps"] = float(len(stepped))
     out[f"{prefix}/skipped_windows"] = float(len(result.steps) - len(stepped))
     out[f"{prefix}/consecutive_skips"] = float(result.consecutive_skips)
@@ -90,13 +95,26 @@ def plan_metrics(plan) -> dict[str, float]:
             "grpo/oversized_rows": float(plan.oversized)}
 
 
-def update_metrics(result: LoopResult, plan, ahead_seconds: float, update_seconds: float,
-                   stats: type | None = None) -> dict[str, float]:
-    """One update's roll-up, how its batch was cut, and the ahead pass's wall time and share of the update."""
-    out = {**roll_up(result, stats=stats), **plan_metrics(plan)}
-    out["grpo/ahead_seconds"] = ahead_seconds
-    out["grpo/ahead_share"] = ahead_seconds / update_seconds if update_seconds > 0 else 0.0
+def update_metrics(result: LoopResult, plan, stats: type | None = None) -> dict[str, float]:
+    """One update's roll-up and how its batch was cut."""
+    return {**roll_up(result, stats=stats), **plan_metrics(plan)}
+
+
+def time_metrics(columns: dict[str, float]) -> dict[str, float]:
+    """The step timer's ``time/<phase>`` columns and the ahead pass's share of the update."""
+    out = dict(columns)
+    update = columns[PREFIX + UPDATE]
+    ahead = columns[PREFIX + AHEAD]
+    out[PREFIX + "ahead_share"] = ahead / update if update > 0 else 0.0
     return out
+
+
+def job_metrics(metrics: dict[str, float], all_reduce: AllReduce, world_size: int, rows: int) -> dict[str, float]:
+    """One figure per metric for the whole job (``combine_ranks`` when several ranks; reductions:
+    docs/distributed.md), and the ratios of its means (``correction/ess``, ``*_ppl``)."""
+    if world_size > 1:
+        metrics = combine_ranks(metrics, all_reduce, world_size, rows)
+    return metrics | derived_metrics(metrics)
 
 
 def length_metrics(lengths: torch.Tensor, finish_reasons: list[str]) -> dict[str, float]:
@@ -135,7 +153,7 @@ RANK_SAMPLED_WEIGHTED = frozenset({f"correction/{name}" for name in (
     "trainer_logprob_mean", "rollout_logprob_mean")})
 """Rollout-correction means over this rank's sampled tokens (rejected ones too): weighted by ``correction/tokens``."""
 RANK_MAX = frozenset({"grpo/ratio_max", "correction/is_weight_max", "reward/max", "completion/len_max",
-                      "grpo/ahead_seconds"})
+                      *(PREFIX + phase for phase in PHASES)})
 RANK_MIN = frozenset({"reward/min", "completion/len_min"})
 RANK_WEIGHTED = {"completion/terminated_len_mean": "completion/stop_frac"}
 """Means over a subset of each rank's rows, weighted by the subset's share (ranks hold equal row counts)."""
@@ -185,6 +203,8 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
     if float(check[0]) != -float(check[1]):  # max == min: every rank logged the same names
         raise RuntimeError(f"combine_ranks: data-parallel ranks logged different metric names; this rank: {names}")
     kind = {n: rank_reduction(n) for n in names}
+    if "correction/tokens" in kind and "grpo/entropy" in kind:  # over every completion token, rejected ones too
+        kind["grpo/entropy"] = "sampled"
     weight = {"token": "grpo/tokens", "sampled": "correction/tokens"}  # the count each weighted mean is over
     summed = [n for n in names if kind[n] in ("sum", "token", "sampled", "weighted", "std", "mean")]
     maxed = [n for n in names if kind[n] in ("max", "min", "same")]
@@ -213,7 +233,8 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
         elif kind[n] == "weighted":
             out[n] = out[n] / shares[n] if shares[n] > 0 else math.nan
     for n in (n for n in names if kind[n] == "std"):
-        count, mean = rows * world_size, out.get("reward/mean", 0.0)
+        count = rows * world_size
+        mean = out.get("reward/mean", 0.0)
         out[n] = math.sqrt(max(out[n] - count * mean * mean, 0.0) / (count - 1)) if count > 1 else 0.0
     return out
 

@@ -1,70 +1,61 @@
-"""GRPOModule: a manual-optimization LightningModule whose ``training_step`` is one loop step.
+"""GRPOModule: Lightning wiring whose ``training_step`` is one loop step: collect -> update -> report.
 
-One ``training_step`` consumes one collected batch: rollout -> rewards -> advantages ->
-``mu_iterations x n_mini`` optimizer steps of their chunks -> one roll-up of metrics. Counters:
-``trainer.global_step`` counts optimizer steps (Lightning's meaning under manual optimization,
-so ``trainer.max_steps`` is in optimizer steps = loop steps x mu_iterations x n_mini);
-``loop_step`` counts collected batches and is the logged x-axis (``step``).
-
-This file is Lightning wiring, read top-down: build the parts (``configure_model``), then per loop step collect ->
-update -> report. The update itself is an ``Updater`` (``update/``, no Lightning; docs/update.md) and what every
-module shares (optimizer, precision step, DP ops, checkpoint state) is ``base.UpdateModule``.
-
-The module owns its state: ``on_save_checkpoint`` writes loop progress, accumulator, probe, data
-position and per-rank RNG into every checkpoint Lightning writes (``checkpoint/state.py``), so a plain
-``ModelCheckpoint`` resumes exactly. It keeps its engine current through a ``WeightPublisher``
-(``publisher.py``), attaching a ``HandoffCallback`` itself when the engine holds its own weights.
+The rollout is a ``Collector`` (``collect/``, docs/collect.md), the update an ``Updater``
+(``update/``, docs/update.md), both without Lightning; what every module shares (optimizer,
+precision step, DP ops, checkpoint state, the step timer) is ``base.UpdateModule``.
+``trainer.global_step`` counts optimizer steps (``trainer.max_steps`` = loop steps x
+mu_iterations x n_mini); ``loop_step`` counts collected batches, the logged x-axis (``step``).
+The engine is kept current through a ``WeightPublisher`` (``publisher.py``); a
+``HandoffCallback`` is attached here when the engine holds its own weights.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 
-from lightning_grpo import lora
+from lightning_grpo import collect, lora
 from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.checkpoint import adapter as adapter_checkpoint
+from lightning_grpo.checkpoint import adapter
 from lightning_grpo.checkpoint.signals import stop_poll
-from lightning_grpo.collect import Collector, RewardScorer, StepRows, StepSampling
-from lightning_grpo.collect.async_rollouts import AsyncRollouts
-from lightning_grpo.collect.draw import Drawer, episode_runner
-from lightning_grpo.collect.schedule import AsyncSchedule, in_flight_of
+from lightning_grpo.collect.rows import TokenFigure
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
-from lightning_grpo.correction import derived_metrics
 from lightning_grpo.data.fitting import PromptFit, fit_prompts
 from lightning_grpo.data.rewards import RewardSpec
-from lightning_grpo.data.seam import PromptProvider
+from lightning_grpo.data.seam import PromptProvider, prompt_provider
 from lightning_grpo.determinism import enable_determinism
-from lightning_grpo.distributed import data_parallel_mesh, shard_fsdp2
 from lightning_grpo.engines import EngineParts, build_engine
-from lightning_grpo.envs.config import EnvConfig
-from lightning_grpo.envs.episode import EpisodeRunner
+from lightning_grpo.envs import EnvConfig, EpisodeRunner
 from lightning_grpo.handoff import attach_handoff
-from lightning_grpo.logprobs import fuses_head
-from lightning_grpo.metrics import combine_ranks, update_metrics
-from lightning_grpo.objectives import OBJECTIVES, Objective, ObjectiveParts, Stats, build_objective
+from lightning_grpo.metrics import job_metrics, time_metrics, update_metrics
+from lightning_grpo.objectives import Objective, ObjectiveParts, Stats, build_objective
+from lightning_grpo.objectives.base import ExplainsTokens
 from lightning_grpo.objectives.opd import OPDConfig
-from lightning_grpo.packing import Packing
-from lightning_grpo.policy import PolicyConfig, load_policy, load_vision, with_seed
+from lightning_grpo.policy import PolicyConfig, load_policy, load_vision
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.run_check import check_run
-from lightning_grpo.scoring import ChunkScorer
-from lightning_grpo.update import AheadPass, LoopResult, Recorder, Split, Updater, batch_needs
+from lightning_grpo.scoring import ChunkScorer, build_scorer, frozen_copy
+from lightning_grpo.timing import UPDATE, WAIT_BATCH
+from lightning_grpo.update import AheadPass, LoopResult, Recorder, Split, Updater, batch_needs, pi_old_source
 from lightning_grpo.update.ahead import warn_if_unfrozen
-from lightning_grpo.update.plan import pi_old_source
 from lightning_grpo.validation import greedy_scores
 from lightning_grpo.vision import VisionProcessor
 
 # The sections' defaults: instances rather than None, so `--help` and `--print_config` show every field.
 # Shared between modules, hence copied by GRPOModule.__init__ and never mutated.
-_POLICY, _RL, _OPTIM, _ROLLOUT, _OPD = PolicyConfig(), GRPOConfig(), OptimConfig(), RolloutConfig(), OPDConfig()
+_POLICY = PolicyConfig()
+_RL = GRPOConfig()
+_OPTIM = OptimConfig()
+_ROLLOUT = RolloutConfig()
+_OPD = OPDConfig()
 
 
 class GRPOModule(UpdateModule):
@@ -103,34 +94,35 @@ class GRPOModule(UpdateModule):
                  env: EnvConfig | None = None) -> None:
         super().__init__(policy, optim, seed)
         self.rl = copy.deepcopy(rl or GRPOConfig())
-        self.rollout_cfg, self.reward_specs = copy.deepcopy(rollout or RolloutConfig()), rewards
+        self.rollout_cfg = copy.deepcopy(rollout or RolloutConfig())
+        self.reward_specs = rewards
+        self.opd_cfg = copy.deepcopy(opd)
+        self.env_cfg = copy.deepcopy(env)
         warn_if_unfrozen(self.rl)
-        self.opd_cfg, self.env_cfg = copy.deepcopy(opd), copy.deepcopy(env)
-        named = objective if isinstance(objective, str) else None  # an Objective instance brings its own config
-        check_run(self.policy_cfg, self.rl, self.rollout_cfg, self.opd_cfg, named)  # before any model is built
+        named = objective if isinstance(objective, str) else None  # an instance brings its own config
+        # every rule across sections, before any model is built
+        check_run(self.policy_cfg, self.rl, self.rollout_cfg, self.opd_cfg, named)
         self.objective = self.configure_objective(objective)
-        self.vision: VisionProcessor | None = None  # a vision-language policy's image side (None: text-only)
-        self.lora_base: lora.BaseFingerprint | None = None  # the frozen base under policy.lora
+        # Built in configure_model: the image side (None: text-only), LoRA's frozen base, MoE routing replay,
+        # the per-chunk scorer; built with the engine in on_fit_start: the collector.
+        self.vision: VisionProcessor | None = None
+        self.lora_base: lora.BaseFingerprint | None = None
+        self.routing: RoutingReplay | None = None
+        self.scorer: ChunkScorer | None = None
         self.engine: RolloutEngine | None = None
-        self.routing: RoutingReplay | None = None  # MoE routing replay / aux loss: attached in configure_model
-        self.scorer: ChunkScorer | None = None  # per-chunk logprobs of policy and reference: built in configure_model
-        self.episodes: EpisodeRunner | None = None  # model.env's runner: built by check_data, before the engine
-        self.reward_scorer = RewardScorer(rewards)  # compute_rewards' default; rebuilt with the fit's stop poll
-        self.collector: Collector | None = None  # one rollout: built with the engine, once the strategy is known
-        self._publisher: WeightPublisher = NoPublisher()  # found (or attached) when the engine is built
-        self._in_flight: dict[int, list[int]] = {}  # a loaded checkpoint's async prompts in flight (drawn again)
+        self.episodes: EpisodeRunner | None = None  # model.env's runner: check_data builds it first
+        self.reward_scorer = collect.RewardScorer(rewards)  # rebuilt with the fit's stop poll
+        self.collector: collect.Collector | None = None
+        self._publisher: WeightPublisher = NoPublisher()  # found (or attached) with the engine
+        self._in_flight: dict[int, list[int]] = {}  # a loaded checkpoint's prompts in flight
 
     # -- parts a subclass may replace ------------------------------------------------------------------------------
     def configure_objective(self, objective: str | Objective) -> Objective:
         """The loss: a registered name (``objectives.OBJECTIVES``) built for this module, or an instance as is."""
         if not isinstance(objective, str):
             return objective
-        section = OBJECTIVES[objective].section if objective in OBJECTIVES else None
-        if section == "opd" and self.opd_cfg is None:
-            self.opd_cfg = OPDConfig()  # refused by the objective: a teacher is required
-        if section == "opd" and self.opd_cfg.teacher is not None:  # a tiny: teacher is seeded like the policy
-            self.opd_cfg.teacher = with_seed(self.opd_cfg.teacher, self.seed)
-        parts = ObjectiveParts(self.rl, self.dp_mean, self.rollout_cfg.max_new_tokens, opd=self.opd_cfg)
+        max_new_tokens = self.rollout_cfg.max_new_tokens
+        parts = ObjectiveParts(self.rl, self.dp_mean, max_new_tokens, opd=self.opd_cfg, seed=self.seed)
         return build_objective(objective, parts)
 
     def configure_policy(self):
@@ -147,9 +139,8 @@ class GRPOModule(UpdateModule):
         ``will_sleep``: whether the hand-off puts it to sleep."""
         parts = EngineParts(self.policy, self.tokenizer, self.policy_cfg, self.rl, self.vision, trainer=self._trainer)
         engine = build_engine(self.rollout_cfg, parts, will_sleep=will_sleep)
-        if not self.rollout_cfg.max_off_policy_steps:
-            return engine
-        return AsyncRollouts(engine, self.rollout_cfg.max_off_policy_steps, weights_step=self._weights_step)
+        ahead = self.rollout_cfg.max_off_policy_steps
+        return collect.draws_ahead(engine, ahead, self._weights_step)
 
     def compute_rewards(self, rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, float]]:
         """One reward per rollout, and reward metrics (``collect/rewards.py``). Recorded rewards (replay) are used
@@ -160,32 +151,55 @@ class GRPOModule(UpdateModule):
         """``model.env``'s episode runner (None: single-turn completions)."""
         generation = getattr(self.policy, "generation_config", None)
         eos = getattr(generation, "eos_token_id", None)
-        return episode_runner(self.env_cfg, self.tokenizer, eos, self.context_length())
+        return collect.episode_runner(self.env_cfg, self.tokenizer, eos, self.context_length())
 
-    def configure_collector(self) -> Collector:
-        """The rollout of one loop step, from this module's parts and ``self.engine``. Built once the strategy is known
-        (the sampling seed and the reductions depend on the ranks)."""
+    def configure_collector(self) -> collect.Collector:
+        """The rollout of one loop step, from this module's parts and ``self.engine``. Built once the strategy is
+        known (the sampling seed and the reductions depend on the ranks)."""
         if self.episodes is None:
             self.episodes = self.configure_episodes()
-        stop = stop_poll(self.trainer, "a reward function") if self._trainer is not None else None
-        self.reward_scorer = RewardScorer(self.reward_specs, stop)  # a SIGTERM abandons a reward call still running
-        schedule = None
-        if isinstance(self.engine, AsyncRollouts):
-            waiting = stop_poll(self.trainer, "rollouts in flight") if self._trainer is not None else None
-            schedule = AsyncSchedule(self.engine, waiting, reissue=self._in_flight)
-        return Collector(Drawer(self.engine, self.episodes), self.compute_rewards, rewards=self.reward_scorer,
-                         rl=self.rl, max_new_tokens=self.rollout_cfg.max_new_tokens, sampling=self.step_sampling(),
-                         tokenizer=self.tokenizer, vision=self.vision, context=self.context_length(),
-                         prompts=self._prompt_provider(), dp=self.dp_group(), schedule=schedule)
+        # a SIGTERM abandons a reward call still running, or the wait for rollouts in flight
+        rewards_stop = self._stop_poll("a reward function")
+        self.reward_scorer = collect.RewardScorer(self.reward_specs, rewards_stop)
+        waiting_stop = self._stop_poll("rollouts in flight")
+        schedule = collect.schedule_of(self.engine, waiting_stop, self._in_flight)
+        drawer = collect.Drawer(self.engine, self.episodes)
+        return collect.Collector(
+            drawer, self.compute_rewards, rewards=self.reward_scorer, rl=self.rl,
+            max_new_tokens=self.rollout_cfg.max_new_tokens, sampling=self.step_sampling(),
+            tokenizer=self.tokenizer, vision=self.vision, context=self.context_length(),
+            prompts=prompt_provider(self._trainer), dp=self.dp_group(), schedule=schedule)
 
     def sampling(self) -> SamplingConfig:
         """The sampling of this rank's next training draw."""
         return self.step_sampling().at(self.loop_step)
 
-    def step_sampling(self) -> StepSampling:
+    def step_sampling(self) -> collect.StepSampling:
         """How each loop step samples on this rank (``rollout`` section; a seed per seed, loop step and rank)."""
         logprobs = self.rl.needs_sampler_logprobs
-        return StepSampling.of(self.rollout_cfg, logprobs, self.seed, self.dp_size(), self.global_rank, self.vision)
+        return collect.StepSampling.of(self.rollout_cfg, logprobs, self.seed, self.dp_size(), self.global_rank,
+                                       self.vision)
+
+    def configure_recorders(self) -> list[Recorder]:
+        """More per-token records for the ahead pass to take (``update/records.py``; none by default)."""
+        return []
+
+    def configure_updater(self) -> Updater:
+        """The update of one collected batch: split by ``rl``, the objective on each chunk, the ahead pass (frozen
+        pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it. What depends on the ranks
+        (the per-rank split, the reductions) joins with the optimizer (``data_parallel``), once the strategy is
+        known."""
+        extra = self.configure_recorders()
+        hooks = [self.routing] if self.routing is not None else []  # per-chunk hooks (update/records.py)
+        ahead = AheadPass(self.policy, self.scorer.pi_old, dp_sum=self.dp_sum, hooks=hooks, recorders=extra)
+        needs = batch_needs(self.rl, self.objective, hooks, bool(extra))
+        return Updater(self.policy, self.forward_chunk, split=self.split(), needs=needs, ahead=ahead,
+                       hooks=hooks, seed=self.seed, max_grad_norm=self.rl.max_grad_norm,
+                       max_consecutive_skips=self.rl.max_consecutive_skips, timer=self.timer)
+
+    def split(self) -> Split:
+        """How this rank cuts a collected batch (packed: token budgets count real tokens)."""
+        return Split.of(self.rl, self.dp_size(), self.scorer.packed)
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     @property
@@ -199,9 +213,10 @@ class GRPOModule(UpdateModule):
         return self.rl.steps_per_loop_step
 
     def check_strategy(self) -> None:
-        self.rl.validate(self.dp_size())  # per-rank divisibility needs the DP size
-        # rules across sections that need the DP size (the objective's ran in __init__): before the policy loads
-        check_run(self.policy_cfg, self.rl, self.rollout_cfg, objective=None, dp_size=self.dp_size())
+        dp_size = self.dp_size()
+        self.rl.validate(dp_size)  # per-rank divisibility needs the DP size
+        # the rules across sections that need the DP size (the objective's ran in __init__)
+        check_run(self.policy_cfg, self.rl, self.rollout_cfg, objective=None, dp_size=dp_size)
         lora.check_strategy(self.policy_cfg.lora, getattr(self._trainer, "strategy", None))
 
     def setup(self, stage: str) -> None:
@@ -216,7 +231,7 @@ class GRPOModule(UpdateModule):
                         long_prompts=self.rollout_cfg.long_prompts, reward_specs=self.reward_specs or [],
                         policy_path=self.policy_cfg.path, vision=self.vision is not None,
                         objective=self.objective.name, dynamic_sampling=self.rl.dynamic_sampling)
-        fit_prompts(fit, self._datamodule())
+        fit_prompts(fit, getattr(self._trainer, "datamodule", None))
         if self.episodes is None:  # loads model.env: an environment that does not import is refused here
             self.episodes = self.configure_episodes()
 
@@ -232,46 +247,17 @@ class GRPOModule(UpdateModule):
                 self.lora_base = lora.fingerprint(policy)  # checkpoints hold the adapter, and this to check the base
             self.policy = policy.train()  # from_pretrained returns eval(); Lightning trains (and checks) in train mode
             self.vision = self.configure_vision()  # before the optimizer and the reference: it may freeze a tower
-            # k3 KL needs the initial policy, frozen; with beta == 0 none is built (no memory spent), and under LoRA
-            # it is the base with the adapter disabled (no copy). It stays in train mode like every module Lightning
-            # holds, and is scored under eval_mode (no dropout).
+            # k3 KL's reference: a frozen copy (under LoRA the base with the adapter off; beta == 0: none)
             copy_ref = self.objective.needs_reference() and self.policy_cfg.lora is None
-            self.ref = copy.deepcopy(self.policy).requires_grad_(False) if copy_ref else None
+            self.ref = frozen_copy(self.policy, copy_ref)
             self.objective.setup(self.policy, self.tokenizer)  # OPD: loads the teacher, refuses another vocabulary
             # MoE routing: before FSDP2 shards the routers, and before an engine starts (refusals)
             self.routing = attach_routing(self.policy, self.rl, self.dp_mean)
-            has_ref = self.ref is not None or (lora.is_lora(self.policy) and self.objective.needs_reference())
-            packing = Packing.resolve(self.rl.packed, self.policy, self.vision is not None, self.routing is not None,
-                                      fuses_head(self.policy))  # refuses rl.packed=true where inexact
-            self.scorer = ChunkScorer(self.policy, self.ref, self.vision, has_ref, self.rollout_cfg.temperature,
-                                      int(self.rl.logits_keep_mb * 2**20), packing)
+            temperature = self.rollout_cfg.temperature
+            routed = self.routing is not None
+            self.scorer = build_scorer(self.policy, self.ref, self.vision, self.objective, self.rl, temperature, routed)
             self.updater = self.configure_updater()
-        if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
-            return  # DDP wraps the whole module itself; one process needs nothing
-        mesh = data_parallel_mesh(self.trainer.strategy)
-        for model in (self.policy, self.ref):
-            if model is not None:
-                shard_fsdp2(model, mesh)
-
-    def configure_recorders(self) -> list[Recorder]:
-        """More per-token records for the ahead pass to take (``update/records.py``; none by default)."""
-        return []
-
-    def configure_updater(self) -> Updater:
-        """The update of one collected batch: split by ``rl``, the objective on each chunk, the ahead pass (frozen
-        pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it. What depends on the ranks (the
-        per-rank split, the reductions) joins with the optimizer (``data_parallel``), once the strategy is known."""
-        extra = self.configure_recorders()
-        hooks = [self.routing] if self.routing is not None else []  # per-chunk hooks (update/records.py ChunkHook)
-        ahead = AheadPass(self.policy, self.scorer.pi_old, dp_sum=self.dp_sum, hooks=hooks, recorders=extra)
-        needs = batch_needs(self.rl, self.objective, hooks, bool(extra))
-        return Updater(self.policy, self.forward_chunk, split=self.split(), needs=needs, ahead=ahead,
-                       hooks=hooks, seed=self.seed, max_grad_norm=self.rl.max_grad_norm,
-                       max_consecutive_skips=self.rl.max_consecutive_skips)
-
-    def split(self) -> Split:
-        """How this rank cuts a collected batch (packed: token budgets count real tokens)."""
-        return Split.of(self.rl, self.dp_size(), self.scorer.packed)
+        self.shard(self.policy, self.ref)
 
     def on_fit_start(self) -> None:
         super().on_fit_start()  # the precision check: before an engine is built
@@ -280,12 +266,13 @@ class GRPOModule(UpdateModule):
         self.check_data()  # before the engine: a data problem is reported in seconds, not after vLLM starts
         publisher = find_publisher(self.trainer.callbacks)
         if self.engine is None:
-            self.engine = self.build_engine(will_sleep=publisher is not None and publisher.sleeps_engine)
-        if publisher is None:
-            publisher = (attach_handoff(self.trainer, self.engine) if needs_publisher(self.engine, self.policy)
-                         else NoPublisher())
-        self._publisher = publisher
-        publisher.on_engine_ready(self.trainer, self.engine, self.policy, self.rollout_cfg.sync_bucket_mb)
+            sleeps = publisher is not None and publisher.sleeps_engine
+            self.engine = self.build_engine(will_sleep=sleeps)
+        if publisher is None and needs_publisher(self.engine, self.policy):
+            publisher = attach_handoff(self.trainer, self.engine)
+        self._publisher = publisher or NoPublisher()
+        bucket_mb = self.rollout_cfg.sync_bucket_mb
+        self._publisher.on_engine_ready(self.trainer, self.engine, self.policy, bucket_mb, self.timer)
         self.collector = self.configure_collector()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -294,36 +281,39 @@ class GRPOModule(UpdateModule):
         if schedule is not None:  # the prompts in flight (drawn again on resume)
             schedule.record(checkpoint)
         if "state_dict" in checkpoint and lora.is_lora(self.policy):  # the base is rebuilt from policy.path
-            adapter_checkpoint.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
+            adapter.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)  # put back at on_train_start, once the updater has its loop
-        self._in_flight = in_flight_of(checkpoint, self.global_rank)  # checked when drawn again
-        if self.collector is not None and self.collector.schedule is not None:  # restored after on_fit_start
-            self.collector.schedule.expect_reissue(self._in_flight)
+        self._in_flight = collect.in_flight_of(checkpoint, self.global_rank)  # checked when drawn again
+        schedule = self.collector.schedule if self.collector is not None else None
+        if schedule is not None:  # a strategy that restores after on_fit_start
+            schedule.expect_reissue(self._in_flight)
         if lora.is_lora(self.policy):  # before Lightning loads the state dict: the base comes from this policy
-            adapter_checkpoint.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
+            adapter.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
 
     def training_step(self, records, batch_idx: int) -> None:
         # 1. rollout: this rank's prompts -> completions -> rewards -> group advantages
-        batch, rollout_metrics = self.collect(records)
+        with self.timer.phase(WAIT_BATCH):
+            batch, rollout_metrics = self.collect(records)
         self._publisher.on_rollout_end(self.trainer)  # the hand-off: the engine sleeps, the trainer onloads
         # 2.-3. pi_old and update: n_mini optimizer steps of n_micro chunks
-        result = self.update(batch)
+        with self.timer.phase(UPDATE):
+            result = self.update(batch)
         self._publisher.on_update_end(self.trainer, self.loop_step)  # the engine is stale until the next draw
         # 4. report: one roll-up per collected batch
         self.report(result, rollout_metrics)
         self.end_loop_step()
 
     def validation_step(self, records, batch_idx: int) -> None:
-        """Held-out prompts, greedy, through the same engine: ``val/reward`` (see ``lightning_grpo/validation.py``)."""
+        """Held-out prompts, greedy, through the same engine: ``val/reward`` (``lightning_grpo/validation.py``)."""
         if self.engine is None:  # trainer.validate() without a fit: nothing sleeps, nothing publishes
             self.check_data()
             self.engine = self.build_engine(will_sleep=False)
             self.collector = self.configure_collector()
-        data = self._prompt_provider() or PromptProvider()  # not a PromptProvider: the greedy draw alone
-        metrics = greedy_scores(self.collector, records, self.loop_step, data.val_samples_per_prompt,
-                                data.val_pass_reward)
+        data = prompt_provider(self._trainer) or PromptProvider()  # none: the greedy draw alone
+        k = data.val_samples_per_prompt
+        metrics = greedy_scores(self.collector, records, self.loop_step, k, data.val_pass_reward)
         metrics["step"] = float(self.loop_step)  # x-axis: the loop step
         self.log_validation(metrics, weight=len(records))
 
@@ -342,38 +332,36 @@ class GRPOModule(UpdateModule):
         return self.scorer.chunk_loss(self.objective, chunk, old_logprobs, sampler)
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
-        u = self.updater
+        """One row per loop step: rollout, update, counters, MoE routing and timing, one figure per metric."""
         stats = getattr(self.objective, "stats", None)
-        metrics = {**rollout_metrics, **update_metrics(result, u.last_plan, u.ahead_seconds, u.update_seconds, stats)}
-        metrics["loop_step"] = float(self.loop_step)
-        metrics["global_step"] = float(self.global_step)
-        metrics["step"] = metrics["loop_step"]  # the logger's x-axis: collected batches
+        metrics = {**rollout_metrics, **update_metrics(result, self.updater.last_plan, stats)}
+        metrics |= self.counters()
         if self.routing is not None:
-            metrics.update(self.routing.metrics())  # moe/route_flip_frac, moe/aux_loss
+            metrics |= self.routing.metrics()  # moe/route_flip_frac, moe/aux_loss
+        metrics |= time_metrics(self.timer.columns())
         world = self.dp_size()
-        if world > 1:  # one figure per metric for the whole job (reductions: docs/distributed.md)
-            metrics = combine_ranks(metrics, self.dp_all_reduce, world, self.rl.rank_sizes(world).batch)
-        metrics |= derived_metrics(metrics)  # ratios of the job-wide means (correction/ess, *_ppl)
-        self.publish(metrics, {"reward": metrics.get("reward/mean", math.nan), "loss": metrics.get("grpo/loss", math.nan)})
+        rows = self.rl.rank_sizes(world).batch
+        metrics = job_metrics(metrics, self.dp_all_reduce, world, rows)
+        reward = metrics.get("reward/mean", math.nan)
+        loss = metrics.get("grpo/loss", math.nan)
+        self.publish(metrics, {"reward": reward, "loss": loss})
 
     # -- helpers ------------------------------------------------------------------------------------------------------
     @property
-    def last_rows(self) -> StepRows | None:
-        """The last loop step's rows on this rank (``completions.py`` writes a few)."""
-        return self.collector.last_rows if self.collector is not None else None
-
-    def dp_sum(self, t: Tensor) -> Tensor:
-        """Sum of ``t`` over data-parallel ranks (the ahead pass's probe counts)."""
-        return self.dp_mean(t) * self.dp_size()
+    def last_rows(self) -> collect.StepRows | None:
+        """The last loop step's rows on this rank (``completions.py`` writes a few), with the objective's per-token
+        figure when it has one (OPD's KL to the teacher: ``ExplainsTokens``)."""
+        rows = self.collector.last_rows if self.collector is not None else None
+        if rows is None or not isinstance(self.objective, ExplainsTokens):
+            return rows
+        values = functools.partial(self.scorer.token_figures, self.objective, self.tokenizer.pad_token_id)
+        figure = TokenFigure(self.objective.token_figure, values)
+        return replace(rows, figure=figure, uses_advantages=self.objective.uses_advantages())
 
     def _weights_step(self) -> int:
         """The loop step whose weights the trainer holds (an async engine reads it when a sync ends)."""
         return self.loop_step
 
-    def _datamodule(self):
-        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-
-    def _prompt_provider(self) -> PromptProvider | None:
-        """The datamodule's side of the prompt seam, or None (a datamodule of the user's own is asked nothing)."""
-        dm = self._datamodule()
-        return dm if isinstance(dm, PromptProvider) else None
+    def _stop_poll(self, what: str):
+        """What a long wait polls for a SIGTERM (``checkpoint/signals.py``); None outside a Trainer."""
+        return stop_poll(self.trainer, what) if self._trainer is not None else None

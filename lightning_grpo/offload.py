@@ -82,8 +82,10 @@ class HostOffload:
 
     def __init__(self, modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                  device: torch.device | str, host: torch.device | str = "cpu", pin_memory: bool | None = None) -> None:
-        self.modules, self.optimizers = list(modules), list(optimizers)
-        self.device, self.host = torch.device(device), torch.device(host)
+        self.modules = list(modules)
+        self.optimizers = list(optimizers)
+        self.device = torch.device(device)
+        self.host = torch.device(host)
         self.pin_memory = pinning_available() if pin_memory is None else pin_memory
         if self.pin_memory and not pinning_available():
             raise ValueError(f"HostOffload(pin_memory=True): this torch build ({torch.__version__}) cannot pin memory")
@@ -103,9 +105,12 @@ class HostOffload:
             return 0
         # Non-blocking from pinned memory: later kernels on the stream wait for the copies; the caching host
         # allocator keeps each pinned block alive until its copy is done.
-        moved = self._move(lambda t: t.to(self.device, non_blocking=self.pin_memory))
+        moved = self._move(self._to_device)
         self.resident = True
         return moved
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        return t.to(self.device, non_blocking=self.pin_memory)
 
     def _to_host(self, t: Tensor) -> Tensor:
         out = torch.empty_like(t, device=self.host, pin_memory=self.pin_memory)
@@ -251,6 +256,25 @@ def select_offload(backend: OffloadBackend, modules: Sequence[nn.Module], optimi
         return TorchMemorySaverOffload(modules, optimizers, device)
     log.info("trainer offload: host copies (%s)", why_not or "torch_memory_saver not usable")
     return HostOffload(modules, optimizers, device)
+
+
+def trainer_offload(backend: OffloadBackend, trainer, policy: nn.Module, engine_is_policy: bool) -> TrainerOffload:
+    """The offload of every tensor ``trainer`` holds (policy, reference, the optimizers' state), the same backend on
+    every rank. When the engine generates with ``policy`` itself, its parameters stay and the rest moves."""
+    trained = trainer.lightning_module
+    device = trained.device
+    usable, why_not = memory_saver_usable() if device.type == "cuda" else (False, "not on CUDA")
+    usable = trainer.strategy.reduce_boolean_decision(usable, all=True)
+    optimizers = trainer.optimizers
+    if engine_is_policy:
+        modules = [m for m in trained.children() if not _shares_parameters(m, policy)]
+        return select_offload(backend, modules, optimizers, device, False, "engine is policy")
+    return select_offload(backend, [trained], optimizers, device, usable, why_not)
+
+
+def _shares_parameters(module: nn.Module, other: nn.Module) -> bool:
+    mine = {id(p) for p in module.parameters()}
+    return module is other or any(id(p) in mine for p in other.parameters())
 
 
 def _is_host_scalar_step(key: str, value: Tensor, device: torch.device) -> bool:

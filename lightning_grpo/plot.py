@@ -4,8 +4,9 @@ Reads ``metrics.csv`` of a ``CSVLogger`` run (the CLI's default logger; one row 
 one row per validation, the one before training at loop step 0 included) and draws, against the
 logged ``step`` (the loop step), each panel whose metric the run logged: GRPO's reward (raw, its
 trailing mean over ``window`` loop steps, and the held-out greedy ``val/reward``), loss, KL when it
-moved, clip fraction when it can be non-zero, completion length; DPO's loss, accuracy and margin (with
-their ``val/*``). matplotlib is an optional extra: ``pip install 'lightning-grpo[plot]'``.
+moved, clip fraction when it can be non-zero, completion length, and with ``model.env`` the tools (calls and
+failed calls per episode, turns); DPO's loss, held-out accuracy and margin (with ``val/margin``).
+matplotlib is an optional extra: ``pip install 'lightning-grpo[plot]'``.
 
     lightning-grpo plot runs/quickstart/version_0          # writes runs/quickstart/version_0/curves.png
     lightning-grpo plot runs/quickstart -o /tmp/curves.png # the newest fit run under the folder
@@ -49,19 +50,24 @@ PANELS = (
     Panel("reward/mean", "reward (mean over the collected batch)", ("val/reward",)),
     Panel("grpo/loss", "loss"),
     Panel("dpo/loss", "DPO loss"),
-    Panel("dpo/accuracy", "accuracy (chosen ranked first)", ("val/reward_accuracy", "val/accuracy")),
+    # One accuracy: the held-out policy preference, right at loop step 0 (~0.5). The implicit-reward accuracy
+    # (dpo/accuracy, val/reward_accuracy) is 0 there, every margin being an exact tie: drawn only without validation.
+    Panel("val/accuracy", "held-out accuracy (the policy prefers the chosen answer)"),
+    Panel("dpo/accuracy", "accuracy (chosen ranked first)", when=lambda s: "val/accuracy" not in s),
     Panel("dpo/margin", "implicit reward margin (chosen - rejected)", ("val/margin",)),
     Panel("grpo/kl", "KL to the reference (nats/token)", when=lambda s: _moved(s["grpo/kl"])),
     Panel("opd/kl", "reverse KL to the teacher (nats/token)"),
     Panel("grpo/clip_frac", "clip fraction (share of tokens)", when=_can_clip),
     Panel("completion/len_mean", "completion length (tokens)"),
+    Panel("tools/call_frequency", "tools (per episode)", ("tools/failure_frequency", "episode/turns_mean",
+                                                           "val/tools/call_frequency")),
 )
 """Every panel a run may get, in drawing order (left to right, top to bottom); a run gets those it logged."""
 SMOOTHED = "{metric} (mean of last {window})"
 """Label of the trailing mean drawn beside the first panel's raw curve (the summary's first/last figures)."""
 PNG_NAME = "curves.png"
-DESCRIPTION = "Draw reward, loss, KL, clip fraction and completion length (DPO: loss, accuracy, margin) of a " \
-              "CSVLogger run into one PNG."
+DESCRIPTION = "Draw reward, loss, KL, clip fraction, completion length and tool use (DPO: loss, accuracy, margin) " \
+              "of a CSVLogger run into one PNG."
 FIT_COLUMN = "loop_step"
 """Logged by every training row (GRPO, OPD, DPO): a metrics.csv without it holds no fit (a ``validate`` run)."""
 
@@ -193,7 +199,9 @@ def _panel(ax, series: dict[str, Series], panel: Panel, window: int) -> dict[str
         ax.plot(*drawn[label], label=label)
     for overlay in (name for name in panel.overlays if name in series):
         drawn[overlay] = series[overlay]
-        ax.plot(*drawn[overlay], label=f"{overlay} (held-out)", marker="o")
+        held_out = overlay.startswith("val/")
+        label = f"{overlay} (held-out)" if held_out else overlay
+        ax.plot(*drawn[overlay], label=label, marker="o" if held_out else None)
     ax.legend(fontsize=8)
     return drawn
 

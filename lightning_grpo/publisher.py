@@ -16,6 +16,7 @@ from lightning.pytorch import Trainer
 from torch import nn
 
 from lightning_grpo.rollout.base import HoldsWeights, RolloutEngine, SamplesWithModule
+from lightning_grpo.timing import StepTimer
 
 
 @runtime_checkable
@@ -25,7 +26,7 @@ class WeightPublisher(Protocol):
     ``GRPOModule`` calls ``on_engine_ready`` once per fit, right after building the engine (before Lightning
     restores optimizer state), then per loop step ``on_rollout_end`` after generation and ``on_update_end``
     after the update. Publication must happen before the next generation (``HandoffCallback`` does it in
-    ``on_train_batch_start`` and before validation).
+    ``on_train_batch_start`` and before validation), timed as the phase ``sync`` of the module's ``timer``.
     """
 
     @property
@@ -34,7 +35,7 @@ class WeightPublisher(Protocol):
         ...
 
     def on_engine_ready(self, trainer: Trainer, engine: RolloutEngine, policy: nn.Module,
-                        sync_bucket_mb: float) -> None: ...
+                        sync_bucket_mb: float, timer: StepTimer | None = None) -> None: ...
 
     def on_rollout_end(self, trainer: Trainer) -> None: ...
 
@@ -47,7 +48,7 @@ class NoPublisher:
     sleeps_engine = False
 
     def on_engine_ready(self, trainer: Trainer, engine: RolloutEngine, policy: nn.Module,
-                        sync_bucket_mb: float) -> None:
+                        sync_bucket_mb: float, timer: StepTimer | None = None) -> None:
         pass
 
     def on_rollout_end(self, trainer: Trainer) -> None:

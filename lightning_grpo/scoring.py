@@ -7,15 +7,19 @@ pixels, decoded when that chunk is scored, so only one chunk's pixels are alive 
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import torch
 from torch import Tensor, nn
 
 from lightning_grpo import lora
-from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.batch import RolloutBatch, pack_rollouts
 from lightning_grpo.distributed import root_call
-from lightning_grpo.logprobs import token_logprobs
-from lightning_grpo.objectives.base import Objective, PolicyView, Stats
+from lightning_grpo.logprobs import fuses_head, token_logprobs
+from lightning_grpo.objectives.base import ExplainsTokens, Objective, PolicyView, Stats
 from lightning_grpo.packing import PADDED, Packing
+from lightning_grpo.rollout.base import Rollout
 from lightning_grpo.update.ahead import eval_mode
 from lightning_grpo.vision import VisionInputs, VisionProcessor, touch_vision
 
@@ -59,13 +63,11 @@ class ChunkScorer:
     def policy_view(self, chunk: RolloutBatch | None = None, vision: VisionInputs | None = None) -> PolicyView:
         """What an objective may ask of the policy (``objectives/base.py``). ``vision``: ``chunk``'s pixels,
         materialized once and shared by the policy and the reference (another chunk materializes its own)."""
-        pixels = lambda c: vision if c is chunk else None
-        return PolicyView(model=self.policy, temperature=self.temperature,
-                          logprobs=lambda c: self.logprobs(self.policy, c, pixels(c)),
-                          reference=(lambda c: self.reference_logprobs(c, pixels(c))) if self.has_reference else None,
-                          call=lambda fn, *args: root_call(self.policy, fn, *args),
-                          logprobs_and_entropy=lambda c, grad: self.logprobs(self.policy, c, pixels(c),
-                                                                             "grad" if grad else "value"))
+        scores = _ChunkScores(self, chunk, vision)
+        reference = scores.reference if self.has_reference else None
+        call = functools.partial(root_call, self.policy)
+        return PolicyView(model=self.policy, temperature=self.temperature, logprobs=scores.logprobs,
+                          reference=reference, call=call, logprobs_and_entropy=scores.with_entropy)
 
     def chunk_loss(self, objective: Objective, chunk: RolloutBatch, old_logprobs: Tensor | None,
                    sampler_is_pi_old: bool) -> tuple[Tensor, Tensor, Stats]:
@@ -83,6 +85,16 @@ class ChunkScorer:
         if vision is None and self.vision is not None:  # no pixels: DDP still needs the vision side in the backward
             loss = touch_vision(loss, self.policy)
         return loss, denom, stats
+
+    def token_figures(self, objective: ExplainsTokens, pad_id: int, rollouts: list[Rollout]) -> list[list[float]]:
+        """Per row of ``rollouts``, ``objective``'s figure at each completion token the loss counts, with the policy
+        as it is now (the completions log calls it for the few rows it shows, after the loop step's update)."""
+        zeros = torch.zeros(len(rollouts))
+        chunk = pack_rollouts(rollouts, zeros, zeros, pad_id).to(self.device())
+        with torch.no_grad(), eval_mode(self.policy):
+            values = objective.token_figures(chunk, self.policy_view(chunk, self.materialize(chunk)))
+        mask = chunk.completion_mask[:, 1:]  # [B, T-1]
+        return [values[i][mask[i]].tolist() for i in range(len(rollouts))]
 
     def reference_logprobs(self, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
         """``[B, T-1]`` logprobs of the frozen reference: the copy, or under LoRA the policy with its adapter off."""
@@ -108,3 +120,58 @@ class ChunkScorer:
         if chunk.images is None or self.vision is None:
             return None
         return self.vision.materialize(chunk.images, chunk.input_ids.cpu(), chunk.group_ids.tolist())
+
+
+class _ChunkScores:
+    """What a ``PolicyView`` scores with: ``chunk``'s pixels, materialized once, go with every score of that chunk
+    (any other chunk materializes its own)."""
+
+    def __init__(self, scorer: ChunkScorer, chunk: RolloutBatch | None, vision: VisionInputs | None) -> None:
+        self.scorer = scorer
+        self.chunk = chunk
+        self.vision = vision
+
+    def pixels(self, chunk: RolloutBatch) -> VisionInputs | None:
+        return self.vision if chunk is self.chunk else None
+
+    def logprobs(self, chunk: RolloutBatch) -> Tensor:
+        return self.scorer.logprobs(self.scorer.policy, chunk, self.pixels(chunk))
+
+    def reference(self, chunk: RolloutBatch) -> Tensor:
+        return self.scorer.reference_logprobs(chunk, self.pixels(chunk))
+
+    def with_entropy(self, chunk: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor]:
+        entropy = "grad" if grad else "value"
+        return self.scorer.logprobs(self.scorer.policy, chunk, self.pixels(chunk), entropy)
+
+
+def frozen_copy(policy: nn.Module, needed: bool) -> nn.Module | None:
+    """The reference of k3 KL: the initial policy, frozen (None when not ``needed``: no memory spent).
+
+    It stays in train mode like every module Lightning holds and is scored under ``eval_mode`` (no dropout). Under
+    LoRA no copy is needed: the reference is the base with the adapter disabled.
+    """
+    if not needed:
+        return None
+    return copy.deepcopy(policy).requires_grad_(False)
+
+
+def build_scorer(policy: nn.Module, ref: nn.Module | None, vision: VisionProcessor | None, objective: Objective,
+                 rl, temperature: float, routed: bool) -> ChunkScorer:
+    """The scorer of a built policy, with ``rl.packed`` resolved for it (refused where packing is inexact).
+
+    Args:
+        policy: the trained model (LoRA: the reference is its base).
+        ref: the frozen copy (``frozen_copy``), or None.
+        vision: a vision-language policy's image side (None: text-only).
+        objective: whether it asks for reference logprobs.
+        rl: ``packed`` and ``logits_keep_mb``.
+        temperature: the sampling temperature (``rollout.temperature``).
+        routed: whether MoE routing replay is attached (packing refuses it).
+    """
+    wants_ref = objective.needs_reference()
+    has_ref = ref is not None or (lora.is_lora(policy) and wants_ref)
+    fused = fuses_head(policy)
+    packing = Packing.resolve(rl.packed, policy, vision is not None, routed, fused)
+    keep_bytes = int(rl.logits_keep_mb * 2**20)
+    return ChunkScorer(policy, ref, vision, has_ref, temperature, keep_bytes, packing)

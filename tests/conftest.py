@@ -16,8 +16,50 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+UNIT_DIRS = ("update", "collect", "objectives", "rollout", "envs")
+"""Folders of tests/ that mirror a package layer: a test there is in the unit tier unless marked contract or slow."""
+TIERS = ("unit", "contract", "integration", "end-to-end")
+_TIER_OF: dict[str, str] = {}
+_TIER_SECONDS: dict[str, float] = {}
+_TIER_TESTS: dict[str, int] = {}
+
+
+def tier_of(item) -> str:
+    """unit (a layer's folder), contract (marked), end-to-end (slow), else integration; CONTRIBUTING.md says which."""
+    if item.get_closest_marker("slow"):
+        return "end-to-end"
+    if item.get_closest_marker("contract"):
+        return "contract"
+    folder = Path(str(item.path)).parent
+    if folder.parent.name == "tests" and folder.name in UNIT_DIRS:
+        return "unit"
+    return "integration"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the unit tier by folder before ``-m unit`` selects (tryfirst: the mark plugin deselects after us)."""
+    for item in items:
+        tier = tier_of(item)
+        _TIER_OF[item.nodeid] = tier
+        if tier == "unit":
+            item.add_marker(pytest.mark.unit)
+
+
+def pytest_runtest_logreport(report):
+    tier = _TIER_OF.get(report.nodeid, "integration")
+    _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration  # setup + call + teardown
+    if report.when == "setup":
+        _TIER_TESTS[tier] = _TIER_TESTS.get(tier, 0) + 1
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Say what `make test` left out here, and how to run it (CI runs everything)."""
+    """Per-tier totals (CI prints them with --durations), then what `make test` left out here, and how to run it."""
+    if _TIER_SECONDS:
+        terminalreporter.write_sep("-", "seconds per test tier (setup + call + teardown)")
+        for tier in TIERS:
+            if tier in _TIER_SECONDS:
+                terminalreporter.write_line(f"{tier:>12}: {_TIER_SECONDS[tier]:8.1f} s  ({_TIER_TESTS.get(tier, 0)} tests)")
     if config.option.markexpr != "not slow":
         return
     skipped = [item for item in terminalreporter.stats.get("deselected", []) if item.get_closest_marker("slow")]

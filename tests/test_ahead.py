@@ -9,6 +9,7 @@ from helpers import SMALL, clone, params_of, synthetic_batch
 from lightning_grpo.config import ConfigError, GRPOConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.timing import AHEAD, UPDATE
 from lightning_grpo.tiny.build import build_tiny_policy
 from lightning_grpo.tiny.spec import TinyPolicySpec
 from lightning_grpo.update.ahead import (
@@ -69,7 +70,8 @@ def test_frozen_pi_old_first_mini_ratio_is_one_and_later_minis_clip(tiny_policy_
     module = make(tiny_policy_dir)  # n_mini=4 x n_micro=2
     module.updater.ahead.skip_first_mini = skip_first_mini
     for seed in (0, 1):  # the probe's loop step and a later one
-        result = module.updater.update(synthetic_batch(LENS, seed=seed))
+        with module.timer.phase(UPDATE):  # as training_step times it
+            result = module.updater.update(synthetic_batch(LENS, seed=seed))
         assert len(result.steps) == 4 and not any(s.skipped for s in result.steps)
         windows = per_step(result)
         first = [(float(c.ratio_mean), float(c.ratio_max), float(c.clip_frac)) for c in windows[0]]
@@ -77,7 +79,7 @@ def test_frozen_pi_old_first_mini_ratio_is_one_and_later_minis_clip(tiny_policy_
         later = [window_stats(w) for w in windows[1:]]
         assert all(ratio != 1.0 for _, ratio, _ in later)
         assert any(clip > 0 for clip, _, _ in later), later
-    assert module.updater.ahead_seconds > 0 and 0 < module.updater.ahead_seconds < module.updater.update_seconds
+    assert 0 < module.timer.seconds(AHEAD) < module.timer.seconds(UPDATE)  # the updater times it on the module's
 
 
 def test_without_frozen_pi_old_the_clip_never_binds(tiny_policy_dir):
@@ -87,7 +89,7 @@ def test_without_frozen_pi_old_the_clip_never_binds(tiny_policy_dir):
         result = module.updater.update(synthetic_batch(LENS, seed=seed))
         for window in per_step(result):
             assert window_stats(window) == (0.0, 1.0, 1.0)  # pi_old = current: ratio returns to 1 every mini-batch
-    assert calls == [] and module.updater.ahead_seconds == 0.0
+    assert calls == [] and module.timer.seconds(AHEAD) == 0.0
 
 
 # -- call-order keying ----------------------------------------------------------------------------------------------
@@ -242,7 +244,7 @@ def test_n_mini_1_runs_no_ahead_pass_and_stays_byte_identical(tiny_policy_dir):
     batch = synthetic_batch(LENS)
     module.updater.update(batch)
     reference.updater.loop.run(batch, ChunkPlan.fixed(16, 1, 4))  # the path before the ahead pass existed
-    assert calls == [] and module.updater.ahead_seconds == 0.0
+    assert calls == [] and module.timer.seconds(AHEAD) == 0.0
     a, b = params_of(module.policy), params_of(reference.policy)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -256,10 +258,14 @@ def test_rollout_logprobs_path_runs_no_ahead_pass(tiny_policy_dir):
 
 def test_report_logs_ahead_time_and_share(tiny_policy_dir):
     module = make(tiny_policy_dir)
-    module.report(module.updater.update(synthetic_batch(LENS)), {})
+    with module.timer.phase(UPDATE):
+        result = module.updater.update(synthetic_batch(LENS))
+    ahead = module.timer.seconds(AHEAD)
+    module.report(result, {})
     m = module.last_metrics
-    assert m["grpo/ahead_seconds"] == module.updater.ahead_seconds > 0
-    assert 0 < m["grpo/ahead_share"] < 1 and m["grpo/clip_frac"] > 0
+    assert m["time/ahead"] == ahead > 0
+    assert 0 < m["time/ahead_share"] < 1 and m["grpo/clip_frac"] > 0
+    assert module.timer.seconds(AHEAD) == 0.0  # the row took this step's times; the next step starts from 0
 
 
 # -- regression run on the built-in task ----------------------------------------------------------------------------

@@ -21,14 +21,14 @@ from lightning_grpo.base import UPSTREAM_WARNINGS, quiet_upstream_warnings
 from lightning_grpo.cli import SECTIONS, flatten, main
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.timing import is_timing
 
-TIMING = ("grpo/ahead_seconds", "grpo/ahead_share")
 """Wall-clock metrics: the only columns two identical runs may differ in."""
 
 
 def _rows(csv_path) -> list[dict[str, str]]:
     with open(csv_path, newline="") as f:
-        return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
+        return [{k: v for k, v in row.items() if not is_timing(k)} for row in csv.DictReader(f)]
 
 
 @pytest.mark.slow
@@ -157,10 +157,11 @@ def _words(text: str) -> str:
     return " ".join(text.split())  # argparse wraps help lines
 
 
-def test_help_lists_fit_validate_and_plot_but_not_test_or_predict(capsys):
+def test_help_lists_fit_validate_plot_and_show_but_not_test_or_predict(capsys):
     code, out, _ = _run(["--help"], capsys)
-    assert code == 0 and "{fit,validate,plot}" in out
+    assert code == 0 and "{fit,validate,plot,show}" in out
     assert "Draw reward, loss, KL, clip fraction" in _words(out)
+    assert "Print the completions (whole episodes with model.env) of one loop step" in _words(out)
     assert " test " not in out and "predict" not in out
     code, _, err = _run(["test"], capsys)
     assert code == 2 and "invalid choice: 'test'" in err and "usage:" not in err

@@ -15,8 +15,7 @@ from lightning_grpo.data.rewards import RewardSpec, overlong_penalty
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.base import Prompt, Rollout
-
-WALL_CLOCK = {"grpo/ahead_seconds", "grpo/ahead_share"}
+from lightning_grpo.timing import is_timing
 
 
 def half_flat(rollouts):
@@ -75,7 +74,7 @@ def test_resume_mid_run_draws_the_same_refills_and_equals_the_uninterrupted_run(
         assert saved["PromptDataModule"]["refill_rounds"] == 1  # the refill cursor travels with the data position
         resumed, m = StepRecorder(), module(tiny_policy_dir, dynamic_sampling=True)
         fit_tiny(m, tmp_path / "b", loop_steps=3, callbacks=[resumed], ckpt_path=tmp_path / "ckpt" / "step=1.ckpt")
-    rows = [[{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in run] for run in (whole.metrics[1:],
+    rows = [[{k: v for k, v in r.items() if not is_timing(k)} for r in run] for run in (whole.metrics[1:],
                                                                                             resumed.metrics)]
     assert rows[0] == rows[1] and resumed.prompt_ids == whole.prompt_ids[1:]
     assert [int(i) for b in m.batches for i in b.group_ids.unique() if i < 0] == [-4, -6]  # rounds 2 and 3
@@ -175,7 +174,7 @@ def test_two_ranks_agree_on_refill_rounds_and_one_short_rank_does_not_hang(tmp_p
     r0, r1 = (torch.load(tmp_path / f"ddp-dynamic-fit.rank{r}.pt", weights_only=False) for r in (0, 1))
     for r in (r0, r1):  # one figure per metric for the job, the same on both ranks
         assert r["metrics"]["data/dynamic_refill_rounds"] == 3.0 and r["metrics"]["data/dynamic_batch_short"] == 1.0
-    same = [k for k in r0["metrics"] if k not in WALL_CLOCK]
+    same = [k for k in r0["metrics"] if not is_timing(k)]
     assert [r0["metrics"][k] for k in same] == [r1["metrics"][k] for k in same]
     assert all(r1["trained_rows"]) and set(r1["group_ids"]) == {2, -4}  # rank 1: its even group and refill -4
     assert sum(r0["trained_rows"]) == 2 and 0 in r0["group_ids"]  # rank 0: its one informative group, the rest padding

@@ -3,6 +3,7 @@ divisor against an independent count, chunked == unchunked in float64, tool-call
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
@@ -158,6 +159,35 @@ def test_trained_ids_are_the_sampled_ids_and_tool_tokens_are_context(episodes):
             [lp for _, lps in turns for lp in lps], abs=1e-6)
     assert drifted > 0, "the tokenizer must show drift for this test to mean anything"
     assert metrics["episode/turns_mean"] > 1.5 and metrics["tools/call_frequency"] > 0.5
+
+
+def test_the_transcript_is_every_turn_its_calls_their_results_and_the_opening_the_model_saw(episodes):
+    """What completions.jsonl shows of an episode, against the engine's own record of each turn and the token mask."""
+    tok, _, engine, runner, rollouts, _ = episodes
+    for r in rollouts:
+        turns, sampled = r.transcript.turns, engine.turns[r.prompt.id]
+        assert [t.tokens for t in turns] == [len(ids) for ids, _ in sampled]
+        assert sum(t.tokens for t in turns) == sum(r.model_mask)  # the trained ids
+        assert sum(t.context_tokens for t in turns) == r.model_mask.count(False)  # the context ids
+        assert turns[-1].text == r.text  # what the reward functions read
+        for turn in turns:
+            if turn.context_tokens:  # a turn whose results the model read: the parser's call, the tool's answer
+                (call,) = turn.calls
+                b = len(turn.text)
+                assert call == {"name": "add", "arguments": {"a": 98765, "b": b}, "result": str(98765 + b),
+                                "failed": False}
+        assert tok(r.transcript.opening, add_special_tokens=False)["input_ids"] == r.prompt.token_ids
+        assert '"name": "add"' in r.transcript.opening  # the tool schema the model read
+    assert any(len(r.transcript.turns) > 1 for r in rollouts)
+
+
+def test_an_environments_reward_is_shown_as_its_reward_part(episodes):
+    from lightning_grpo.collect import RewardScorer
+
+    rollouts = episodes[4]
+    scorer = RewardScorer(None)
+    total, _ = scorer(rollouts)
+    assert [scorer.parts.of(r) for r in rollouts] == [{"environment": float(t)} for t in total]
 
 
 def test_sampler_logprobs_equal_the_trainers_on_multi_turn_episodes(episodes):
@@ -504,12 +534,22 @@ class AddOnly:
 def test_a_grpo_loop_step_trains_on_episodes(tiny_chat_policy_dir, tmp_path):
     from helpers import StepRecorder, fit_tiny, tiny_grpo_module
 
+    from lightning_grpo.completions import CompletionLog
+
     steps = StepRecorder()
-    fit_tiny(episode_module(tiny_chat_policy_dir), tmp_path, loop_steps=2, callbacks=[steps])
+    fit_tiny(episode_module(tiny_chat_policy_dir), tmp_path, loop_steps=2,
+             callbacks=[steps, CompletionLog(samples_per_step=2, log_completions_every=0)])
     for m in steps.metrics:
         assert m["tools/call_frequency"] > 0 and 1 < m["episode/turns_mean"] <= 2 and "episode/truncated_frac" in m
         assert m["reward/std"] > 0 and m["grpo/loss"] != 0.0
         assert m["grpo/tokens"] == 8 * m["completion/len_mean"]  # lengths count model tokens, like the loss
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2]
+    for r in rows:  # the whole episode, not only its last turn; the prompt as rendered; the reward functions' parts
+        assert r["turns"] and r["turns"][-1]["text"] == r["completion"] and r["prompt"].endswith("assistant: ")
+        assert set(r["rewards"]) == {"helpers:digit_share"} and r["trained"]
+    calls = [c for r in rows for t in r["turns"][:-1] for c in t["calls"]]
+    assert calls and all(c["name"] == "add" and c["result"] == str(98765 + c["arguments"]["b"]) for c in calls)
     bad = tiny_grpo_module(tiny_chat_policy_dir)
     bad.env_cfg = EnvConfig(name="nowhere:Env")
     with pytest.raises(ValueError, match="cannot import module 'nowhere'"):
@@ -560,7 +600,8 @@ def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
     uninterrupted run row for row."""
     from helpers import StepRecorder, fit_tiny, global_determinism_restored
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from test_dynamic_sampling import WALL_CLOCK
+
+    from lightning_grpo.timing import is_timing
 
     with global_determinism_restored():
         whole, ckpt = StepRecorder(), ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}",
@@ -569,7 +610,7 @@ def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
         resumed = StepRecorder()
         fit_tiny(episode_module(tiny_chat_policy_dir), tmp_path / "b", loop_steps=3, callbacks=[resumed],
                  ckpt_path=tmp_path / "ckpt" / "step=1.ckpt")
-    rows = [[{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in run] for run in (whole.metrics[1:],
+    rows = [[{k: v for k, v in r.items() if not is_timing(k)} for r in run] for run in (whole.metrics[1:],
                                                                                             resumed.metrics)]
     assert rows[0] == rows[1] and resumed.prompt_ids == whole.prompt_ids[1:]
     assert all(r["tools/call_frequency"] > 0 for r in rows[1])

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_grpo.timing import is_timing
+
 EXAMPLE = Path(__file__).parents[1] / "examples" / "existing_project"
 
 
-WALL_CLOCK = {"grpo/ahead_seconds", "grpo/ahead_share"}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def two_steps(grpo_example, tmp_path_factory):
 
 def _rows(log_dir: Path) -> list[dict]:
     with open(log_dir / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in csv.DictReader(f)]
+        return [{k: v for k, v in r.items() if not is_timing(k)} for r in csv.DictReader(f)]
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ def test_opd_config_runs_two_loop_steps(tmp_path, monkeypatch):
     rows = fit(tmp_path, monkeypatch, "opd-arith.yaml", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
                "--data.val_size=8", "--model.policy.warm_start_steps=2", "--model.opd.teacher.warm_start_steps=4")
     steps = [r for r in rows if r.get("opd/kl")]
-    assert len(steps) == 2 and all(float(r["grpo/ahead_seconds"]) == 0.0 for r in steps)
+    assert len(steps) == 2 and all(float(r["time/ahead"]) == 0.0 for r in steps)
     assert all(float(r["opd/kl"]) > 0 and r["reward/mean"] != "" for r in steps)
     assert [r["val/reward"] for r in rows if r.get("val/reward")]
     assert list((tmp_path / "runs" / "opd-arith").glob("version_0/checkpoints/*.ckpt"))

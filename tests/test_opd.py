@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import SMALL, max_rel_delta, params_of, synthetic_batch
 
+from lightning_grpo.batch import pack_rollouts
 from lightning_grpo.config import ConfigError, GRPOConfig
 from lightning_grpo.metrics import roll_up
 from lightning_grpo.module import GRPOModule
@@ -21,6 +22,7 @@ from lightning_grpo.objectives.kl import reverse_kl
 from lightning_grpo.objectives.opd import OPDConfig, OPDObjective
 from lightning_grpo.objectives.teacher import VocabularyMismatchError
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.timing import AHEAD
 from lightning_grpo.tiny.build import build_tiny_policy
 
 UNEQUAL = [1, 12, 3, 20, 2, 7, 15, 4]  # completion lengths: chunk token counts differ a lot
@@ -45,7 +47,7 @@ def test_reverse_kl_equals_the_dense_formula_in_value_and_gradient():
     targets = torch.randint(0, 50, (37,))
     teacher = torch.log_softmax(t_logits, -1)
 
-    kl, lp, tlp = reverse_kl(hidden, head, targets, lambda a, b: teacher[a:b], temperature=0.7, chunk=5)
+    kl, lp, tlp, ent = reverse_kl(hidden, head, targets, lambda a, b: teacher[a:b], temperature=0.7, chunk=5)
     (kl.sum() + 0.3 * lp.sum()).backward()
     g_hidden, g_head = hidden.grad.clone(), head.weight.grad.clone()
 
@@ -56,6 +58,7 @@ def test_reverse_kl_equals_the_dense_formula_in_value_and_gradient():
     (dense_kl.sum() + 0.3 * dense_lp.sum()).backward()
     assert torch.allclose(kl, dense_kl, rtol=1e-12, atol=1e-14) and torch.allclose(lp, dense_lp, rtol=1e-12)
     assert torch.equal(tlp, teacher.gather(1, targets[:, None])[:, 0])
+    assert torch.allclose(ent, -(logp.exp() * logp).sum(-1).detach(), rtol=1e-12)  # grpo/entropy under OPD
     assert torch.allclose(g_hidden, hidden.grad, rtol=1e-10) and torch.allclose(g_head, head.weight.grad, rtol=1e-10)
     assert float(dense_kl.detach().min()) >= 0
 
@@ -65,7 +68,7 @@ def test_reverse_kl_is_zero_against_itself():
     hidden, head = torch.randn(9, 8, dtype=torch.float64), torch.nn.Linear(8, 20, bias=False).double()
     with torch.no_grad():
         same = torch.log_softmax(head(hidden), -1)
-        kl, _, _ = reverse_kl(hidden, head, torch.zeros(9, dtype=torch.long), lambda a, b: same[a:b], chunk=4)
+        kl, _, _, _ = reverse_kl(hidden, head, torch.zeros(9, dtype=torch.long), lambda a, b: same[a:b], chunk=4)
     assert float(kl.abs().max()) < 1e-14
 
 
@@ -88,7 +91,7 @@ def test_sampled_estimator_value_and_gradient():
     chunk = replace(chunk, completion_mask=torch.cat([torch.zeros(1, 1, dtype=torch.bool), mask], 1))
     obj = OPDObjective(OPDConfig(teacher=PolicyConfig(), kl="sampled", beta_opd=2.0))
     obj.teacher = _Fixed(teacher)
-    view = type("View", (), {"logprobs": lambda self, c: lp})()
+    view = type("View", (), {"logprobs": lambda self, c: lp, "logprobs_and_entropy": None})()
     loss, denom, stats = obj.chunk_loss(chunk, view, None)
     k = [0.5, -1.0]  # log p_s - log p_t on the two counted tokens
     assert float(denom) == 2 and float(loss) == pytest.approx(2.0 * sum(k) / 2)
@@ -116,8 +119,9 @@ def test_chunked_step_equals_unchunked_on_unequal_lengths(tiny_policy_dir, tiny_
     expected = roll_up(whole.updater.update(batch))
     got = roll_up(chunked.updater.update(batch))
     assert max_rel_delta(before, params_of(whole.policy), params_of(chunked.policy)) <= 5e-8
-    for name in ("grpo/loss", "opd/kl", "opd/teacher_logprob", "grpo/denom", "grpo/tokens"):
+    for name in ("grpo/loss", "opd/kl", "opd/teacher_logprob", "grpo/denom", "grpo/tokens", "grpo/entropy"):
         assert got[name] == pytest.approx(expected[name], rel=1e-12), name  # the roll-up telescopes too
+    assert 0 < got["grpo/entropy"] < math.log(whole.policy.config.vocab_size)  # measured (main: NaN in every row)
 
 
 def test_reward_form_is_grpo_plus_beta_times_the_kl_each_over_the_global_token_count(tiny_policy_dir,
@@ -141,6 +145,29 @@ def test_reward_form_is_grpo_plus_beta_times_the_kl_each_over_the_global_token_c
     assert max_rel_delta(before, params_of(both.policy), summed) <= 1e-6
 
 
+@pytest.mark.parametrize("kl", ["full", "sampled"])
+def test_the_completions_log_shows_the_per_token_kl_the_loss_trains_on(tiny_policy_dir, tiny_teacher_dir, kl):
+    """``last_rows`` of an OPD module carry ``kl_to_teacher``: per row, one figure per completion token, whose token
+    mean is the objective's own ``opd/kl`` on the same rows; no advantage (the loss reads none)."""
+    from types import SimpleNamespace
+
+    from lightning_grpo.collect.rows import RewardParts, StepRows
+    from lightning_grpo.rollout.base import Prompt, Rollout
+
+    module = opd_module(tiny_policy_dir, tiny_teacher_dir, kl=kl)
+    g = torch.Generator().manual_seed(0)
+    rollouts = [Rollout(Prompt(id=i, token_ids=torch.randint(3, 60, (3,), generator=g).tolist()),
+                        torch.randint(3, 60, (n,), generator=g).tolist(), "", "stop") for i, n in enumerate((2, 5, 1))]
+    zeros = torch.zeros(3)
+    module.collector = SimpleNamespace(last_rows=StepRows(1, rollouts, zeros, zeros, RewardParts()))
+    rows = module.last_rows.samples(3, group_size=1)
+    assert [len(r["kl_to_teacher"]) for r in rows] == [2, 5, 1] and all(r["advantage"] is None for r in rows)
+    batch = pack_rollouts(rollouts, zeros, zeros, module.tokenizer.pad_token_id)
+    with torch.no_grad():
+        _, _, stats = module.scorer.chunk_loss(module.objective, batch, None, False)
+    shown = [v for r in module.last_rows.figure.values(rollouts) for v in r]
+    assert sum(shown) / len(shown) == pytest.approx(float(stats.opd_kl), rel=1e-9)
+
 # -- the ahead pass gate -----------------------------------------------------------------------------------------------
 def test_direct_form_runs_no_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teacher_dir, monkeypatch):
     module = opd_module(tiny_policy_dir, tiny_teacher_dir, dtype="float32", mini=2)
@@ -151,7 +178,7 @@ def test_direct_form_runs_no_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teache
     module.updater.loop.forward_chunk = lambda chunk, old: (seen.append(old), real(chunk, old))[1]
     result = module.updater.update(synthetic_batch(UNEQUAL, seed=3))
     assert len(result.steps) == 4 and not any(s.skipped for s in result.steps)
-    assert seen == [None] * 4 and module.updater.ahead_seconds == 0.0
+    assert seen == [None] * 4 and module.timer.seconds(AHEAD) == 0.0
 
 
 def test_reward_form_runs_the_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teacher_dir):
@@ -160,7 +187,7 @@ def test_reward_form_runs_the_ahead_pass_at_n_mini_4(tiny_policy_dir, tiny_teach
     real = module.updater.ahead.compute
     module.updater.ahead.compute = lambda *a: (calls.append(1), real(*a))[1]
     module.updater.update(synthetic_batch(UNEQUAL, seed=3))
-    assert calls == [1] and module.updater.ahead_seconds > 0
+    assert calls == [1] and module.timer.seconds(AHEAD) > 0
 
 
 # -- refusals ----------------------------------------------------------------------------------------------------------

@@ -92,8 +92,27 @@ def test_a_dpo_run_gets_loss_accuracy_and_margin_panels(tmp_path):
     _write_rows(tmp_path / "metrics.csv", rows)
     curves = plot_curves(tmp_path / "metrics.csv")
     assert next(ax.get_title() for ax in curves.figure.axes if ax.axison) == "DPO loss"
-    assert curves.lines["dpo/accuracy"] == ([1.0, 2.0], [0.0, 0.5]) and curves.lines["val/accuracy"] == ([2.0], [0.6])
-    assert {"dpo/loss", "dpo/margin", "val/margin", "val/reward_accuracy"} <= curves.lines.keys()
+    assert curves.lines["val/accuracy"] == ([2.0], [0.6])
+    assert {"dpo/loss", "dpo/margin", "val/margin"} <= curves.lines.keys()
+    # one accuracy series: not the implicit-reward one, 0.0 while every margin is a tie (main drew three)
+    assert not {"dpo/accuracy", "val/reward_accuracy"} & curves.lines.keys()
+    _write_rows(tmp_path / "metrics.csv", rows[:2])
+    no_val = plot_curves(tmp_path / "metrics.csv")
+    assert no_val.lines["dpo/accuracy"] == ([1.0, 2.0], [0.0, 0.5])  # without validation: the training accuracy
+
+
+def test_a_tool_run_gets_a_tools_panel(tmp_path):
+    rows = [{"step": s, "loop_step": s, "reward/mean": 0.1 * s, "tools/call_frequency": 1.0 + s,
+             "tools/failure_frequency": 0.5 / s, "episode/turns_mean": 1.5 + s / 10} for s in (1, 2)]
+    rows.append({"step": 2, "val/reward": 0.4, "val/tools/call_frequency": 2.5})
+    _write_rows(tmp_path / "metrics.csv", rows)
+    curves = plot_curves(tmp_path / "metrics.csv")
+    assert "tools (per episode)" in [ax.get_title() for ax in curves.figure.axes if ax.axison]
+    assert curves.lines["tools/failure_frequency"] == ([1.0, 2.0], [0.5, 0.25])
+    assert curves.lines["episode/turns_mean"] == ([1.0, 2.0], [1.6, 1.7])
+    assert curves.lines["val/tools/call_frequency"] == ([2.0], [2.5])
+    _write_rows(tmp_path / "metrics.csv", [{"step": 1, "loop_step": 1, "reward/mean": 0.1}])
+    assert "tools/call_frequency" not in plot_curves(tmp_path / "metrics.csv").lines  # single-turn: no panel
 
 
 def test_plot_of_a_folder_takes_the_newest_fit_not_a_newer_validate_run(tmp_path, capsys):

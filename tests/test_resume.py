@@ -34,10 +34,10 @@ from lightning_grpo.checkpoint import (
 )
 from lightning_grpo.checkpoint.state import LoopState, gather_rng_states, rng_state
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.timing import is_timing
 
 TESTS = Path(__file__).parent
 LOOP_STEPS = 4
-WALL_CLOCK = {"grpo/ahead_seconds", "grpo/ahead_share"}  # timings: the only columns allowed to differ
 
 
 @pytest.fixture(autouse=True)
@@ -373,7 +373,7 @@ def test_sigusr1_under_slurm_auto_requeue_runs_lightnings_requeue_at_the_boundar
 
 
 def _without_timings(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in rows]
+    return [{k: v for k, v in r.items() if not is_timing(k)} for r in rows]
 
 
 # -- kill -9 and resume through the CLI --------------------------------------------------------------------------------
@@ -432,7 +432,7 @@ def _alive(pid: int) -> bool:
 
 def _rows(folder: Path, version: int) -> list[dict]:
     with open(folder / "runs" / "tiny" / f"version_{version}" / "metrics.csv") as f:
-        return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in csv.DictReader(f)]
+        return [{k: v for k, v in r.items() if not is_timing(k)} for r in csv.DictReader(f)]
 
 
 def step_file(folder: Path, loop_step: int) -> Path:

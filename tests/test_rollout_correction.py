@@ -25,7 +25,7 @@ from lightning_grpo.update import Needs, Split
 
 EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 6
 MODES = [("tis", "token"), ("tis", "sequence"), ("mask", "token"), ("mask", "sequence"), ("mask", "geometric"),
-         ("icepop", "token"), ("bypass", "token")]
+         ("icepop", "token"), ("icepop", "sequence"), ("bypass", "token")]
 """Every allowed (mode, level) pair (test_refusals has the others)."""
 
 
@@ -204,6 +204,108 @@ def test_one_chunk_is_bit_identical_to_the_whole_batch_objective_call(float64_po
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), updater.policy.parameters()))
 
 
+# -- the peers' modes, re-implemented from their source (docs/objectives.md's mapping table) ---------------------------
+def ppo_surrogate(lp, old, adv):
+    """``[B, T]`` -min(r A, clip(r) A), r = pi / pi_old: TRL's and verl's default policy loss alike."""
+    r = torch.exp(lp - old)
+    return -torch.minimum(r * adv[:, None], torch.clamp(r, 1 - EPS, 1 + EPS_HIGH) * adv[:, None])
+
+
+def trl_loss(lp, old, roll, mask, adv, mode, clip_min, clip_max):
+    """TRL GRPOTrainer's vLLM importance sampling correction, ``*_mask`` modes (huggingface/trl
+    trl/trainer/grpo_trainer.py): rho = exp(old - sampler) per token, or exp of its row sum; outside
+    [clip_min, clip_max] set to 0, else kept as the weight; the surrogate times it; loss_type dapo on one process
+    divides by the completion tokens (the mask is untouched)."""
+    m = mask.to(lp.dtype)
+    diff = (old - roll) * m
+    if mode == "sequence_mask":
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    per_token = ppo_surrogate(lp, old, adv) * ratio
+    return (per_token * m).sum() / m.sum()
+
+
+def verl_loss(lp, old, roll, mask, adv, option, spec):
+    """verl's rollout rejection sampling (volcengine/verl verl/trainer/ppo/rollout_corr_helper.py,
+    compute_rollout_rejection_mask), K1 options: k1 = -log(old / sampler) per token, summed or averaged over the row;
+    kept when log(lower) <= k1 <= log(upper) (``spec`` = "lower_upper"); rejected tokens leave the response mask,
+    so the token-mean divides by the kept tokens."""
+    lower, upper = (float(x) for x in spec.split("_"))
+    m = mask.to(lp.dtype)
+    k1 = -((old - roll).clamp(-20, 20))
+    if option == "token_k1":
+        stat = k1
+    elif option == "seq_sum_k1":
+        stat = (k1 * m).sum(-1, keepdim=True).expand_as(k1)
+    else:  # seq_mean_k1
+        stat = ((k1 * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(k1)
+    keep = m * ((stat >= math.log(lower)) & (stat <= math.log(upper))).to(lp.dtype)
+    return (ppo_surrogate(lp, old, adv) * keep).sum() / keep.sum()
+
+
+def peer_tensors():
+    """``hand_tensors`` with two tokens in the slivers an asymmetric band [0.7, 1.4] and verl's reading of it
+    ([1/1.4, 1/0.7]) disagree on: rho = 0.705 and rho = 1.42."""
+    lp, old, roll, mask, adv = hand_tensors(5)
+    roll[4, 0] = old[4, 0] - math.log(0.705)
+    roll[5, 2] = old[5, 2] - math.log(1.42)
+    return lp, old, roll, mask, adv
+
+
+def ours(lp, old, roll, mask, adv, **correction):
+    obj = GRPOObjective(EPS, EPS_HIGH, loss_type="dapo", correction=RolloutCorrection(**correction))
+    return obj(lp, mask, adv, old, None, roll)[0]
+
+
+def value_and_grad(loss, lp):
+    (grad,) = torch.autograd.grad(loss, lp)
+    return loss.detach(), grad
+
+
+def rel_diff(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("trl_mode,level", [("token_mask", "token"), ("sequence_mask", "sequence")])
+@pytest.mark.parametrize("clip_min,clip_max", [(None, 3.0), (0.6, 1.5)])
+def test_trls_mask_modes_are_icepop_with_their_band(trl_mode, level, clip_min, clip_max):
+    """TRL's *_mask keep the ratio as the weight inside [clip_min, clip_max] and keep the divisor: our icepop (band
+    [clip_min or 0, clip_max]) at the same level, in value and gradient; our mask (rejection: weight 1, the divisor
+    shrinks) is another loss (measured: the gradients differ by more than 10%)."""
+    lp, old, roll, mask, adv = peer_tensors()
+    band = (clip_min or 0.0, clip_max)
+    want, want_grad = value_and_grad(trl_loss(lp, old, roll, mask, adv, trl_mode, clip_min, clip_max), lp)
+    got, got_grad = value_and_grad(ours(lp, old, roll, mask, adv, mode="icepop", level=level, band=band), lp)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-15)
+    _, rejected = value_and_grad(ours(lp, old, roll, mask, adv, mode="mask", level=level, band=band), lp)
+    assert rel_diff(rejected, want_grad) > 0.1
+
+
+@pytest.mark.parametrize("option,level", [("token_k1", "token"), ("seq_sum_k1", "sequence"),
+                                          ("seq_mean_k1", "geometric")])
+@pytest.mark.parametrize("spec", ["0.5_2.0", "0.7_1.4", "0.8_1.1"])
+def test_verls_k1_rejection_is_mask_with_the_reciprocal_band(option, level, spec):
+    """verl bounds -log rho: its "L_U" keeps rho in [1/U, 1/L], our mask's band [1/U, 1/L], in value and gradient."""
+    lp, old, roll, mask, adv = peer_tensors()
+    lower, upper = (float(x) for x in spec.split("_"))
+    want, want_grad = value_and_grad(verl_loss(lp, old, roll, mask, adv, option, spec), lp)
+    got, got_grad = value_and_grad(ours(lp, old, roll, mask, adv, mode="mask", level=level,
+                                        band=(1 / upper, 1 / lower)), lp)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-15)
+
+
+def test_an_asymmetric_verl_band_read_as_ours_is_another_loss():
+    """The mapping's trap: verl's 0.7_1.4 is not our band [0.7, 1.4] (rho 0.705 and 1.42 land on opposite sides)."""
+    lp, old, roll, mask, adv = peer_tensors()
+    _, verl_grad = value_and_grad(verl_loss(lp, old, roll, mask, adv, "token_k1", "0.7_1.4"), lp)
+    _, literal = value_and_grad(ours(lp, old, roll, mask, adv, mode="mask", band=(0.7, 1.4)), lp)
+    assert rel_diff(literal, verl_grad) > 0.1
+
 # -- metrics ----------------------------------------------------------------------------------------------------------
 def test_metrics_are_the_whole_batchs_and_combine_over_ranks_exactly():
     lp, old, roll, mask, adv = hand_tensors(5)
@@ -232,6 +334,28 @@ def test_metrics_are_the_whole_batchs_and_combine_over_ranks_exactly():
     assert 0 < derived["correction/ess"] <= 1
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_entropy_under_mask_is_the_mean_over_every_completion_token(level):
+    """mode=mask rejects tokens from the loss, not from grpo/entropy (docs: the completion tokens); main averaged it
+    over the kept tokens only. Whole batch, and two ranks of unequal shares combined, against the hand mean."""
+    lp, old, roll, mask, adv = hand_tensors(5)
+    ent = torch.rand(mask.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3
+    obj = objective("mask", level)
+    whole = obj(lp.detach(), mask, adv, old, None, roll, entropy=ent)[2]
+    assert float(whole.sampled) > float(whole.tokens)  # some tokens are rejected
+    want = float((ent * mask).sum() / mask.sum())
+    assert float(whole.entropy) == pytest.approx(want, rel=1e-12)
+
+    def rolled(stats):
+        return roll_up(SimpleNamespace(chunks=[stats], steps=[], chunk_epochs=[0], consecutive_skips=0,
+                                       discarded_chunks=0))
+
+    halves = [obj(lp.detach()[s], mask[s], adv[s], old[s], None, roll[s], entropy=ent[s])[2]
+              for s in (slice(0, 2), slice(2, 6))]
+    assert rolled(whole)["grpo/entropy"] == pytest.approx(want, rel=1e-12)
+    assert combine_two([rolled(h) for h in halves])["grpo/entropy"] == pytest.approx(want, rel=1e-12)
+
+
 def combine_two(tables: list[dict]) -> dict:
     """``combine_ranks`` as rank 0 of two sees it: each all-reduce returns the sum (or max) of both ranks' tensors."""
     sent: list[list[torch.Tensor]] = [[], []]
@@ -258,7 +382,7 @@ def test_builder_passes_the_correction_and_the_sampler_is_asked_for_logprobs():
 
 @pytest.mark.parametrize("kw,names", [
     ({"mode": "tis", "level": "geometric"}, "level='geometric' with mode='tis'"),
-    ({"mode": "icepop", "level": "sequence"}, "level='sequence' with mode='icepop'"),
+    ({"mode": "icepop", "level": "geometric"}, "level='geometric' with mode='icepop'"),
     ({"mode": "bypass", "level": "sequence"}, "level='sequence' with mode='bypass'"),
     ({"mode": "tis", "band": [0.5, 2.0]}, "only mask and icepop use a band"),
     ({"mode": "mask", "band": [1.2, 2.0]}, "band=(1.2, 2.0)"),

@@ -17,6 +17,7 @@ from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.handoff import CYCLE, ENGINE_SLEEP, TRAINER_ONLOAD, HandoffCallback
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.timing import is_timing
 from lightning_grpo.validation import greedy_scores, pass_at_k, sampled_scores
 
 PUBLISH, STEP = list(CYCLE[4:]), list(CYCLE[:4])  # wake weights, sync, offload, wake KV | generate, sleep, onload, train
@@ -51,9 +52,9 @@ def test_validation_runs_after_publication_and_leaves_training_unchanged(tmp_pat
     assert all(0 <= float(r["val/reward"]) <= 1 and float(r["val/len_mean"]) <= 3 for r in val)
     # the greedy draw runs on its own RNG stream: the training rollouts and updates are those of a run without it
     _, plain = fit(tmp_path, "plain", val_every=None)
-    train = [{k: v for k, v in r.items() if k != "grpo/ahead_seconds" and not k.startswith("val/")}
+    train = [{k: v for k, v in r.items() if not is_timing(k) and not k.startswith("val/")}
              for r in rows if r["reward/mean"]]
-    assert train == [{k: v for k, v in r.items() if k != "grpo/ahead_seconds"} for r in plain]
+    assert train == [{k: v for k, v in r.items() if not is_timing(k)} for r in plain]
 
 
 def test_validation_is_one_greedy_completion_per_prompt_from_the_engine():

@@ -31,7 +31,7 @@ from lightning_grpo.collect.refill import fill
 from lightning_grpo.collect.rewards import RewardScorer
 from lightning_grpo.collect.rows import RewardParts, StepRows
 from lightning_grpo.collect.schedule import AsyncSchedule
-from lightning_grpo.collect.shaping import batch_metrics, counted_only, shape_rewards
+from lightning_grpo.collect.shaping import batch_metrics, counted_only, counted_rows, shape_rewards
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.distributed import ONE_PROCESS_GROUP, DataParallelGroup
@@ -112,7 +112,8 @@ class Collector:
         metrics.update(batch_metrics(groups, batch, self.rl, self.max_new_tokens))
         metrics.update(self._data_counters())
         parts = self.rewards.parts if self.rewards is not None else RewardParts()  # no parts shown
-        self.last_rows = StepRows(loop_step + 1, groups.rollouts, groups.rewards, advantages, parts)
+        counted = counted_rows(groups, self.rl.mask_truncated_completions)
+        self.last_rows = StepRows(loop_step + 1, groups.rollouts, groups.rewards, advantages, parts, trained=counted)
         return counted_only(batch, groups, self.rl.mask_truncated_completions), metrics
 
     # -- the pieces validation shares ---------------------------------------------------------------------------------

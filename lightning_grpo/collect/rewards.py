@@ -1,9 +1,10 @@
 """Scoring a draw: one total reward per rollout, the per-function parts kept for the completions log.
 
 ``RewardScorer`` is the default of ``GRPOModule.compute_rewards`` (a subclass may score its own way and call it):
-recorded rewards (a replay file) are used as they are, ``rewards: []`` scores every rollout 0 (distillation alone),
-else the configured functions (``data/rewards.py``), their weighted sum, with each function's mean over the samples
-it scored and the share of rows with no opinion as metrics.
+recorded rewards (a replay file; an environment's, shown as the part ``environment``) are used as they are,
+``rewards: []`` scores every rollout 0 (distillation alone), else the configured functions (``data/rewards.py``),
+their weighted sum, with each function's mean over the samples it scored and the share of rows with no opinion as
+metrics.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ class RewardScorer:
     def __call__(self, rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, float]]:
         """``([N] float32 total rewards, metrics)``."""
         if all(r.reward is not None for r in rollouts):
-            return torch.tensor([r.reward for r in rollouts], dtype=torch.float32), {}
+            total = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+            if all(r.transcript is not None for r in rollouts):  # the environments' own rewards, shown as a part
+                self.parts.add(list(rollouts), {"environment": total})
+            return total, {}
         if self.specs == []:
             return torch.zeros(len(rollouts), dtype=torch.float32), {}
         total, parts = score(rollouts, self.specs or [RewardSpec()], should_stop=self.should_stop)

@@ -1,10 +1,12 @@
-"""One loop step's rows as the completions log shows them: each rollout with its rewards (total and per function)
-and advantage (``completions.py`` writes them; the Collector keeps the last step's).
+"""One loop step's rows as the completions log shows them: each rollout with its rewards (total and per function),
+advantage and whether it trained; an episode with its opening (tool schemas included) and every turn, its tool calls
+and their results (``completions.py`` writes them; the Collector keeps the last step's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 from torch import Tensor
 
@@ -43,14 +45,42 @@ class StepRows:
     """``[N]`` advantages (0 on rows not trained)."""
     parts: RewardParts
     """Per-function rewards of the rows."""
+    figure: TokenFigure | None = None
+    """The objective's per-token figure, asked for the rows shown only (OPD: the KL to the teacher), or None."""
+    uses_advantages: bool = True
+    """Whether the loss reads the advantages (False: rows show ``"advantage": null``)."""
+    trained: Tensor | None = None
+    """``[N]`` bool: rows whose completion tokens count in the loss (False: a dynamic-sampling padding group, a
+    skipped record, a truncated completion under ``rl.mask_truncated_completions``); None: every row."""
 
     def samples(self, n: int, group_size: int) -> list[dict]:
         """Up to ``n`` rows as JSON-ready dicts: the first row of each group, then the second, ... (spread)."""
-        order = sorted(range(len(self.rollouts)), key=lambda i: (i % group_size, i // group_size))
-        return [self._row(i) for i in order[:n]]
+        order = sorted(range(len(self.rollouts)), key=lambda i: (i % group_size, i // group_size))[:n]
+        rows = [self._row(i) for i in order]
+        if self.figure is not None and order:
+            values = self.figure.values([self.rollouts[i] for i in order])
+            for row, v in zip(rows, values):
+                row[self.figure.name] = [round(x, 4) for x in v]
+        return rows
 
     def _row(self, i: int) -> dict:
         r = self.rollouts[i]
-        return {"step": self.step, "prompt_id": r.prompt.id, "prompt": r.prompt.text, "completion": r.text,
-                "reward": float(self.rewards[i]), "rewards": self.parts.of(r), "advantage": float(self.advantages[i]),
-                "finish_reason": r.finish_reason}
+        advantage = float(self.advantages[i]) if self.uses_advantages else None
+        trained = self.trained is None or bool(self.trained[i])
+        row = {"step": self.step, "prompt_id": r.prompt.id, "prompt": r.prompt.text, "completion": r.text,
+               "reward": float(self.rewards[i]), "rewards": self.parts.of(r), "advantage": advantage,
+               "finish_reason": r.finish_reason, "trained": trained}
+        if r.transcript is not None:  # an episode: the prompt as the model saw it, every turn with its calls
+            row["prompt"] = r.transcript.opening
+            row["turns"] = [asdict(t) for t in r.transcript.turns]
+        return row
+
+
+@dataclass(frozen=True)
+class TokenFigure:
+    """An objective's per-token figure, measured on demand for the rows a log shows."""
+
+    name: str
+    """Its key in a row (``kl_to_teacher``)."""
+    values: Callable[[list[Rollout]], list[list[float]]]
+    """Rollouts -> per row, the figure at each completion token the loss counts."""

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from lightning_grpo.collect.async_rollouts import AsyncRollouts, Job, staleness_metrics
-from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
+from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,25 @@ KEY = "async_rollouts"
 
 Upcoming = Callable[[int], tuple[list[Prompt], SamplingConfig] | None]
 """``i -> (prompts, sampling)`` of the loop step ``i`` steps after the one drawn now (None: not known yet)."""
+
+
+def draws_ahead(engine: RolloutEngine, max_off_policy_steps: int,
+                weights_step: Callable[[], int]) -> RolloutEngine:
+    """``engine`` drawing up to ``rollout.max_off_policy_steps`` loop steps ahead (0: ``engine`` as it is).
+
+    ``weights_step()``: the loop step whose weights the trainer holds (read when a weight sync ends).
+    """
+    if not max_off_policy_steps:
+        return engine
+    return AsyncRollouts(engine, max_off_policy_steps, weights_step=weights_step)
+
+
+def schedule_of(engine: RolloutEngine, should_stop: Callable[[], bool] | None,
+                reissue: dict[int, list[int]]) -> AsyncSchedule | None:
+    """The training draws' schedule of an engine that draws ahead (None: each batch is drawn when asked)."""
+    if not isinstance(engine, AsyncRollouts):
+        return None
+    return AsyncSchedule(engine, should_stop, reissue=reissue)
 
 
 class AsyncSchedule:

@@ -37,12 +37,17 @@ def counted_only(batch: RolloutBatch, groups: Groups, mask_truncated: bool) -> R
     """``batch`` with completion tokens only on trained rows (and, under ``mask_truncated``, only on completions that
     ended on EOS or a stop string): the others leave the loss and every divisor. Their rewards already counted in
     their group's advantages (TRL's ``mask_truncated_completions``)."""
-    counted = groups.trained
-    if mask_truncated:
-        counted = counted & ~truncated(groups.rollouts)
+    counted = counted_rows(groups, mask_truncated)
     if bool(counted.all()):
         return batch
     return replace(batch, completion_mask=batch.completion_mask & counted[:, None])
+
+
+def counted_rows(groups: Groups, mask_truncated: bool) -> Tensor:
+    """``[N]`` bool: the rows whose completion tokens count in the loss (``counted_only``)."""
+    if mask_truncated:
+        return groups.trained & ~truncated(groups.rollouts)
+    return groups.trained
 
 
 def truncated(rollouts: list[Rollout]) -> Tensor:
@@ -50,17 +55,22 @@ def truncated(rollouts: list[Rollout]) -> Tensor:
     return torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.bool)
 
 
-def completion_metrics(groups: Groups, batch: RolloutBatch, rl: GRPOConfig, max_new_tokens: int) -> dict[str, float]:
-    """Lengths and endings of the real completions (placeholders left out), and what shaping did to them."""
-    live = groups.live
-    reasons = [r.finish_reason for r, real in zip(groups.rollouts, live.tolist()) if real]
-    out = length_metrics(batch.completion_mask.sum(-1)[live], reasons)
-    if rl.overlong_buffer:
-        out["reward/overlong_penalty_mean"] = float(overlong_of(groups.rollouts, rl, max_new_tokens)[live].mean())
-    if rl.mask_truncated_completions:  # trained rows whose completion leaves the loss
-        out["completion/truncated_masked"] = float((truncated(groups.rollouts) & groups.trained)[live].sum())
-    return out
+def described(groups: Groups) -> Tensor:
+    """``[N]`` bool: the rows the batch's statistics describe: the trained ones (a dynamic-sampling padding group
+    and a skipped record's placeholders left out), or, when nothing trains, every real row (as ``reward/*``)."""
+    return groups.trained if bool(groups.trained.any()) else groups.live
 
+
+def completion_metrics(groups: Groups, batch: RolloutBatch, rl: GRPOConfig, max_new_tokens: int) -> dict[str, float]:
+    """Lengths and endings of the trained completions (``described``), and what shaping did to them."""
+    rows = described(groups)
+    reasons = [r.finish_reason for r, kept in zip(groups.rollouts, rows.tolist()) if kept]
+    out = length_metrics(batch.completion_mask.sum(-1)[rows], reasons)
+    if rl.overlong_buffer:
+        out["reward/overlong_penalty_mean"] = float(overlong_of(groups.rollouts, rl, max_new_tokens)[rows].mean())
+    if rl.mask_truncated_completions:  # trained rows whose completion leaves the loss
+        out["completion/truncated_masked"] = float((truncated(groups.rollouts) & groups.trained).sum())
+    return out
 
 
 RewardRule = Callable[[list[Rollout], GRPOConfig, int], Tensor]

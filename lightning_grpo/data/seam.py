@@ -63,3 +63,10 @@ class PromptConsumer(Protocol):
     def prompts_per_step(self) -> int:
         """Prompts drawn per loop step, over all data-parallel ranks."""
         ...
+
+
+def prompt_provider(trainer) -> PromptProvider | None:
+    """The prompt side of ``trainer``'s datamodule, or None (no trainer, no datamodule, or one of the user's own,
+    which is asked nothing)."""
+    dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+    return dm if isinstance(dm, PromptProvider) else None

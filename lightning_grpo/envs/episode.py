@@ -5,7 +5,9 @@ batched in one ``engine.generate`` call (episodes that ended drop out; both engi
 turn's sampled ids, and their sampler logprobs, are appended as they are (``model_mask`` True). When the turn
 calls tools, their results go back as the chat template's delta for the new messages (``template.TurnDelta``),
 appended as ids with ``model_mask`` False: context for the next turn, never trained, never in a divisor. No
-model text is ever decoded and re-encoded into the record; the turn's text is only parsed for tool calls.
+model text is ever decoded and re-encoded into the record; the turn's text is only parsed for tool calls. Beside the
+record, each episode keeps a ``Transcript`` for people (its opening as text, each turn's text, calls and results:
+``completions.jsonl``, ``lightning-grpo show``); nothing is trained from it.
 
 Limits: ``max_turns`` (still calling tools after the last one: truncated), ``max_total_tokens`` (a turn never
 runs past it; reaching it truncates), ``max_tool_response_tokens`` (longer results cut). Truncations are counted
@@ -31,9 +33,9 @@ from lightning_grpo.envs.environment import (
     row_of,
 )
 from lightning_grpo.envs.parse import ToolCall
-from lightning_grpo.envs.template import TurnDelta, first_prompt
+from lightning_grpo.envs.template import TurnDelta, first_prompt, opening_text
 from lightning_grpo.envs.tools import Tool, ToolResult, call_tool
-from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
+from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig, Transcript, Turn
 from lightning_grpo.rollout.sampler import sample_seed
 
 
@@ -53,6 +55,8 @@ class _Episode:
     done: bool = False
     with_logprobs: bool = True  # False once a turn came back without sampler logprobs (none asked for)
     text: str = ""  # the last model turn's text (what reward functions read)
+    opening: str = ""  # the prompt as the model saw it (the completions log shows it)
+    log: list[Turn] = field(default_factory=list)  # every model turn with its calls and results, as text
 
     def length(self) -> int:
         return len(self.prompt.token_ids) + len(self.ids)
@@ -67,7 +71,8 @@ class _Episode:
         return Rollout(prompt=self.prompt, token_ids=self.ids, text=self.text,
                        finish_reason="length" if self.truncated else "stop",
                        logprobs=self.logprobs if self.with_logprobs else None,
-                       reward=episode_reward(self.env), model_mask=self.mask)
+                       reward=episode_reward(self.env), model_mask=self.mask,
+                       transcript=Transcript(self.opening, tuple(self.log)))
 
 
 class EpisodeRunner:
@@ -123,12 +128,13 @@ class EpisodeRunner:
         messages = [dict(m) for m in (prompt.messages or [{"role": "user", "content": prompt.text}])]
         if observation:  # TRL's convention: the first observation extends the last user message
             messages[-1]["content"] = f"{messages[-1]['content']}{observation}"
-        ids = first_prompt(self.tokenizer, messages, self.env_class.schemas)
+        opening = opening_text(self.tokenizer, messages, self.env_class.schemas)
+        ids = list(self.tokenizer(opening, add_special_tokens=False)["input_ids"])  # as first_prompt
         if self.max_total is not None and len(ids) >= self.max_total:
             raise ValueError(f"prompt id={prompt.id}: its opening (with the tool schemas) has {len(ids)} tokens, not "
                              f"below model.env.max_total_tokens / the model context ({self.max_total}); raise "
                              "max_total_tokens or shorten the prompt (rollout.max_prompt_tokens)")
-        return _Episode(replace(prompt, id=row_id, token_ids=ids), env, tools)
+        return _Episode(replace(prompt, id=row_id, token_ids=ids), env, tools, opening=opening)
 
     def _by_budget(self, live: list[_Episode], max_new: int) -> list[tuple[int, list[_Episode]]]:
         """Live episodes grouped by the turn length they can afford: one batched call per group (usually one)."""
@@ -145,12 +151,16 @@ class EpisodeRunner:
         calling = [(e, calls) for e, out in zip(group, outs) if (calls := self._read_turn(e, out, last_turn))]
         results = (pool.map if pool is not None else map)(self._run_calls, calling)
         for (e, calls), res in zip(calling, results):
-            self._answer(e, [self._result_text(e, c, r) for c, r in zip(calls, res)])
+            shown = [self._result_text(e, c, r) for c, r in zip(calls, res)]
+            appended = self._answer(e, shown)
+            records = tuple(_call_record(c, text, r.failed) for c, (_, text), r in zip(calls, shown, res))
+            e.log[-1] = replace(e.log[-1], calls=records, context_tokens=appended)
 
     def _read_turn(self, e: _Episode, out: Rollout, last_turn: bool) -> list[ToolCall | str]:
         """Append the model turn; the calls it makes (empty: the episode ended)."""
         e.append(out.token_ids, True, out.logprobs)
         e.turns, e.text = e.turns + 1, out.text
+        e.log.append(Turn(out.text, len(out.token_ids)))
         if out.finish_reason == "length" or not out.token_ids:  # the turn did not end: per-turn or total budget
             e.done = e.truncated = True
             return []
@@ -160,16 +170,19 @@ class EpisodeRunner:
             return []
         if last_turn:
             e.done = e.truncated = True  # still working when max_turns ran out
+            e.log[-1] = replace(e.log[-1], calls=tuple(_call_record(c, None, False) for c in calls))
             return []
         return calls
 
-    def _answer(self, e: _Episode, results: list[tuple[str, str]]) -> None:
-        """Append the tool results as the template's delta, or end the episode where they leave no room."""
+    def _answer(self, e: _Episode, results: list[tuple[str, str]]) -> int:
+        """Append the tool results as the template's delta (its length returned), or end the episode where they
+        leave no room (0)."""
         delta = self.delta.ids(results, e.ids[-1])
         if self.max_total is not None and e.length() + len(delta) >= self.max_total:
             e.done = e.truncated = True  # no room left for the model to read the results and answer
-            return
+            return 0
         e.append(delta, False)
+        return len(delta)
 
     def _run_calls(self, calling: tuple[_Episode, list[ToolCall | str]]) -> list[ToolResult]:
         """One episode's calls of a turn, in order: they share its environment."""
@@ -195,6 +208,13 @@ class EpisodeRunner:
             return name, result.text
         e.cut_results += 1
         return name, self.tokenizer.decode(ids[: self.cfg.max_tool_response_tokens]) + " [cut]"
+
+
+def _call_record(call: ToolCall | str, result: str | None, failed: bool) -> dict:
+    """A call as ``Turn.calls`` keeps it (``result`` None: not run)."""
+    if isinstance(call, str):  # the parser's error for a call it could not read
+        return {"name": "error", "arguments": None, "result": call if result is None else result, "failed": True}
+    return {"name": call.name, "arguments": call.arguments, "result": result, "failed": failed}
 
 
 def _metrics(episodes: list[_Episode]) -> dict[str, float]:

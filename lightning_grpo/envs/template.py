@@ -50,6 +50,11 @@ class TurnDelta:
 def first_prompt(tokenizer, messages: list[dict], tools: Sequence[dict]) -> list[int]:
     """Token ids of an episode's opening: the prompt messages rendered with the tool schemas, ending with the
     assistant opening. The prompt is the dataset's text, not the model's: tokenizing it is safe."""
-    text = tokenizer.apply_chat_template(messages, tools=list(tools) or None, add_generation_prompt=True,
-                                         tokenize=False)
+    text = opening_text(tokenizer, messages, tools)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def opening_text(tokenizer, messages: list[dict], tools: Sequence[dict]) -> str:
+    """An episode's opening as text: what ``first_prompt`` tokenizes (the completions log shows it)."""
+    return tokenizer.apply_chat_template(messages, tools=list(tools) or None, add_generation_prompt=True,
+                                         tokenize=False)

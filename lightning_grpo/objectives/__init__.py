@@ -19,7 +19,7 @@ DP mean it may read, never the module. Adding an objective::
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -43,6 +43,8 @@ class ObjectiveParts:
     """``rollout.max_new_tokens``: the completion budget (Dr. GRPO's constant divisor)."""
     opd: OPDConfig | None = None
     """The ``opd`` section (teacher and distillation knobs); None when the module has none."""
+    seed: int = 0
+    """The module's seed: a ``tiny:`` teacher is built with it, like the policy."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,13 @@ def _grpo(parts: ObjectiveParts) -> Objective:
 
 
 def _opd(parts: ObjectiveParts) -> Objective:
-    from lightning_grpo.objectives.opd import OPDObjective
+    from lightning_grpo.objectives.opd import OPDConfig, OPDObjective
+    from lightning_grpo.policy import with_seed
 
-    return OPDObjective(parts.opd, parts.rl, dp_mean=parts.dp_mean)
+    opd = parts.opd or OPDConfig()  # refused by the objective: a teacher is required
+    if opd.teacher is not None:  # a tiny: teacher is seeded like the policy
+        opd = replace(opd, teacher=with_seed(opd.teacher, parts.seed))
+    return OPDObjective(opd, parts.rl, dp_mean=parts.dp_mean)
 
 
 register_objective("grpo", _grpo)

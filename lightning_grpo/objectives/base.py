@@ -81,6 +81,23 @@ class Objective(Protocol):
         ...
 
 
+@runtime_checkable
+class ExplainsTokens(Protocol):
+    """An objective whose per-token figure is what it optimizes, shown beside each completion in the completions log
+    (OPD: the KL to the teacher; GRPO's is the advantage, already in the rows)."""
+
+    token_figure: ClassVar[str]
+    """The figure's name in ``completions.jsonl`` (e.g. ``kl_to_teacher``)."""
+
+    def token_figures(self, chunk: RolloutBatch, policy: PolicyView) -> Tensor:
+        """``[B, T-1]`` the figure at each completion position of ``chunk`` (no gradient)."""
+        ...
+
+    def uses_advantages(self) -> bool:
+        """Whether the loss reads the rows' advantages (False: the log shows none, it would mean nothing)."""
+        ...
+
+
 def nonzero(denom: Tensor) -> Tensor:
     """``denom`` with 0 replaced by 1: an all-masked chunk has loss 0, never 0/0. Only 0 is guarded: a DP-mean divisor
     may lie in (0, 1), and clamping it would make ``loss * denom`` differ from the chunk's sum."""

@@ -64,7 +64,8 @@ class ChunkStats:
     seqs: Tensor | None = None
     """This rank's sequences with at least one counted token (the unit of the per-sequence divisors)."""
     entropy: Tensor | None = None
-    """Token mean of the policy's entropy on the counted tokens (NaN when the policy view cannot measure it)."""
+    """Token mean of the policy's entropy on the completion tokens, those a rollout correction rejects included (NaN
+    when the policy view cannot measure it)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class CorrectedChunkStats(ChunkStats):
 
     REDUCE: ClassVar[dict[str, Reduction]] = {
         **ChunkStats.REDUCE, "sampled": ("correction/tokens", "sum"),
+        "entropy": ("grpo/entropy", "sampled"),  # over every completion token: a rejection changes no entropy
         "is_weight": ("correction/is_weight_mean", "sampled"), "is_weight_sq": ("correction/is_weight_sq_mean", "sampled"),
         "is_weight_max": ("correction/is_weight_max", "max"), "outside": ("correction/outside_frac", "sampled"),
         "logprob_gap": ("correction/logprob_gap_mean", "sampled"),
@@ -196,6 +198,7 @@ class GRPOObjective:
         """
         old = logprobs.detach() if old_logprobs is None else old_logprobs
         corr = self._correction(logprobs, old, rollout_logprobs, mask)
+        completion = mask.to(logprobs.dtype)  # every completion token, rejected ones too (grpo/entropy's)
         if corr is not None and corr.keep is not None:
             mask = corr.keep  # rejected tokens leave the loss and its divisor
         m = mask.to(logprobs.dtype)
@@ -220,7 +223,7 @@ class GRPOObjective:
         loss = total / torch.where(denom > 0, denom, torch.ones_like(denom))
         with torch.no_grad():
             stats = self._stats(loss, denom, tokens, seqs, ratio, clipped, adv, kl, logprobs - old, m, mask)
-            stats = replace(stats, entropy=token_mean(entropy, m, tokens))
+            stats = replace(stats, entropy=token_mean(entropy, completion, completion.sum()))
             if corr is not None:
                 stats = CorrectedChunkStats.of(stats, dict(corr.stats))
         return loss, denom, stats

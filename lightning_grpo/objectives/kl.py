@@ -46,14 +46,17 @@ def completion_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tenso
 
 
 def _chunk(head: nn.Module, hidden: Tensor, targets: Tensor, teacher: Tensor, temperature: float) -> Tensor:
-    """``[3, c]``: KL(p_s || p_t), the student's and the teacher's log-probability of the target, per position."""
+    """``[4, c]``: KL(p_s || p_t), the student's and the teacher's log-probability of the target, and the student's
+    entropy, per position (the entropy from the same softmax: free)."""
     logits = at_least_float32(head(hidden))  # [c, V]: a half-precision logsumexp loses the KL
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)  # [c, V]
-    kl = (logp.exp() * (logp - teacher)).sum(-1)  # [c]
+    p = logp.exp()
+    kl = (p * (logp - teacher)).sum(-1)  # [c]
+    entropy = -(p * logp).sum(-1).detach()  # [c]: logged, never trained
     picked = targets.unsqueeze(-1)
-    return torch.stack([kl, logp.gather(-1, picked).squeeze(-1), teacher.gather(-1, picked).squeeze(-1)])
+    return torch.stack([kl, logp.gather(-1, picked).squeeze(-1), teacher.gather(-1, picked).squeeze(-1), entropy])
 
 
 def _chunk_with_teacher(head: nn.Module, hidden: Tensor, targets: Tensor, teacher: TeacherLogprobs, start: int,
@@ -64,7 +67,7 @@ def _chunk_with_teacher(head: nn.Module, hidden: Tensor, targets: Tensor, teache
 
 
 def reverse_kl(hidden: Tensor, head: nn.Module, targets: Tensor, teacher: TeacherLogprobs, *,
-               temperature: float = 1.0, chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               temperature: float = 1.0, chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-position reverse KL to the teacher and the student's logprob of the sampled token.
 
     Args:
@@ -76,13 +79,13 @@ def reverse_kl(hidden: Tensor, head: nn.Module, targets: Tensor, teacher: Teache
         chunk: positions per chunk; None = ``chunk_tokens`` of the head's vocabulary.
 
     Returns:
-        ``(kl, logprob, teacher_logprob)``: ``[N]`` each, float32 or wider; the first two differentiable in ``hidden``
-        and the head, the teacher's logprob of the sampled token a constant.
+        ``(kl, logprob, teacher_logprob, entropy)``: ``[N]`` each, float32 or wider; the first two differentiable in
+        ``hidden`` and the head, the teacher's logprob of the sampled token and the student's entropy constants.
     """
     n = hidden.shape[0]
     if n == 0:
         empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32)) + 0 * hidden.sum()
-        return empty, empty, empty.detach()
+        return empty, empty, empty.detach(), empty.detach()
     vocab = getattr(head, "out_features", None) or head.weight.shape[0]
     step = chunk or chunk_tokens(vocab)
     parts = []
@@ -93,5 +96,5 @@ def reverse_kl(hidden: Tensor, head: nn.Module, targets: Tensor, teacher: Teache
             parts.append(checkpoint(_chunk_with_teacher, *args, use_reentrant=False))  # logits recomputed in backward
         else:
             parts.append(_chunk_with_teacher(*args))
-    kl, logprob, teacher_logprob = torch.cat(parts, dim=1).unbind(0)
-    return kl, logprob, teacher_logprob.detach()
+    kl, logprob, teacher_logprob, entropy = torch.cat(parts, dim=1).unbind(0)
+    return kl, logprob, teacher_logprob.detach(), entropy.detach()

@@ -154,43 +154,66 @@ class OPDObjective:
             raise RuntimeError("OPDObjective.setup(policy, tokenizer) was not called: the teacher is not loaded")
         mask = chunk.completion_mask[:, 1:]  # [B, T-1]
         if self.config.kl == "full":
-            logprobs, kl, teacher_lp = self._full(chunk, mask, policy)
+            logprobs, kl, teacher_lp, entropy = self._full(chunk, mask, policy)
         else:
-            logprobs = policy.logprobs(chunk)
+            logprobs, entropy = self._student(chunk, policy)
             teacher_lp = self.teacher.token_logprobs(chunk).to(logprobs.dtype)
             k = (logprobs - teacher_lp).detach()
             kl = k + k * (logprobs - logprobs.detach())  # value k, gradient k * grad log p_s
         m = mask.to(kl.dtype)
         if self.config.use_rewards:
             ref = policy.reference(chunk) if self.needs_reference() and policy.reference is not None else None
-            g_loss, denom, g = self.grpo(logprobs, mask, chunk.advantages, old_logprobs, ref)
+            g_loss, denom, g = self.grpo(logprobs, mask, chunk.advantages, old_logprobs, ref, entropy=entropy)
             loss = g_loss + self.config.beta_opd * (kl * m).sum() / nonzero(denom)
         else:
             tokens = m.sum()
             denom = self._dp_mean(tokens.detach())
             loss = self.config.beta_opd * (kl * m).sum() / nonzero(denom)
-            g = _neutral(loss, denom, tokens, m)
+            g = _neutral(loss, denom, tokens, m, entropy)
         with torch.no_grad():
             local = m.sum().clamp(min=1)
             stats = OPDStats(**{**g.__dict__, "loss": loss.detach()}, opd_kl=(kl.detach() * m).sum() / local,
                              teacher_logprob=(teacher_lp.detach() * m).sum() / local)
         return loss, denom, stats
 
-    def _full(self, chunk: RolloutBatch, mask: Tensor, policy: PolicyView) -> tuple[Tensor, Tensor, Tensor]:
-        """Exact per-token KL and the student's token logprobs from one pass of each head (``[B, T-1]`` each)."""
+    token_figure = "kl_to_teacher"
+    """What the completions log shows per token (``objectives.base.ExplainsTokens``)."""
+
+    def uses_advantages(self) -> bool:
+        return self.config.use_rewards
+
+    @torch.no_grad()
+    def token_figures(self, chunk: RolloutBatch, policy: PolicyView) -> Tensor:
+        """``[B, T-1]`` the per-token KL the loss drives down: the full KL, or the sampled estimate."""
+        mask = chunk.completion_mask[:, 1:]  # [B, T-1]
+        if self.config.kl == "full":
+            return self._full(chunk, mask, policy)[1]
+        logprobs = policy.logprobs(chunk)
+        return (logprobs - self.teacher.token_logprobs(chunk).to(logprobs.dtype)) * mask
+
+    @staticmethod
+    def _student(chunk: RolloutBatch, policy: PolicyView) -> tuple[Tensor, Tensor | None]:
+        """The student's token logprobs, and its entropy from the same head pass when the view measures it."""
+        if policy.logprobs_and_entropy is None:
+            return policy.logprobs(chunk), None  # grpo/entropy is then NaN: not measured
+        return policy.logprobs_and_entropy(chunk, False)
+
+    def _full(self, chunk: RolloutBatch, mask: Tensor, policy: PolicyView) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Exact per-token KL, the student's token logprobs, the teacher's and the student's entropy from one pass of
+        each head (``[B, T-1]`` each)."""
         teacher = self.teacher
         t_hidden = teacher.completion_hidden(chunk)  # [N, H_t], no grad
         targets = chunk.input_ids[:, 1:][mask]  # [N]
 
-        def student(model: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+        def student(model: nn.Module) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             hidden = completion_hidden(model, chunk.input_ids, chunk.attention_mask, mask)  # [N, H]
             head = model.get_output_embeddings()
             step = chunk_tokens(head.weight.shape[0], int(self.config.kl_chunk_mb * 2**20))
             return reverse_kl(hidden, head, targets, lambda a, b: teacher.distribution(t_hidden[a:b]),
                               temperature=policy.temperature, chunk=step)
 
-        kl, logprob, teacher_lp = policy.call(student, policy.model)
-        return _scatter(logprob, mask), _scatter(kl, mask), _scatter(teacher_lp, mask)
+        kl, logprob, teacher_lp, entropy = policy.call(student, policy.model)
+        return _scatter(logprob, mask), _scatter(kl, mask), _scatter(teacher_lp, mask), _scatter(entropy, mask)
 
 
 def _scatter(values: Tensor, mask: Tensor) -> Tensor:
@@ -199,10 +222,10 @@ def _scatter(values: Tensor, mask: Tensor) -> Tensor:
     return out.masked_scatter(mask, values)
 
 
-def _neutral(loss: Tensor, denom: Tensor, tokens: Tensor, m: Tensor) -> ChunkStats:
+def _neutral(loss: Tensor, denom: Tensor, tokens: Tensor, m: Tensor, entropy: Tensor | None) -> ChunkStats:
     """GRPO's figures when there is no GRPO term: ratio 1, nothing clipped, no k3 KL (``m``: the ``[B, T-1]`` mask)."""
     zero = tokens.new_zeros(())
     return ChunkStats(loss=loss.detach(), denom=denom, tokens=tokens,
                       n=torch.tensor(float(m.shape[0]), dtype=torch.float32), clip_frac=zero, ratio_mean=zero + 1,
                       ratio_max=zero + 1, kl=zero, clip_frac_low=zero, clip_frac_high=zero,
-                      seqs=(m.sum(-1) > 0).to(m.dtype).sum(), entropy=token_mean(None, m, tokens))  # not measured
+                      seqs=(m.sum(-1) > 0).to(m.dtype).sum(), entropy=token_mean(entropy, m, tokens))

@@ -79,6 +79,32 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class Turn:
+    """One model turn of a multi-turn episode, kept for people to read (the trained record is the token ids)."""
+
+    text: str
+    """The turn's text as the engine decoded it."""
+    tokens: int
+    """Ids the sampler drew in this turn: trained (``model_mask`` True)."""
+    calls: tuple[dict, ...] = ()
+    """The tool calls the turn made, in order: ``{"name", "arguments", "result", "failed"}`` (``result`` the text
+    the model read back, cut as it was; None: not run, the episode ended first; an unreadable call has ``name``
+    ``"error"`` and the parser's message as its result)."""
+    context_tokens: int = 0
+    """Ids appended after the turn (the chat template's delta around the results): context, never trained."""
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """A multi-turn episode as the model saw it, for the completions log (``envs/episode.py`` fills it)."""
+
+    opening: str
+    """The prompt as the model saw it: the messages rendered by the chat template, tool schemas included."""
+    turns: tuple[Turn, ...]
+    """Every model turn, with its calls and their results."""
+
+
+@dataclass(frozen=True)
 class Rollout:
     """One completion of one prompt."""
 
@@ -94,6 +120,8 @@ class Rollout:
     model_mask: list[bool] | None = None
     """Per completion token, True where the policy sampled it. None = all of them (a single-turn completion); a
     multi-turn episode (``envs/episode.py``) holds tool results and turn separators as False: context only."""
+    transcript: Transcript | None = None
+    """A multi-turn episode's turns, calls and results as text (None: a single-turn completion)."""
 
 
 @runtime_checkable

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -144,8 +143,6 @@ class AheadPass:
         self.hooks: list[ChunkHook] = list(hooks)
         self.recorders: list[Recorder] = [*self.hooks, *recorders]  # the hooks first: their captures lead
         self._probe: ProbeResult | None = None  # set once per run; resumes from state_dict
-        self.last_seconds = 0.0
-        """Wall time of the latest ahead pass (device work included)."""
         self.records: dict[str, RowRecords] = {}
         """The latest pass's per-row records: ``pi_old`` and one per hook or recorder, under its ``name``."""
 
@@ -166,7 +163,6 @@ class AheadPass:
         can take bigger chunks). Without it the pass walks ``plan``'s chunks themselves. Either way each chunk is
         scored once, its records are kept per row (``records.py``), and each training chunk lays its own out.
         """
-        start = time.perf_counter()
         self.records = {"pi_old": RowRecords(0), **{r.name: RowRecords(r.token_dim) for r in self.recorders}}
         lengths = sequence_lengths(batch)[0]
         with eval_mode(self.model), torch.no_grad():
@@ -183,10 +179,7 @@ class AheadPass:
         laid: dict[tuple[int, int], Tensor | None] = {}  # each chunk laid out once: every epoch reuses its record
         for mini, micro in plan.walk():
             laid[mini, micro] = self._pi_old(plan.rows[mini][micro], lengths)
-        out = [laid[mini, micro] for _, mini, micro in plan.training_walk()]
-        _sync(out)
-        self.last_seconds = time.perf_counter() - start
-        return out
+        return [laid[mini, micro] for _, mini, micro in plan.training_walk()]
 
     def _score(self, batch: RolloutBatch, rows: Rows, lengths: list[int]) -> None:
         """Score the chunk of ``rows`` once; keep its pi_old and every recorder's record per row."""
@@ -267,7 +260,8 @@ class _ModeSwitch:
     """Set every submodule to one mode, then restore each one's own mode (a frozen tower may sit in eval)."""
 
     def __init__(self, model: nn.Module, training: bool) -> None:
-        self.model, self.training = model, training
+        self.model = model
+        self.training = training
         self._saved: list[tuple[nn.Module, bool]] = []
 
     def __enter__(self) -> None:
@@ -287,13 +281,6 @@ def eval_mode(model: nn.Module) -> _ModeSwitch:
 def train_mode(model: nn.Module) -> _ModeSwitch:
     """Context: every submodule in train(); each one's own mode comes back after."""
     return _ModeSwitch(model, training=True)
-
-
-def _sync(out: list[Tensor | None]) -> None:
-    """Wait for queued device work so ``last_seconds`` is the pass's real cost (one sync per loop step)."""
-    recorded = next((t for t in out if t is not None), None)
-    if recorded is not None and recorded.is_cuda:
-        torch.cuda.synchronize(recorded.device)
 
 
 def warn_if_unfrozen(rl) -> None:

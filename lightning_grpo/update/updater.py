@@ -16,7 +16,6 @@ A Lightning module builds one Updater in ``configure_model``, attaches the optim
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from lightning_grpo.distributed import single_process
+from lightning_grpo.timing import AHEAD, StepTimer
 from lightning_grpo.update.accumulate import DeferredAccumulator
 from lightning_grpo.update.ahead import AheadPass
 from lightning_grpo.update.loop import CollectedBatchLoop, ForwardChunk, LoopResult
@@ -68,7 +68,10 @@ class DataParallel:
     """Whether a loss is finite on every rank (every rank then poisons the same window)."""
 
 
-NOTHING, ONE_PROCESS = Needs(), DataParallel()  # defaults: a batch that needs no ahead pass; a single process
+NOTHING = Needs()
+"""The default: a batch that needs no ahead pass."""
+ONE_PROCESS = DataParallel()
+"""The default: a single process."""
 
 
 class Updater:
@@ -86,6 +89,7 @@ class Updater:
         dp: data-parallel operations (a Trainer's replace them in ``attach``).
         max_grad_norm: clip threshold (0 = no clipping).
         max_consecutive_skips: stop after more non-finite windows in a row than this (None = never).
+        timer: the loop step's timer: the ahead pass is its phase ``ahead`` (None: a timer of its own).
 
     Example::
 
@@ -97,7 +101,7 @@ class Updater:
     def __init__(self, policy: nn.Module, forward_chunk: ForwardChunk, split: Split,
                  needs: Needs = NOTHING, ahead: AheadPass | None = None, hooks: Sequence[ChunkHook] = (),
                  seed: int = 0, dp: DataParallel = ONE_PROCESS, max_grad_norm: float = 0.0,
-                 max_consecutive_skips: int | None = None) -> None:
+                 max_consecutive_skips: int | None = None, timer: StepTimer | None = None) -> None:
         self.policy = policy
         self.forward_chunk = forward_chunk
         self.split = split
@@ -106,11 +110,12 @@ class Updater:
         self.hooks: list[ChunkHook] = list(hooks)
         self.seed = seed
         self.dp = dp
-        self.max_grad_norm, self.max_consecutive_skips = max_grad_norm, max_consecutive_skips
+        self.max_grad_norm = max_grad_norm
+        self.max_consecutive_skips = max_consecutive_skips
+        self.timer = timer if timer is not None else StepTimer()
         self.loop: CollectedBatchLoop | None = None  # built by attach, once the optimizer exists
         self.last_plan: ChunkPlan | None = None
         """The ChunkPlan of the last collected batch (metrics, tests)."""
-        self.ahead_seconds = self.update_seconds = 0.0  # wall time of the last ahead pass / whole update
 
     @property
     def loop_step(self) -> int:
@@ -138,22 +143,23 @@ class Updater:
         """Consume one collected batch (this rank's share): plan -> ahead pass -> windows of chunks."""
         if self.loop is None:
             raise RuntimeError("Updater.update before Updater.attach(optimizer): there is nothing to step")
-        start, needs = time.perf_counter(), self.needs
+        needs = self.needs
         plan, ahead = self.plan(batch, needs)
         self.last_plan = plan
         # pi_old per chunk in walk order, frozen before the first step; None = no ahead pass (n_mini == 1, ...).
-        pi_old = self.ahead.compute(batch, plan, needs, ahead) if needs.ahead_pass else None
-        self.ahead_seconds = self.ahead.last_seconds if needs.ahead_pass else 0.0
+        pi_old = None
+        if needs.ahead_pass:
+            with self.timer.phase(AHEAD):
+                pi_old = self.ahead.compute(batch, plan, needs, ahead)
         for hook in self.hooks:  # each hook's records of this batch, read back chunk by chunk in training
             hook.begin(batch, plan, self.ahead.records.get(hook.name) if needs.ahead_pass else None)
-        result = self.loop.run(batch, plan, pi_old if needs.pi_old else None)
-        self.update_seconds = time.perf_counter() - start
-        return result
+        return self.loop.run(batch, plan, pi_old if needs.pi_old else None)
 
     def plan(self, batch, needs: Needs | None = None) -> tuple[ChunkPlan, ChunkPlan | None]:
         """The ChunkPlan of this collected batch (every epoch) and the ahead pass's own, computed once and shared by
         the ahead pass and the training walk. Token-budgeted counts are agreed over ranks in one all-reduce."""
-        s, needs = self.split, needs or self.needs
+        s = self.split
+        needs = needs or self.needs
         ahead_rows = None
         if needs.pi_old and s.ahead_budget:
             first = len(batch) // s.n_mini if self.ahead.skips_first_mini(needs, s.mu_iterations) else 0

@@ -118,6 +118,31 @@ def test_a_batch_still_short_pads_with_a_dropped_group_that_counts_in_no_divisor
     assert batch.advantages[2:].tolist() == [0.0, 0.0]
 
 
+class LongFlatEngine(CountingEngine):
+    """As ``CountingEngine``, but an odd id's completions (the flat groups) are 7 tokens longer."""
+
+    def generate(self, prompts, group_size, sampling):
+        out = super().generate(prompts, group_size, sampling)
+        longer = []
+        for r in out:
+            extra = 7 * (r.prompt.id % 2)
+            longer.append(Rollout(r.prompt, r.token_ids + [r.token_ids[0]] * extra, r.text, "stop"))
+        return longer
+
+
+def test_a_short_batch_describes_its_trained_rows_not_its_padding():
+    """Lengths 1, 2 trained (id 0) and 8, 9 padding (id 1, flat, both penalized -1: max_new_tokens 8, buffer 4):
+    the padding must not enter the means (main: len_mean 5.0, penalty mean -0.5, len_max 9)."""
+    rl = GRPOConfig(batch_per_replica=4, group_size=GROUP, micro_batch_per_replica=4, dynamic_sampling=True,
+                    max_refill_rounds=0, overlong_buffer=4, overlong_penalty=1.0)
+    with pytest.warns(UserWarning, match="short over all ranks"):
+        _, metrics = collector(rl, LongFlatEngine(), prompts=Refills()).collect([record(0), record(1)], 0)
+    assert metrics["completion/len_mean"] == 1.5
+    assert (metrics["completion/len_min"], metrics["completion/len_max"]) == (1.0, 2.0)
+    assert metrics["reward/overlong_penalty_mean"] == 0.0
+    assert metrics["reward/mean"] == 0.5  # the reward statistics already were over the trained rows
+
+
 def test_reward_scorer_keeps_the_parts_of_its_loop_step():
     scorer = RewardScorer([])
     rollouts = CountingEngine().generate([record(0).to_prompt(make_char_tokenizer())], 2, None)
