@@ -25,7 +25,6 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfigCallback
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
 
 from lightning_grpo import run_folder
@@ -242,7 +241,7 @@ class GRPOCLI(LightningCLI):
         if self.subcommand and config.get("trainer.enable_checkpointing") is False:
             self._parser(self.subcommand).callback_keys.remove("checkpoint")  # Lightning refuses a Checkpoint then
         if self.subcommand:  # a W&B run's files get a version folder of their own (two sweep trials: two folders)
-            run_folder.version_wandb_logger(config.get("trainer.logger"), first_process=rank_zero_only.rank == 0)
+            run_folder.version_wandb_logger(config.get("trainer.logger"))
 
     def instantiate_classes(self) -> None:
         try:
@@ -267,10 +266,9 @@ class GRPOCLI(LightningCLI):
         except Exception as err:
             if isinstance(err, RunFolderInUseError):  # that folder is another run's: leave it untouched
                 raise
-            reported = logged_error(getattr(self, "trainer", None), err)  # a full disk: a RunWriteError
-            if reported is err:
-                raise
-            raise reported from err
+            if (reported := logged_error(getattr(self, "trainer", None), err)) is not err:
+                raise reported from err  # a full disk: a RunWriteError, said in a few lines
+            raise
 
     def before_validate(self) -> None:
         # The fit's RunSummary, so the callback states of a fit's checkpoint all find their callback: Lightning warns
@@ -341,7 +339,7 @@ def config_error(err: BaseException | str) -> NoReturn:
     """Report a config error in a few lines on stderr and exit 2 (``LIGHTNING_GRPO_DEBUG=1``: raise it instead)."""
     if isinstance(err, BaseException) and os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         raise err
-    message = err if isinstance(err, str) else _innermost_message(err)
+    message = err if isinstance(err, str) else str(err) if isinstance(err, RunWriteError) else _innermost_message(err)
     logged = [n for n in getattr(err, "__notes__", ()) if n.startswith("full traceback: ")]
     where = f"{logged[0]} or {DEBUG_ENV}=1" if logged else f"full traceback: {DEBUG_ENV}=1"
     sys.stderr.write(f"lightning-grpo: error: {message.strip()}\n"
@@ -353,8 +351,6 @@ def _innermost_message(err: BaseException) -> str:
     """The message of the error our code raised: jsonargparse re-raises a class's own error inside its own."""
     if isinstance(err, argparse.ArgumentError):  # jsonargparse's parse errors name the key and what was expected
         return "\n".join(line for line in str(err).splitlines() if not _UNION_NOISE.search(line))
-    if isinstance(err, RunWriteError):  # says the file, the cause and the fix; its cause is the raw OSError
-        return str(err)
     chain = [err]
     # `raise ... from None` hides the context on purpose: the message raised already says all of it
     while (cause := chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else chain[-1].__context__)) \

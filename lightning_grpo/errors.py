@@ -40,7 +40,9 @@ WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, 
 
 
 class RunWriteError(OSError):
-    """A run file could not be written (disk full, quota, file size limit, read-only); the message says the fix."""
+    """A run file could not be written (disk full, quota, file size limit, read-only); the message says the fix.
+
+    ``cli.config_error`` prints this message, not its cause's (the raw ``OSError``, the innermost of the chain)."""
 
     def __str__(self) -> str:
         return self.strerror  # the message names the errno already

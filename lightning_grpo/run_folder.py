@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 RUN_FILES = ("metrics.csv", "config.yaml", "hparams.yaml", "checkpoints", "completions.jsonl", "curves.png")
 """What a run leaves in its folder."""
@@ -89,7 +90,7 @@ def claim_folder(root: str | os.PathLike) -> Path:
     return folder
 
 
-def version_wandb_logger(logger_config, first_process: bool) -> None:
+def version_wandb_logger(logger_config, first_process: bool | None = None) -> None:
     """Point a ``WandbLogger`` config's ``save_dir`` at a new ``<save_dir>/<name>/version_N`` (in place).
 
     Everything that writes under ``trainer.log_dir`` (config.yaml, completions.jsonl, curves.png, checkpoints, and
@@ -99,8 +100,10 @@ def version_wandb_logger(logger_config, first_process: bool) -> None:
 
     Args:
         logger_config: the CLI's ``trainer.logger`` (a class_path/init_args namespace, a list of them, or a bool).
-        first_process: this process is global rank 0 (Lightning's ``rank_zero_only.rank``, read from the env).
+        first_process: this process is global rank 0; None = Lightning's ``rank_zero_only.rank == 0`` (read from
+            the launcher's environment: the Trainer does not exist yet).
     """
+    first_process = rank_zero_only.rank == 0 if first_process is None else first_process
     first = logger_config[0] if isinstance(logger_config, list) and logger_config else logger_config
     init = getattr(first, "init_args", None)
     if not first_process or init is None or not _is_wandb(getattr(first, "class_path", "")):
