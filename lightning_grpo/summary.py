@@ -21,6 +21,8 @@ from lightning_grpo.validation import is_measurement
 
 HEADLINES = {"reward/mean": "reward", "dpo/loss": "dpo/loss", "dpo/accuracy": "dpo/accuracy"}
 """Training metrics reported first/last (trailing mean over ``window`` loop steps) when the run logs them: label."""
+REPLACED_BY = {"dpo/accuracy": "val/accuracy"}
+"""Headlines left out when the run logs the named metric: DPO reports (and plots) one accuracy, the held-out one."""
 VAL_HEADLINES = ("val/reward", "val/accuracy")
 """Validation metrics reported first/last (one value per validation, with its loop step) when logged."""
 NOT_MEASURED = "  validation       not measured (no validation ran: trainer.val_check_interval, data.val_size)"
@@ -120,7 +122,8 @@ class RunSummary(Callback):
     def _train_lines(self, series: dict[str, Series]) -> list[str]:
         """First and last ``window``-step means of each headline metric, with the loop steps they cover."""
         lines = []
-        for metric in (m for m in HEADLINES if m in series):
+        shown = [m for m in HEADLINES if m in series and REPLACED_BY.get(m) not in series]
+        for metric in shown:
             (xs, ys), w = series[metric], min(self.window, len(series[metric][1]))
             mean = smoothed(ys, self.window)
             first, last = mean[w - 1], mean[-1]
