@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lightning.pytorch import Trainer
 
+from lightning_grpo.certificate import ConsistencyError
 from lightning_grpo.checkpoint import DamagedCheckpointError, FolderInUseError, NonFiniteParametersError
 from lightning_grpo.checkpoint.identity import ResumeMismatchError
 from lightning_grpo.checkpoint.resume import CheckpointPathError
@@ -23,7 +24,7 @@ from lightning_grpo.rollout.vllm_loadable import EngineCannotLoadError
 from lightning_grpo.update.loop import NonFiniteRunError
 
 USER_ERRORS = (RewardError, CheckpointPathError, DamagedCheckpointError, PolicyNotFoundError, NonFiniteRunError,
-               NonFiniteParametersError, FolderInUseError, ResumeMismatchError, EngineCannotLoadError)
+               NonFiniteParametersError, FolderInUseError, ResumeMismatchError, EngineCannotLoadError, ConsistencyError)
 """Raised mid-run for something the user can fix; their messages say what and how."""
 ERROR_LOG = "error.log"
 

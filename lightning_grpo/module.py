@@ -28,10 +28,11 @@ from torch import Tensor
 from lightning_grpo import lora
 from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.certificate import Certifier, probe_prompts
 from lightning_grpo.checkpoint import adapter as adapter_checkpoint
 from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.collect import Collector, RewardScorer, StepRows, StepSampling
-from lightning_grpo.collect.async_rollouts import AsyncRollouts
+from lightning_grpo.collect.async_rollouts import AsyncRollouts, unwrapped
 from lightning_grpo.collect.draw import Drawer, episode_runner
 from lightning_grpo.collect.schedule import AsyncSchedule, in_flight_of
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
@@ -117,6 +118,7 @@ class GRPOModule(UpdateModule):
         self.episodes: EpisodeRunner | None = None  # model.env's runner: built by check_data, before the engine
         self.reward_scorer = RewardScorer(rewards)  # compute_rewards' default; rebuilt with the fit's stop poll
         self.collector: Collector | None = None  # one rollout: built with the engine, once the strategy is known
+        self.certifier: Certifier | None = None  # rollout.certificate: built with the engine
         self._publisher: WeightPublisher = NoPublisher()  # found (or attached) when the engine is built
         self._in_flight: dict[int, list[int]] = {}  # a loaded checkpoint's async prompts in flight (drawn again)
 
@@ -177,6 +179,14 @@ class GRPOModule(UpdateModule):
                          rl=self.rl, max_new_tokens=self.rollout_cfg.max_new_tokens, sampling=self.step_sampling(),
                          tokenizer=self.tokenizer, vision=self.vision, context=self.context_length(),
                          prompts=self._prompt_provider(), dp=self.dp_group(), schedule=schedule)
+
+    def configure_certifier(self) -> Certifier | None:
+        """``rollout.certificate``: engine vs trainer at the first loop step and after every sync (None: off)."""
+        cfg = self.rollout_cfg.certificate
+        if cfg is None:
+            return None
+        syncs = not isinstance(self._publisher, NoPublisher)  # a publisher syncs the engine every loop step
+        return Certifier(cfg, self.policy, probe_prompts(self.tokenizer, cfg.prompts), after_syncs=syncs)
 
     def sampling(self) -> SamplingConfig:
         """The sampling of this rank's next training draw."""
@@ -287,6 +297,7 @@ class GRPOModule(UpdateModule):
         self._publisher = publisher
         publisher.on_engine_ready(self.trainer, self.engine, self.policy, self.rollout_cfg.sync_bucket_mb)
         self.collector = self.configure_collector()
+        self.certifier = self.configure_certifier()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)  # the boundary state; refused (no weights) when any is non-finite
@@ -329,8 +340,13 @@ class GRPOModule(UpdateModule):
 
     # -- the phases -----------------------------------------------------------------------------------------------
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
-        """This rank's collected batch and rollout metrics (``collect/``: docs/collect.md)."""
-        return self.collector.collect(records, self.loop_step)
+        """This rank's collected batch and rollout metrics (``collect/``: docs/collect.md); first the consistency
+        certificate when one is due (the sync of this step is done and nothing is in flight)."""
+        if self.certifier is None:
+            return self.collector.collect(records, self.loop_step)
+        mismatch = self.certifier(unwrapped(self.engine), self.loop_step)
+        batch, metrics = self.collector.collect(records, self.loop_step)
+        return batch, {**metrics, **mismatch}
 
     def update(self, batch: RolloutBatch) -> LoopResult:
         """Consume one collected batch (this rank's share) as mu_iterations x n_mini optimizer steps."""
