@@ -112,3 +112,18 @@ def test_a_fit_logs_the_certificate_and_stops_on_a_breach(tiny_policy_dir, tmp_p
                                                        on_breach="stop")
     with pytest.raises(ConsistencyError, match="loop step 1: .*max_logprob_diff=1e-12"):
         fit_tiny(module, tmp_path / "stop", 2)
+
+
+def test_the_certify_verb_prints_the_table_and_fails_on_a_breach(tiny_policy_dir, tmp_path, capsys):
+    from lightning_grpo.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  policy:\n    path: {tiny_policy_dir}\n  rollout:\n    engine: hf\n")
+    with pytest.raises(SystemExit) as ok:
+        main(["certify", "--config", str(config)])
+    out = capsys.readouterr().out
+    assert ok.value.code == 0 and "KL(engine||trainer) mean" in out and out.rstrip().endswith("certified")
+    config.write_text(config.read_text() + "    certificate:\n      max_logprob_diff: 1.0e-12\n")
+    with pytest.raises(SystemExit) as breached:
+        main(["certify", "--config", str(config)])
+    assert breached.value.code == 1 and "BREACH: max |delta logprob|" in capsys.readouterr().out
