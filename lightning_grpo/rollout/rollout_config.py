@@ -100,6 +100,10 @@ class RolloutConfig:
         if self.certificate is not None and self.engine not in ("hf", "vllm"):
             p.append(f"certificate with engine={self.engine!r}: only engines hf and vllm return their whole "
                      "next-token distribution; use one of them, or leave rollout.certificate out")
+        if self.server is not None and self.server.cache_salt and self.engine != "vllm_server":
+            p.append(f"server.cache_salt=True with engine={self.engine!r}: only the vllm_server engine salts its "
+                     "requests by weight version; set engine: vllm_server, or leave server.cache_salt false (the "
+                     "other engines reset their prefix cache at every sync)")
         if self.engine == "replay" and not self.replay_path:
             p.append("replay_path=None: engine=replay needs a JSONL file of recorded rollouts")
         return p
