@@ -388,6 +388,10 @@ def main(args: list[str] | None = None) -> None:
 
         show_main(argv[1:])
         return
+    if argv and argv[0] == "certify":  # imported here: the verb loads a policy and perhaps vLLM
+        from lightning_grpo.certify_cli import main as certify_main
+
+        sys.exit(certify_main(argv[1:]))
     if os.getcwd() not in sys.path:  # `--model.class_path my_pkg.MyModule` from the working folder, as `python -m`
         sys.path.append(os.getcwd())
     try:

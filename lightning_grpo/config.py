@@ -13,11 +13,13 @@ from typing import Literal
 
 from lightning_grpo.checks import ConfigError, is_finite, is_int, raise_problems, retire
 from lightning_grpo.correction import RolloutCorrection
+from lightning_grpo.rollout.certificate_config import CertificateConfig
 from lightning_grpo.rollout.rollout_config import RolloutConfig  # importable from here
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_config import VLLMConfig
 
-__all__ = ["LOSS_FORMS", "LOSS_TYPES", "RATIO_LEVELS", "ConfigError", "GRPOConfig", "OptimConfig", "RankSizes",
+__all__ = ["LOSS_FORMS", "LOSS_TYPES", "RATIO_LEVELS", "CertificateConfig", "ConfigError", "GRPOConfig", "OptimConfig",
+           "RankSizes",
            "RolloutConfig", "ServerConfig", "VLLMConfig"]
 
 

@@ -23,7 +23,7 @@ from lightning_grpo.alarm import SignalAlarm
 from lightning_grpo.checkpoint import GRPOCheckpoint
 from lightning_grpo.cli import TRAINER_DEFAULTS
 from lightning_grpo.completions import CompletionLog
-from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
+from lightning_grpo.config import CertificateConfig, GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
 from lightning_grpo.correction import RolloutCorrection
 from lightning_grpo.data.preference_module import PreferenceDataModule
 from lightning_grpo.data.prompts import PromptDataModule
@@ -45,6 +45,7 @@ DATACLASS_SECTIONS = (
     ("model.rollout", RolloutConfig),
     ("model.rollout.vllm", VLLMConfig),
     ("model.rollout.server", ServerConfig),
+    ("model.rollout.certificate", CertificateConfig),
     ("model.policy", PolicyConfig),
     ("model.policy.tiny", TinyPolicySpec),
     ("model.policy.lora", LoraConfig),

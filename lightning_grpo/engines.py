@@ -95,7 +95,7 @@ def _vllm_engine(cfg: RolloutConfig, parts: EngineParts, will_sleep: bool) -> Ro
     path = resolve_path(parts.policy_cfg)
     check_vllm_can_load(path)  # a missing package named in 3 lines, not a pydantic error from inside LLM()
     return VLLMEngine(str(path), vllm, sampler_logprobs=parts.sampler_logprobs, lora_rank=parts.lora_rank,
-                      load_images=load_images)
+                      load_images=load_images, vocabulary_logprobs=cfg.certificate is not None)
 
 
 def _server_engine(cfg: RolloutConfig, parts: EngineParts) -> RolloutEngine:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lightning.pytorch import Trainer
 
+from lightning_grpo.certificate import ConsistencyError
 from lightning_grpo.checkpoint import (
     DamagedCheckpointError,
     FolderInUseError,
@@ -50,7 +51,7 @@ class RunWriteError(OSError):
 
 USER_ERRORS = (RewardError, CheckpointPathError, DamagedCheckpointError, PolicyNotFoundError, NonFiniteRunError,
                NonFiniteParametersError, FolderInUseError, ResumeMismatchError, EngineCannotLoadError, RunWriteError,
-               EnvProtocolError)
+               EnvProtocolError, ConsistencyError)
 """Raised mid-run for something the user can fix; their messages say what and how."""
 ERROR_LOG = "error.log"
 

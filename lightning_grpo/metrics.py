@@ -153,6 +153,8 @@ RANK_SAMPLED_WEIGHTED = frozenset({f"correction/{name}" for name in (
     "trainer_logprob_mean", "rollout_logprob_mean")})
 """Rollout-correction means over this rank's sampled tokens (rejected ones too): weighted by ``correction/tokens``."""
 RANK_MAX = frozenset({"grpo/ratio_max", "correction/is_weight_max", "reward/max", "completion/len_max",
+                      "rollout/staleness_worst", "rollout/version_span", "mismatch/kl_max",
+                      "mismatch/logprob_diff_max", "mismatch/seconds",
                       *(PREFIX + phase for phase in PHASES)})
 RANK_MIN = frozenset({"reward/min", "completion/len_min"})
 RANK_WEIGHTED = {"completion/terminated_len_mean": "completion/stop_frac"}

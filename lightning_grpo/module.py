@@ -22,8 +22,10 @@ from torch import Tensor
 from lightning_grpo import collect, lora
 from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch
+from lightning_grpo.certificate import Certifier, probe_prompts
 from lightning_grpo.checkpoint import adapter
 from lightning_grpo.checkpoint.signals import stop_poll
+from lightning_grpo.collect.async_rollouts import unwrapped
 from lightning_grpo.collect.rows import TokenFigure
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.fitting import PromptFit, fit_prompts
@@ -113,6 +115,7 @@ class GRPOModule(UpdateModule):
         self.episodes: EpisodeRunner | None = None  # model.env's runner: check_data builds it first
         self.reward_scorer = collect.RewardScorer(rewards)  # rebuilt with the fit's stop poll
         self.collector: collect.Collector | None = None
+        self.certifier: Certifier | None = None  # rollout.certificate: built with the engine
         self._publisher: WeightPublisher = NoPublisher()  # found (or attached) with the engine
         self._in_flight: dict[int, list[int]] = {}  # a loaded checkpoint's prompts in flight
 
@@ -169,6 +172,14 @@ class GRPOModule(UpdateModule):
             max_new_tokens=self.rollout_cfg.max_new_tokens, sampling=self.step_sampling(),
             tokenizer=self.tokenizer, vision=self.vision, context=self.context_length(),
             prompts=prompt_provider(self._trainer), dp=self.dp_group(), schedule=schedule)
+
+    def configure_certifier(self) -> Certifier | None:
+        """``rollout.certificate``: engine vs trainer at the first loop step and after every sync (None: off)."""
+        cfg = self.rollout_cfg.certificate
+        if cfg is None:
+            return None
+        syncs = not isinstance(self._publisher, NoPublisher)  # a publisher syncs the engine every loop step
+        return Certifier(cfg, self.policy, probe_prompts(self.tokenizer, cfg.prompts), after_syncs=syncs)
 
     def sampling(self) -> SamplingConfig:
         """The sampling of this rank's next training draw."""
@@ -274,6 +285,7 @@ class GRPOModule(UpdateModule):
         bucket_mb = self.rollout_cfg.sync_bucket_mb
         self._publisher.on_engine_ready(self.trainer, self.engine, self.policy, bucket_mb, self.timer)
         self.collector = self.configure_collector()
+        self.certifier = self.configure_certifier()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)  # the boundary state; refused (no weights) when any is non-finite
@@ -319,8 +331,13 @@ class GRPOModule(UpdateModule):
 
     # -- the phases -----------------------------------------------------------------------------------------------
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
-        """This rank's collected batch and rollout metrics (``collect/``: docs/collect.md)."""
-        return self.collector.collect(records, self.loop_step)
+        """This rank's collected batch and rollout metrics (``collect/``: docs/collect.md); first the consistency
+        certificate when one is due (the sync of this step is done and nothing is in flight)."""
+        if self.certifier is None:
+            return self.collector.collect(records, self.loop_step)
+        mismatch = self.certifier(unwrapped(self.engine), self.loop_step)
+        batch, metrics = self.collector.collect(records, self.loop_step)
+        return batch, {**metrics, **mismatch}
 
     def update(self, batch: RolloutBatch) -> LoopResult:
         """Consume one collected batch (this rank's share) as mu_iterations x n_mini optimizer steps."""

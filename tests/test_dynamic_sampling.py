@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_grpo.batch import pack_rollouts
 from lightning_grpo.collect.groups import Groups
 from lightning_grpo.collect.shaping import counted_only
+from lightning_grpo.collect.staleness import stamps
 from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec, overlong_penalty
@@ -130,7 +131,7 @@ def test_mask_truncated_completions_masks_exactly_the_length_finished_rows():
     rollouts = [Rollout(prompt, [7, 8, 9][: 1 + i % 3], "", f) for i, f in enumerate(finish)]
     batch = pack_rollouts(rollouts, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.zeros(4), pad_id=0)
     live = torch.ones(4, dtype=torch.bool)
-    groups = Groups(rollouts, torch.zeros(4), live, live)
+    groups = Groups(rollouts, torch.zeros(4), live, live, stamps(4, 0))
     masked = counted_only(batch, groups, mask_truncated=True)
     assert masked.completion_mask.any(-1).tolist() == [True, False, False, True]
     assert torch.equal(masked.completion_mask[[0, 3]], batch.completion_mask[[0, 3]])

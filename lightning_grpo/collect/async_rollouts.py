@@ -224,11 +224,3 @@ def _settle(flight: InFlight, should_stop: Callable[[], bool] | None) -> None:
     while not flight.done.wait(0.2):
         if should_stop is not None:
             should_stop()
-
-
-def staleness_metrics(staleness: int, k: int) -> dict[str, float]:
-    """``rollout/staleness`` (loop steps between the weights a batch was drawn with and the trainer's) and its
-    histogram over 0..k, one fraction per bucket (all rows of a batch share one weight version)."""
-    out = {"rollout/staleness": float(staleness)}
-    out.update({f"rollout/staleness_{i}_frac": float(i == staleness) for i in range(k + 1)})
-    return out

@@ -4,8 +4,10 @@ One collection, in call order (docs/collect.md draws it):
 
 1. ``_round``: records -> prompts (``prompts.py``: a VLM's images expanded, unreadable ones skipped) -> rollouts
    (``draw.py``; under async rollouts through ``schedule.py``) -> rewards (``rewards.py``) shaped by
-   ``shaping.REWARD_RULES`` (the overlong penalty) -> whole groups (``groups.py``).
-2. ``rl.dynamic_sampling``: only groups whose rewards differ, refilled from further prompts (``refill.py``).
+   ``shaping.REWARD_RULES`` (the overlong penalty) -> whole groups (``groups.py``), each stamped with the weight
+   version that drew it (``staleness.py``).
+2. ``rl.dynamic_sampling``: only groups whose rewards differ, refilled from further prompts (``refill.py``); under
+   async rollouts the staleness of the trained rows.
 3. ``_advantages``: group-normalized advantages of the trained rows (``advantages.py``).
 4. ``pack_rollouts`` -> the ``RolloutBatch`` and ``shaping.BATCH_METRICS`` over it; shaping leaves only the tokens
    that count in the loss.
@@ -32,6 +34,7 @@ from lightning_grpo.collect.rewards import RewardScorer
 from lightning_grpo.collect.rows import RewardParts, StepRows
 from lightning_grpo.collect.schedule import AsyncSchedule
 from lightning_grpo.collect.shaping import batch_metrics, counted_only, counted_rows, shape_rewards
+from lightning_grpo.collect.staleness import staleness_metrics, stamps
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.distributed import ONE_PROCESS_GROUP, DataParallelGroup
@@ -106,6 +109,9 @@ class Collector:
             groups, counts = fill(groups, self.rl.group_size, len(records), self.rl.max_refill_rounds, refill,
                                   self.dp.total, self.dp.rank)
             metrics.update(counts.metrics())
+        if self.schedule is not None:  # over the rows trained: a refill round is drawn now, with current weights
+            rows = groups.trained if bool(groups.trained.any()) else groups.live  # as _advantages: what was drawn
+            metrics.update(staleness_metrics(groups.versions, rows, loop_step, self.schedule.rollouts.k))
         advantages, adv_metrics = self._advantages(groups)
         batch = pack_rollouts(groups.rollouts, advantages, groups.rewards, self.tokenizer.pad_token_id, self.context)
         metrics.update(adv_metrics)
@@ -132,7 +138,7 @@ class Collector:
         batch size is the config's) with nothing to learn from."""
         # A VLM's image placeholders are expanded here (its images decoded): an unreadable one is met at this step.
         prompts, skipped = self.prompts_of(records)
-        rollouts, metrics = self._training_draw(live_prompts(prompts, skipped), loop_step)
+        rollouts, metrics, version = self._training_draw(live_prompts(prompts, skipped), loop_step)
         rewards, reward_metrics = self.score(rollouts)
         metrics = {**reward_metrics, **metrics}
         rewards = shape_rewards(rollouts, rewards, self.rl, self.max_new_tokens)
@@ -143,12 +149,14 @@ class Collector:
             rollouts, keep = with_skipped_groups(rollouts, prompts, skipped, self.rl.group_size,
                                                  self.tokenizer.eos_token_id)
             rewards = scatter(rewards, keep)
-        return Groups(rollouts, rewards, keep, keep), metrics
+        return Groups(rollouts, rewards, keep, keep, stamps(len(rollouts), version)), metrics
 
-    def _training_draw(self, prompts: list[Prompt], loop_step: int) -> tuple[list[Rollout], dict[str, float]]:
+    def _training_draw(self, prompts: list[Prompt], loop_step: int) -> tuple[list[Rollout], dict[str, float], int]:
+        """(rollouts, episode metrics, the weight version that drew them: ``loop_step`` when drawn now)."""
         sampling = self.sampling.at(loop_step)
         if self.schedule is None:
-            return self.drawer(prompts, self.rl.group_size, sampling)
+            rollouts, metrics = self.drawer(prompts, self.rl.group_size, sampling)
+            return rollouts, metrics, loop_step
         upcoming = functools.partial(self._upcoming, loop_step)
         return self.schedule.draw(loop_step + 1, prompts, sampling, self._job, upcoming)
 

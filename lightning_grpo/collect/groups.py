@@ -25,16 +25,20 @@ class Groups:
     """``[N]`` bool: rows with a real completion (False: a skipped bad record's placeholder)."""
     trained: Tensor
     """``[N]`` bool: rows the loss learns from (live, and not a padding group under dynamic sampling)."""
+    versions: Tensor
+    """``[N, 2]`` int64: the weight version at the first and at the last sampled token of each row's group
+    (``staleness.py``)."""
 
     def group(self, g: int, group_size: int, trained: bool) -> Groups:
         rows = slice(g * group_size, (g + 1) * group_size)
         live = self.live[rows]
-        return Groups(self.rollouts[rows], self.rewards[rows], live, live & trained)
+        return Groups(self.rollouts[rows], self.rewards[rows], live, live & trained, self.versions[rows])
 
 
 def concat(groups: list[Groups]) -> Groups:
     return Groups([r for g in groups for r in g.rollouts], torch.cat([g.rewards for g in groups]),
-                  torch.cat([g.live for g in groups]), torch.cat([g.trained for g in groups]))
+                  torch.cat([g.live for g in groups]), torch.cat([g.trained for g in groups]),
+                  torch.cat([g.versions for g in groups]))
 
 
 def scatter(values: Tensor, keep: Tensor) -> Tensor:

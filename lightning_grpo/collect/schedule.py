@@ -2,7 +2,7 @@
 ``AsyncRollouts``).
 
 * ``AsyncSchedule.draw``: loop step ``s``'s batch (in flight, or drawn now), then steps ``s+1 .. s+k`` put in flight
-  from the data stream's next prompts with their own seeds; adds the staleness metrics.
+  from the data stream's next prompts with their own seeds; says which weights drew the batch (its version stamp).
 * ``record`` / ``in_flight_of``: a checkpoint records the prompts in flight; the resumed run draws them again (same
   prompts, same seeds: the data position did not pass them), so no prompt is lost or trained twice.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from lightning_grpo.collect.async_rollouts import AsyncRollouts, Job, staleness_metrics
+from lightning_grpo.collect.async_rollouts import AsyncRollouts, Job
 from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -59,13 +59,14 @@ class AsyncSchedule:
         self._reissue = dict(reissue or {})
 
     def draw(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job,
-             upcoming: Upcoming) -> tuple[list[Rollout], dict[str, float]]:
+             upcoming: Upcoming) -> tuple[list[Rollout], dict[str, float], int]:
         """Loop step ``step``'s batch (``job(prompts, sampling)`` draws one with the wrapped engine), the next k in
-        flight (``upcoming(i)``: step ``step + i``'s prompts and sampling)."""
+        flight (``upcoming(i)``: step ``step + i``'s prompts and sampling). Returns (rollouts, episode metrics, the
+        weight version that drew them: the loop step whose weights the engine held)."""
         self._check_reissued(step, prompts)
         rollouts, metrics, weights_step = self.rollouts.take(step, prompts, sampling, job, self.should_stop)
         self.rollouts.submit_ahead(step, upcoming, job)
-        return rollouts, {**metrics, **staleness_metrics(step - 1 - weights_step, self.rollouts.k)}
+        return rollouts, metrics, weights_step
 
     def expect_reissue(self, reissue: dict[int, list[int]]) -> None:
         """A checkpoint loaded after this schedule was built (a strategy that restores after ``on_fit_start``)."""

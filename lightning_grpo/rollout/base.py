@@ -220,6 +220,27 @@ class DrawsAhead(Protocol):
     max_off_policy_steps: int
 
 
+@dataclass(frozen=True)
+class VocabDraw:
+    """One probe completion and the whole next-token distribution the engine drew each of its tokens from."""
+
+    token_ids: list[int]
+    """``[T]`` completion tokens."""
+    logprobs: Tensor
+    """``[T, V]`` float32 log-probabilities over the vocabulary at each completion position."""
+
+
+@runtime_checkable
+class ScoresVocabulary(Protocol):
+    """Returns the whole next-token distribution it samples from, not just the sampled token's logprob (the
+    consistency certificate, ``lightning_grpo/certificate.py``)."""
+
+    def vocabulary_logprobs(self, prompts: Sequence[Prompt], max_new_tokens: int, seed: int) -> list[VocabDraw]:
+        """One completion per prompt at temperature 1 (no top-k, no top-p), seeded per prompt id: the model's own
+        distribution at every position, as the engine computes it when it samples."""
+        ...
+
+
 def cut_before_forbidden(token_ids: Sequence[int], forbidden: Sequence[int]) -> tuple[list[int], bool]:
     """``(tokens before the first forbidden one, whether one was found)``; the same for every engine."""
     ids = list(token_ids)

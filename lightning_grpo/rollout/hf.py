@@ -27,7 +27,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.distributed import is_fsdp2
-from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, cut_at_stop, cut_before_forbidden
+from lightning_grpo.rollout.base import (
+    Prompt,
+    Rollout,
+    SamplingConfig,
+    VocabDraw,
+    cut_at_stop,
+    cut_before_forbidden,
+)
 from lightning_grpo.rollout.gqa import decode_attention
 from lightning_grpo.rollout.sampler import InverseCDFSampler, RowStreams, row_seeds
 from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
@@ -92,6 +99,28 @@ class HFEngine(BookkeptSleep):
         logprobs = sampler.logprobs().cpu() if sampling.logprobs else None  # [N, T]
         return [self._rollout(p, completions[i], None if logprobs is None else logprobs[i], sampling.stop,
                               sampling.forbidden_token_ids) for i, p in enumerate(rows)]
+
+    def vocabulary_logprobs(self, prompts: Sequence[Prompt], max_new_tokens: int, seed: int) -> list[VocabDraw]:
+        """One completion per prompt at temperature 1, and the log-softmax of the logits each token was drawn from
+        (the decode path: left-padded batch, KV cache, this engine's attention), ``[T, V]`` float32 per prompt."""
+        self._sleep.require("weights", "kv_cache", call="HFEngine.vocabulary_logprobs()")
+        sampling = SamplingConfig(max_new_tokens=max_new_tokens, seed=seed)
+        self._check_prompts(prompts, sampling)
+        input_ids, attention_mask = self._left_pad([p.token_ids for p in prompts])  # [N, L]
+        sampler = InverseCDFSampler(RowStreams(row_seeds([p.id for p in prompts], 1, seed)), record=False)
+        config = self._generation_config(sampling)
+        config.output_logits = True  # the logits before any processor: the model's own distribution at T = 1
+        config.return_dict_in_generate = True
+        with self._generation_mode(), decode_attention(self.model, self.grouped_attention):
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                      logits_processor=_processors(sampling, sampler))
+        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).cpu()  # [N, T, V]
+        completions = out.sequences[:, input_ids.shape[1] :].cpu()  # [N, T]
+        draws = []
+        for i, p in enumerate(prompts):
+            ids = self._rollout(p, completions[i], None, ()).token_ids  # EOS kept, padding after it dropped
+            draws.append(VocabDraw(ids, logprobs[i, : len(ids)]))
+        return draws
 
     def _check_prompts(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> None:
         n_ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)

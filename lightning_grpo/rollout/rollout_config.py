@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_grpo.checks import is_finite, is_int, raise_problems
+from lightning_grpo.rollout.certificate_config import CertificateConfig
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_config import VLLMConfig
 
@@ -50,6 +51,10 @@ class RolloutConfig:
     rollout correction (docs/async.md)."""
     long_prompts: Literal["drop", "error"] = "drop"
     """Prompts over max_prompt_tokens: drop (counted in data/long_prompts_dropped, warned once) or error at setup."""
+    certificate: CertificateConfig | None = None
+    """The consistency certificate (engine vs trainer over the whole vocabulary, at the first loop step and after
+    every weight sync; ``mismatch/*`` metrics, an alarm or a stop): engines hf and vllm. None = off
+    (docs/consistency.md)."""
 
     def prompt_limit(self, context: int | None) -> int | None:
         """The prompt-length limit: ``max_prompt_tokens``, else the context left after the completion (the policy's
@@ -92,6 +97,13 @@ class RolloutConfig:
             p.append(f"max_off_policy_steps={self.max_off_policy_steps} with engine={self.engine!r}: async rollouts "
                      "need the sampler in another process, where it runs while this one updates; set engine: "
                      "vllm_server, or max_off_policy_steps: 0")
+        if self.certificate is not None and self.engine not in ("hf", "vllm"):
+            p.append(f"certificate with engine={self.engine!r}: only engines hf and vllm return their whole "
+                     "next-token distribution; use one of them, or leave rollout.certificate out")
+        if self.server is not None and self.server.cache_salt and self.engine != "vllm_server":
+            p.append(f"server.cache_salt=True with engine={self.engine!r}: only the vllm_server engine salts its "
+                     "requests by weight version; set engine: vllm_server, or leave server.cache_salt false (the "
+                     "other engines reset their prefix cache at every sync)")
         if self.engine == "replay" and not self.replay_path:
             p.append("replay_path=None: engine=replay needs a JSONL file of recorded rollouts")
         return p

@@ -60,6 +60,10 @@ class ServerConfig:
     probe_tolerance: float | None = None
     """Largest |server - trainer| logprob on the probe sequence after a sync; None = 1e-3 for a float32 server,
     0.1 otherwise. Above it the engine is stale (a sync did not land) and the run stops."""
+    cache_salt: bool = False
+    """Keep the prefix cache across weight syncs, keyed by weight version: every request carries vLLM's
+    ``cache_salt`` of the version the servers hold, so a prefix cached under older weights is never reused, and no
+    global ``/reset_prefix_cache`` runs at a sync. False = reset the whole cache at every sync (docs/async.md)."""
     restarts: int = 0
     """How many times a launched server that dies mid-run is started again (same port and settings) before the run
     stops. A restarted server loads the policy folder again, so the engine republishes the trainer's current weights

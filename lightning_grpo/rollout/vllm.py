@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import shutil
@@ -45,7 +46,7 @@ from torch import Tensor
 from lightning_grpo.checks import ConfigError
 from lightning_grpo.lora import write_adapter_folder
 from lightning_grpo.rollout.adapter_sync import served_rank
-from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_rollout
+from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, VocabDraw, finish_rollout
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.sleep import SleepState
 from lightning_grpo.rollout.vllm_config import VLLMConfig
@@ -71,6 +72,8 @@ class VLLMEngine:
             resolves to processed logprobs when they will).
         lora_rank: the policy's LoRA rank when adapters are published as such (None: a plain engine).
         load_images: decodes prompts' images (needed only for prompts with images: a vision-language policy).
+        vocabulary_logprobs: build vLLM with ``max_logprobs=-1`` so ``vocabulary_logprobs`` may ask for every
+            logprob (the consistency certificate, ``rollout.certificate``).
 
     Example::
 
@@ -81,8 +84,9 @@ class VLLMEngine:
 
     def __init__(self, model_path: str | os.PathLike, config: VLLMConfig | None = None,
                  sampler_logprobs: bool = True, lora_rank: int | None = None,
-                 load_images: ImageLoader | None = None) -> None:
+                 load_images: ImageLoader | None = None, vocabulary_logprobs: bool = False) -> None:
         self.config = cfg = config or VLLMConfig()
+        self.scores_vocabulary = vocabulary_logprobs
         _check_launch(cfg)
         auto = "processed_logprobs" if sampler_logprobs else "raw_logprobs"
         self.logprobs_mode = auto if cfg.logprobs_mode == "auto" else cfg.logprobs_mode
@@ -97,6 +101,7 @@ class VLLMEngine:
         """The policy's LoRA adapter, reloaded as a new request each sync (None: built without LoRA)."""
         with _caller_rng_kept():
             kwargs = _llm_kwargs(cfg, self.sleep_mode, self.logprobs_mode)
+            kwargs |= {"max_logprobs": -1} if vocabulary_logprobs else {}  # -1: up to the whole vocabulary
             kwargs |= self.adapters.engine_kwargs() if self.adapters else {}
             self.llm = LLM(model=str(self.model_path), **kwargs)
         self.dtype: torch.dtype = self.llm.llm_engine.vllm_config.model_config.dtype
@@ -131,6 +136,25 @@ class VLLMEngine:
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         decode = self._decoder() if sampling.stop or sampling.forbidden_token_ids else None
         return [_rollout(p, out.outputs[0], sampling, decode) for p, out in zip(rows, outputs)]
+
+    def vocabulary_logprobs(self, prompts: Sequence[Prompt], max_new_tokens: int, seed: int) -> list[VocabDraw]:
+        """One completion per prompt at temperature 1 with every logprob of each decode step (``logprobs=-1``;
+        vLLM 0.32), as a ``[T, V]`` float32 tensor per prompt. Costs a Python object per vocabulary entry and
+        position: a probe of a few short sequences, never a training draw."""
+        from vllm import SamplingParams
+
+        if not self.scores_vocabulary:
+            raise RuntimeError("VLLMEngine.vocabulary_logprobs(): the engine was built without max_logprobs=-1; build "
+                               "it with vocabulary_logprobs=True (rollout.certificate does)")
+        self._sleep.require("weights", "kv_cache", call="VLLMEngine.vocabulary_logprobs()")
+        self._refresh_derived()
+        seeds = row_seeds([p.id for p in prompts], 1, seed)
+        params = [SamplingParams(n=1, temperature=1.0, max_tokens=max_new_tokens, logprobs=-1, seed=s) for s in seeds]
+        requests = [vllm_request(p, self.image_token_id, self._load_images) for p in prompts]
+        lora = self.adapters.request if self.adapters else None
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        return [_vocab_draw(out.outputs[0], vocab) for out in outputs]
 
     def _decoder(self):
         """Token ids -> text as HFEngine decodes them (special tokens skipped), for the shared stop-string cut."""
@@ -338,6 +362,16 @@ def _rollout(prompt: Prompt, completion, sampling: SamplingConfig, decode=None) 
     ids = list(completion.token_ids)
     logprobs = [step[t].logprob for step, t in zip(completion.logprobs, ids)] if sampling.logprobs else None
     return finish_rollout(prompt, ids, completion.text, completion.finish_reason, logprobs, sampling, decode)
+
+
+def _vocab_draw(completion, vocab: int) -> VocabDraw:
+    """vLLM's per-step ``{token id: Logprob}`` dicts as one ``[T, V]`` tensor (-inf where vLLM left a token out)."""
+    ids = list(completion.token_ids)
+    logprobs = torch.full((len(ids), vocab), -math.inf)  # [T, V]
+    for t, step in enumerate(completion.logprobs):
+        index = torch.tensor(list(step.keys()))
+        logprobs[t, index] = torch.tensor([lp.logprob for lp in step.values()])
+    return VocabDraw(ids, logprobs)
 
 
 @contextlib.contextmanager

@@ -212,7 +212,13 @@ class VLLMServerEngine(BookkeptSleep):
         return {**model, "prompt": list(prompt.token_ids), "max_tokens": s.max_new_tokens,
                 "temperature": s.temperature, "top_p": s.top_p if warped else 1.0, "top_k": s.top_k if warped else 0,
                 "seed": seed, "logprobs": 0 if s.logprobs else None, "stop": list(s.stop) or None,
-                "return_token_ids": True, "skip_special_tokens": True}
+                "return_token_ids": True, "skip_special_tokens": True, **self._salt()}
+
+    def _salt(self) -> dict:
+        """``cache_salt``: vLLM hashes it into every prefix-cache block of the request, so blocks cached under another
+        weight version never match (``rollout.server.cache_salt``). Versions only grow on a server (a URL's continue
+        from its highest), so a salt is never reused for other weights; ranks share it, so they share blocks."""
+        return {"cache_salt": f"lightning-grpo-v{self.version}"} if self.config.cache_salt else {}
 
     # -- weight sync (vLLM's RL API) -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -260,13 +266,14 @@ class VLLMServerEngine(BookkeptSleep):
         return None if self.adapters is None else self.adapters.name
 
     def reset_prefix_cache(self) -> None:
-        """End of a sync: finish the session under the next weight version, drop cached KV blocks, check the engine."""
+        """End of a sync: finish the session under the next weight version, drop cached KV blocks (under
+        ``cache_salt`` the next requests' salt does it), check the engine."""
         if self._session:
             if self.ranks.leads:
                 self._post("/finish_weight_update", {"weight_version": str(self.version + 1)}, "finish_weight_update")
             self._session = False
             self.version += 1
-        if self.ranks.leads:
+        if self.ranks.leads and not self.config.cache_salt:  # salted: the new version's salt misses the old blocks
             self._post("/reset_prefix_cache", {}, "reset_prefix_cache")
         self.ranks.barrier()  # no rank samples before the new weights landed
         self.check_current()  # on every rank

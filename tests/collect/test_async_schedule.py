@@ -69,16 +69,51 @@ def zero_rewards(rollouts):
     return torch.zeros(len(rollouts)), {}
 
 
+class RefillStream(PromptProvider):
+    """Loop step ``s`` holds the records ``8s .. 8s + 7``; each refill round brings 4 new ids from 1000, every
+    ``spacing``-th."""
+
+    def __init__(self, spacing: int = 2) -> None:
+        self.position = 0
+        self.refilled = 0
+        self.spacing = spacing
+
+    def fetch(self) -> list[PromptRecord]:
+        self.position += 1
+        return self.upcoming_records(0)
+
+    def upcoming_records(self, ahead: int) -> list[PromptRecord]:
+        first = 8 * (self.position - 1 + ahead)
+        return [PromptRecord(i, f"{i % 10}+1=", "2", {}) for i in range(first, first + 8)]
+
+    def refill_records(self) -> list[PromptRecord]:
+        first = 1000 + 4 * self.spacing * self.refilled
+        self.refilled += 1
+        return [PromptRecord(i, f"{i % 10}+1=", "2", {}) for i in range(first, first + 4 * self.spacing, self.spacing)]
+
+
+def odd_ids_flat(rollouts):
+    """An odd prompt id's group is flat (dropped by dynamic sampling); an even id's has rewards (1, 0)."""
+    values = [float(r.prompt.id % 2 == 1 or r.token_ids == [5]) for r in rollouts]
+    return torch.tensor(values), {}
+
+
+def flat_unless_a_multiple_of_4(rollouts):
+    values = [float(r.prompt.id % 4 != 0 or r.token_ids == [5]) for r in rollouts]
+    return torch.tensor(values), {}
+
+
 class Trainer:
     """What the module does around the collector: loop steps consumed, and a weight sync at each boundary."""
 
-    def __init__(self, engine: VersionedEngine, k: int = 1, reissue=None) -> None:
+    def __init__(self, engine: VersionedEngine, k: int = 1, reissue=None, rl: GRPOConfig = RL,
+                 stream: PromptProvider | None = None, score=zero_rewards) -> None:
         self.loop_step = 0
-        self.stream = Stream()
+        self.stream = stream or Stream()
         self.rollouts = AsyncRollouts(engine, k, weights_step=self.weights_step)
         self.schedule = AsyncSchedule(self.rollouts, reissue=reissue)
         sampling = StepSampling(4, 1.0, 1.0, 0, (), False, seed=0)
-        self.collector = Collector(Drawer(self.rollouts, None), zero_rewards, rl=RL, max_new_tokens=4,
+        self.collector = Collector(Drawer(self.rollouts, None), score, rl=rl, max_new_tokens=4,
                                    sampling=sampling, tokenizer=make_char_tokenizer(), prompts=self.stream,
                                    schedule=self.schedule)
 
@@ -104,6 +139,41 @@ def test_one_step_off_draws_each_batch_with_the_weights_of_two_steps_before():
     assert [m["rollout/staleness_1_frac"] for _, m in seen] == [0.0, 1.0, 1.0, 1.0]
     assert engine.threads == {"lightning-grpo-rollouts"}  # every training draw ran on the worker thread
     assert run.rollouts.in_flight() == {5: [8, 9]}  # loop step 5 (its records: ids 8, 9) is in flight
+
+
+def test_refill_rows_drawn_with_current_weights_count_as_current_in_the_staleness():
+    """Async + dynamic sampling: half of loop step 2's trained rows come from a refill round drawn on the spot with
+    the current weights (docs/async.md), so half the trained rows are 0 steps stale, half 1."""
+    rl = GRPOConfig(batch_per_replica=16, group_size=2, micro_batch_per_replica=16, dynamic_sampling=True,
+                    max_refill_rounds=2)
+    run = Trainer(VersionedEngine(), rl=rl, stream=RefillStream(), score=odd_ids_flat)
+    run.step()
+    texts, metrics = run.step()
+    assert texts == ["v0"] * 8 + ["v1"] * 8  # 4 groups drawn ahead (weights of step 0), 4 refilled now
+    assert metrics["data/dynamic_refill_rounds"] == 1.0
+    assert metrics["rollout/staleness"] == 0.5
+    assert metrics["rollout/staleness_0_frac"] == 0.5
+    assert metrics["rollout/staleness_1_frac"] == 0.5
+    assert metrics["rollout/staleness_worst"] == 1.0
+    assert metrics["rollout/version_span"] == 0.0  # one weight version from each group's first token to its last
+
+
+def test_staleness_describes_the_trained_rows_never_the_padding():
+    """Loop step 2 keeps 2 informative groups of its stale draw and 4 of a refill round drawn now; the batch stays 2
+    groups short and pads with flat groups of the stale draw, which train nothing: 4 stale rows and 8 current ones
+    are trained (with the padding counted it would read 0.5, per batch 1.0)."""
+    rl = GRPOConfig(batch_per_replica=16, group_size=2, micro_batch_per_replica=16, dynamic_sampling=True,
+                    max_refill_rounds=1)
+    run = Trainer(VersionedEngine(), rl=rl, stream=RefillStream(spacing=4), score=flat_unless_a_multiple_of_4)
+    with pytest.warns(UserWarning, match="short over all ranks"):
+        run.step()
+    with pytest.warns(UserWarning, match="short over all ranks"):
+        texts, metrics = run.step()
+    assert texts == ["v0"] * 4 + ["v1"] * 8 + ["v0"] * 4  # 2 stale groups, 4 refilled, 2 stale padding groups
+    assert metrics["data/dynamic_batch_short"] == 2.0
+    assert metrics["rollout/staleness"] == pytest.approx(1 / 3)
+    assert metrics["rollout/staleness_0_frac"] == pytest.approx(2 / 3)
+    assert metrics["rollout/staleness_worst"] == 1.0
 
 
 def test_a_checkpoint_records_the_prompts_in_flight_and_rank_0_reads_them_back():

@@ -1,0 +1,40 @@
+"""Version stamps: which weights drew each group, and how stale the trained rows were (``rollout/staleness*``).
+
+Every group records the weight version (the loop step whose weights the engine held) at its first and at its last
+sampled token: equal unless a weight update landed while the group was being sampled. A round drawn now carries the
+trainer's version; a batch drawn ahead carries the version the engine held when it was put in flight
+(``async_rollouts.py``). Refill rounds are drawn now, so under async rollouts one collected batch may mix versions:
+the metrics are over the rows the loss learns from (refill rows included, padding groups left out), never one
+figure per batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def stamps(rows: int, version: int) -> Tensor:
+    """``[rows, 2]`` int64 (first, last token's version) of a round drawn with one weight version throughout."""
+    return torch.full((rows, 2), version, dtype=torch.int64)
+
+
+def staleness_metrics(versions: Tensor, counted: Tensor, trainer_version: int, k: int) -> dict[str, float]:
+    """Staleness of the counted rows: loop steps between the weights at a row's first token and the trainer's.
+
+    Args:
+        versions: ``[N, 2]`` int64 (first, last) weight version of each row's group.
+        counted: ``[N]`` bool, the rows described (the trained ones).
+        trainer_version: the loop step whose weights the trainer holds now.
+        k: ``rollout.max_off_policy_steps``: one ``staleness_<i>_frac`` per ``i`` in ``0..k``.
+    """
+    first = versions[counted, 0]  # [n]
+    span = versions[counted, 1] - first  # [n] 0 unless an update landed mid-group
+    stale = (trainer_version - first).double()  # [n]
+    n = max(stale.numel(), 1)  # nothing counted: every figure 0
+    out = {"rollout/staleness": float(stale.sum()) / n,
+           "rollout/staleness_worst": float(stale.max()) if stale.numel() else 0.0,
+           "rollout/version_span": float(span.max()) if span.numel() else 0.0}
+    for i in range(k + 1):
+        out[f"rollout/staleness_{i}_frac"] = float((stale == i).sum()) / n
+    return out
