@@ -27,9 +27,10 @@ pytest.importorskip("vllm")
 
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
+from lightning_grpo.rollout.server.probe import StaleEngineError
 from lightning_grpo.rollout.server.process import ServerError, ServerProcess, request_json
 from lightning_grpo.rollout.server_config import ServerConfig
-from lightning_grpo.rollout.vllm_server import StaleEngineError, VLLMServerEngine, sequence_logprobs
+from lightning_grpo.rollout.vllm_server import VLLMServerEngine, sequence_logprobs
 from lightning_grpo.rollout.weight_sync import push_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

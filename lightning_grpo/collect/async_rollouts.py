@@ -32,6 +32,7 @@ from lightning_grpo.rollout.base import (
     DeclaresWeights,
     LoadsAdapters,
     Prompt,
+    RestartsServers,
     Rollout,
     RolloutEngine,
     SamplingConfig,
@@ -92,6 +93,8 @@ class AsyncRollouts:
         self._queue: list[tuple[InFlight, Callable[[], tuple]]] = []
         self._wake = threading.Condition()
         self._closed = False
+        if isinstance(engine, RestartsServers):  # the worker never republishes: the training thread does, in take
+            engine.hold_restarts()
         self._worker = threading.Thread(target=self._work, name="lightning-grpo-rollouts", daemon=True)
         self._worker.start()
 
@@ -107,11 +110,34 @@ class AsyncRollouts:
             _settle(flight, should_stop)  # not ours (the data or the seed changed): wait it out, draw afresh
             flight = None
         if flight is None:
-            self.wait_idle(should_stop)
-            flight = self._submit(step, prompts, sampling, job)
-            del self._flight[step]  # drawn now: taken, not in flight
-        rollouts, metrics = flight.wait(should_stop)
+            flight = self._draw_now(step, prompts, sampling, job, should_stop)
+        try:
+            rollouts, metrics = flight.wait(should_stop)
+        except BaseException as err:
+            if not self._recovered(err, should_stop):
+                raise
+            flight = self._draw_now(step, prompts, sampling, job, should_stop)  # same prompts and seeds
+            rollouts, metrics = flight.wait(should_stop)
         return rollouts, metrics, flight.weights_step
+
+    def _draw_now(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job,
+                  should_stop: Callable[[], bool] | None) -> InFlight:
+        """Draw step ``step``'s batch now, after everything in flight, with the weights the engine holds."""
+        self.wait_idle(should_stop)
+        flight = self._submit(step, prompts, sampling, job)
+        del self._flight[step]  # drawn now: taken, not in flight
+        return flight
+
+    def _recovered(self, err: BaseException, should_stop: Callable[[], bool] | None = None) -> bool:
+        """A draw met a dead server: with the worker idle, the engine starts it again and republishes the trainer's
+        weights (``rollout/server/restarts.py``); the batches drawn from now on hold those weights."""
+        if not isinstance(self.engine, RestartsServers):
+            return False
+        self.wait_idle(should_stop)  # in-flight draws that met the same death end (with its error) first
+        if not self.engine.recover(err):
+            return False
+        self.weights_step = self._weights_now()  # the trainer's current weights, republished
+        return True
 
     def submit_ahead(self, step: int, batches: Callable[[int], tuple[Sequence[Prompt], SamplingConfig] | None],
                      job: Job) -> None:
@@ -137,7 +163,12 @@ class AsyncRollouts:
     # -- the engine protocol: everything else waits for the in-flight batches first -----------------------------
     def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
         self.wait_idle()
-        return self.engine.generate(prompts, group_size, sampling)
+        try:
+            return self.engine.generate(prompts, group_size, sampling)
+        except BaseException as err:
+            if not self._recovered(err):
+                raise
+            return self.engine.generate(prompts, group_size, sampling)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self.wait_idle()  # a batch is drawn with one weight version, never a mix

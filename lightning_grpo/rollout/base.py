@@ -186,6 +186,25 @@ class Served(Protocol):
 
 
 @runtime_checkable
+class RestartsServers(Protocol):
+    """Starts a launched server that died again (``VLLMServerEngine``, ``rollout.server.restarts``)."""
+
+    @property
+    def server_restarts(self) -> int:
+        """Servers started again so far in this run (``rollout/server_restarts``)."""
+        ...
+
+    def hold_restarts(self) -> None:
+        """A draw that meets a dead server raises from now on (the async worker's): ``recover`` repairs it."""
+        ...
+
+    def recover(self, err: BaseException) -> bool:
+        """After a draw failed with ``err``: True once the server runs again with the trainer's weights; False:
+        ``err`` stands. Call it from the thread that owns the weights, with no draw under way."""
+        ...
+
+
+@runtime_checkable
 class DrawsAhead(Protocol):
     """Draws training batches ahead of the update (``rollout.max_off_policy_steps``, ``AsyncRollouts``)."""
 
