@@ -93,9 +93,9 @@ class AsyncRollouts:
         self._queue: list[tuple[InFlight, Callable[[], tuple]]] = []
         self._wake = threading.Condition()
         self._closed = False
-        if isinstance(engine, RestartsServers):  # the worker never republishes: the training thread does, in take
-            engine.hold_restarts()
         self._worker = threading.Thread(target=self._work, name="lightning-grpo-rollouts", daemon=True)
+        if isinstance(engine, RestartsServers):  # the worker never republishes: the training thread does, in take
+            engine.hold_restarts(self._worker)
         self._worker.start()
 
     # -- the training draw -----------------------------------------------------------------------------------------

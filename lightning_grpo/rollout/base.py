@@ -3,6 +3,7 @@ capabilities some engines add (typed ``Protocol``s checked with ``isinstance``, 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -194,8 +195,8 @@ class RestartsServers(Protocol):
         """Servers started again so far in this run (``rollout/server_restarts``)."""
         ...
 
-    def hold_restarts(self) -> None:
-        """A draw that meets a dead server raises from now on (the async worker's): ``recover`` repairs it."""
+    def hold_restarts(self, thread: threading.Thread) -> None:
+        """A draw on ``thread`` (the async worker) that meets a dead server raises: ``recover`` repairs it."""
         ...
 
     def recover(self, err: BaseException) -> bool:

@@ -22,6 +22,7 @@ import base64
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -93,7 +94,7 @@ class VLLMServerEngine(BookkeptSleep):
         self.adapters = ServerAdapters(lora_rank) if lora_rank else None
         self.republish = republish
         self.restarts = ServerRestarts(cfg.restarts)
-        self._draws_restart = True
+        self._held: set[threading.Thread] = set()
         self._interrupted: ServerDied | None = None
         """A death met in the sync under way: its remaining buckets are skipped, and its end recovers."""
         self.model_path = Path(model_path)
@@ -178,7 +179,7 @@ class VLLMServerEngine(BookkeptSleep):
                 with ThreadPoolExecutor(max_workers=min(len(bodies), 64) or 1) as pool:
                     return list(pool.map(ServerClient.complete, targets, bodies))
             except ServerDied as err:
-                if not self._draws_restart:
+                if threading.current_thread() in self._held:
                     raise  # the async worker: the training thread recovers (``recover``)
                 self._recover(err)
 
@@ -186,10 +187,10 @@ class VLLMServerEngine(BookkeptSleep):
     def server_restarts(self) -> int:
         return self.restarts.done
 
-    def hold_restarts(self) -> None:
-        """From now on a draw that meets a dead server raises: only the thread owning the trainer's weights may
+    def hold_restarts(self, thread: threading.Thread) -> None:
+        """A draw on ``thread`` that meets a dead server raises: only the thread owning the trainer's weights may
         republish them (``recover``: the async worker draws)."""
-        self._draws_restart = False
+        self._held.add(thread)
 
     def recover(self, err: BaseException) -> bool:
         """True once the server a draw's ``err`` met dead runs again with the trainer's weights (``RestartsServers``)."""
