@@ -96,6 +96,9 @@ def reply_to(route: str, body: dict | None) -> dict | None:
         tokens = [(body["seed"] + i) % 50 for i in range(body["max_tokens"])]
         return {"choices": [{"token_ids": tokens, "text": "", "finish_reason": "length",
                              "logprobs": {"token_logprobs": [STATE["lp"]] * len(tokens)}}]}
+    if route == "collective_rpc" and ARGS.wrong_model:  # another model's inspection: a vocabulary of 999
+        return {"results": ["Qwen2ForCausalLM(\n  (embed_tokens): VocabParallelEmbedding(num_embeddings=999, "
+                            "embedding_dim=8, org_vocab_size=999)"]}
     return None  # collective_rpc and the rest: 404, as a vLLM without the route
 
 
@@ -108,6 +111,7 @@ if __name__ == "__main__":
     parser.add_argument("--hang-at", default=None)
     parser.add_argument("--once", default=None)
     parser.add_argument("--exit-on-restart", action="store_true")
+    parser.add_argument("--wrong-model", action="store_true")
     ARGS = parser.parse_args()
     if ARGS.exit_on_restart and ARGS.once is not None and Path(ARGS.once).exists():
         print("stub: exiting at start-up", flush=True)
