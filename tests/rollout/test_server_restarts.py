@@ -243,3 +243,25 @@ def test_a_server_failure_ends_in_a_few_lines_on_stderr(launch, capsys):
         config_error(err.value)
     lines = capsys.readouterr().err.strip().splitlines()
     assert 2 <= len(lines) <= 5 and "exited with code -9 (SIGKILL) during generate" in lines[0]
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"restarts": -1}, r"restarts=-1: must be an integer >= 0"),
+    ({"restarts": 1, "url": "http://127.0.0.1:1"}, r"restarts=1 with url set: only a server this run launched can be "
+                                                   r"started again"),
+])
+def test_restarts_that_cannot_work_are_refused_at_load(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        ServerConfig(**kwargs)
+
+
+def test_restarts_with_several_ranks_are_refused_naming_why_and_async_is_accepted():
+    from lightning_grpo.config import GRPOConfig, RolloutConfig
+    from lightning_grpo.policy import PolicyConfig
+    from lightning_grpo.run_check import check_run
+
+    rollout = RolloutConfig(engine="vllm_server", max_off_policy_steps=1, server=ServerConfig(restarts=1))
+    rl = GRPOConfig(rollout_correction={"mode": "tis"})
+    check_run(PolicyConfig(), rl, rollout, dp_size=1)
+    with pytest.raises(ValueError, match=r"restarts=1 with 2 trainer ranks: the ranks draw at their own pace"):
+        check_run(PolicyConfig(), rl, rollout, dp_size=2)
