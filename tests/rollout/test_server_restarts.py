@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_grpo.collect.async_rollouts import AsyncRollouts
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
+from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server import process as process_module
 from lightning_grpo.rollout.server.process import ServerDied, ServerError, ServerProcess, ServerTimeout
 from lightning_grpo.rollout.server_config import ServerConfig
@@ -107,14 +108,13 @@ def test_a_death_in_any_phase_is_restarted_republished_and_redone(launch, phase)
     """Killed in ``phase``: the engine relaunches the server on its port, republishes the trainer's weights (the stub
     comes back with the folder's: without the republish its version and probe fail the check), redoes the sync from
     its first bucket or the draw with the same seeds, and the loop step gives what an uninterrupted one gives."""
-    clean, policy, _ = launch(restarts=0)
-    want = draw_and_sync(clean, policy)
-    clean.close()
+    seeds = row_seeds([p.id for p in prompts()], 2, SAMPLING.seed)
+    want = [[(seed + i) % 50 for i in range(SAMPLING.max_new_tokens)] for seed in seeds]  # the stub's tokens
     engine, policy, faults = launch("--die-at", phase, "--once", "fired")
     first = engine.server.proc.pid
     url = engine.url
     got = draw_and_sync(engine, policy)
-    assert got == want
+    assert got == want  # the draw's own seeds, once
     assert engine.server_restarts == 1 and engine.restarts.left == 0
     assert engine.server.proc.pid != first and engine.url == url  # relaunched on its port
     after = [route for pid, route in faults.routes() if pid == str(engine.server.proc.pid)]
