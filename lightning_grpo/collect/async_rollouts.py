@@ -111,14 +111,14 @@ class AsyncRollouts:
             flight = None
         if flight is None:
             flight = self._draw_now(step, prompts, sampling, job, should_stop)
-        try:
-            rollouts, metrics = flight.wait(should_stop)
-        except BaseException as err:
-            if not self._recovered(err, should_stop):
-                raise
-            flight = self._draw_now(step, prompts, sampling, job, should_stop)  # same prompts and seeds
-            rollouts, metrics = flight.wait(should_stop)
-        return rollouts, metrics, flight.weights_step
+        while True:
+            try:
+                rollouts, metrics = flight.wait(should_stop)
+                return rollouts, metrics, flight.weights_step
+            except Exception as err:
+                if not self._recovered(err, should_stop):
+                    raise  # not a death a restart repairs, or none left: the stop message
+                flight = self._draw_now(step, prompts, sampling, job, should_stop)  # same prompts and seeds
 
     def _draw_now(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job,
                   should_stop: Callable[[], bool] | None) -> InFlight:
@@ -163,12 +163,7 @@ class AsyncRollouts:
     # -- the engine protocol: everything else waits for the in-flight batches first -----------------------------
     def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
         self.wait_idle()
-        try:
-            return self.engine.generate(prompts, group_size, sampling)
-        except BaseException as err:
-            if not self._recovered(err):
-                raise
-            return self.engine.generate(prompts, group_size, sampling)
+        return self.engine.generate(prompts, group_size, sampling)  # this thread restarts a dead server itself
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self.wait_idle()  # a batch is drawn with one weight version, never a mix

@@ -229,6 +229,19 @@ def test_async_the_worker_never_restarts_the_training_thread_does(launch):
     assert threads == [threading.main_thread()]
 
 
+def test_async_a_server_that_dies_again_spends_the_budget_then_stops(launch):
+    """The redrawn batch meets a second death: no restart left, the training thread raises the stop message."""
+    engine, policy, _ = launch("--die-at", "generate:1", restarts=1)
+    rollouts = AsyncRollouts(engine, 1, weights_step=lambda: 0)
+    try:
+        push_weights(policy, rollouts, bucket_bytes=1)
+        with pytest.raises(ServerDied, match=r"during generate(.|\n)*all 1 restart\(s\) are spent"):
+            rollouts.take(1, prompts(), SAMPLING, lambda batch, sampling: (engine.generate(batch, 2, sampling), {}))
+    finally:
+        rollouts.close()
+    assert engine.server_restarts == 1
+
+
 def test_a_server_failure_ends_in_a_few_lines_on_stderr(launch, capsys):
     """The CLI reports a server death as any runtime error: a few lines naming it; the traceback goes to error.log."""
     from lightning_grpo.cli import config_error
