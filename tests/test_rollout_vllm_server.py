@@ -345,8 +345,8 @@ def test_server_death_mid_run_stops_the_fit_with_its_log_and_an_emergency_checkp
                                                                                      tmp_path):
     """Last in the module: it kills the shared server. The fit generates through it; the server dies as loop step 3
     starts: the run stops naming the death (exit code, phase, log; its last lines in a note for error.log), and (the
-    update of step 3 never started)
-    the boundary of loop step 2 is saved on the way out, though no scheduled save was due."""
+    update of step 3 never started) the boundary of loop step 2 is saved on the way out, though no scheduled save was
+    due."""
     from helpers import fit_tiny, tiny_grpo_module
     from lightning.pytorch import Callback
 
