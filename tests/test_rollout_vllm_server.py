@@ -420,3 +420,41 @@ def test_restarts_are_refused_where_they_cannot_work():
     cfg = RolloutConfig(engine="vllm_server", server=ServerConfig(restarts=1))
     with pytest.raises(ValueError, match="restarts=1 with 2 trainer ranks"):
         check_run(PolicyConfig(), GRPOConfig(), cfg, dp_size=2)
+
+
+def test_lora_adapter_only_sync_loads_each_adapter_and_unloads_the_last(tiny_policy_dir, tmp_path):
+    """``policy.lora.sync: adapter`` on a launched server, through a fit: each loop step's publication is loaded under
+    a new name and the previous one unloaded (``/v1/models`` lists the current one only); generation and the probe
+    run through it, so the server's sampler logprobs match the adapted trainer while its base model does not (the
+    adapter really serves); a sync moves the adapter's bytes, not the model's."""
+    from helpers import TINY_JOB, fit_tiny
+
+    from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
+    from lightning_grpo.correction import RolloutCorrection
+    from lightning_grpo.data.rewards import RewardSpec
+    from lightning_grpo.lora import LoraConfig
+    from lightning_grpo.module import GRPOModule
+    from lightning_grpo.rollout import adapter_sync
+
+    rollout = RolloutConfig(engine="vllm_server", max_new_tokens=4, server=CONFIG)
+    rl = GRPOConfig(**TINY_JOB["rl"], rollout_correction=RolloutCorrection(mode="bypass"))
+    module = GRPOModule(policy=PolicyConfig(path=str(tiny_policy_dir), lora=LoraConfig(rank=4, alpha=8)), rl=rl,
+                        optim=OptimConfig(**TINY_JOB["optim"]), rollout=rollout,
+                        rewards=[RewardSpec(**r) for r in TINY_JOB["rewards"]], seed=0)
+    try:
+        fit_tiny(module, tmp_path, loop_steps=2)
+        engine, model = module.engine, module.policy.eval()
+        assert engine.adapters.name == "policy-2" and engine.last_probe_error < 1e-4  # one publication a loop step
+        stats = adapter_sync.push_policy(model, engine, 64 << 20, with_base=False)
+        served = [m["id"] for m in request_json(engine.url, "/v1/models")["data"]]
+        assert "policy-3" in served and "policy-2" not in served
+        sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, logprobs=True, seed=2)
+        for r in engine.generate(prompts(2), 2, sampling):
+            want = sequence_logprobs(model, r.prompt.token_ids + r.token_ids)[len(r.prompt.token_ids) - 1:]
+            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(want), atol=1e-4, rtol=0)
+        base = engine.clients[0].probe(engine.probe_ids)  # the served model without the adapter
+        assert max(abs(a - b) for a, b in zip(base, sequence_logprobs(model, engine.probe_ids))) > 1e-4
+        assert stats.bytes < 0.2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    finally:
+        if module.engine is not None:
+            module.engine.close()
