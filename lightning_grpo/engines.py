@@ -105,7 +105,7 @@ def _server_engine(cfg: RolloutConfig, parts: EngineParts) -> RolloutEngine:
 
     server = cfg.server or ServerConfig()
     ranks = Ranks.current()
-    # The rules across sections (restarts with several ranks or async, an adapter over HTTP) ran in run_check.
+    # The rules across sections (restarts with several ranks, an adapter over HTTP) ran in run_check.
     if server.url is None and server.launch:  # the child runs this Python's vLLM
         check_vllm_can_load(resolve_path(parts.policy_cfg), "vllm_server")
 

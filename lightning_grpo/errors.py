@@ -33,6 +33,8 @@ from lightning_grpo.checkpoint.resume import CheckpointPathError
 from lightning_grpo.data.reward_calls import RewardError
 from lightning_grpo.envs.environment import EnvProtocolError
 from lightning_grpo.policy import PolicyNotFoundError
+from lightning_grpo.rollout.server.probe import StaleEngineError
+from lightning_grpo.rollout.server.process import ServerError
 from lightning_grpo.rollout.vllm_loadable import EngineCannotLoadError
 from lightning_grpo.update.loop import NonFiniteRunError
 
@@ -51,7 +53,8 @@ class RunWriteError(OSError):
 
 USER_ERRORS = (RewardError, CheckpointPathError, DamagedCheckpointError, PolicyNotFoundError, NonFiniteRunError,
                NonFiniteParametersError, FolderInUseError, ResumeMismatchError, EngineCannotLoadError, RunWriteError,
-               EnvProtocolError, ConsistencyError)
+               EnvProtocolError, ConsistencyError,
+               ServerError, StaleEngineError)
 """Raised mid-run for something the user can fix; their messages say what and how."""
 ERROR_LOG = "error.log"
 

@@ -86,13 +86,12 @@ def server_problems(policy: PolicyConfig, rollout: RolloutConfig, dp_size: int |
     p = []
     server = rollout.server or ServerConfig()
     ranks = dp_size or 1
-    if server.restarts and (ranks > 1 or rollout.max_off_policy_steps):
-        # a restart republishes from the thread that noticed the death: safe only with one rank drawing synchronously
-        where = f"{ranks} trainer ranks" if ranks > 1 else f"max_off_policy_steps={rollout.max_off_policy_steps}"
-        p.append(f"rollout.server.restarts={server.restarts} with {where}: a restarted server gets the weights from "
-                 "the thread that noticed the death, which is safe with one rank drawing synchronously only; set "
-                 "rollout.server.restarts: 0 (the run stops with the server's log and an emergency checkpoint, and "
-                 "resumes from it)")
+    if server.restarts and ranks > 1:
+        # async is safe (the training thread restarts, the worker idle); ranks are not: they draw at their own pace
+        p.append(f"rollout.server.restarts={server.restarts} with {ranks} trainer ranks: the ranks draw at their own "
+                 "pace (refill rounds, episodes), so one may meet the dead server while another already waits in the "
+                 "update's all-reduce, with no barrier where rank 0 could restart it; set rollout.server.restarts: 0 "
+                 "(the run stops with an emergency checkpoint; resume with --ckpt_path last)")
     adapter = policy.lora is not None and policy.lora.sync == "adapter"
     if adapter and server.weight_transport == "http":
         p.append("policy.lora.sync=adapter with rollout.server.weight_transport=http: the servers load each adapter "

@@ -27,9 +27,11 @@ pytest.importorskip("vllm")
 
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
-from lightning_grpo.rollout.server.process import ServerError, ServerProcess, request_json
+from lightning_grpo.rollout.server.probe import StaleEngineError
+from lightning_grpo.rollout.server.process import ServerDied, ServerError, ServerProcess, request_json
+from lightning_grpo.rollout.server.restarts import ServerRestarts
 from lightning_grpo.rollout.server_config import ServerConfig
-from lightning_grpo.rollout.vllm_server import StaleEngineError, VLLMServerEngine, sequence_logprobs
+from lightning_grpo.rollout.vllm_server import VLLMServerEngine, sequence_logprobs
 from lightning_grpo.rollout.weight_sync import push_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -324,8 +326,8 @@ def test_a_replica_that_dies_stops_the_sync_naming_it(two_servers, trainer):
     dead = two_servers.clients[1]
     os.killpg(dead.process.proc.pid, signal.SIGKILL)
     dead.process.proc.wait(timeout=30)
-    with pytest.raises(ServerError, match=rf"start_weight_update: {dead.url}/start_weight_update did not answer"
-                                          r"(.|\n)*vllm serve exited with code -9"):
+    with pytest.raises(ServerDied, match=rf"vllm serve at {dead.url} exited with code -9 \(SIGKILL\) during "
+                                         r"start_weight_update(.|\n)*rollout.server.restarts=0"):
         push_weights(trainer, two_servers)
     assert two_servers.clients[0].process.alive()
 
@@ -342,8 +344,9 @@ def server_metric(url: str, name: str) -> float:
 def test_server_death_mid_run_stops_the_fit_with_its_log_and_an_emergency_checkpoint(engine, tiny_policy_dir,
                                                                                      tmp_path):
     """Last in the module: it kills the shared server. The fit generates through it; the server dies as loop step 3
-    starts: the run stops with the server's exit code and last log lines, and (the update of step 3 never started)
-    the boundary of loop step 2 is saved on the way out, though no scheduled save was due."""
+    starts: the run stops naming the death (exit code, phase, log; its last lines in a note for error.log), and (the
+    update of step 3 never started) the boundary of loop step 2 is saved on the way out, though no scheduled save was
+    due."""
     from helpers import fit_tiny, tiny_grpo_module
     from lightning.pytorch import Callback
 
@@ -362,10 +365,12 @@ def test_server_death_mid_run_stops_the_fit_with_its_log_and_an_emergency_checkp
     with pytest.raises(ServerError) as err:
         fit_tiny(module, tmp_path, loop_steps=4, callbacks=[KillServerAt3(), cb])
     message = str(err.value)
-    assert "vllm serve exited with code -9" in message
-    assert "its last log lines" in message and "INFO" in message
+    # killed as loop step 3 starts: the hand-off's sync before its draw meets the death
+    assert "exited with code -9 (SIGKILL) during start_weight_update" in message
+    assert "rollout.server.restarts=0" in message
+    assert "INFO" in err.value.__notes__[0]  # the log's last lines, for error.log
     saved = cb.dirpath / checkpoint_name(2, cb.lineage)
-    assert read_manifest(saved).reason == "error:ServerError"
+    assert read_manifest(saved).reason == "error:ServerDied"
     assert torch.load(saved, weights_only=True)["grpo"]["loop_step"] == 2
 
 
@@ -381,10 +386,10 @@ def test_a_dead_server_is_started_again_with_the_trainers_weights(engine, traine
     perturb(trainer, seed=11)
     engine.reference = functools.partial(sequence_logprobs, trainer)  # the fit above bound its own policy
     engine.republish = lambda: push_weights(trainer, engine)
-    engine.restarts_left = 2
+    engine.restarts = ServerRestarts(2)
     sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, logprobs=True, seed=4)
     first = engine.generate(prompts(2), 2, sampling)
-    assert engine.restarts_left == 1 and engine.server.alive()
+    assert engine.restarts.left == 1 and engine.server.alive()
     for r in first:
         with torch.no_grad():
             logits = trainer(torch.tensor([r.prompt.token_ids + r.token_ids])).logits[0, len(r.prompt.token_ids) - 1:-1]
@@ -393,16 +398,16 @@ def test_a_dead_server_is_started_again_with_the_trainers_weights(engine, traine
     os.killpg(engine.server.proc.pid, signal.SIGKILL)
     engine.server.proc.wait(timeout=30)
     again = engine.generate(prompts(2), 2, sampling)
-    assert [r.token_ids for r in again] == [r.token_ids for r in first] and engine.restarts_left == 0
+    assert [r.token_ids for r in again] == [r.token_ids for r in first] and engine.restarts.left == 0
     os.killpg(engine.server.proc.pid, signal.SIGKILL)
     engine.server.proc.wait(timeout=30)
-    with pytest.raises(ServerError, match=r"vllm serve exited with code -9(.|\n)*its last log lines"):
+    with pytest.raises(ServerDied, match=r"exited with code -9 \(SIGKILL\) during generate(.|\n)*all 2 restart"):
         engine.generate(prompts(2), 2, sampling)
 
 
 def test_restarts_are_refused_where_they_cannot_work():
-    """A server at a URL cannot be started again by this run; restarts under async rollouts are refused before any
-    model loads (tests/test_run_check.py: through the CLI)."""
+    """A server at a URL cannot be started again by this run (refused at load: nothing to relaunch); restarts below
+    0 are refused; several trainer ranks too, before any model loads (tests/test_run_check.py: through the CLI)."""
     from lightning_grpo.config import GRPOConfig
     from lightning_grpo.policy import PolicyConfig
     from lightning_grpo.rollout.rollout_config import RolloutConfig
@@ -412,10 +417,9 @@ def test_restarts_are_refused_where_they_cannot_work():
         ServerConfig(url="http://127.0.0.1:1", restarts=1)
     with pytest.raises(ValueError, match="restarts=-1: must be an integer >= 0"):
         ServerConfig(restarts=-1)
-    cfg = RolloutConfig(engine="vllm_server", max_off_policy_steps=1, server=ServerConfig(restarts=1))
-    with pytest.raises(ValueError, match="restarts=1 with max_off_policy_steps=1"):
-        check_run(PolicyConfig(), GRPOConfig(rollout_correction={"mode": "tis"}), cfg)
-
+    cfg = RolloutConfig(engine="vllm_server", server=ServerConfig(restarts=1))
+    with pytest.raises(ValueError, match="restarts=1 with 2 trainer ranks"):
+        check_run(PolicyConfig(), GRPOConfig(), cfg, dp_size=2)
 
 
 def test_lora_adapter_only_sync_loads_each_adapter_and_unloads_the_last(tiny_policy_dir, tmp_path):

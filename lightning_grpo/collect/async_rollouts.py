@@ -32,6 +32,7 @@ from lightning_grpo.rollout.base import (
     DeclaresWeights,
     LoadsAdapters,
     Prompt,
+    RestartsServers,
     Rollout,
     RolloutEngine,
     SamplingConfig,
@@ -93,6 +94,8 @@ class AsyncRollouts:
         self._wake = threading.Condition()
         self._closed = False
         self._worker = threading.Thread(target=self._work, name="lightning-grpo-rollouts", daemon=True)
+        if isinstance(engine, RestartsServers):  # the worker never republishes: the training thread does, in take
+            engine.hold_restarts(self._worker)
         self._worker.start()
 
     # -- the training draw -----------------------------------------------------------------------------------------
@@ -107,11 +110,34 @@ class AsyncRollouts:
             _settle(flight, should_stop)  # not ours (the data or the seed changed): wait it out, draw afresh
             flight = None
         if flight is None:
-            self.wait_idle(should_stop)
-            flight = self._submit(step, prompts, sampling, job)
-            del self._flight[step]  # drawn now: taken, not in flight
-        rollouts, metrics = flight.wait(should_stop)
-        return rollouts, metrics, flight.weights_step
+            flight = self._draw_now(step, prompts, sampling, job, should_stop)
+        while True:
+            try:
+                rollouts, metrics = flight.wait(should_stop)
+                return rollouts, metrics, flight.weights_step
+            except Exception as err:
+                if not self._recovered(err, should_stop):
+                    raise  # not a death a restart repairs, or none left: the stop message
+                flight = self._draw_now(step, prompts, sampling, job, should_stop)  # same prompts and seeds
+
+    def _draw_now(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job,
+                  should_stop: Callable[[], bool] | None) -> InFlight:
+        """Draw step ``step``'s batch now, after everything in flight, with the weights the engine holds."""
+        self.wait_idle(should_stop)
+        flight = self._submit(step, prompts, sampling, job)
+        del self._flight[step]  # drawn now: taken, not in flight
+        return flight
+
+    def _recovered(self, err: BaseException, should_stop: Callable[[], bool] | None = None) -> bool:
+        """A draw met a dead server: with the worker idle, the engine starts it again and republishes the trainer's
+        weights (``rollout/server/restarts.py``); the batches drawn from now on hold those weights."""
+        if not isinstance(self.engine, RestartsServers):
+            return False
+        self.wait_idle(should_stop)  # in-flight draws that met the same death end (with its error) first
+        if not self.engine.recover(err):
+            return False
+        self.weights_step = self._weights_now()  # the trainer's current weights, republished
+        return True
 
     def submit_ahead(self, step: int, batches: Callable[[int], tuple[Sequence[Prompt], SamplingConfig] | None],
                      job: Job) -> None:
@@ -137,7 +163,7 @@ class AsyncRollouts:
     # -- the engine protocol: everything else waits for the in-flight batches first -----------------------------
     def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
         self.wait_idle()
-        return self.engine.generate(prompts, group_size, sampling)
+        return self.engine.generate(prompts, group_size, sampling)  # this thread restarts a dead server itself
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self.wait_idle()  # a batch is drawn with one weight version, never a mix

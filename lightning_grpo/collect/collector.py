@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lightning_grpo.advantages import dp_batch_std, group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
+from lightning_grpo.collect.async_rollouts import unwrapped
 from lightning_grpo.collect.draw import Drawer
 from lightning_grpo.collect.groups import Groups, scatter
 from lightning_grpo.collect.prompts import StepSampling, live_prompts, step_prompts, with_skipped_groups
@@ -38,7 +39,7 @@ from lightning_grpo.collect.staleness import staleness_metrics, stamps
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.distributed import ONE_PROCESS_GROUP, DataParallelGroup
-from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
+from lightning_grpo.rollout.base import Prompt, RestartsServers, Rollout, SamplingConfig
 from lightning_grpo.vision import VisionProcessor
 
 Score = Callable[[Sequence[Rollout]], tuple[Tensor, dict[str, float]]]
@@ -156,9 +157,14 @@ class Collector:
         sampling = self.sampling.at(loop_step)
         if self.schedule is None:
             rollouts, metrics = self.drawer(prompts, self.rl.group_size, sampling)
-            return rollouts, metrics, loop_step
-        upcoming = functools.partial(self._upcoming, loop_step)
-        return self.schedule.draw(loop_step + 1, prompts, sampling, self._job, upcoming)
+            version = loop_step
+        else:
+            upcoming = functools.partial(self._upcoming, loop_step)
+            rollouts, metrics, version = self.schedule.draw(loop_step + 1, prompts, sampling, self._job, upcoming)
+        engine = unwrapped(self.drawer.engine)
+        if isinstance(engine, RestartsServers):  # counted over the run: a restart in a sync shows at the next draw
+            metrics = {**metrics, "rollout/server_restarts": float(engine.server_restarts)}
+        return rollouts, metrics, version
 
     def _job(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
         """One training batch drawn with the engine the async schedule wraps (on its worker thread)."""

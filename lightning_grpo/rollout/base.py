@@ -3,6 +3,7 @@ capabilities some engines add (typed ``Protocol``s checked with ``isinstance``, 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -211,6 +212,25 @@ class Served(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class RestartsServers(Protocol):
+    """Starts a launched server that died again (``VLLMServerEngine``, ``rollout.server.restarts``)."""
+
+    @property
+    def server_restarts(self) -> int:
+        """Servers started again so far in this run (``rollout/server_restarts``)."""
+        ...
+
+    def hold_restarts(self, thread: threading.Thread) -> None:
+        """A draw on ``thread`` (the async worker) that meets a dead server raises: ``recover`` repairs it."""
+        ...
+
+    def recover(self, err: BaseException) -> bool:
+        """After a draw failed with ``err``: True once the server runs again with the trainer's weights; False:
+        ``err`` stands. Call it from the thread that owns the weights, with no draw under way."""
+        ...
 
 
 @runtime_checkable

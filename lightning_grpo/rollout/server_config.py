@@ -65,10 +65,11 @@ class ServerConfig:
     ``cache_salt`` of the version the servers hold, so a prefix cached under older weights is never reused, and no
     global ``/reset_prefix_cache`` runs at a sync. False = reset the whole cache at every sync (docs/async.md)."""
     restarts: int = 0
-    """How many times a launched server that dies mid-run is started again (same port and settings) before the run
-    stops. A restarted server loads the policy folder again, so the engine republishes the trainer's current weights
-    (checked by the probe) and re-sends the generation that failed, with the same seeds. 0 = the run stops at the first
-    death, with the server's last log lines. One trainer rank, synchronous rollouts only."""
+    """How many times a launched server that dies mid-run (in a draw, a weight sync, the version check or the probe)
+    is started again on its port before the run stops. The engine then republishes the trainer's current weights
+    (checked by the probe) and redoes the interrupted work: the draw with the same seeds, the sync from its first
+    bucket. 0 = the run stops at the first death, naming it and the server's log. One trainer rank (async rollouts
+    included); counted in the rollout/server_restarts metric."""
 
     def __post_init__(self) -> None:
         raise_problems("server config", self.problems())

@@ -19,10 +19,10 @@ reaches each (one thread per server, ``server/client.each``) before any samples 
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -35,21 +35,15 @@ from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server.adapters import ServerAdapters
 from lightning_grpo.rollout.server.client import ServerClient, each
-from lightning_grpo.rollout.server.process import ServerError, ServerProcess, free_ports, request_json
+from lightning_grpo.rollout.server.probe import check_probe, check_version, probe_ids
+from lightning_grpo.rollout.server.process import ServerDied, ServerError, ServerProcess, free_ports, request_json
 from lightning_grpo.rollout.server.ranks import Ranks
+from lightning_grpo.rollout.server.restarts import ServerRestarts, repaired
 from lightning_grpo.rollout.server.same_model import check_same_model
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
 
 log = logging.getLogger(__name__)
-
-PROBE_LENGTH = 24
-"""Tokens in the probe sequence (logprobs of the last 23 are compared)."""
-
-
-class StaleEngineError(RuntimeError):
-    """The server does not hold the trainer's current weights (a sync did not land, or was skipped)."""
-
 
 def sequence_logprobs(model: nn.Module, ids: Sequence[int]) -> list[float]:
     """``log p(ids[i] | ids[:i])`` for i >= 1 under ``model`` (float32 log-softmax): the trainer side of the probe."""
@@ -76,7 +70,8 @@ class VLLMServerEngine(BookkeptSleep):
         ranks: the trainer ranks sharing the servers (``server/ranks.py``): rank 0 launches and pushes weights,
             every rank generates its own prompts and checks every sync; None = one rank.
         republish: pushes the trainer's current weights to this engine (a full sync); a launched server restarted
-            after it died (``ServerConfig.restarts``) gets them before it samples again. None = no restarts.
+            after it died (``ServerConfig.restarts``, ``server/restarts.py``) gets them before it samples again.
+            None = no restarts.
         lora_rank: a LoRA policy published adapter-only (``policy.lora.sync: adapter``): launched servers serve
             adapters, ``load_adapter`` loads each publication and requests name it (``server/adapters.py``).
 
@@ -98,8 +93,10 @@ class VLLMServerEngine(BookkeptSleep):
         self.config = cfg = config or ServerConfig()
         self.adapters = ServerAdapters(lora_rank) if lora_rank else None
         self.republish = republish
-        self.restarts_left = cfg.restarts
-        """Restarts of a dead launched server still allowed (``ServerConfig.restarts``, counted down)."""
+        self.restarts = ServerRestarts(cfg.restarts)
+        self._held: set[threading.Thread] = set()
+        self._interrupted: ServerDied | None = None
+        """A death met in the sync under way: its remaining buckets are skipped, and its end recovers."""
         self.model_path = Path(model_path)
         self.reference, self.decode = reference, decode
         self.ranks = ranks or Ranks()
@@ -124,7 +121,7 @@ class VLLMServerEngine(BookkeptSleep):
         """Weight dtype inside the servers; ``push_weights`` casts to it."""
         each(self.clients, ServerClient.connect)
         each(self.clients, lambda c: check_same_model(c, self.model_path))
-        self.probe_ids = _probe_ids(self.model_path)
+        self.probe_ids = probe_ids(self.model_path)
         reported = each(self.clients, ServerClient.weight_version)
         self.version = max(int(r) if r.isdigit() else 0 for r in reported)
         """Weight version the servers hold from this engine's syncs (each reports ``str(version)``); servers at URLs
@@ -165,12 +162,7 @@ class VLLMServerEngine(BookkeptSleep):
         targets = [self.clients[(i // group_size * r.size + r.rank) % len(self.clients)] for i in range(len(rows))]
         for client in targets:
             client.requests += 1
-        try:
-            replies = _complete(targets, bodies)
-        except ServerError:
-            if not self._restart_dead():
-                raise
-            replies = _complete(targets, bodies)  # the same seeds: the same tokens the dead server would have drawn
+        replies = self._complete(targets, bodies)
         out = []
         for p, reply in zip(rows, replies):
             choice = reply["choices"][0]
@@ -179,23 +171,42 @@ class VLLMServerEngine(BookkeptSleep):
                                       sampling, self._decoder() if sampling.stop else self.decode))
         return out
 
-    def _restart_dead(self) -> bool:
-        """Start the launched servers that died again and republish the trainer's weights to the pool; False (the
-        caller raises) when none died, no restart is left, or restarting is not possible here."""
-        dead = [c for c in self.clients if c.process is not None and not c.process.alive(wait_s=2.0)]
-        if not dead or self.restarts_left <= 0 or self.republish is None or self.ranks.size > 1:
+    def _complete(self, targets: Sequence[ServerClient], bodies: Sequence[dict]) -> list[dict]:
+        """One request per body to its server, up to 64 at a time; the replies in order. A server that died is
+        started again and the draw re-sent (the same seeds: the same tokens)."""
+        while True:
+            try:
+                with ThreadPoolExecutor(max_workers=min(len(bodies), 64) or 1) as pool:
+                    return list(pool.map(ServerClient.complete, targets, bodies))
+            except ServerDied as err:
+                if threading.current_thread() in self._held:
+                    raise  # the async worker: the training thread recovers (``recover``)
+                self._recover(err)
+
+    @property
+    def server_restarts(self) -> int:
+        return self.restarts.done
+
+    def hold_restarts(self, thread: threading.Thread) -> None:
+        """A draw on ``thread`` that meets a dead server raises: only the thread owning the trainer's weights may
+        republish them (``recover``: the async worker draws)."""
+        self._held.add(thread)
+
+    def recover(self, err: BaseException) -> bool:
+        """True once the server a draw's ``err`` met dead runs again with the trainer's weights (``RestartsServers``)."""
+        if not isinstance(err, ServerDied):
             return False
-        for client in dead:
-            self.restarts_left -= 1
-            log.warning("vllm serve at %s exited with code %s; starting it again (rollout.server.restarts: %d left). "
-                        "Its last log lines (%s):\n%s", client.url, client.process.proc.returncode, self.restarts_left,
-                        client.process.log_path, client.process.log_tail())
-            client.process.restart()
-            client.connect()
-            client.post("/init_weight_transfer_engine", {"init_info": {}}, "init_weight_transfer_engine")
-        self._session = False
-        self.republish()  # every server moves to the next version together; the probe checks the restarted ones
+        if not repaired(err):
+            self._recover(err)
         return True
+
+    def _recover(self, err: ServerDied) -> None:
+        """Start the dead servers again, then republish the trainer's weights (a whole sync, checked); raises the
+        run's stop message when no restart is left or none can happen here."""
+        self.restarts.relaunch(self.clients, err, self.republish is not None, self.ranks.size)
+        self._session = False
+        self._interrupted = None
+        self.restarts.republished(self.republish)  # every server moves to the next version; the probe checks each
 
     def _decoder(self):
         """``decode``, or (none given) the model folder's tokenizer, loaded once: the shared stop-string cut needs one."""
@@ -226,14 +237,28 @@ class VLLMServerEngine(BookkeptSleep):
         self._sleep.require("weights", call="VLLMServerEngine.load_weights()")
         if not self._session:
             self.ranks.barrier()  # every rank is done sampling before the weights change
-            if self.ranks.leads:
-                self._post("/start_weight_update", {}, "start_weight_update")
             self._session, self._bucket = True, 0
+            self._guarded(self._post, "/start_weight_update", {}, "start_weight_update")
         self._bucket += 1
         tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}  # every rank: FSDP2 gathers
+        if self._interrupted is not None:
+            return  # the sync is redone from its first bucket at its end (``reset_prefix_cache``)
+        phase = f"update_weights (bucket {self._bucket})"
+        self._guarded(self._push_bucket, tensors, phase)
+
+    def _guarded(self, call, *args) -> None:
+        """``call(*args)`` in a sync on rank 0; a death is kept for the sync's end, which recovers (or, with no
+        restart possible, raised now: the rest of the sync would be lost time)."""
         if not self.ranks.leads:
             return  # the same weights: rank 0 pushes them
-        phase = f"update_weights (bucket {self._bucket})"
+        try:
+            call(*args)
+        except ServerDied as err:
+            self.restarts.require(err, self.republish is not None, self.ranks.size)  # none possible: stop now
+            self._interrupted = err
+
+    def _push_bucket(self, tensors: dict[str, Tensor], phase: str) -> None:
+        """One bucket to every server: in the request body (http), or as a tmpfs file each maps (shm)."""
         if self.config.weight_transport == "http":
             from safetensors.torch import save
 
@@ -259,7 +284,10 @@ class VLLMServerEngine(BookkeptSleep):
         if self.adapters is None:
             raise RuntimeError("VLLMServerEngine.load_adapter(): the engine was built without LoRA (lora_rank=None)")
         self.ranks.barrier()  # every rank is done sampling with the old adapter before it is unloaded
-        self.adapters.publish(self.clients, tensors, config_json, self.ranks.leads)
+        try:
+            self.adapters.publish(self.clients, tensors, config_json, self.ranks.leads)
+        except ServerDied as err:
+            self._recover(err)  # the republish loads the adapter again
 
     def _served(self) -> str | None:
         """The loaded LoRA adapter's name requests and probes use; None = the served base model."""
@@ -267,7 +295,16 @@ class VLLMServerEngine(BookkeptSleep):
 
     def reset_prefix_cache(self) -> None:
         """End of a sync: finish the session under the next weight version, drop cached KV blocks (under
-        ``cache_salt`` the next requests' salt does it), check the engine."""
+        ``cache_salt`` the next requests' salt does it), check the engine.
+        A server that died in this sync (any phase) is started again and the sync redone from its first bucket."""
+        try:
+            self._finish_sync()
+        except ServerDied as err:
+            self._recover(err)  # the republish is the redone sync (the trainer's weights did not change meanwhile)
+
+    def _finish_sync(self) -> None:
+        if self._interrupted is not None:
+            raise self._interrupted
         if self._session:
             if self.ranks.leads:
                 self._post("/finish_weight_update", {"weight_version": str(self.version + 1)}, "finish_weight_update")
@@ -280,27 +317,12 @@ class VLLMServerEngine(BookkeptSleep):
 
     def check_current(self) -> float | None:
         """Raise ``StaleEngineError`` unless every server holds the trainer's weights; the probes' max |error|."""
-        for client, reported in zip(self.clients, each(self.clients, ServerClient.weight_version)):
-            if self.version and reported != str(self.version):
-                raise StaleEngineError(f"the server at {client.url} reports weight version {reported!r} after this "
-                                       f"run published version {self.version}: another client updated it, or it "
-                                       "restarted")
+        check_version(self.clients, self.version)
         if self.reference is None:
             return None
         trainer = self.reference(self.probe_ids)  # once: every server must match the same trainer logprobs
-        servers = each(self.clients, lambda c: c.probe(self.probe_ids, self._served()))
-        tol = self.probe_tolerance
-        for client, server in zip(self.clients, servers):
-            client.last_probe_error = max(abs(a - b) for a, b in zip(server, trainer))
-        self.last_probe_error = max(c.last_probe_error for c in self.clients)
-        for client in self.clients:
-            if not client.last_probe_error <= tol:
-                where = "" if len(self.clients) == 1 else f", server {client.url}"
-                raise StaleEngineError(
-                    f"the server's logprobs on the probe sequence differ from the trainer's by "
-                    f"{client.last_probe_error:.3g} > rollout.server.probe_tolerance={tol:g} (weight version "
-                    f"{self.version}{where}): it does not hold the trainer's weights (a sync that did not land, a "
-                    "server of another model, or a dtype far from the trainer's: then raise probe_tolerance)")
+        self.last_probe_error = check_probe(self.clients, self.probe_ids, trainer, self._served(),
+                                            self.probe_tolerance, self.version)
         return self.last_probe_error
 
     @property
@@ -324,12 +346,6 @@ class VLLMServerEngine(BookkeptSleep):
     def _post(self, path: str, body: dict, phase: str) -> None:
         """One phase on every server, concurrently; returns once each has answered (a failure names its URL)."""
         each(self.clients, lambda c: c.post(path, body, phase))
-
-
-def _complete(targets: Sequence[ServerClient], bodies: Sequence[dict]) -> list[dict]:
-    """One ``/v1/completions`` request per body to its server, up to 64 at a time; the replies in order."""
-    with ThreadPoolExecutor(max_workers=min(len(bodies), 64) or 1) as pool:
-        return list(pool.map(ServerClient.complete, targets, bodies))
 
 
 def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks: Ranks,
@@ -384,13 +400,6 @@ def _check_reachable(url: str, cfg: ServerConfig) -> None:
         raise ServerError(f"rollout.server.url={url}: the server has no weight-update routes ({err}); start it with "
                           "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{\"backend\": \"lightning_grpo_shm\"}' "
                           "(docs/async.md)") from None
-
-
-def _probe_ids(model_path: Path) -> list[int]:
-    """A fixed sequence spread over the vocabulary (the same every run)."""
-    vocab = json.loads((model_path / "config.json").read_text())
-    vocab = vocab.get("vocab_size") or vocab.get("text_config", {}).get("vocab_size")
-    return [(7 * i + 3) % vocab for i in range(PROBE_LENGTH)]
 
 
 def _shm_root() -> str:

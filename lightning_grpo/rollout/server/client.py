@@ -14,7 +14,13 @@ from typing import TypeVar
 
 import torch
 
-from lightning_grpo.rollout.server.process import ServerError, ServerProcess, request_json
+from lightning_grpo.rollout.server.process import (
+    ServerDied,
+    ServerError,
+    ServerProcess,
+    ServerTimeout,
+    request_json,
+)
 from lightning_grpo.rollout.server_config import ServerConfig
 
 _T = TypeVar("_T")
@@ -62,7 +68,7 @@ class ServerClient:
             return request_json(self.url, "/v1/completions", {"model": self.model_name, **body},
                                 self.config.request_timeout_s, "generate")
         except ServerError as err:
-            raise self.with_log(err) from None
+            raise self.with_log(err, "generate") from None
 
     def probe(self, ids: Sequence[int], model: str | None = None) -> list[float]:
         """The server's ``log p(ids[i] | ids[:i])`` for i >= 1 (prompt logprobs: they bypass the prefix cache), from
@@ -76,22 +82,27 @@ class ServerClient:
         try:
             return request_json(self.url, path, body, self.config.sync_timeout_s, phase)
         except ServerError as err:
-            raise self.with_log(err) from None
+            raise self.with_log(err, phase) from None
 
     def get(self, path: str, phase: str) -> dict:
         try:
             return request_json(self.url, path, None, self.config.sync_timeout_s, phase)
         except ServerError as err:
-            raise self.with_log(err) from None
+            raise self.with_log(err, phase) from None
 
-    def with_log(self, err: ServerError) -> ServerError:
-        """A launched server that died: the error carries its exit code and last log lines."""
+    def with_log(self, err: ServerError, phase: str) -> ServerError:
+        """What a failed request means for a launched server: it exited (``ServerDied``: its exit code and log), or it
+        runs and did not answer in time (the timeout's knob), or it runs and dropped the connection."""
         if self.process is None:
             return err
-        if self.process.alive(wait_s=2.0):  # a request cut short may beat the exit by a moment
-            return ServerError(f"{err} (vllm serve still running; log: {self.process.log_path})")
-        return ServerError(f"{err}\nvllm serve exited with code {self.process.proc.returncode}; its last log lines "
-                           f"({self.process.log_path}):\n{self.process.log_tail()}")
+        if not self.process.alive(wait_s=2.0):  # a request cut short may beat the exit by a moment
+            return ServerDied(self.process, phase)
+        log = self.process.log_path
+        if isinstance(err, ServerTimeout):
+            knob = "request_timeout_s" if phase == "generate" else "sync_timeout_s"
+            return ServerTimeout(f"{err} (rollout.server.{knob}); vllm serve is still running, hung or overloaded: "
+                                 f"raise {knob}, or look at its log ({log})")
+        return type(err)(f"{err} (vllm serve still running; log: {log})")
 
     def close(self) -> None:
         """Stop a launched server (its whole process group); a server at a URL is left running."""

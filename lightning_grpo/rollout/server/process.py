@@ -40,6 +40,8 @@ SERVED_NAME = "policy"
 PLUGIN = "lightning_grpo.rollout.server.shm_transfer:register"
 """The ``vllm.general_plugins`` entry point registering ``BACKEND`` (``pyproject.toml`` declares the same)."""
 
+PORT_RELEASE_S = 10.0
+"""How long a restart waits for a dead server's port to be free again before naming what holds it."""
 _LIVE: set[ServerProcess] = set()
 _SIGTERM = {"installed": False, "previous": None}
 
@@ -48,8 +50,49 @@ class ServerError(RuntimeError):
     """The server failed, refused or did not answer; the message names the phase (and a launched server's log)."""
 
 
+class ServerTimeout(ServerError):
+    """The server took the connection but did not answer within the phase's timeout (it may still be working)."""
+
+
+class ConnectionLost(ServerError):
+    """The connection was refused, reset or cut short: nothing listens there any more, or the server went away."""
+
+
+class ServerDied(ServerError):
+    """A launched server exited: which one, in which phase, its exit code and log (the tail rides along as a note, so
+    the run's ``error.log`` keeps it while the short report names the file).
+
+    Args:
+        process: the dead child.
+        phase: what the run was doing when it met the death (``generate``, ``update_weights (bucket 3)``, ...).
+        fix: a second line: what the user can do (the restart knob), or nothing.
+    """
+
+    def __init__(self, process: ServerProcess, phase: str, fix: str = "") -> None:
+        self.process = process
+        self.phase = phase
+        self.code = process.proc.returncode
+        self.starts = process.starts
+        """How often the child had been started when it was found dead (a later restart repaired this death)."""
+        self.log_path = process.log_path
+        self.tail = process.log_tail()
+        super().__init__(f"vllm serve at {process.url} exited with code {exit_code(self.code)} during {phase}; "
+                         f"its log: {self.log_path}" + (f"\n{fix}" if fix else ""))
+        self.add_note(f"the last lines of {self.log_path}:\n{self.tail}")
+
+
+def exit_code(code: int | None) -> str:
+    """``-9 (SIGKILL)`` for a child killed by a signal, else the code."""
+    if code is None or code >= 0:
+        return str(code)
+    with contextlib.suppress(ValueError):
+        return f"{code} ({signal.Signals(-code).name})"
+    return str(code)
+
+
 def request_json(url: str, path: str, body: dict | None = None, timeout: float = 30.0, phase: str = "") -> object:
-    """GET (``body`` None) or POST ``body`` as JSON; the decoded reply. Errors name the phase and the server's reply."""
+    """GET (``body`` None) or POST ``body`` as JSON; the decoded reply. Errors name the phase and the server's reply:
+    ``ServerTimeout`` after ``timeout`` seconds of silence, ``ConnectionLost`` when the connection broke."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -60,7 +103,10 @@ def request_json(url: str, path: str, body: dict | None = None, timeout: float =
         raise ServerError(f"{phase or path}: {url}{path} answered HTTP {err.code}: {detail}") from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as err:  # refused, reset, cut short, timeout
         reason = getattr(err, "reason", err)
-        raise ServerError(f"{phase or path}: {url}{path} did not answer within {timeout:g}s ({reason})") from None
+        if isinstance(reason, TimeoutError):  # socket.timeout: the only error that means time ran out
+            raise ServerTimeout(f"{phase or path}: {url}{path} did not answer within {timeout:g}s") from None
+        raise ConnectionLost(f"{phase or path}: the connection to {url}{path} broke "
+                             f"({type(reason).__name__}: {reason})") from None
     if not raw:
         return None
     try:
@@ -119,6 +165,8 @@ class ServerProcess:
         if cfg.nice:  # the server's processes (API, engine core, workers) all inherit it
             self.argv = ["nice", "-n", str(cfg.nice), *self.argv]
         self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        """Children started so far (1 after the launch; each restart adds one)."""
 
     def start(self) -> None:
         """Start the child and wait until it answers /health (or fail with its last log lines)."""
@@ -133,6 +181,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
                                      start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
         log.close()
+        self.starts += 1
         _track(self)
 
     def wait_ready(self) -> None:
@@ -156,10 +205,25 @@ class ServerProcess:
         the new child writes a fresh one)."""
         dead_log = self.log_path
         self.stop()  # reaps it and whatever of its process group is left
+        self._check_port_released()
         self.log_dir = Path(tempfile.mkdtemp(prefix="lightning-grpo-server-"))
         self.log_path = self.log_dir / "server.log"
         self.start()
         return dead_log
+
+    def _check_port_released(self) -> None:
+        """The dead child's port must be free again (its clients know this URL only); something else that took it
+        in the meantime is named, with the fix. Connections the death left in TIME_WAIT do not count (vLLM binds
+        with SO_REUSEADDR, as this check does)."""
+        deadline = time.monotonic() + PORT_RELEASE_S
+        while not _can_listen(self.cfg.host, self.port):
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"rollout.server.restarts: the dead vllm serve's port {self.port} is taken by another process, so "
+                    f"it cannot be started again where the run reaches it. Stop what listens there (`ss -ltnp "
+                    f"'sport = :{self.port}'` shows it) and resume with --ckpt_path last, or set rollout.server.port "
+                    "to a port nothing else uses")
+            time.sleep(0.5)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
@@ -209,6 +273,17 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         if was_running:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def _can_listen(host: str, port: int) -> bool:
+    """Whether a listening socket could bind ``host:port`` now (SO_REUSEADDR: TIME_WAIT leftovers allowed)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _die_with_parent():
