@@ -1,0 +1,191 @@
+"""Several nodes, run for real on one host: two torchrun node agents (or two ``srun`` tasks, simulated).
+
+Each node has its own working folder (its local disk) and every node sees one shared folder (the shared
+filesystem: logs, checkpoints). The runs go through the CLI (``tests/node_worker.py``: ``lightning-grpo fit`` under
+an audit hook that lists what each rank wrote). Loopback only; OMP_NUM_THREADS=1 on every rank, so the one-node
+and two-node runs do the same float operations.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import TINY_JOB
+
+TESTS = Path(__file__).parent
+WORKER = TESTS / "node_worker.py"
+LOOP_STEPS = 6
+WALL_CLOCK = {"grpo/ahead_seconds", "grpo/ahead_share"}  # timings: the only columns allowed to differ
+TIMEOUT = 600
+
+
+@dataclass
+class Job:
+    """The folders of one simulated job: a node-local folder per node, one shared folder, logs and audits."""
+
+    root: Path
+    nodes: int
+
+    def __post_init__(self) -> None:
+        for folder in [self.shared, self.logs, self.audit, *self.node_dirs]:
+            folder.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def shared(self) -> Path:
+        return self.root / "shared"
+
+    @property
+    def node_dirs(self) -> list[Path]:
+        return [self.root / f"node{n}" for n in range(self.nodes)]
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def audit(self) -> Path:
+        return self.root / "audit"
+
+    def env(self) -> dict:
+        path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+        return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "LGRPO_AUDIT_DIR": str(self.audit),
+                "WANDB_MODE": "offline"}
+
+    def rows(self, version: int) -> list[dict]:
+        """The metrics rows of one launch (the CSV logger's ``version_<n>``), timings dropped."""
+        with open(self.shared / "runs" / "tiny" / f"version_{version}" / "metrics.csv") as f:
+            return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in csv.DictReader(f)]
+
+    def checkpoints(self) -> list[Path]:
+        return sorted(self.shared.rglob("loop-step-*.ckpt"))
+
+    def written(self, rank: int) -> list[Path]:
+        """What global rank ``rank`` opened for writing, created or renamed into, over every launch."""
+        lines = (self.audit / f"rank{rank}.txt").read_text().splitlines()
+        return [Path(p) for p in lines if not p.startswith("#")]
+
+
+def write_config(job: Job, policy_dir: Path, nodes: int, devices: int) -> Path:
+    """The tiny GRPO job on ``nodes`` x ``devices`` ranks; logs and checkpoints on the shared folder."""
+    config = {
+        "seed_everything": 0,
+        "trainer": {"max_steps": LOOP_STEPS * 2, "accelerator": "cpu", "devices": devices, "num_nodes": nodes,
+                    "strategy": "ddp", "enable_progress_bar": False, "enable_model_summary": False,
+                    "default_root_dir": str(job.shared),  # Lightning's SLURM requeue checkpoint lands here
+                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                               "init_args": {"save_dir": str(job.shared / "runs"), "name": "tiny"}}},
+        "checkpoint": {"every_n_loop_steps": 1, "keep_last": 0},
+        "model": {"policy": {"path": str(policy_dir)}, **TINY_JOB},
+        "data": {"source": "builtin:arith", "val_size": 0},
+    }
+    path = job.shared / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(job: Job, per_node: int, *args: str) -> list[int]:
+    """``torchrun --nnodes=<nodes> --nproc-per-node=<per_node>`` on every node (c10d rendezvous on loopback), each
+    agent in its node's folder; waits for all; their exit codes."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={job.nodes}", f"--nproc-per-node={per_node}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0", str(WORKER),
+           "fit", "--config", str(job.shared / "job.yaml"), *args]
+    procs = [_start(cmd, node, job, job.env(), f"agent{n}") for n, node in enumerate(job.node_dirs)]
+    return _wait(procs, job)
+
+
+def srun(job: Job, *args: str, scontrol: Path) -> list[subprocess.Popen]:
+    """One task per node as ``srun`` starts them (``SLURM_*`` set, no torchrun); ``scontrol`` on PATH. Not waited."""
+    port = free_port()  # Lightning's SLURM port: 15000 + the job id's last 4 digits
+    job_id = f"77{port - 15000:04d}" if 15000 <= port < 25000 else None
+    ntasks = str(job.nodes)
+    slurm = {"SLURM_JOB_ID": job_id or "7700", "SLURM_JOB_NAME": "grpo", "SLURM_NNODES": ntasks,
+             "SLURM_NTASKS": ntasks, "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.1",
+             "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_LOCALID": "0", "PATH": f"{scontrol}{os.pathsep}{os.environ['PATH']}"}
+    if job_id is None:
+        slurm["MASTER_PORT"] = str(port)
+    cmd = [sys.executable, str(WORKER), "fit", "--config", str(job.shared / "job.yaml"), *args]
+    procs = []
+    for n, node in enumerate(job.node_dirs):
+        env = {**job.env(), **slurm, "SLURM_PROCID": str(n), "SLURM_NODEID": str(n)}
+        procs.append(_start(cmd, node, job, env, f"task{n}"))
+    return procs
+
+
+def _start(cmd: list[str], cwd: Path, job: Job, env: dict, name: str) -> subprocess.Popen:
+    log = open(job.logs / f"{name}.log", "a")  # noqa: SIM115 (closed by the child's exit; the test reads it)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait(procs: list[subprocess.Popen], job: Job) -> list[int]:
+    try:
+        return [p.wait(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def tails(job: Job) -> str:
+    return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(job.logs.glob("*.log")))
+
+
+def final_weights(job: Job) -> dict:
+    last = [p for p in job.checkpoints() if f"loop-step-{LOOP_STEPS:06d}" in p.name]
+    assert len(last) == 1, job.checkpoints()
+    return torch.load(last[0], weights_only=True)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_policy_dir):
+    """The same job on 1 node x 2 ranks and on 2 nodes x 1 rank, each uninterrupted."""
+    out = {}
+    for name, nodes, per_node in (("one_node", 1, 2), ("two_nodes", 2, 1)):
+        job = Job(tmp_path_factory.mktemp(name), nodes)
+        write_config(job, tiny_policy_dir, nodes, per_node)
+        codes = torchrun(job, per_node)
+        assert codes == [0] * nodes, tails(job)
+        out[name] = job
+    return out
+
+
+@pytest.mark.slow
+def test_two_nodes_equal_one_node_with_two_ranks_bit_for_bit(runs):
+    one, two = runs["one_node"], runs["two_nodes"]
+    assert two.rows(0) == one.rows(0)  # every metric of every loop step, as logged
+    assert [r["step"] for r in two.rows(0)] == [str(s) for s in range(1, LOOP_STEPS + 1)]
+    a, b = final_weights(one), final_weights(two)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    first = torch.load(min(two.checkpoints()), weights_only=True)["state_dict"]
+    assert any(not torch.equal(first[k], b[k]) for k in b)  # the policy moved: the comparison has teeth
+
+
+@pytest.mark.slow
+def test_only_global_rank_0_writes_and_only_to_the_shared_folder(runs):
+    job = runs["two_nodes"]
+    for node in job.node_dirs:
+        assert list(node.iterdir()) == []  # a node's own disk holds nothing a resume could need
+    rank0 = job.written(0)
+    rank1 = job.written(1)
+    assert [p for p in rank1 if job.root in p.parents] == []  # rank 1 writes neither shared nor node-local files
+    assert [p for p in rank0 if job.root in p.parents and job.shared not in p.parents] == []
+    ckpts = job.checkpoints()
+    assert [p.name.split("-")[2] for p in ckpts] == [f"{s:06d}" for s in range(1, LOOP_STEPS + 1)]
+    assert set(ckpts) <= set(rank0)  # written once, by global rank 0
