@@ -111,16 +111,25 @@ def torchrun(job: Job, per_node: int, *args: str) -> list[int]:
     return _wait(procs, job)
 
 
-def srun(job: Job, *args: str, scontrol: Path) -> list[subprocess.Popen]:
+def slurm_job_id() -> str:
+    """A job id whose port is free: Lightning's SLURM rendezvous port is 15000 + the id's last 4 digits."""
+    for _ in range(100):
+        port = 15000 + int.from_bytes(os.urandom(2), "big") % 10000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return f"77{port - 15000:04d}"
+    raise RuntimeError("no free port in 15000..24999")
+
+
+def srun(job: Job, *args: str, job_id: str, scontrol: Path) -> list[subprocess.Popen]:
     """One task per node as ``srun`` starts them (``SLURM_*`` set, no torchrun); ``scontrol`` on PATH. Not waited."""
-    port = free_port()  # Lightning's SLURM port: 15000 + the job id's last 4 digits
-    job_id = f"77{port - 15000:04d}" if 15000 <= port < 25000 else None
     ntasks = str(job.nodes)
-    slurm = {"SLURM_JOB_ID": job_id or "7700", "SLURM_JOB_NAME": "grpo", "SLURM_NNODES": ntasks,
-             "SLURM_NTASKS": ntasks, "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.1",
-             "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_LOCALID": "0", "PATH": f"{scontrol}{os.pathsep}{os.environ['PATH']}"}
-    if job_id is None:
-        slurm["MASTER_PORT"] = str(port)
+    slurm = {"SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "grpo", "SLURM_NNODES": ntasks, "SLURM_NTASKS": ntasks,
+             "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_NODELIST": "127.0.0.1",
+             "SLURM_LOCALID": "0", "PATH": f"{scontrol}{os.pathsep}{os.environ['PATH']}"}
     cmd = [sys.executable, str(WORKER), "fit", "--config", str(job.shared / "job.yaml"), *args]
     procs = []
     for n, node in enumerate(job.node_dirs):
@@ -189,3 +198,68 @@ def test_only_global_rank_0_writes_and_only_to_the_shared_folder(runs):
     ckpts = job.checkpoints()
     assert [p.name.split("-")[2] for p in ckpts] == [f"{s:06d}" for s in range(1, LOOP_STEPS + 1)]
     assert set(ckpts) <= set(rank0)  # written once, by global rank 0
+
+
+@pytest.mark.slow
+def test_two_nodes_resume_from_the_shared_checkpoint_exactly(runs, tmp_path, tiny_policy_dir):
+    """A new two-node launch from loop step 3's checkpoint (on the shared folder) continues the run row for row."""
+    two = runs["two_nodes"]
+    saved = next(p for p in two.checkpoints() if "loop-step-000003" in p.name)
+    job = Job(tmp_path, nodes=2)
+    write_config(job, tiny_policy_dir, nodes=2, devices=1)
+    assert torchrun(job, 1, f"--ckpt_path={saved}") == [0, 0], tails(job)
+    assert job.rows(0) == two.rows(0)[3:]
+    a, b = final_weights(two), final_weights(job)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def fake_scontrol(folder: Path) -> Path:
+    """A ``scontrol`` that records its call (with the caller's SLURM_PROCID) in ``folder/scontrol.log``."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$SLURM_PROCID $@" >> {folder / "scontrol.log"}\n')
+    script.chmod(0o755)
+    return bin_dir
+
+
+def wait_for(path_glob: str, folder: Path, procs: list[subprocess.Popen], job: Job) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not list(folder.rglob(path_glob)):
+        assert all(p.poll() is None for p in procs), tails(job)
+        assert time.monotonic() < deadline, tails(job)
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_slurm_sigusr1_requeues_at_the_boundary_and_the_second_launch_resumes_exactly(runs, tmp_path,
+                                                                                    tiny_policy_dir):
+    """Two ``srun`` tasks (simulated) with Lightning's SLURMEnvironment(auto_requeue=True); SIGUSR1 to both mid-run
+    (as ``#SBATCH --signal=USR1@90`` does): the boundary checkpoint lands on the shared folder, rank 0 calls
+    ``scontrol requeue <job id>``, both exit 138; the requeued job (the same command) resumes with no loop step lost
+    or repeated, and ends where the uninterrupted two-node run ended."""
+    job = Job(tmp_path / "job", nodes=2)
+    write_config(job, tiny_policy_dir, nodes=2, devices=1)
+    scontrol = fake_scontrol(tmp_path)
+    job_id = slurm_job_id()
+    requeue = "--trainer.plugins=lightning.pytorch.plugins.environments.SLURMEnvironment"
+    args = ("--ckpt_path=last", requeue, "--trainer.plugins.auto_requeue=true")
+    procs = srun(job, *args, job_id=job_id, scontrol=scontrol)
+    wait_for("loop-step-000002-*.ckpt", job.shared, procs, job)
+    for p in procs:
+        p.send_signal(signal.SIGUSR1)
+    assert _wait(procs, job) == [128 + signal.SIGUSR1] * 2, tails(job)
+    assert (tmp_path / "scontrol.log").read_text().splitlines() == [f"0 requeue {job_id}"]
+    stopped = len(job.checkpoints())
+    assert 2 <= stopped < LOOP_STEPS  # the signal stopped the run at a boundary before its end
+    hpc = torch.load(job.shared / "hpc_ckpt_1.ckpt", weights_only=True)  # Lightning's own, on the shared folder too
+    assert hpc["grpo"]["loop_step"] == stopped
+    assert all(list(node.iterdir()) == [] for node in job.node_dirs)
+
+    procs = srun(job, *args, job_id=job_id, scontrol=scontrol)  # SLURM starts the same command again
+    assert _wait(procs, job) == [0, 0], tails(job)
+    first, second = job.rows(0), job.rows(1)
+    assert [r["step"] for r in first + second] == [str(s) for s in range(1, LOOP_STEPS + 1)]
+    assert first + second == runs["two_nodes"].rows(0)
+    a, b = final_weights(runs["two_nodes"]), final_weights(job)
+    assert all(torch.equal(a[k], b[k]) for k in a)
