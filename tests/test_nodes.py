@@ -76,8 +76,9 @@ class Job:
         return [Path(p) for p in lines if not p.startswith("#")]
 
 
-def write_config(job: Job, policy_dir: Path, nodes: int, devices: int) -> Path:
-    """The tiny GRPO job on ``nodes`` x ``devices`` ranks; logs and checkpoints on the shared folder."""
+def write_config(job: Job, policy_dir: Path, nodes: int, devices: int, checkpoints: str | None = None) -> Path:
+    """The tiny GRPO job on ``nodes`` x ``devices`` ranks; logs and checkpoints on the shared folder (``checkpoints``:
+    another ``checkpoint.dirpath``)."""
     config = {
         "seed_everything": 0,
         "trainer": {"max_steps": LOOP_STEPS * 2, "accelerator": "cpu", "devices": devices, "num_nodes": nodes,
@@ -85,7 +86,7 @@ def write_config(job: Job, policy_dir: Path, nodes: int, devices: int) -> Path:
                     "default_root_dir": str(job.shared),  # Lightning's SLURM requeue checkpoint lands here
                     "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                                "init_args": {"save_dir": str(job.shared / "runs"), "name": "tiny"}}},
-        "checkpoint": {"every_n_loop_steps": 1, "keep_last": 0},
+        "checkpoint": {"every_n_loop_steps": 1, "keep_last": 0, "dirpath": checkpoints},
         "model": {"policy": {"path": str(policy_dir)}, **TINY_JOB},
         "data": {"source": "builtin:arith", "val_size": 0},
     }
@@ -211,6 +212,24 @@ def test_two_nodes_resume_from_the_shared_checkpoint_exactly(runs, tmp_path, tin
     assert job.rows(0) == two.rows(0)[3:]
     a, b = final_weights(two), final_weights(job)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_folder_only_one_node_sees_is_refused_on_every_rank_at_resume(runs, tmp_path, tiny_policy_dir):
+    """``checkpoint.dirpath: ckpt`` (relative: each node's own working folder) holds a checkpoint on node 0 only:
+    ``--ckpt_path last`` finds it on one node and nothing on the other. Both ranks stop at setup, naming the knob,
+    instead of one resuming while the other starts from scratch (or waits forever)."""
+    job = Job(tmp_path, nodes=2)
+    write_config(job, tiny_policy_dir, nodes=2, devices=1, checkpoints="ckpt")
+    saved = next(p for p in runs["two_nodes"].checkpoints() if "loop-step-000003" in p.name)
+    local = job.node_dirs[0] / "ckpt"
+    local.mkdir()
+    for part in saved.parent.glob(saved.name.replace(".ckpt", ".*")):  # the file, its manifest and config
+        (local / part.name).write_bytes(part.read_bytes())
+    codes = torchrun(job, 1, "--ckpt_path=last")
+    logs = tails(job)
+    assert codes != [0, 0] and logs.count("checkpoint.dirpath: rank 0 ") == 2, logs
+    assert "a filesystem every node mounts" in logs
 
 
 def fake_scontrol(folder: Path) -> Path:
