@@ -9,6 +9,7 @@ and two-node runs do the same float operations.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import socket
@@ -282,3 +283,39 @@ def test_slurm_sigusr1_requeues_at_the_boundary_and_the_second_launch_resumes_ex
     assert first + second == runs["two_nodes"].rows(0)
     a, b = final_weights(runs["two_nodes"]), final_weights(job)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_vllm_serve_pool_per_node_serves_its_own_nodes_ranks_and_equals_one_shared_pool(tmp_path, tiny_policy_dir):
+    """``rollout.server.placement: per_node`` on two torchrun nodes: each node's rank launches its own ``vllm serve``
+    (float32), samples only from it and pushes each update to it over shared memory (the hop is on its node); every
+    sync is checked on both servers (version and probe). Against one pool shared by 2 ranks on one node: the same
+    metrics and weights within the engine's tolerance (the seeds fix every row's tokens, wherever it is sampled)."""
+    pytest.importorskip("vllm")
+    from test_distributed import launch_two_ranks
+
+    worker = TESTS / "server_dp_worker.py"
+    base = [str(worker), "--policy", str(tiny_policy_dir), "--k", "0"]
+    one = tmp_path / "one_pool"
+    one.mkdir()
+    launch_two_ranks(one, tiny_policy_dir, [], timeout=TIMEOUT, cmd=[sys.executable, *base, "--out", str(one)])
+    job = Job(tmp_path / "per_node", nodes=2)
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0", *base, "--out", str(job.shared),
+           "--nodes", "2", "--placement", "per_node"]
+    procs = [_start(cmd, node, job, job.env(), f"agent{n}") for n, node in enumerate(job.node_dirs)]
+    assert _wait(procs, job) == [0, 0], tails(job)
+    per_node = [json.loads((job.shared / f"rank{r}.json").read_text()) for r in (0, 1)]
+    shared = [json.loads((one / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert per_node[0]["launched"] and per_node[1]["launched"]  # each node's local rank 0 launched its pool
+    assert len(per_node[0]["urls"]) == len(per_node[1]["urls"]) == 1 and per_node[0]["urls"] != per_node[1]["urls"]
+    assert [list(r["transports"].values()) for r in per_node] == [["shm"], ["shm"]]  # every hop within its node
+    assert per_node[0]["rows"] == per_node[1]["rows"] == 2 * 4  # each server sampled its own rank's prompts only
+    assert per_node[0]["versions"] == per_node[1]["versions"] == [1, 2]  # each pool synced once per loop step
+    assert per_node[0]["probe_error"] < 1e-5 and per_node[1]["probe_error"] < 1e-5  # checked on both servers
+    assert per_node[0]["params"] == per_node[1]["params"] and per_node[0]["metrics"] == per_node[1]["metrics"]
+    for a, b in zip(per_node[0]["metrics"], shared[0]["metrics"]):
+        assert a.keys() == b.keys()
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a if k not in WALL_CLOCK)

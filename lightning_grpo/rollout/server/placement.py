@@ -14,6 +14,8 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from lightning_grpo.rollout.server.ranks import Ranks
+
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
 """Hosts that always mean the machine the request starts on."""
 
@@ -63,7 +65,7 @@ def bucket_bodies(tensors: dict, transports: set[str], path: Path) -> dict[str, 
     return bodies
 
 
-def check_reachable_pool(host: str, ranks) -> None:
+def check_reachable_pool(host: str, ranks: Ranks) -> None:
     """Refuse a pool that rank 0 launches on its loopback when ranks on other nodes would sample from it."""
     spans_nodes = ranks.size > ranks.local_size
     if ranks.placement == "global" and spans_nodes and host in LOOPBACK:
