@@ -42,6 +42,7 @@ from lightning_grpo.determinism import DeterminismError
 from lightning_grpo.dpo import DPOConfig
 from lightning_grpo.errors import USER_ERRORS, RunWriteError, logged_error
 from lightning_grpo.handoff import HandoffCallback
+from lightning_grpo.launcher import check_launch
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
@@ -238,6 +239,9 @@ class GRPOCLI(LightningCLI):
             for key in ("optimizer", "lr_scheduler"):
                 if config.get(key) is not None:
                     config_error(f"--{key}: {OPTIMIZER_REFUSED}")
+        if self.subcommand and (problems := check_launch(config.get("trainer.num_nodes"), config.get("trainer.devices"),
+                                                         os.environ)):
+            config_error("\n".join(problems))  # before the Trainer: Lightning's own check names no flag
         if self.subcommand and config.get("trainer.enable_checkpointing") is False:
             self._parser(self.subcommand).callback_keys.remove("checkpoint")  # Lightning refuses a Checkpoint then
         if self.subcommand:  # a W&B run's files get a version folder of their own (two sweep trials: two folders)

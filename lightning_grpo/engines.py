@@ -104,7 +104,11 @@ def _server_engine(cfg: RolloutConfig, parts: EngineParts) -> RolloutEngine:
     from lightning_grpo.rollout.vllm_server import VLLMServerEngine, sequence_logprobs
 
     server = cfg.server or ServerConfig()
-    ranks = Ranks.current()
+    trainer = parts.trainer
+    if trainer is None:
+        ranks = Ranks.current(placement=server.placement)
+    else:  # the node figures come from the launcher (Lightning reads torchrun's and SLURM's variables)
+        ranks = Ranks.current(trainer.node_rank, trainer.local_rank, trainer.num_devices, server.placement)
     # The rules across sections (restarts with several ranks, an adapter over HTTP) ran in run_check.
     if server.url is None and server.launch:  # the child runs this Python's vLLM
         check_vllm_can_load(resolve_path(parts.policy_cfg), "vllm_server")

@@ -18,6 +18,7 @@ from lightning_grpo.config import GRPOConfig, RolloutConfig, ServerConfig
 from lightning_grpo.objectives import OBJECTIVES
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.rollout.server.placement import hop_transport
 from lightning_grpo.routing.replay import rollout_refusal
 
 OPD_FAMILY = (("loss_type", "dapo"), ("ratio_level", "token"), ("loss", "ppo_clip"), ("entropy_coef", 0.0),
@@ -92,11 +93,21 @@ def server_problems(policy: PolicyConfig, rollout: RolloutConfig, dp_size: int |
                  "pace (refill rounds, episodes), so one may meet the dead server while another already waits in the "
                  "update's all-reduce, with no barrier where rank 0 could restart it; set rollout.server.restarts: 0 "
                  "(the run stops with an emergency checkpoint; resume with --ckpt_path last)")
+    hops = []
+    for url in server.urls:  # a launched server is on its lead's node: shm under auto
+        try:
+            hops.append(hop_transport(server.weight_transport, url))
+        except ValueError as err:
+            p.append(str(err))
     adapter = policy.lora is not None and policy.lora.sync == "adapter"
     if adapter and server.weight_transport == "http":
         p.append("policy.lora.sync=adapter with rollout.server.weight_transport=http: the servers load each adapter "
                  "from a folder on this machine, which a server on another node cannot read; set policy.lora.sync: "
-                 "merge (every weight, over HTTP) or weight_transport: shm (same node)")
+                 "merge (every weight, over HTTP) or weight_transport: auto (shm to this node's servers)")
+    elif adapter and "http" in hops:
+        p.append(f"policy.lora.sync=adapter with rollout.server.url={server.url}: a server on another node (HTTP "
+                 "under weight_transport: auto) cannot read the adapter folder on this machine; set "
+                 "policy.lora.sync: merge (every weight, over HTTP) or use servers on this node")
     return p
 
 

@@ -1,10 +1,11 @@
 """One rank of the 2-rank ``vllm serve`` check (tests/test_async.py launches two, the way torchrun would).
 
 Two DDP ranks (gloo) train ``TINY_JOB`` through one server that rank 0 launches; ``--k`` sets
-``rollout.max_off_policy_steps``. Writes ``<out>/rank<r>.json``: the server URLs this rank used, the weight version
+``rollout.max_off_policy_steps``. ``--nodes 2 --placement per_node`` (under two torchrun node agents,
+tests/test_nodes.py): one rank per node, each node's rank launching and syncing its own server. Writes ``<out>/rank<r>.json``: the server URLs this rank used, the weight version
 it saw after each loop step, the last probe error and the rows it sent, the logged metrics and a parameter digest.
 
-Usage: python tests/server_dp_worker.py --out DIR --policy DIR --k 0
+Usage: python tests/server_dp_worker.py --out DIR --policy DIR --k 0 [--nodes 2 --placement per_node]
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -47,17 +47,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--policy", required=True)
     ap.add_argument("--k", type=int, default=0)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--placement", default="global")
     args = ap.parse_args()
     torch.set_num_threads(1)
     server = ServerConfig(dtype="float32", max_model_len=256, enforce_eager=True, threads=1,
-                          kv_cache_memory_bytes=32 << 20)
+                          kv_cache_memory_bytes=32 << 20, placement=args.placement)
     rl = GRPOConfig(**TINY_JOB["rl"], rollout_correction=RolloutCorrection(mode="tis"))
     module = GRPOModule(policy=PolicyConfig(path=args.policy), rl=rl, optim=OptimConfig(**TINY_JOB["optim"]),
                         rollout=RolloutConfig(engine="vllm_server", max_new_tokens=4, server=server,
                                               max_off_policy_steps=args.k),
                         rewards=[RewardSpec(**r) for r in TINY_JOB["rewards"]], seed=0)
     seen = Seen()
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=LOOP_STEPS * rl.steps_per_loop_step,
+    trainer = Trainer(accelerator="cpu", devices=2 // args.nodes, num_nodes=args.nodes, strategy="ddp", max_steps=LOOP_STEPS * rl.steps_per_loop_step,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[seen, HandoffCallback(placement="disaggregated")])
     try:
@@ -67,8 +69,8 @@ def main() -> None:
         result = {"urls": [c.url for c in engine.clients], "versions": seen.versions, "launched":
                   engine.server is not None, "probe_error": engine.last_probe_error,
                   "rows": sum(c.requests for c in engine.clients), "metrics": seen.metrics,
-                  "params": digest.hexdigest()}
-        (Path(args.out) / f"rank{os.environ['LOCAL_RANK']}.json").write_text(json.dumps(result))
+                  "params": digest.hexdigest(), "transports": engine.transports}
+        (Path(args.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     finally:
         if module.engine is not None:
             module.engine.close()

@@ -202,7 +202,7 @@ def test_several_servers_round_trip_through_yaml_and_each_replica_gets_its_own_p
     ({"launch": False}, r"launch=False with url=None: nothing to connect to; set url or launch: true"),
     ({"port": 70000}, r"port=70000: must be in 1\.\.65535, or null"),
     ({"threads": 0}, r"threads=0: must be an integer >= 1"),
-    ({"weight_transport": "nccl"}, r"weight_transport='nccl': must be 'shm' or 'http'"),
+    ({"weight_transport": "nccl"}, r"weight_transport='nccl': must be 'auto', 'shm' or 'http'"),
     ({"sync_timeout_s": 0}, r"sync_timeout_s=0: must be a number of seconds > 0"),
     ({"probe_tolerance": -1.0}, r"probe_tolerance=-1\.0: must be > 0"),
     ({"url": []}, r"url=\[\]: an empty list names no server; give at least one URL, or null"),

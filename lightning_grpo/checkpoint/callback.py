@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
 import shutil
 import signal
@@ -39,6 +40,7 @@ from lightning_grpo.checkpoint.paths import (
     staging_path,
 )
 from lightning_grpo.checkpoint.revalidate import rerun_validation, validation_pending
+from lightning_grpo.checkpoint.shared import check_every_rank_sees
 from lightning_grpo.checkpoint.signals import Preempted, SignalWatch
 from lightning_grpo.checkpoint.state import NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.lora import is_lora, save_adapter
@@ -111,6 +113,7 @@ class GRPOCheckpoint(Checkpoint):
         self._stop: int | None = None  # the signal every rank agreed on, acted on after the step's row
         self._save_failed = False
         self._in_fit = False
+        self._resumed: str | None = None  # what --ckpt_path resolved to on this rank (resume_from)
 
     # -- hooks -------------------------------------------------------------------------------------------------------
     @override
@@ -120,8 +123,14 @@ class GRPOCheckpoint(Checkpoint):
         if not self.explicit_dirpath:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
         self.run_id = trainer.strategy.broadcast(secrets.token_hex(4))  # one id for every rank
+        check_every_rank_sees(trainer, self._resumed)  # before Lightning loads it on each rank
+        self._resumed = None  # a later fit resolves its own
         self._loaded_lineage, self._last_saved, self._save_failed = None, None, False
         self._pending, self._stop = None, None
+
+    def resume_from(self, path: str | os.PathLike | None) -> None:
+        """The checkpoint this rank will load (``resolve_ckpt_path``); every rank's is compared at setup."""
+        self._resumed = None if path is None else str(path)
 
     @override
     def state_dict(self) -> dict[str, Any]:

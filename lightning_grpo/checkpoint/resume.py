@@ -38,6 +38,14 @@ def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, trainer: Trainer) -> 
     A trainer whose ``GRPOCheckpoint`` already belongs to a lineage (a second ``fit``) resumes that lineage.
     Any other value is returned unchanged (the CLI checks it first: ``check_ckpt_file``).
     """
+    resolved = _resolve(ckpt_path, trainer)
+    for cb in trainer.callbacks:
+        if isinstance(cb, GRPOCheckpoint):
+            cb.resume_from(resolved)  # compared over ranks before anything loads (checkpoint/shared.py)
+    return resolved
+
+
+def _resolve(ckpt_path: str | os.PathLike | None, trainer: Trainer) -> str | os.PathLike | None:
     if ckpt_path != "last":
         return ckpt_path
     dirs = search_dirs(trainer)

@@ -48,9 +48,13 @@ class ServerConfig:
     None = inherited."""
     extra_args: list[str] = field(default_factory=list)
     """More ``vllm serve`` arguments for a launched server, passed through unchanged."""
-    weight_transport: Literal["shm", "http"] = "shm"
-    """How each weight bucket reaches the server: shm = a safetensors file in /dev/shm (same node only), http = its
-    bytes in the request body (any node, +33% base64)."""
+    weight_transport: Literal["auto", "shm", "http"] = "auto"
+    """How each weight bucket reaches each server: shm = a safetensors file in /dev/shm (same node only), http = its
+    bytes in the request body (any node, +33% base64), auto = per hop: shm for a server on the pusher's node (every
+    launched one), http for one on another host (``rollout/server/placement.py``)."""
+    placement: Literal["global", "per_node"] = "global"
+    """Launched servers: global = one pool of ``replicas`` that global rank 0 launches, shared by every rank; per_node
+    = a pool of ``replicas`` on each node, launched by the node's local rank 0 and used by that node's ranks only."""
     startup_timeout_s: float = 300.0
     """Seconds a launched server may take to answer /health (a URL: seconds to answer at all, 1/10 of this)."""
     request_timeout_s: float = 600.0
@@ -103,8 +107,13 @@ class ServerConfig:
             p.append(f"nice={self.nice!r}: must be an integer in 0..19 (0 = the trainer's priority)")
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
             p.append(f"max_model_len={self.max_model_len!r}: must be >= 1 or null (the model's)")
-        if self.weight_transport not in ("shm", "http"):
-            p.append(f"weight_transport={self.weight_transport!r}: must be 'shm' or 'http'")
+        if self.weight_transport not in ("auto", "shm", "http"):
+            p.append(f"weight_transport={self.weight_transport!r}: must be 'auto', 'shm' or 'http'")
+        if self.placement not in ("global", "per_node"):
+            p.append(f"placement={self.placement!r}: must be 'global' or 'per_node'")
+        elif self.placement == "per_node" and self.url is not None:
+            p.append("placement=per_node with url set: per_node launches a pool on every node; list running servers "
+                     "in url with placement: global, or set url: null")
         for name in ("startup_timeout_s", "request_timeout_s", "sync_timeout_s"):
             value = getattr(self, name)
             if not is_finite(value) or value <= 0:

@@ -9,7 +9,8 @@ i's whole group goes to server i % N, and since every row carries its own seed t
 
 Weight sync: vLLM 0.32's RL API (``/start_weight_update``, ``/update_weights`` per bucket, ``/finish_weight_update``
 with the new weight version), with our CPU backend ``lightning_grpo_shm`` (``rollout/server/shm_transfer.py``): each
-bucket is a safetensors blob in ``/dev/shm`` (same node) or in the request body (``weight_transport: http``). Each phase
+bucket is a safetensors blob in ``/dev/shm`` (same node) or in the request body (HTTP), picked per server
+(``server/placement.py``). Each phase
 has ``sync_timeout_s`` and a failure names the phase. After the sync the engine is checked: ``/weight_info`` must report
 the new version, and the server's logprobs on a fixed probe sequence must match the trainer's within
 ``probe_tolerance``, so a sync that did not land is an error, never a quiet bias. With several servers every phase
@@ -18,7 +19,6 @@ reaches each (one thread per server, ``server/client.each``) before any samples 
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import tempfile
@@ -35,6 +35,7 @@ from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server.adapters import ServerAdapters
 from lightning_grpo.rollout.server.client import ServerClient, each
+from lightning_grpo.rollout.server.placement import bucket_bodies, check_reachable_pool, hop_transport
 from lightning_grpo.rollout.server.probe import check_probe, check_version, probe_ids
 from lightning_grpo.rollout.server.process import ServerDied, ServerError, ServerProcess, free_ports, request_json
 from lightning_grpo.rollout.server.ranks import Ranks
@@ -133,6 +134,8 @@ class VLLMServerEngine(BookkeptSleep):
         self._sleep = SleepState()
         self._bucket_prefix = Path(_shm_root()) / f"lightning-grpo-sync-{os.getpid()}-{id(self):x}"
         """Bucket files are this plus ``-<n>.safetensors``, each removed right after the server loaded it."""
+        self.transports = {c.url: hop_transport(self.config.weight_transport, c.url) for c in self.clients}
+        """Each server's weight transport (``placement.py``): shm on this node, http across nodes."""
         if self.ranks.leads:
             self._post("/init_weight_transfer_engine", {"init_info": {}}, "init_weight_transfer_engine")
 
@@ -158,8 +161,9 @@ class VLLMServerEngine(BookkeptSleep):
         bodies = [self._body(p, sampling, s) for p, s in zip(rows, seeds)]
         # by prompt group: a group shares its prompt's prefix-cache blocks on one server; the seeds fix the tokens
         # (ranks: interleaved, so every rank's first group does not land on the same server)
-        r = self.ranks
-        targets = [self.clients[(i // group_size * r.size + r.rank) % len(self.clients)] for i in range(len(rows))]
+        r = self.ranks  # per_node: the node's ranks over the node's servers
+        targets = [self.clients[(i // group_size * r.pool_size + r.pool_rank) % len(self.clients)]
+                   for i in range(len(rows))]
         for client in targets:
             client.requests += 1
         replies = self._complete(targets, bodies)
@@ -250,7 +254,7 @@ class VLLMServerEngine(BookkeptSleep):
         """``call(*args)`` in a sync on rank 0; a death is kept for the sync's end, which recovers (or, with no
         restart possible, raised now: the rest of the sync would be lost time)."""
         if not self.ranks.leads:
-            return  # the same weights: rank 0 pushes them
+            return  # the same weights: the pool's lead pushes them
         try:
             call(*args)
         except ServerDied as err:
@@ -258,18 +262,11 @@ class VLLMServerEngine(BookkeptSleep):
             self._interrupted = err
 
     def _push_bucket(self, tensors: dict[str, Tensor], phase: str) -> None:
-        """One bucket to every server: in the request body (http), or as a tmpfs file each maps (shm)."""
-        if self.config.weight_transport == "http":
-            from safetensors.torch import save
-
-            self._post("/update_weights", {"update_info": {"data": base64.b64encode(save(tensors)).decode()}}, phase)
-            return
-        from safetensors.torch import save_file
-
+        """One bucket to every server by its hop's transport (``placement.py``): the body (http) or a tmpfs file (shm)."""
         path = Path(f"{self._bucket_prefix}-{self._bucket}.safetensors")
-        save_file(tensors, str(path))  # tmpfs: a memory copy every server on this node maps
-        try:
-            self._post("/update_weights", {"update_info": {"path": str(path)}}, phase)
+        try:  # each server by its hop's transport (placement.py)
+            bodies = bucket_bodies(tensors, set(self.transports.values()), path)
+            each(self.clients, lambda c: c.post("/update_weights", bodies[self.transports[c.url]], phase))
         finally:
             path.unlink(missing_ok=True)
 
@@ -353,17 +350,18 @@ def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks:
     """A client per server at ``cfg.url``, or per launched replica (all spawned first, so they load side by side;
     several trainer ranks: rank 0 launches them and tells the others where they answer)."""
     if cfg.url is None and ranks.size > 1:
+        check_reachable_pool(cfg.host, ranks)
         clients, failure = [], None
         if ranks.leads:
             try:
                 clients = _connect(model_path, cfg, sampler_logprobs, Ranks(), adapter_args)
             except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, not wait forever
                 failure = err
-        urls = ranks.broadcast(f"error: {failure}" if failure is not None else [c.url for c in clients])
+        urls = ranks.from_lead(f"error: {failure}" if failure is not None else [c.url for c in clients])
         if failure is not None:
             raise failure
         if isinstance(urls, str):
-            raise ServerError(f"rank 0 could not launch vllm serve ({urls[7:]})")
+            raise ServerError(f"the pool's lead rank could not launch vllm serve ({urls[7:]})")
         return clients or [ServerClient(url, cfg) for url in urls]
     if cfg.url is not None:
         for url in cfg.urls:
