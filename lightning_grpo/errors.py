@@ -17,13 +17,16 @@ from lightning.pytorch import Trainer
 from lightning_grpo.checkpoint import DamagedCheckpointError, FolderInUseError, NonFiniteParametersError
 from lightning_grpo.checkpoint.identity import ResumeMismatchError
 from lightning_grpo.checkpoint.resume import CheckpointPathError
+from lightning_grpo.data.images import BadImageError
 from lightning_grpo.data.reward_calls import RewardError
 from lightning_grpo.policy import PolicyNotFoundError
+from lightning_grpo.rollout.server.process import ServerError
 from lightning_grpo.rollout.vllm_loadable import EngineCannotLoadError
 from lightning_grpo.update.loop import NonFiniteRunError
 
 USER_ERRORS = (RewardError, CheckpointPathError, DamagedCheckpointError, PolicyNotFoundError, NonFiniteRunError,
-               NonFiniteParametersError, FolderInUseError, ResumeMismatchError, EngineCannotLoadError)
+               NonFiniteParametersError, FolderInUseError, ResumeMismatchError, EngineCannotLoadError, ServerError,
+               BadImageError)
 """Raised mid-run for something the user can fix; their messages say what and how."""
 ERROR_LOG = "error.log"
 

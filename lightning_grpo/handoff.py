@@ -36,6 +36,7 @@ from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import DeclaresWeights, DrawsAhead, RolloutEngine
 from lightning_grpo.rollout.sleep import sleep_level_problem
 from lightning_grpo.rollout.weight_sync import SyncStats, named_weights
+from lightning_grpo.run_check import check_async_handoff
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +153,8 @@ class HandoffCallback(Callback):
                         sync_bucket_mb: float) -> None:
         """The module built its engine (``on_fit_start``, before Lightning restores optimizer state onto the device):
         enter the batch boundary, so the engine sleeps first and the first hand-off publishes the (restored) policy."""
-        if self.handoff and isinstance(engine, DrawsAhead):
-            raise ValueError(f"rollout.max_off_policy_steps={engine.max_off_policy_steps} with HandoffCallback("
-                             "placement='colocated', colocated_offload=True): async rollouts sample in another process "
-                             "while this one updates, so there is no device to hand back and forth; set the "
-                             "callback's placement: disaggregated (or colocated_offload: false)")
+        if isinstance(engine, DrawsAhead):  # GRPOModule refuses it at setup; an engine built by hand comes here
+            check_async_handoff(engine.max_off_policy_steps, self.handoff)
         self._engine, self._policy = engine, policy
         self._bucket_bytes = int((self._sync_bucket_mb or sync_bucket_mb) * (1 << 20))
         self._start(trainer)

@@ -36,6 +36,7 @@ import os
 import random
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -218,6 +219,8 @@ class AdapterSlot:
         self.max_rank = served_rank(rank)
         shm = Path("/dev/shm")
         self.root = Path(tempfile.mkdtemp(prefix="lightning-grpo-lora-", dir=shm if shm.is_dir() else None))
+        # gone with the slot, or at exit: an engine nobody closes (a CLI fit's) would leave it in RAM until reboot
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)
         self.request = None  # the LoRARequest generation uses
         self.published = 0
 
@@ -238,7 +241,7 @@ class AdapterSlot:
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        self._cleanup()
 
 
 def _repack_cpu_embeddings(worker) -> int:
