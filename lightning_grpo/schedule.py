@@ -57,8 +57,8 @@ def check_horizon(optim: OptimConfig, horizon: int | None, run_steps: int | None
             "trainer.max_steps, or trainer.max_epochs with trainer.limit_train_batches"
         )
     if run_steps is not None and optim.total_steps and run_steps > optim.total_steps:
-        raise ConfigError(f"optim.total_steps={optim.total_steps} is shorter than the run ({run_steps} optimizer steps): "
-                          f"the {optim.schedule} schedule would end early (cosine even rises again); set "
+        raise ConfigError(f"optim.total_steps={optim.total_steps} is shorter than the run ({run_steps} optimizer "
+                          f"steps): the {optim.schedule} schedule would end early (cosine even rises again); set "
                           "optim.total_steps >= the run's optimizer steps, or 0 to use the run's length")
 
 

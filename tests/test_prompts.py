@@ -251,8 +251,9 @@ def test_prompts_that_do_not_fit_name_the_knob_the_user_set(max_prompt_tokens):
                prompt_room=rollout.prompt_room(1001))
     dm = PromptDataModule("builtin:arith", prompts_per_step=2, val_size=0, builtin_size=8)
     if max_prompt_tokens is None:  # derived from the context: say what max_new_tokens left
-        says = (r"^rollout.max_new_tokens=1000 leaves 1 token of a 1001-token context \(the policy's max_position_embeddings\) "
-                r"for the prompt, and the shortest prompt that does not fit has \d+ tokens; lower rollout.max_new_tokens")
+        says = (r"^rollout.max_new_tokens=1000 leaves 1 token of a 1001-token context \(the policy's "
+                r"max_position_embeddings\) for the prompt, and the shortest prompt that does not fit has \d+ tokens; "
+                r"lower rollout.max_new_tokens")
     else:  # set by the user: that knob
         says = r"8 of 8 prompts are longer than rollout.max_prompt_tokens=1"
     with pytest.raises(ConfigError, match=says):

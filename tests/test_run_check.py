@@ -119,7 +119,8 @@ def test_max_steps_zero_is_refused_before_the_policy_loads(no_policy, tmp_path, 
 
 
 USER_FILES = {
-    "trl_rewards.py": "def by_level(prompts, completions, difficulty, **kwargs):\n    return [0.0] * len(completions)\n",
+    "trl_rewards.py": ("def by_level(prompts, completions, difficulty, **kwargs):\n"
+                       "    return [0.0] * len(completions)\n"),
     "shell_env.py": "import os\n\n\nclass ShellEnv:\n    tools = [os.system]\n\n    def reset(self, **row):\n"
                     "        return None\n",
     "vlm.jsonl": "".join(f'{{"prompt": "Which color?", "images": ["{name}.png"], "answer": "red"}}\n'

@@ -64,7 +64,8 @@ def test_the_last_error_line_of_a_log():
 # A child that maps a multiprocessing segment (as vLLM's queues do) and ignores SIGTERM, so it is killed.
 HOLDS_SHM = ("import signal, time\nfrom multiprocessing import shared_memory\n"
              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-             "shm = shared_memory.SharedMemory(create=True, size=1 << 20)\nprint(shm.name, flush=True)\ntime.sleep(120)")
+             "shm = shared_memory.SharedMemory(create=True, size=1 << 20)\n"
+             "print(shm.name, flush=True)\ntime.sleep(120)")
 
 
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")

@@ -80,8 +80,8 @@ class EpisodeRunner:
 
     def __init__(self, cfg: EnvConfig, tokenizer, eos_token_ids: Sequence[int], context: int | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(f"model.env.name={cfg.name!r}: the policy's tokenizer has no chat template, which renders "
-                              "the tool schemas and tool turns; use a chat model or set policy.chat_template")
+            raise ConfigError(f"model.env.name={cfg.name!r}: the policy's tokenizer has no chat template, which "
+                              "renders the tool schemas and tool turns; use a chat model or set policy.chat_template")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.env_class: EnvClass = load_env(cfg.name)
         self.parse = load_parser(cfg.parser)
