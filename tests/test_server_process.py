@@ -57,6 +57,10 @@ def test_a_server_start_up_timeout_shows_its_log_and_keeps_it(tmp_path):
 
 def test_the_last_error_line_of_a_log():
     assert last_error_line("a\nValueError: bad arg\nshutting down\n") == "ValueError: bad arg"
+    vllm = ("(VllmWorker-0 pid=9) ERROR 12-03 16:21:50 [multiproc_executor.py:953] ValueError: Available memory on "
+            "node 0 (9.47/12.46 GiB) is less than desired\n(EngineCore pid=8) INFO 12-03 16:21:53 [core.py:1] shut\n"
+            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert last_error_line(vllm) == "ValueError: Available memory on node 0 (9.47/12.46 GiB) is less than desired"
     assert last_error_line("loading\nstill loading\n") == "still loading"
     assert last_error_line("") == "(the log is empty)"
 

@@ -245,10 +245,13 @@ def check_answers(url: str, cfg: ServerConfig) -> None:
 
 
 def last_error_line(log: str) -> str:
-    """The line of a server log that says what went wrong: the last one naming an error, else the last line."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"error|exception|refused|unrecognized|invalid", line, re.I)]
-    return (errors or lines or ["(the log is empty)"])[-1]
+    """The line of a server log that says what went wrong: the last exception or ``error:`` line that is not a
+    wrapper pointing elsewhere ("See root cause above"), its vLLM prefix dropped; else the last line."""
+    lines = [re.sub(r"^\(.*?\) \w+ [\d-]+ [\d:]+ \[[^]]*\] ", "", line).strip() for line in log.splitlines()]
+    lines = [line for line in lines if line]
+    errors = [line for line in lines if re.search(r"\w(Error|Exception)\b: |\berror: ", line)]
+    causes = [line for line in errors if not re.search(r"root cause|stack trace", line, re.I)]
+    return (causes or errors or lines or ["(the log is empty)"])[-1]
 
 
 def _die_with_parent():
