@@ -27,8 +27,8 @@ FITS = {
     "hf": ([*QUICKSTART_ARGS, *SHORT], 0),
     "vllm_lora": (LORA, 0),  # an in-process engine serving each publication from a folder in /dev/shm
     "vllm_lora_failure": ([*LORA, "--model.rewards=[{name: reward_fns:fails_as_batch}]"], 2),
-    "vllm_server": pytest.param([*QUICKSTART_ARGS, *SHORT, "--model.rollout.engine=vllm_server",
-                                 "--model.rollout.server.enforce_eager=true"], 0, marks=pytest.mark.slow),
+    "vllm_server": pytest.param(["--config", str(CONFIGS / "vllm-server.yaml"), *SHORT,
+                                 "--model.rollout.server.kv_cache_memory_bytes=33554432"], 0, marks=pytest.mark.slow),
 }
 
 
