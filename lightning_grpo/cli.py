@@ -32,6 +32,7 @@ from lightning_grpo.alarm import SignalAlarm
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
 from lightning_grpo.checkpoint.resume import check_ckpt_file
 from lightning_grpo.checks import retired_key
+from lightning_grpo.cli_help import DataKeysParser, SectionHelp
 from lightning_grpo.collect.async_rollouts import unwrapped
 from lightning_grpo.completions import CompletionLog
 from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
@@ -139,6 +140,7 @@ class GRPOCLI(LightningCLI):
         # In subclass mode the given classes are the defaults (a config without class_path builds them) and any
         # LightningModule / LightningDataModule may be named instead.
         self.default_classes = {"model": model_class, "data": datamodule_class}
+        kwargs.setdefault("parser_class", DataKeysParser)
         _quiet_litlogger_tip()
         super().__init__(
             LightningModule if subclass_mode_model else model_class,
@@ -164,6 +166,8 @@ class GRPOCLI(LightningCLI):
 
     def _add_subcommands(self, parser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
+        for name in self._subcommand_parsers:  # `fit --help` lists data.* too, not only --data.help
+            self._parser(name).appendix = (("data", self.default_classes["data"]),)
         # `lightning-grpo plot` is handled by main() before LightningCLI; listed so that --help names it.
         parser._subcommands_action.add_subcommand("plot", plot_parser(ArgumentParser), help=PLOT_DESCRIPTION)
         from lightning_grpo import show  # `show` too: lazily, it is a light module of its own
@@ -186,7 +190,7 @@ class GRPOCLI(LightningCLI):
                 parser.set_defaults({key: {"class_path": f"{cls.__module__}.{cls.__qualname__}"}})
         group = parser.add_argument_group("The model's sections, each field with its description")
         for key, section in SECTIONS.items():
-            group.add_argument(f"--{key}.help", action=_SectionHelp, section=section)
+            group.add_argument(f"--{key}.help", action=SectionHelp, section=section)
         if not self.auto_configure_optimizers:  # accepted in every form a user may try, then refused with the fix
             common = {"required": False, "instantiate": False, "fail_untyped": False}
             parser.add_subclass_arguments(Optimizer, "optimizer", skip={"params"}, help=OPTIMIZER_REFUSED, **common)
@@ -308,22 +312,6 @@ class GRPOCLI(LightningCLI):
     def _add_summary(self) -> None:
         if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
             self.trainer.callbacks.append(RunSummary())
-
-
-class _SectionHelp(argparse.Action):
-    """``--model.rl.help``: the fields of one config section with their descriptions, then exit."""
-
-    def __init__(self, option_strings, dest, section: type, **kwargs) -> None:
-        self.section = section
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help=f"Show the fields of {section.__name__} with their descriptions and exit.")
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        key = option_string.removeprefix("--").removesuffix(".help")
-        section = ArgumentParser(prog=parser.prog, description=f"{key}: {self.section.__name__}")
-        section.add_class_arguments(self.section, key)
-        section.print_help()
-        parser.exit()
 
 
 def _quiet_litlogger_tip() -> None:

@@ -31,6 +31,7 @@ from lightning_grpo.checkpoint import (
 from lightning_grpo.checkpoint.identity import ResumeMismatchError
 from lightning_grpo.checkpoint.resume import CheckpointPathError
 from lightning_grpo.checkpoint.shared import CheckpointNotSharedError
+from lightning_grpo.data.images import BadImageError
 from lightning_grpo.data.reward_calls import RewardError
 from lightning_grpo.envs.environment import EnvProtocolError
 from lightning_grpo.policy import PolicyNotFoundError
@@ -55,7 +56,8 @@ class RunWriteError(OSError):
 USER_ERRORS = (RewardError, CheckpointPathError, DamagedCheckpointError, PolicyNotFoundError, NonFiniteRunError,
                NonFiniteParametersError, FolderInUseError, ResumeMismatchError, EngineCannotLoadError, RunWriteError,
                EnvProtocolError, ConsistencyError,
-               ServerError, StaleEngineError, CheckpointNotSharedError)
+               ServerError, StaleEngineError, CheckpointNotSharedError,
+               BadImageError)
 """Raised mid-run for something the user can fix; their messages say what and how."""
 ERROR_LOG = "error.log"
 

@@ -37,6 +37,7 @@ from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import DeclaresWeights, DrawsAhead, RolloutEngine
 from lightning_grpo.rollout.sleep import sleep_level_problem
 from lightning_grpo.rollout.weight_sync import SyncStats, named_weights
+from lightning_grpo.run_check import check_async_handoff
 from lightning_grpo.timing import SYNC, ProfileRecords, StepTimer, profiling_requested
 
 log = logging.getLogger(__name__)
@@ -163,11 +164,8 @@ class HandoffCallback(Callback):
         """The module built its engine (``on_fit_start``, before Lightning restores optimizer state onto the device):
         enter the batch boundary, so the engine sleeps first and the first hand-off publishes the (restored) policy.
         ``timer``: the module's step timer (the publication is its phase ``sync``)."""
-        if self.handoff and isinstance(engine, DrawsAhead):
-            raise ValueError(f"rollout.max_off_policy_steps={engine.max_off_policy_steps} with HandoffCallback("
-                             "placement='colocated', colocated_offload=True): async rollouts sample in another process "
-                             "while this one updates, so there is no device to hand back and forth; set the "
-                             "callback's placement: disaggregated (or colocated_offload: false)")
+        if isinstance(engine, DrawsAhead):  # GRPOModule refuses it at setup; an engine built by hand comes here
+            check_async_handoff(engine.max_off_policy_steps, self.handoff)
         self._engine = engine
         self._policy = policy
         if timer is not None:

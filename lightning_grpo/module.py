@@ -43,7 +43,7 @@ from lightning_grpo.policy import PolicyConfig, load_policy, load_vision
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
-from lightning_grpo.run_check import check_run
+from lightning_grpo.run_check import check_parts, check_run
 from lightning_grpo.scoring import ChunkScorer, build_scorer, frozen_copy
 from lightning_grpo.timing import UPDATE, WAIT_BATCH
 from lightning_grpo.update import AheadPass, LoopResult, Recorder, Split, Updater, batch_needs, pi_old_source
@@ -232,6 +232,10 @@ class GRPOModule(UpdateModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)  # check_strategy, loop-step bars, the schedule's horizon
+        publisher = find_publisher(self.trainer.callbacks) if self._trainer is not None else None
+        # what loads or answers without a weight: env, reward columns, hand-off, server URL (before a server launches)
+        check_parts(self.rollout_cfg, self.env_cfg, self.reward_specs or [], self._prompt_provider(),
+                    engine_sleeps=publisher is not None and publisher.sleeps_engine)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 
@@ -241,7 +245,8 @@ class GRPOModule(UpdateModule):
         fit = PromptFit(tokenizer=self.tokenizer, max_prompt_tokens=limit,
                         long_prompts=self.rollout_cfg.long_prompts, reward_specs=self.reward_specs or [],
                         policy_path=self.policy_cfg.path, vision=self.vision is not None,
-                        objective=self.objective.name, dynamic_sampling=self.rl.dynamic_sampling)
+                        objective=self.objective.name, dynamic_sampling=self.rl.dynamic_sampling,
+                        prompt_room=self.rollout_cfg.prompt_room(self.context_length()))
         fit_prompts(fit, getattr(self._trainer, "datamodule", None))
         if self.episodes is None:  # loads model.env: an environment that does not import is refused here
             self.episodes = self.configure_episodes()

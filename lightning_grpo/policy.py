@@ -78,6 +78,8 @@ class PolicyConfig:
         p = []
         if not self.path:
             p.append("policy.path='': give a Hugging Face Hub id, a model folder or 'tiny:<name>'")
+        if self.path.startswith("tiny:") and self.tiny is None:
+            p += unknown_tiny(self.path)
         if not is_int(self.warm_start_steps) or self.warm_start_steps < 0:
             p.append(f"policy.warm_start_steps={self.warm_start_steps}: must be >= 0")
         if self.experts_implementation not in (None, "eager", "batched_mm", "grouped_mm"):
@@ -87,6 +89,17 @@ class PolicyConfig:
             p.append("policy.experts_implementation='grouped_mm' with policy.dtype='float64': torch's grouped_mm has "
                      "no float64 kernel; use 'eager' or 'batched_mm' (or leave it unset)")
         return p
+
+
+def unknown_tiny(path: str) -> list[str]:
+    """A ``tiny:`` name the package does not know, with no shape given: a typo would build the default shape."""
+    from lightning_grpo.tiny.spec import TINY_NAMES  # a dataclass module: no torch, no builder
+
+    if (path.removeprefix("tiny:") or "default") in TINY_NAMES:
+        return []
+    return [f"policy.path={path!r}: not a known tiny policy ({', '.join(TINY_NAMES)}); a tiny: name labels a locally "
+            "built shape, so a new one needs its shape under policy.tiny (e.g. policy.tiny.hidden_size: 128). Or give "
+            "a model folder or a Hub id"]
 
 
 def with_seed(cfg: PolicyConfig, seed: int) -> PolicyConfig:

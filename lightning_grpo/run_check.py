@@ -7,18 +7,27 @@ module or a model, and reports every broken rule at once as ``field=value: rule;
 
 Who runs it: ``GRPOModule.__init__`` (every rule that needs no data-parallel size), ``GRPOModule.setup`` and the CLI
 once the Trainer exists (with ``dp_size``: the rules that depend on how many ranks train), all before the policy's
-weights are read. Rules that need the loaded model (MoE layers, whether a policy packs exactly, the tokenizer's
+weights are read. ``check_parts`` (``GRPOModule.setup``, before the policy loads) refuses what needs no weight but
+loads or asks something: the environment, a reward's data columns, async with a sleeping engine, a server URL.
+Rules that need the loaded model (MoE layers, whether a policy packs exactly, the tokenizer's
 chat template) stay where the model is: ``routing/``, ``packing.py``, ``envs/``.
 """
 
 from __future__ import annotations
 
-from lightning_grpo.checks import raise_problems
+from collections.abc import Sequence
+
+from lightning_grpo.checks import ConfigError, raise_problems
 from lightning_grpo.config import GRPOConfig, RolloutConfig, ServerConfig
+from lightning_grpo.data.rewards import RewardSpec, check_reward_columns
+from lightning_grpo.data.seam import PromptProvider
+from lightning_grpo.envs.config import EnvConfig
+from lightning_grpo.envs.environment import load_env, load_parser
 from lightning_grpo.objectives import OBJECTIVES
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.server.placement import hop_transport
+from lightning_grpo.rollout.server.pool import check_answers
 from lightning_grpo.routing.replay import rollout_refusal
 
 OPD_FAMILY = (("loss_type", "dapo"), ("ratio_level", "token"), ("loss", "ppo_clip"), ("entropy_coef", 0.0),
@@ -151,3 +160,39 @@ def opd_problems(opd: OPDConfig, rl: GRPOConfig) -> list[str]:
             p.append(f"rl.{knob}={getattr(rl, knob)!r}: objective=opd adds its token-mean KL to the default GRPO "
                      f"term only (dapo, token ratio, ppo_clip); set rl.{knob}={default!r} or use objective=grpo")
     return p
+
+
+def check_parts(rollout: RolloutConfig, env: EnvConfig | None, rewards: Sequence[RewardSpec],
+                prompts: PromptProvider | None, engine_sleeps: bool = False) -> None:
+    """The refusals that need no weight but load or ask something, run at ``setup`` before the policy loads: the
+    environment and its parser (imported), the columns a TRL-style reward reads (the data is loaded by then), async
+    rollouts with an engine that sleeps, and a ``rollout.server.url`` that does not answer.
+
+    Args:
+        rollout: the ``rollout`` section.
+        env: ``model.env`` (None: single-turn).
+        rewards: the reward functions.
+        prompts: the datamodule, when it is a ``PromptProvider`` (None: a datamodule of the user's own).
+        engine_sleeps: whether the Trainer's weight publisher puts the engine to sleep (a colocated hand-off).
+    """
+    check_async_handoff(rollout.max_off_policy_steps, engine_sleeps)
+    if prompts is not None:
+        check_reward_columns(rewards, prompts.columns)
+    if env is not None:
+        load_env(env.name)
+        load_parser(env.parser)
+    server = rollout.server
+    if rollout.engine == "vllm_server" and server is not None:
+        for url in server.urls:
+            check_answers(url, server)
+
+
+def check_async_handoff(max_off_policy_steps: int, engine_sleeps: bool) -> None:
+    """Async rollouts sample while the trainer updates: an engine that sleeps between generations cannot."""
+    if not (max_off_policy_steps and engine_sleeps):
+        return
+    raise ConfigError(f"rollout.max_off_policy_steps={max_off_policy_steps} with HandoffCallback(placement="
+                      "'colocated', colocated_offload=True): async rollouts sample in another process while this one "
+                      "updates, so there is no device to hand back and forth; set the callback's placement: "
+                      "disaggregated (or colocated_offload: false) under trainer.callbacks "
+                      "(configs/async-quickstart.yaml)")

@@ -19,6 +19,7 @@ import math
 
 from torch.optim.lr_scheduler import LambdaLR
 
+from lightning_grpo.checks import ConfigError
 from lightning_grpo.config import OptimConfig
 
 DECAYING = ("cosine", "linear")
@@ -46,19 +47,19 @@ def schedule_horizon(optim: OptimConfig, trainer, steps_per_loop_step: int) -> i
 
 
 def check_horizon(optim: OptimConfig, horizon: int | None, run_steps: int | None = None) -> None:
-    """Refuse a decaying schedule with no horizon, or one it cannot cover (raises ValueError naming the fix)."""
+    """Refuse a decaying schedule with no horizon, or one it cannot cover (a ``ConfigError`` naming the fix)."""
     if optim.schedule not in DECAYING:
         return
     if horizon is None:
-        raise ValueError(
+        raise ConfigError(
             f"optim.schedule={optim.schedule!r} decays over a horizon, but this run has no countable end "
             "(trainer.max_steps=-1 and an endless epoch): set optim.total_steps (optimizer steps), or "
             "trainer.max_steps, or trainer.max_epochs with trainer.limit_train_batches"
         )
     if run_steps is not None and optim.total_steps and run_steps > optim.total_steps:
-        raise ValueError(f"optim.total_steps={optim.total_steps} is shorter than the run ({run_steps} optimizer steps): "
-                         f"the {optim.schedule} schedule would end early (cosine even rises again); set "
-                         "optim.total_steps >= the run's optimizer steps, or 0 to use the run's length")
+        raise ConfigError(f"optim.total_steps={optim.total_steps} is shorter than the run ({run_steps} optimizer "
+                          f"steps): the {optim.schedule} schedule would end early (cosine even rises again); set "
+                          "optim.total_steps >= the run's optimizer steps, or 0 to use the run's length")
 
 
 def build_scheduler(optimizer, optim: OptimConfig, horizon: int | None) -> LambdaLR:

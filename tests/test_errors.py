@@ -67,6 +67,9 @@ CASES = {
     "policy-not-a-model": (["--model.policy.path={dir}/notamodel"],
                            ["policy.path='{dir}/notamodel' is a folder but not a Hugging Face model",
                             "config.json with a model_type", "tokenizer file", "save_pretrained"]),
+    "max-new-tokens": (["--model.rollout.max_new_tokens=1000"],  # main named a max_prompt_tokens=1 nobody set
+                       ["rollout.max_new_tokens=1000 leaves 0 tokens of a 256-token context", "lower "
+                        "rollout.max_new_tokens"]),
     "policy-nowhere": (["--model.policy.path={dir}/no/such/folder"],
                        ["policy.path='{dir}/no/such/folder' is neither a local folder nor a Hugging Face Hub id"]),
 }

@@ -3,7 +3,8 @@
 import pytest
 from helpers import png
 
-from lightning_grpo.data.images import BadImageError, describe, load_image
+from lightning_grpo.data.images import BadImageError, describe, load_image, missing_files
+from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.sources import PromptDataError, load_items
 
 PART = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which color?"}]}]
@@ -67,6 +68,23 @@ def test_unreadable_image_names_record_and_path(tmp_path):
             load_image(str(ref) if not isinstance(ref, bytes) else ref, record_id=7)
         if not isinstance(ref, bytes):
             assert str(ref) in str(err.value)
+
+
+@pytest.mark.parametrize("on_bad_record", ["error", "skip"])
+def test_a_row_whose_image_file_is_missing_is_named_before_training(on_bad_record, tmp_path):
+    """main trained on without a word (the row failed or was skipped only at the step that drew it)."""
+    (tmp_path / "ok.png").write_bytes(png((28, 28)))
+    rows = [{"prompt": "color?", "images": [str(tmp_path / name)], "answer": "red"}
+            for name in ("ok.png", "ok.png", "gone.png", "ok.png")]
+    dm = PromptDataModule(source=rows, val_size=0, prompts_per_step=2, on_bad_record=on_bad_record)
+    says = rf"1 of 4 rows name a missing image file \(.*row 2: {tmp_path}/gone.png\)"
+    if on_bad_record == "error":
+        with pytest.raises(PromptDataError, match=says + ".*set data.on_bad_record=skip"):
+            dm.setup("fit")
+        return
+    with pytest.warns(UserWarning, match=says + r"; each is skipped at the loop step that draws it"):
+        dm.setup("fit")
+    assert missing_files([str(tmp_path / "ok.png"), b"bytes", {"path": "gone.png", "bytes": b"x"}]) == []
 
 
 def test_image_markers_in_text_place_the_images():

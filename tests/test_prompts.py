@@ -7,6 +7,7 @@ from helpers import png
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_grpo.checks import ConfigError
 from lightning_grpo.data.fitting import PromptFit, fit_prompts
 from lightning_grpo.data.items import TaskItem
 from lightning_grpo.data.prompts import PromptDataModule, PromptRecord, PromptStream
@@ -237,3 +238,32 @@ def test_fit_prompts_refusals_read_only_the_parts_given():
         fit_prompts(_fit(), PromptDataModule(rows, prompts_per_step=2, val_size=0))
     with pytest.raises(ValueError, match="model.objective=opd does not score prompts with images"):
         fit_prompts(_fit(vision=True, objective="opd"), PromptDataModule(rows, prompts_per_step=2, val_size=0))
+
+
+@pytest.mark.parametrize("max_prompt_tokens", [None, 1])
+def test_prompts_that_do_not_fit_name_the_knob_the_user_set(max_prompt_tokens):
+    """max_new_tokens above the context: main named rollout.max_prompt_tokens=1, a value nobody set."""
+    from lightning_grpo.config import RolloutConfig
+    from lightning_grpo.tiny.tokenizer import make_char_tokenizer
+
+    rollout = RolloutConfig(max_new_tokens=1000, max_prompt_tokens=max_prompt_tokens)
+    fit = _fit(tokenizer=make_char_tokenizer(), max_prompt_tokens=rollout.prompt_limit(1001),
+               prompt_room=rollout.prompt_room(1001))
+    dm = PromptDataModule("builtin:arith", prompts_per_step=2, val_size=0, builtin_size=8)
+    if max_prompt_tokens is None:  # derived from the context: say what max_new_tokens left
+        says = (r"^rollout.max_new_tokens=1000 leaves 1 token of a 1001-token context \(the policy's "
+                r"max_position_embeddings\) for the prompt, and the shortest prompt that does not fit has \d+ tokens; "
+                r"lower rollout.max_new_tokens")
+    else:  # set by the user: that knob
+        says = r"8 of 8 prompts are longer than rollout.max_prompt_tokens=1"
+    with pytest.raises(ConfigError, match=says):
+        fit_prompts(fit, dm)
+
+
+def test_the_prompt_room_names_the_engine_context_when_smaller():
+    from lightning_grpo.config import RolloutConfig, ServerConfig
+
+    rollout = RolloutConfig(engine="vllm_server", max_new_tokens=60, server=ServerConfig(max_model_len=64))
+    assert rollout.prompt_room(256) == ("rollout.max_new_tokens=60 leaves 4 tokens of a 64-token context "
+                                        "(rollout.server.max_model_len) for the prompt")
+    assert RolloutConfig(max_new_tokens=8).prompt_room(None) is None  # no context known: nothing derived

@@ -281,7 +281,7 @@ def test_sigterm_is_not_held_by_a_hung_reward_function(tmp_path):
     (main's reward ran on the training thread, so Lightning's SIGTERM flag was never read: 10+ minutes)."""
     (tmp_path / "stuck_rewards.py").write_text(STUCK)  # a user's module in the working folder
     cli = Path(sys.executable).parent / "lightning-grpo"
-    args = [str(cli), "fit", "--model.policy.path=tiny:sigterm", "--trainer.accelerator=cpu", "--trainer.max_steps=2",
+    args = [str(cli), "fit", "--model.policy.path=tiny:default", "--trainer.accelerator=cpu", "--trainer.max_steps=2",
             "--model.rl.batch_per_replica=4", "--model.rl.group_size=2", "--model.rollout.max_new_tokens=2",
             '--model.rewards=[{"name": "stuck_rewards:stuck", "timeout_s": 600}]', "--data.val_size=0",
             "--trainer.enable_checkpointing=false", "--trainer.logger=false"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch import Trainer
+from PIL import Image
 
 import lightning_grpo.module
 import lightning_grpo.policy
@@ -120,3 +121,53 @@ def test_max_steps_zero_is_refused_before_the_policy_loads(no_policy, tmp_path, 
     monkeypatch.setenv("LIGHTNING_GRPO_DEBUG", "1")
     with pytest.raises(ValueError, match=r"trainer.max_steps=0: the fit would train nothing.*set trainer.max_steps > 0"):
         main(["fit", "--config", QUICKSTART, "--trainer.logger=false", "--trainer.max_steps=0"])
+
+
+USER_FILES = {
+    "trl_rewards.py": ("def by_level(prompts, completions, difficulty, **kwargs):\n"
+                       "    return [0.0] * len(completions)\n"),
+    "shell_env.py": "import os\n\n\nclass ShellEnv:\n    tools = [os.system]\n\n    def reset(self, **row):\n"
+                    "        return None\n",
+    "vlm.jsonl": "".join(f'{{"prompt": "Which color?", "images": ["{name}.png"], "answer": "red"}}\n'
+                         for name in ("red", "red", "missing", "red")),
+}
+"""A user's files in the working folder: a TRL-style reward, an environment whose tool is os.system, VLM rows."""
+VLM = ["--data.source=vlm.jsonl", "--data.val_size=0", "--model.policy.path=tiny:vlm-quickstart"]
+# (overrides of the quickstart, fragments of the short report: the cause, the knob and the fix)
+SHORT = {
+    "endless_cosine": (["--trainer.max_steps=-1", "--model.optim.schedule=cosine"],
+                       ["optim.schedule='cosine'", "no countable end", "set optim.total_steps"]),
+    "trl_keyword": (["--model.rewards=[{name: trl_rewards:by_level}]"],
+                    ["reward 'trl_rewards:by_level' requires ['difficulty']", "Rename the parameter to a column"]),
+    "async_colocated": ([SERVER, TIS, "--model.rollout.max_off_policy_steps=1"],
+                        ["rollout.max_off_policy_steps=1 with HandoffCallback(placement='colocated'",
+                         "set the callback's placement: disaggregated"]),
+    "env_tool_os_system": (["--model.env.name=shell_env:ShellEnv"],
+                           ["tool 'system' is a function of Python's standard library", "a tool is a method"]),
+    "parser_eval": (["--model.env.parser=builtins:eval"],
+                    ["model.env.parser='builtins:eval' is a function of Python's standard library"]),
+    "server_url": ([SERVER, "--model.rollout.server.url=http://127.0.0.1:9"],
+                   ["rollout.server.url=http://127.0.0.1:9: no vLLM server answers there",
+                    "set rollout.server.url: null"]),
+    "tiny_unknown": (["--model.policy.path=tiny:nonesuch"],
+                     ["policy.path='tiny:nonesuch': not a known tiny policy (default, quickstart", "policy.tiny"]),
+    "missing_image": (VLM, ["1 of 4 rows name a missing image file (row 2: missing.png)", "data.on_bad_record=skip"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SHORT))
+def test_each_refusal_is_short_and_comes_before_the_policy_loads(case, no_policy, tmp_path, monkeypatch, capsys):
+    """The report is the cause, the knob and the fix in a few lines (no traceback), before any weight is read."""
+    overrides, says = SHORT[case]
+    for name, text in USER_FILES.items():
+        (tmp_path / name).write_text(text)
+    Image.new("RGB", (28, 28), (255, 0, 0)).save(tmp_path / "red.png")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LIGHTNING_GRPO_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", QUICKSTART, "--trainer.logger=false", *overrides])
+    report = capsys.readouterr().err.strip().splitlines()
+    report = report[next(i for i, line in enumerate(report) if line.startswith("lightning-grpo: error:")):]
+    assert stop.value.code == 2 and 2 <= len(report) <= 5, "\n".join(report)
+    for words in says:
+        assert words in "\n".join(report), "\n".join(report)

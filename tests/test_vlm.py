@@ -233,25 +233,27 @@ def _fit_rows(policy_dir, rows, root, loop_steps, on_bad_record="error"):
     return module, dm, trainer
 
 
-def _rows_with_missing_image(tmp_path, bad_row=3):
+def _rows_with_unreadable_image(tmp_path, bad_row=3):
+    """A truncated PNG: it exists (a missing file is refused when the data loads), its pixels do not decode."""
     good = tmp_path / "good.png"
     good.write_bytes(png((56, 56)))
+    (tmp_path / "broken.png").write_bytes(png((56, 56))[:40])
     rows = [{"prompt": "which color?", "answer": "red", "images": str(good)} for _ in range(8)]
-    rows[bad_row]["images"] = str(tmp_path / "gone.png")
+    rows[bad_row]["images"] = str(tmp_path / "broken.png")
     return rows
 
 
 def test_unreadable_image_stops_at_the_step_that_draws_it(tiny_vlm_dir, tmp_path):
     """Row 3 is drawn at loop step 1 (2 prompts per step, source order): step 0 trains, step 1 names id and path."""
-    module, dm, trainer = _fit_rows(tiny_vlm_dir, _rows_with_missing_image(tmp_path), tmp_path, 3)
-    with pytest.raises(Exception, match=r"record id=3: cannot read image .*gone\.png") as err:
+    module, dm, trainer = _fit_rows(tiny_vlm_dir, _rows_with_unreadable_image(tmp_path), tmp_path, 3)
+    with pytest.raises(Exception, match=r"record id=3: cannot read image .*broken\.png") as err:
         trainer.fit(module, datamodule=dm)
     assert "on_bad_record=skip" in str(err.value)
     assert module.loop_step == 1 and trainer.global_step == 1  # the earlier step trained; nothing after it
 
 
 def test_on_bad_record_skip_counts_and_continues(tiny_vlm_dir, tmp_path):
-    module, dm, trainer = _fit_rows(tiny_vlm_dir, _rows_with_missing_image(tmp_path), tmp_path, 4, "skip")
+    module, dm, trainer = _fit_rows(tiny_vlm_dir, _rows_with_unreadable_image(tmp_path), tmp_path, 4, "skip")
     seen = []
     real = module.forward_chunk
     module.forward_chunk = lambda c, o: (seen.append(c), real(c, o))[1]

@@ -16,11 +16,20 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from lightning_grpo.checks import ConfigError
 from lightning_grpo.data.items import TaskItem
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(ConfigError):
     """Chat-message prompts met a tokenizer without a chat template; the message gives the fixes."""
+
+
+class LongPromptsError(ConfigError):
+    """Prompts over the limit were refused; ``shortest`` is the length of the shortest one (in tokens)."""
+
+    def __init__(self, message: str, shortest: int) -> None:
+        super().__init__(message)
+        self.shortest = shortest
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -92,7 +101,7 @@ def fit_items(items: Sequence[TaskItem], tokenizer, max_tokens: int | None, on_l
 
     Raises:
         ChatTemplateError: chat prompts and a tokenizer without a chat template.
-        ValueError: ``on_long="error"`` and a prompt is too long, or every prompt is too long.
+        LongPromptsError: ``on_long="error"`` and a prompt is too long, or every prompt is too long.
     """
     if any(it.messages is not None for it in items):
         check_chat_template(tokenizer, where)
@@ -104,11 +113,11 @@ def fit_items(items: Sequence[TaskItem], tokenizer, max_tokens: int | None, on_l
         return list(items), list(range(len(items)))
     first = f"first: row {long[0]}, {lengths[long[0]]} tokens"
     if on_long == "error" or len(long) == len(items):
-        raise ValueError(
+        raise LongPromptsError(
             f"{where}: {len(long)} of {len(items)} prompts are longer than rollout.max_prompt_tokens={max_tokens} "
             f"({first}). Raise rollout.max_prompt_tokens (with the model's context in mind), shorten the prompts, "
-            f"or set rollout.long_prompts=drop{' (every prompt is too long here)' if len(long) == len(items) else ''}"
-        )
+            f"or set rollout.long_prompts=drop{' (every prompt is too long here)' if len(long) == len(items) else ''}",
+            min(lengths[i] for i in long))
     warnings.warn(
         f"{where}: dropped {len(long)} of {len(items)} prompts longer than rollout.max_prompt_tokens={max_tokens} "
         f"({first}); counted in data/long_prompts_dropped. Set rollout.long_prompts=error to refuse them instead",

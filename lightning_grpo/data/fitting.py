@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_grpo.checks import ConfigError
+from lightning_grpo.data.chat import LongPromptsError
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns
 from lightning_grpo.data.seam import PromptProvider
 
@@ -32,25 +34,35 @@ class PromptFit:
     """The objective's name: only ``grpo`` scores prompts with images."""
     dynamic_sampling: bool
     """``rl.dynamic_sampling``: refills from the datamodule's refill lane."""
+    prompt_room: str | None = None
+    """How ``max_prompt_tokens`` was derived from the context (``RolloutConfig.prompt_room``); None: set by the
+    user. Named instead of the limit when prompts do not fit."""
 
 
 def fit_prompts(fit: PromptFit, dm) -> None:
     """Raise the first problem with ``dm`` for ``fit``, else prepare its prompts."""
     if not isinstance(dm, PromptProvider):
         if fit.dynamic_sampling:
-            raise ValueError(f"rl.dynamic_sampling=true refills from the datamodule's refill lane, which "
-                             f"{type(dm).__name__} lacks (not a PromptProvider); use PromptDataModule")
+            raise ConfigError(f"rl.dynamic_sampling=true refills from the datamodule's refill lane, which "
+                              f"{type(dm).__name__} lacks (not a PromptProvider); use PromptDataModule")
         return
     if not fit.vision and dm.has_images:
-        raise ValueError(
+        raise ConfigError(
             f"data.source={_source_name(dm)} has prompts with images but policy.path="
             f"{fit.policy_path!r} is a text-only model; use a vision-language policy (Qwen2-VL, Qwen2.5-VL, "
             "Qwen3-VL, or tiny.arch=qwen2_5_vl) or a text-only data source"
         )
     if dm.has_images and fit.objective != "grpo":  # OPD scores hidden states, no pixels
-        raise ValueError(f"model.objective={fit.objective} does not score prompts with images (data.source="
-                         f"{_source_name(dm)} has some); use model.objective=grpo for image prompts")
-    dm.prepare_prompts(fit.tokenizer, fit.max_prompt_tokens, fit.long_prompts)
+        raise ConfigError(f"model.objective={fit.objective} does not score prompts with images (data.source="
+                          f"{_source_name(dm)} has some); use model.objective=grpo for image prompts")
+    try:
+        dm.prepare_prompts(fit.tokenizer, fit.max_prompt_tokens, fit.long_prompts)
+    except LongPromptsError as err:
+        if fit.prompt_room is None:
+            raise
+        # the limit is what max_new_tokens left: name that knob, not a max_prompt_tokens the user never set
+        raise ConfigError(f"{fit.prompt_room}, and the shortest prompt that does not fit has {err.shortest} tokens; "
+                          "lower rollout.max_new_tokens (or use a policy with a longer context)") from None
     check_reward_columns(fit.reward_specs, dm.columns)
 
 

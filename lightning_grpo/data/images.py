@@ -88,6 +88,13 @@ def load_image(ref: ImageRef, record_id: int | None = None):
         ) from None
 
 
+def missing_files(refs: Sequence[ImageRef]) -> list[str]:
+    """The paths among ``refs`` that name no file (bytes and decoded images have nothing to check): found before
+    training by a stat, instead of at the loop step that draws the row."""
+    paths = [r.get("path") if isinstance(r, Mapping) and r.get("bytes") is None else r for r in refs]
+    return [str(p) for p in paths if isinstance(p, (str, Path)) and not Path(p).expanduser().is_file()]
+
+
 def load_images(refs: Sequence[ImageRef], record_id: int | None = None) -> list:
     """Every image of one record, decoded (see ``load_image``)."""
     return [load_image(r, record_id) for r in refs]

@@ -7,6 +7,7 @@ the refill lane (dynamic sampling) at its next round.
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_grpo.data.chat import fit_items
+from lightning_grpo.data.images import missing_files
 from lightning_grpo.data.items import TaskItem
 from lightning_grpo.data.seam import PromptConsumer, PromptProvider
 from lightning_grpo.data.sources import PromptDataError, load_items
@@ -156,6 +158,7 @@ class PromptDataModule(PromptProvider, LightningDataModule):
             self._items = load_items(self.source, size=self.builtin_size, split="train", dataset_split=self.split,
                                      **self._load)
             self._val_given = self._load_val()
+            self._check_image_files()
             self._assemble()
         if self.trainer is not None and not self._val_items and stage == "fit":
             # No held-out prompts (data.val_size: 0): validation is off. Lightning's knob for that, instead of an
@@ -187,6 +190,20 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         self._stream = PromptStream(items, self.seed, self.shuffle, rows)
         self._refill = PromptStream(items, self.seed, self.shuffle, rows, lane="refill")
         self._val_items = val
+
+    def _check_image_files(self) -> None:
+        """A row whose image file is missing: refused before training (``on_bad_record=error``) or warned about
+        once, naming the rows (``skip``: each is left out at the loop step that draws it, counted)."""
+        rows = [(i, missing) for i, it in enumerate(self._items) if (missing := missing_files(it.images))]
+        if not rows:
+            return
+        first = f"row {rows[0][0]}: {rows[0][1][0]}"
+        where = f"data.source={_name(self.source)}: {len(rows)} of {len(self._items)} rows name a missing image file"
+        if self.on_bad_record == "error":
+            raise PromptDataError(f"{where} ({first}); fix the paths, or set data.on_bad_record=skip to train "
+                                  "without those rows (counted in data/bad_records_skipped)")
+        warnings.warn(f"{where} (rows {[i for i, _ in rows][:10]}; {first}); each is skipped at the loop step "
+                      "that draws it (data.on_bad_record=skip, counted in data/bad_records_skipped)", stacklevel=2)
 
     def _hold_out(self, items: list[TaskItem], rows: list[int]) -> tuple[list[TaskItem], list[int], list[TaskItem]]:
         """``val_size`` items drawn with a fixed seed (the same set for every run seed); the rest train."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_grpo.checks import raise_problems
+from lightning_grpo.checks import ConfigError, raise_problems
 from lightning_grpo.data.answers import NUMBER, answers_match, extract_answer, extract_reference, normalize_answer
 from lightning_grpo.data.reward_calls import RewardError, RewardFunction, as_values, call_reward, inspect_reward
 from lightning_grpo.rollout.base import Rollout
@@ -171,11 +171,11 @@ def load_reward(name: str) -> RewardFunction:
 
 
 def check_reward_columns(specs: Sequence[RewardSpec], columns: set[str]) -> None:
-    """A TRL-style function's required keywords must be dataset columns: else a ``ValueError`` before training."""
+    """A TRL-style function's required keywords must be dataset columns: else a ``ConfigError`` before training."""
     for spec in specs:
         missing = sorted(spec.function.required - columns)
         if missing:
-            raise ValueError(
+            raise ConfigError(
                 f"reward {spec.name!r} requires {missing}, which are not columns of the prompt data (its columns: "
                 f"{sorted(columns)}). Rename the parameter to a column, give it a default, or check data.source"
             )

@@ -20,8 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from lightning_grpo.checks import ConfigError
 from lightning_grpo.envs.parse import PARSERS, Parser
-from lightning_grpo.envs.tools import Tool, make_tool, public_methods
+from lightning_grpo.envs.tools import Tool, make_tool, public_methods, stdlib_origin
 
 BUILTIN_ENVS = {"calculator": "lightning_grpo.envs.calculator:CalculatorEnv"}
 """Built-in environments by name (``model.env.name``)."""
@@ -59,18 +60,18 @@ def load_env(name: str) -> EnvClass:
     path = BUILTIN_ENVS.get(name, name)
     cls = _import(path, f"model.env.name={name!r}", f"a built-in ({', '.join(BUILTIN_ENVS)}) or 'module:Class'")
     if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
-        raise ValueError(  # noqa: TRY004 -- a config error, like every other refusal here
+        raise ConfigError(
             f"model.env.name={name!r}: {path!r} is not a class with a reset(**row) method; an "
             "environment is a class (one instance per episode) with reset and tool methods")
     try:
         probe = cls()
     except TypeError as e:
-        raise ValueError(f"model.env.name={name!r}: {cls.__name__}() failed ({e}); an environment is built with no "
-                         "arguments (TRL's environment_factory form): take the row in reset(**row)") from None
+        raise ConfigError(f"model.env.name={name!r}: {cls.__name__}() failed ({e}); an environment is built with no "
+                          "arguments (TRL's environment_factory form): take the row in reset(**row)") from None
     tools = tools_of(probe, name)
     if not tools:
-        raise ValueError(f"model.env.name={name!r}: {cls.__name__} has no tools; give it public methods with "
-                         "docstrings (or a tools list)")
+        raise ConfigError(f"model.env.name={name!r}: {cls.__name__} has no tools; give it public methods with "
+                          "docstrings (or a tools list)")
     return EnvClass(cls, tuple(t.schema for t in tools))
 
 
@@ -80,15 +81,14 @@ def load_parser(name: str) -> Parser:
         return PARSERS[name]
     fn = _import(name, f"model.env.parser={name!r}", f"a registered parser ({', '.join(PARSERS)}) or 'module:function'")
     if not callable(fn):
-        raise ValueError(f"model.env.parser={name!r} is not callable; a parser maps a turn's text to tool calls")  # noqa: TRY004
-    origin = (getattr(fn, "__module__", None) or "builtins").split(".")[0]
-    if origin == "builtins" or origin in sys.stdlib_module_names:
+        raise ConfigError(f"model.env.parser={name!r} is not callable; a parser maps a turn's text to tool calls")
+    if (origin := stdlib_origin(fn)) is not None:
         # The parser reads the model's generated text: a standard-library callable there (os:system, builtins:eval,
         # subprocess:getoutput) would run that text with the user's rights. Nothing of model output is executed.
-        raise ValueError(f"model.env.parser={name!r} is a function of Python's standard library ({origin}), which "
-                         "would be handed the model's generated text; a parser is a function of your own module, "
-                         "`def parse(text: str) -> list[ToolCall | str]`, or a registered name "
-                         f"({', '.join(PARSERS)})")
+        raise ConfigError(f"model.env.parser={name!r} is a function of Python's standard library ({origin}), which "
+                          "would be handed the model's generated text; a parser is a function of your own module, "
+                          "`def parse(text: str) -> list[ToolCall | str]`, or a registered name "
+                          f"({', '.join(PARSERS)})")
     return fn
 
 
@@ -145,15 +145,15 @@ def row_of(prompt_text: str, messages: list[dict] | None, answer: str | None, me
 
 def _import(path: str, where: str, expected: str) -> Any:
     if ":" not in path:
-        raise ValueError(f"{where}: not {expected}")
+        raise ConfigError(f"{where}: not {expected}")
     module_name, attr = path.split(":", 1)
     if os.getcwd() not in sys.path and "" not in sys.path:  # a console script's sys.path lacks the working folder
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # an import error inside the user's module is theirs to see, with its type
-        raise ValueError(f"{where}: cannot import module {module_name!r} ({type(e).__name__}: {e}); it must be "
-                         f"importable from the working folder {os.getcwd()} or an installed package") from e
+        raise ConfigError(f"{where}: cannot import module {module_name!r} ({type(e).__name__}: {e}); it must be "
+                          f"importable from the working folder {os.getcwd()} or an installed package") from e
     if not hasattr(module, attr):
-        raise ValueError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+        raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)

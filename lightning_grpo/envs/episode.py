@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from lightning_grpo.checks import ConfigError
 from lightning_grpo.envs.config import EnvConfig
 from lightning_grpo.envs.environment import (
     EnvClass,
@@ -92,8 +93,8 @@ class EpisodeRunner:
 
     def __init__(self, cfg: EnvConfig, tokenizer, eos_token_ids: Sequence[int], context: int | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"model.env.name={cfg.name!r}: the policy's tokenizer has no chat template, which renders "
-                             "the tool schemas and tool turns; use a chat model or set policy.chat_template")
+            raise ConfigError(f"model.env.name={cfg.name!r}: the policy's tokenizer has no chat template, which "
+                              "renders the tool schemas and tool turns; use a chat model or set policy.chat_template")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.env_class: EnvClass = load_env(cfg.name)
         self.parse = load_parser(cfg.parser)
@@ -102,9 +103,9 @@ class EpisodeRunner:
         self.max_total = min(limits) if limits else None
         floor = len(first_prompt(tokenizer, [{"role": "user", "content": ""}], self.env_class.schemas))
         if self.max_total is not None and self.max_total <= floor:  # no prompt could open an episode
-            raise ValueError(f"model.env.max_total_tokens={cfg.max_total_tokens} (model context {context}) leaves no "
-                             f"room: an empty prompt with the tool schemas already takes {floor} tokens; raise "
-                             "max_total_tokens (or leave it null: the model context)")
+            raise ConfigError(f"model.env.max_total_tokens={cfg.max_total_tokens} (model context {context}) leaves no "
+                              f"room: an empty prompt with the tool schemas already takes {floor} tokens; raise "
+                              "max_total_tokens (or leave it null: the model context)")
 
     def play(self, engine: RolloutEngine, prompts: Sequence[Prompt], group_size: int,
              sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
@@ -131,9 +132,9 @@ class EpisodeRunner:
         opening = opening_text(self.tokenizer, messages, self.env_class.schemas)
         ids = list(self.tokenizer(opening, add_special_tokens=False)["input_ids"])  # as first_prompt
         if self.max_total is not None and len(ids) >= self.max_total:
-            raise ValueError(f"prompt id={prompt.id}: its opening (with the tool schemas) has {len(ids)} tokens, not "
-                             f"below model.env.max_total_tokens / the model context ({self.max_total}); raise "
-                             "max_total_tokens or shorten the prompt (rollout.max_prompt_tokens)")
+            raise ConfigError(f"prompt id={prompt.id}: its opening (with the tool schemas) has {len(ids)} tokens, not "
+                              f"below model.env.max_total_tokens / the model context ({self.max_total}); raise "
+                              "max_total_tokens or shorten the prompt (rollout.max_prompt_tokens)")
         return _Episode(replace(prompt, id=row_id, token_ids=ids), env, tools, opening=opening)
 
     def _by_budget(self, live: list[_Episode], max_new: int) -> list[tuple[int, list[_Episode]]]:

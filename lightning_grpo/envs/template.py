@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_grpo.checks import ConfigError
+
 _MARK = "\u2063LGRPO-MODEL-TURN\u2063"  # invisible separators: no real content contains this
 
 
@@ -38,8 +40,8 @@ class TurnDelta:
         rendered = self.tokenizer.apply_chat_template(messages, tools=self.tools or None, add_generation_prompt=True,
                                                       tokenize=False)
         if rendered.count(_MARK) != 1:
-            raise ValueError("the policy's chat template does not render an assistant message's content verbatim "
-                             "once; a multi-turn environment needs a template that does (set policy.chat_template)")
+            raise ConfigError("the policy's chat template does not render an assistant message's content verbatim "
+                              "once; a multi-turn environment needs a template that does (set policy.chat_template)")
         delta = rendered[rendered.index(_MARK) + len(_MARK):]
         eos = self.eos_texts.get(last_token)
         if eos and delta.startswith(eos):  # the model already closed its turn with this token: not twice

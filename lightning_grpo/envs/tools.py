@@ -10,12 +10,15 @@ counts as a failure (``tools/failure_frequency``).
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from lightning_grpo.checks import ConfigError
 
 # JSON schema type -> the Python values that satisfy it (bool is an int in Python: excluded by hand below).
 _JSON_TYPES = {"integer": (int,), "number": (int, float), "string": (str,), "boolean": (bool,),
@@ -43,27 +46,38 @@ class ToolResult:
 
 
 def make_tool(fn: Callable[..., Any], where: str) -> Tool:
-    """``fn`` as a ``Tool``; raises ``ValueError`` naming ``where`` and the fix when its schema cannot be built."""
+    """``fn`` as a ``Tool``; raises ``ConfigError`` naming ``where`` and the fix when its schema cannot be built."""
     from transformers.utils import get_json_schema
     from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
     name = getattr(fn, "__name__", repr(fn))
+    if (origin := stdlib_origin(fn)) is not None:  # os.system, eval, subprocess.getoutput: the model's text, run
+        raise ConfigError(f"{where}: tool {name!r} is a function of Python's standard library ({origin}), which would "
+                          "be called with the model's generated arguments; a tool is a method (or function) of your "
+                          "own, with typed arguments and a docstring")
     bad_type = (f"{where}: tool {name!r} has an argument type JSON cannot carry ({{}}). Type every argument as int, "
                 "float, str, bool, list[...], dict[str, ...], Literal[...] or an Optional of them")
     try:
         hints = typing.get_type_hints(fn)
     except NameError as e:
-        raise ValueError(bad_type.format(e)) from None
+        raise ConfigError(bad_type.format(e)) from None
     bad = [f"{arg}: {hint}" for arg, hint in hints.items() if arg != "return" and not _is_json(hint)]
     if bad:  # get_json_schema calls an unknown class "object": the tool would receive a dict, not its type
-        raise ValueError(bad_type.format(", ".join(bad)))
+        raise ConfigError(bad_type.format(", ".join(bad)))
     try:
         return Tool(fn, get_json_schema(fn))
     except DocstringParsingException as e:
-        raise ValueError(f"{where}: tool {name!r} cannot be described to the model ({e}). Give it a Google-style "
-                         "docstring: a description line, then an 'Args:' section with one line per argument") from None
+        raise ConfigError(f"{where}: tool {name!r} cannot be described to the model ({e}). Give it a Google-style "
+                          "docstring: a description line, then an 'Args:' section with one line per argument") from None
     except TypeHintParsingException as e:
-        raise ValueError(bad_type.format(e)) from None
+        raise ConfigError(bad_type.format(e)) from None
+
+
+def stdlib_origin(fn: Callable[..., Any]) -> str | None:
+    """The standard-library module ``fn`` comes from (``posix`` for ``os.system``, ``builtins`` for ``eval``), else
+    None: such a callable must never be handed what the model generated (as a tool or as a parser)."""
+    origin = (getattr(fn, "__module__", None) or "builtins").split(".")[0]
+    return origin if origin == "builtins" or origin in sys.stdlib_module_names else None
 
 
 def _is_json(hint: Any) -> bool:

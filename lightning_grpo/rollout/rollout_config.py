@@ -61,10 +61,26 @@ class RolloutConfig:
         ``context``, or the engine's ``max_model_len`` when smaller); None when neither is known."""
         if self.max_prompt_tokens is not None:
             return self.max_prompt_tokens
-        engine = {"vllm": self.vllm, "vllm_server": self.server}.get(self.engine)
-        contexts = [context, engine.max_model_len if engine is not None else None]
-        known = min((c for c in contexts if c), default=None)
+        known, _ = self.context(context)
         return None if known is None else max(known - self.max_new_tokens, 1)
+
+    def context(self, policy_context: int | None) -> tuple[int | None, str]:
+        """``(tokens, what sets them)``: the smaller of the policy's context and the engine's ``max_model_len``."""
+        engine = {"vllm": self.vllm, "vllm_server": self.server}.get(self.engine)
+        limit = engine.max_model_len if engine is not None else None
+        if limit and (not policy_context or limit < policy_context):
+            return limit, f"rollout.{self.engine.removeprefix('vllm_')}.max_model_len"
+        return policy_context or None, "the policy's max_position_embeddings"
+
+    def prompt_room(self, policy_context: int | None) -> str | None:
+        """Where a derived prompt limit comes from, named when prompts do not fit (the knob the user set, not
+        max_prompt_tokens); None when max_prompt_tokens is set or no context is known."""
+        known, which = self.context(policy_context)
+        if self.max_prompt_tokens is not None or known is None:
+            return None
+        room = max(known - self.max_new_tokens, 0)
+        return (f"rollout.max_new_tokens={self.max_new_tokens} leaves {room} token{'s' * (room != 1)} of a "
+                f"{known}-token context ({which}) for the prompt")
 
     def __post_init__(self) -> None:
         raise_problems("rollout config", self.problems())

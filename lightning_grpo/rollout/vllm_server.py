@@ -25,7 +25,6 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,9 +34,10 @@ from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server.adapters import ServerAdapters
 from lightning_grpo.rollout.server.client import ServerClient, each
-from lightning_grpo.rollout.server.placement import bucket_bodies, check_reachable_pool, hop_transport
+from lightning_grpo.rollout.server.placement import bucket_bodies, hop_transport
+from lightning_grpo.rollout.server.pool import connect
 from lightning_grpo.rollout.server.probe import check_probe, check_version, probe_ids
-from lightning_grpo.rollout.server.process import ServerDied, ServerError, ServerProcess, free_ports, request_json
+from lightning_grpo.rollout.server.process import ServerDied, ServerError, ServerProcess
 from lightning_grpo.rollout.server.ranks import Ranks
 from lightning_grpo.rollout.server.restarts import ServerRestarts, repaired
 from lightning_grpo.rollout.server.same_model import check_same_model
@@ -102,7 +102,7 @@ class VLLMServerEngine(BookkeptSleep):
         self.reference, self.decode = reference, decode
         self.ranks = ranks or Ranks()
         adapter_args = self.adapters.launch_args() if self.adapters is not None else []
-        self.clients: list[ServerClient] = _connect(self.model_path, cfg, sampler_logprobs, self.ranks, adapter_args)
+        self.clients: list[ServerClient] = connect(self.model_path, cfg, sampler_logprobs, self.ranks, adapter_args)
         """One per server, in ``url`` (or launch) order; prompt i's group goes to ``clients[i % N]``."""
         try:
             self._setup()
@@ -343,61 +343,6 @@ class VLLMServerEngine(BookkeptSleep):
     def _post(self, path: str, body: dict, phase: str) -> None:
         """One phase on every server, concurrently; returns once each has answered (a failure names its URL)."""
         each(self.clients, lambda c: c.post(path, body, phase))
-
-
-def _connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks: Ranks,
-             adapter_args: Sequence[str] = ()) -> list[ServerClient]:
-    """A client per server at ``cfg.url``, or per launched replica (all spawned first, so they load side by side;
-    several trainer ranks: rank 0 launches them and tells the others where they answer)."""
-    if cfg.url is None and ranks.size > 1:
-        check_reachable_pool(cfg.host, ranks)
-        clients, failure = [], None
-        if ranks.leads:
-            try:
-                clients = _connect(model_path, cfg, sampler_logprobs, Ranks(), adapter_args)
-            except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, not wait forever
-                failure = err
-        urls = ranks.from_lead(f"error: {failure}" if failure is not None else [c.url for c in clients])
-        if failure is not None:
-            raise failure
-        if isinstance(urls, str):
-            raise ServerError(f"the pool's lead rank could not launch vllm serve ({urls[7:]})")
-        return clients or [ServerClient(url, cfg) for url in urls]
-    if cfg.url is not None:
-        for url in cfg.urls:
-            _check_reachable(url, cfg)
-        return [ServerClient(url, cfg) for url in cfg.urls]
-    mode = "processed_logprobs" if sampler_logprobs else "raw_logprobs"
-    replicas = [cfg.replica(i) for i in range(cfg.replicas)]
-    if cfg.port is None and cfg.replicas > 1:  # picked together: two replicas never race for one port
-        replicas = [replace(r, port=port) for r, port in zip(replicas, free_ports(cfg.host, cfg.replicas))]
-    processes = [ServerProcess(str(model_path), r, mode, adapter_args) for r in replicas]
-    try:
-        for process in processes:
-            process.spawn()
-        for process in processes:
-            process.wait_ready()
-    except BaseException:
-        for process in processes:
-            process.stop()
-        raise
-    return [ServerClient(p.url, cfg, p) for p in processes]
-
-
-def _check_reachable(url: str, cfg: ServerConfig) -> None:
-    """Refuse, quickly and naming the knob, a URL that does not answer or lacks the RL routes."""
-    timeout = max(1.0, cfg.startup_timeout_s / 10)
-    try:
-        request_json(url, "/health", timeout=timeout, phase="health")
-    except ServerError as err:
-        raise ServerError(f"rollout.server.url={url}: no vLLM server answers there ({err}); start one (docs/async.md) "
-                          "or set rollout.server.url: null to launch one as a child of this run") from None
-    try:
-        request_json(url, "/weight_info", timeout=timeout, phase="weight_info")
-    except ServerError as err:
-        raise ServerError(f"rollout.server.url={url}: the server has no weight-update routes ({err}); start it with "
-                          "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{\"backend\": \"lightning_grpo_shm\"}' "
-                          "(docs/async.md)") from None
 
 
 def _shm_root() -> str:

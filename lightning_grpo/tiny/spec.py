@@ -12,6 +12,10 @@ from typing import Literal
 
 from lightning_grpo.checks import is_finite, is_int, raise_problems
 
+TINY_NAMES = ("default", "quickstart", "tools", "vlm-quickstart", "dpo", "opd-student", "opd-teacher", "teacher")
+"""The ``tiny:<name>`` policies the shipped configs and docs name (each the default shape unless its config gives one).
+Any other name labels a new shape in the cache, so it needs that shape under ``policy.tiny``: a typo is refused."""
+
 
 @dataclass
 class TinyPolicySpec:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +36,7 @@ class ServerAdapters:
         self.max_rank = served_rank(rank)
         shm = Path("/dev/shm")
         self.root = Path(tempfile.mkdtemp(prefix="lightning-grpo-server-lora-", dir=shm if shm.is_dir() else None))
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)  # at exit too: a failed run's
         self.published = 0
         self.name: str | None = None
         """The adapter requests name as their model (None before the first publication: the base model)."""
@@ -58,7 +60,7 @@ class ServerAdapters:
         self.name = name
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        self._cleanup()
 
 
 def _unload(client: ServerClient, name: str) -> None:

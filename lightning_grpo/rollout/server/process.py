@@ -19,6 +19,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,6 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_grpo.rollout.server.group import group_shm, wait_group
 from lightning_grpo.rollout.server_config import BACKEND, ServerConfig
 
 SERVED_NAME = "policy"
@@ -185,20 +187,34 @@ class ServerProcess:
         _track(self)
 
     def wait_ready(self) -> None:
-        """Wait until the spawned child answers /health; a child that exits or stays silent is an error with its log."""
+        """Wait until the spawned child answers /health; a child that exits or stays silent is an error quoting the
+        server's own last error line (the log's last lines ride along as a note: the run's error.log keeps them)."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise ServerError(f"vllm serve exited with code {self.proc.returncode} while starting; its last "
-                                  f"log lines ({self.log_path}):\n{self.log_tail()}")
+                raise self._start_error(f"vllm serve exited with code {self.proc.returncode} while starting",
+                                        "fix what it says (rollout.server.extra_args and the other server knobs)")
             with contextlib.suppress(ServerError):
                 request_json(self.url, "/health", timeout=2.0, phase="health")
                 return
             time.sleep(0.5)
+        # stop() removes a running child's log folder: keep a copy for the message and the user
+        fd, kept = tempfile.mkstemp(prefix="lightning-grpo-server-", suffix=".log")
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            shutil.copyfile(self.log_path, kept)
         self.stop()
-        raise ServerError(f"vllm serve did not answer /health within rollout.server.startup_timeout_s="
-                          f"{self.cfg.startup_timeout_s:g}s; raise it or check its log ({self.log_path}):\n"
-                          f"{self.log_tail()}")
+        self.log_path = Path(kept)
+        raise self._start_error(f"vllm serve did not answer /health within rollout.server.startup_timeout_s="
+                                f"{self.cfg.startup_timeout_s:g}s", "raise rollout.server.startup_timeout_s, or "
+                                "fix what its log says")
+
+    def _start_error(self, what: str, fix: str) -> ServerError:
+        """A start-up failure in a few lines: what happened, the server's last error line, the fix and the log."""
+        tail = self.log_tail()
+        err = ServerError(f"{what}; it says: {last_error_line(tail)}\n{fix}; its log: {self.log_path}")
+        err.add_note(f"the last lines of {self.log_path}:\n{tail}")
+        return err
 
     def restart(self) -> Path:
         """Start a child that died again, on the same port, and wait for /health. Returns the dead one's log (kept:
@@ -254,12 +270,15 @@ class ServerProcess:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the child's whole process group, SIGKILL after ``grace_s``. Idempotent.
 
-        The log folder goes with a server stopped while running; one that died keeps its log (errors cite it)."""
+        The log folder goes with a server stopped while running; one that died keeps its log (errors cite it). The
+        shared memory its processes map (vLLM's ``psm_*`` queues) is unlinked once they are gone: a process killed
+        takes its resource tracker, which would have unlinked it, along."""
         _LIVE.discard(self)
         if not _LIVE:
             _release_sigterm()
         if self.proc is None:
             return
+        shm = group_shm(self.proc.pid)  # before any signal, while the processes still map it
         was_running = self.proc.poll() is None
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)) if was_running else ():
             with contextlib.suppress(ProcessLookupError):
@@ -269,8 +288,12 @@ class ServerProcess:
                 break
             except subprocess.TimeoutExpired:
                 continue
+        wait_group(self.proc.pid, 5.0)  # engine core and workers exit on the SIGTERM too (unlinking their queues)
         with contextlib.suppress(ProcessLookupError):  # engine-core/worker processes left in the group
             os.killpg(self.proc.pid, signal.SIGKILL)
+        wait_group(self.proc.pid, 5.0)
+        for path in shm:  # what a killed process left behind
+            path.unlink(missing_ok=True)
         if was_running:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -284,6 +307,16 @@ def _can_listen(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def last_error_line(log: str) -> str:
+    """The line of a server log that says what went wrong: the last exception or ``error:`` line that is not a
+    wrapper pointing elsewhere ("See root cause above"), its vLLM prefix dropped; else the last line."""
+    lines = [re.sub(r"^\(.*?\) \w+ [\d-]+ [\d:]+ \[[^]]*\] ", "", line).strip() for line in log.splitlines()]
+    lines = [line for line in lines if line]
+    errors = [line for line in lines if re.search(r"\w(Error|Exception)\b: |\berror: ", line)]
+    causes = [line for line in errors if not re.search(r"root cause|stack trace", line, re.I)]
+    return (causes or errors or lines or ["(the log is empty)"])[-1]
 
 
 def _die_with_parent():

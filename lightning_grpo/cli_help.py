@@ -1,0 +1,50 @@
+"""What ``lightning-grpo fit`` prints for help: one config section's fields, and the data keys.
+
+``fit --help`` lists the Trainer's and the callbacks' keys, but a subclass-mode section (``--data``) shows only
+``--data.help``: ``DataKeysParser`` appends the keys of the default data module (``data.source``, ...) with
+their descriptions. The top-level help is ``__main__.TOP_HELP`` (printed without importing Lightning).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jsonargparse import ArgumentParser
+from lightning.pytorch.cli import LightningArgumentParser
+
+
+class SectionHelp(argparse.Action):
+    """``--model.rl.help``: the fields of one config section with their descriptions, then exit."""
+
+    def __init__(self, option_strings, dest, section: type, **kwargs) -> None:
+        self.section = section
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help=f"Show the fields of {section.__name__} with their descriptions and exit.")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        key = option_string.removeprefix("--").removesuffix(".help")
+        parser_of(self.section, key, parser.prog).print_help()
+        parser.exit()
+
+
+class DataKeysParser(LightningArgumentParser):
+    """A subcommand parser whose help ends with the keys of ``appendix`` classes (``data.*`` of the default data
+    module): a subclass-mode section lists none of its keys itself."""
+
+    appendix: tuple[tuple[str, type], ...] = ()
+    """``(key, class)`` pairs whose init arguments close the help (set on the ``fit`` / ``validate`` parsers)."""
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        for key, cls in self.appendix:  # built on demand: a run that asks no help pays nothing
+            keys = parser_of(cls, key, self.prog).format_help()
+            text += f"\n{key}.* keys of {cls.__name__} (the default --{key}.class_path):\n"
+            text += keys.split("\n\n", 1)[-1]  # without its usage line
+        return text
+
+
+def parser_of(cls: type, key: str, prog: str) -> ArgumentParser:
+    """A parser holding ``cls``'s init arguments under ``key`` (their docstrings as help)."""
+    section = ArgumentParser(prog=prog, description=f"{key}: {cls.__name__}")
+    section.add_class_arguments(cls, key)
+    return section

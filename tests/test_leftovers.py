@@ -1,0 +1,47 @@
+"""A fit leaves nothing in ``/dev/shm`` (RAM until reboot), with each engine, after a failure too: no vLLM
+``psm_*`` / ``sem.mp-*`` segments of a stopped server, no ``lightning-grpo-*`` adapter or weight-bucket folder.
+
+Each fit is a ``lightning-grpo fit`` process of its own, so what it leaves is what a user's run would leave (the
+LoRA folder of an in-process engine nobody closes goes at interpreter exit). Entries another process creates
+meanwhile would show too: on a shared machine run these alone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import QUICKSTART_ARGS
+
+SHM = Path("/dev/shm")
+OURS = ("psm_", "sem.mp-", "lightning-grpo-")
+"""Entries a run of ours may create: vLLM's multiprocessing queues and semaphores, our adapter and bucket folders."""
+CONFIGS = Path(__file__).parents[1] / "configs"
+SHORT = ["--trainer.max_steps=1", "--data.val_size=0", "--trainer.logger=false", "--trainer.enable_checkpointing=false"]
+LORA = ["--config", str(CONFIGS / "lora-quickstart.yaml"), "--trainer.max_steps=4", "--data.val_size=0",
+        "--trainer.logger=false", "--trainer.enable_checkpointing=false"]  # n_mini 4: one loop step
+FITS = {
+    "hf": ([*QUICKSTART_ARGS, *SHORT], 0),
+    "vllm_lora": (LORA, 0),  # an in-process engine serving each publication from a folder in /dev/shm
+    "vllm_lora_failure": ([*LORA, "--model.rewards=[{name: reward_fns:fails_as_batch}]"], 2),
+    "vllm_server": pytest.param(["--config", str(CONFIGS / "vllm-server.yaml"), *SHORT,
+                                 "--model.rollout.server.kv_cache_memory_bytes=33554432"], 0, marks=pytest.mark.slow),
+}
+
+
+def _ours() -> set[str]:
+    return {p.name for p in SHM.iterdir() if p.name.startswith(OURS)}
+
+
+@pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
+@pytest.mark.parametrize(("args", "code"), list(FITS.values()), ids=list(FITS))
+def test_a_fit_leaves_nothing_in_dev_shm(args, code, tmp_path):
+    before = _ours()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    proc = subprocess.run([sys.executable, "-m", "lightning_grpo", "fit", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert _ours() - before == set()
