@@ -12,7 +12,7 @@ import sys
 HELP_FLAGS = (["-h"], ["--help"])
 
 TOP_HELP = """\
-usage: lightning-grpo [-c CONFIG] {fit,validate,plot} ...
+usage: lightning-grpo [-c CONFIG] {fit,validate,plot,show,certify} ...
 
 GRPO for PyTorch Lightning. `fit --help`: the options; `fit --model.help`:
 every model knob with its meaning.
@@ -36,9 +36,13 @@ subcommands:
                         (required)
     fit                 Runs the full optimization routine.
     validate            Perform one evaluation epoch over the validation set.
-    plot                Draw reward, loss, KL, clip fraction and completion
-                        length (DPO: loss, accuracy, margin) of a CSVLogger
-                        run into one PNG.
+    plot                Draw reward, loss, KL, clip fraction, completion
+                        length and tool use (DPO: loss, accuracy, margin) of a
+                        CSVLogger run into one PNG.
+    show                Print the completions (whole episodes with model.env)
+                        of one loop step of a run.
+    certify             The consistency certificate of a run's policy and
+                        engine (engine vs trainer, whole vocabulary).
 """
 """``lightning-grpo --help`` (tests/test_cli.py checks it against ``GRPOCLI``'s own parser)."""
 

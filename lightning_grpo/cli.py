@@ -173,6 +173,10 @@ class GRPOCLI(LightningCLI):
         from lightning_grpo import show  # `show` too: lazily, it is a light module of its own
 
         parser._subcommands_action.add_subcommand("show", show.build_parser(ArgumentParser), help=show.DESCRIPTION)
+        from lightning_grpo import certify_cli
+
+        parser._subcommands_action.add_subcommand("certify", certify_cli.build_parser(ArgumentParser),
+                                                  help=certify_cli.DESCRIPTION)
 
     def add_arguments_to_parser(self, parser) -> None:
         # Complete, atomic checkpoints once per loop step: `--checkpoint.every_n_loop_steps` (docs/checkpointing.md).

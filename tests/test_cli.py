@@ -157,9 +157,9 @@ def _words(text: str) -> str:
     return " ".join(text.split())  # argparse wraps help lines
 
 
-def test_help_lists_fit_validate_plot_and_show_but_not_test_or_predict(capsys):
+def test_help_lists_fit_validate_plot_show_certify_but_not_test_or_predict(capsys):
     code, out, _ = _run(["--help"], capsys)
-    assert code == 0 and "{fit,validate,plot,show}" in out
+    assert code == 0 and "{fit,validate,plot,show,certify}" in out
     assert "Draw reward, loss, KL, clip fraction" in _words(out)
     assert "Print the completions (whole episodes with model.env) of one loop step" in _words(out)
     assert " test " not in out and "predict" not in out

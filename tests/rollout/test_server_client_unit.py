@@ -15,9 +15,10 @@ import torch
 from toy import ToyLM
 
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
+from lightning_grpo.rollout.server.probe import StaleEngineError
 from lightning_grpo.rollout.server.process import ServerError
 from lightning_grpo.rollout.server_config import ServerConfig
-from lightning_grpo.rollout.vllm_server import StaleEngineError, VLLMServerEngine
+from lightning_grpo.rollout.vllm_server import VLLMServerEngine
 from lightning_grpo.rollout.weight_sync import push_weights
 
 SYNC = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache", "/weight_info",

@@ -67,7 +67,7 @@ def launch(tmp_path, monkeypatch):
                 super().__init__(*args, **kwargs)
                 self.argv = faults.argv(self.port)
 
-        monkeypatch.setattr("lightning_grpo.rollout.vllm_server.ServerProcess", StubProcess)
+        monkeypatch.setattr("lightning_grpo.rollout.server.pool.ServerProcess", StubProcess)
         cfg = ServerConfig(**{**config.__dict__, "restarts": restarts})
         engine = VLLMServerEngine(tmp_path / "model", cfg, reference=trainer_logprobs, decode=str)
         engines.append(engine)
