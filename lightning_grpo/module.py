@@ -234,7 +234,7 @@ class GRPOModule(UpdateModule):
         super().setup(stage)  # check_strategy, loop-step bars, the schedule's horizon
         publisher = find_publisher(self.trainer.callbacks) if self._trainer is not None else None
         # what loads or answers without a weight: env, reward columns, hand-off, server URL (before a server launches)
-        check_parts(self.rollout_cfg, self.env_cfg, self.reward_specs or [], self._prompt_provider(),
+        check_parts(self.rollout_cfg, self.env_cfg, self.reward_specs or [], prompt_provider(self._trainer),
                     engine_sleeps=publisher is not None and publisher.sleeps_engine)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
