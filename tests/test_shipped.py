@@ -78,9 +78,17 @@ def test_package_data_includes_the_shipped_files(name):
         assert any(fnmatch.fnmatch(relative, g) for g in globs), relative
 
 
-@pytest.mark.parametrize("name", sorted(SCRIPT.ENTRIES))
-def test_a_shipped_config_loads_its_policy_without_training(name, no_training, capsys):
-    config, section = SCRIPT.ENTRIES[name]
+SHARED = {
+    "configs/lora-quickstart.yaml": "quickstart",
+    "configs/async-quickstart.yaml": "quickstart",
+}
+"""Configs whose policy is another entry's shipped build (config -> shipped name)."""
+USERS = [(name, *where) for name, where in sorted(SCRIPT.ENTRIES.items())]
+USERS += [(name, config, "model.policy") for config, name in SHARED.items()]
+
+
+@pytest.mark.parametrize(("name", "config", "section"), USERS)
+def test_a_shipped_config_loads_its_policy_without_training(name, config, section, no_training, capsys):
     policy = SCRIPT.policy_of(config, section)
     folder = resolve_path(policy)
     assert "nothing to train" in capsys.readouterr().out
