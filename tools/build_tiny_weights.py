@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 ENTRIES = {
     "quickstart": ("configs/quickstart.yaml", "model.policy"),
     "tools": ("configs/tools-quickstart.yaml", "model.policy"),
+    "vlm-quickstart": ("configs/vlm-quickstart.yaml", "model.policy"),
 }
 """Shipped name -> (config, the YAML section of its policy). The name is the one in ``policy.path``
 (``tiny:<name>``); several configs may share it (lora-, async-quickstart use ``quickstart``'s)."""
