@@ -78,13 +78,13 @@ def test_package_data_includes_the_shipped_files(name):
         assert any(fnmatch.fnmatch(relative, g) for g in globs), relative
 
 
-SHARED = {
-    "configs/lora-quickstart.yaml": "quickstart",
-    "configs/async-quickstart.yaml": "quickstart",
-}
-"""Configs whose policy is another entry's shipped build (config -> shipped name)."""
-USERS = [(name, *where) for name, where in sorted(SCRIPT.ENTRIES.items())]
-USERS += [(name, config, "model.policy") for config, name in SHARED.items()]
+SHARED = [
+    ("quickstart", "configs/lora-quickstart.yaml", "model.policy"),
+    ("quickstart", "configs/async-quickstart.yaml", "model.policy"),
+    ("quickstart", "configs/opd-arith.yaml", "model.policy"),  # tiny:opd-student, the same build
+]
+"""Configs whose policy is another entry's shipped build: (shipped name, config, section)."""
+USERS = [(name, *where) for name, where in sorted(SCRIPT.ENTRIES.items())] + SHARED
 
 
 @pytest.mark.parametrize(("name", "config", "section"), USERS)

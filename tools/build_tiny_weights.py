@@ -31,9 +31,11 @@ ENTRIES = {
     "quickstart": ("configs/quickstart.yaml", "model.policy"),
     "tools": ("configs/tools-quickstart.yaml", "model.policy"),
     "vlm-quickstart": ("configs/vlm-quickstart.yaml", "model.policy"),
+    "opd-teacher": ("configs/opd-arith.yaml", "model.opd.teacher"),
 }
 """Shipped name -> (config, the YAML section of its policy). The name is the one in ``policy.path``
-(``tiny:<name>``); several configs may share it (lora-, async-quickstart use ``quickstart``'s)."""
+(``tiny:<name>``); several configs may share a build (lora-, async-quickstart use ``quickstart``'s; so does
+opd-arith.yaml's ``tiny:opd-student``, the same build under another name: ``shipped.shipped_folder``)."""
 SCORE_ITEMS = 256
 SCORE_SEED = 99
 """The draw ``score`` measures greedy accuracy on (the task's train split, as tests/test_tiny.py)."""

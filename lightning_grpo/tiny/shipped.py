@@ -3,7 +3,8 @@
 Each lives in ``shipped/<name>/`` (a Hugging Face folder of a few MB) beside a ``manifest.json`` written by
 ``tools/build_tiny_weights.py``: the key it was built for (name, every spec field, tokenizer version, warm start
 and its steps), the versions and seed it was built with, and each file's sha256. ``tiny_folder`` copies a shipped
-folder into the cache when the key it asks for is exactly the manifest's; any other key builds as before.
+folder into the cache when the key it asks for is exactly the manifest's, but for the name (a name does not change
+the weights); any other key builds as before.
 """
 
 from __future__ import annotations
@@ -62,16 +63,25 @@ def bad_files(folder: Path, manifest: dict) -> list[str]:
     return bad
 
 
+def weights_key(key: dict) -> dict:
+    """``key`` less the name, which does not change the weights: as JSON reads it back (a tuple is a list)."""
+    weights = {field: value for field, value in key.items() if field != "name"}
+    return json.loads(json.dumps(weights))
+
+
 def shipped_folder(key: dict) -> Path | None:
-    """The shipped folder built for exactly ``key`` (``build_key``), else None."""
-    folder = SHIPPED / key["name"]
-    manifest = read_manifest(folder)
-    if manifest is None:
-        return None
-    # JSON round trip: the manifest holds JSON types (a tuple field would read back as a list)
-    if manifest["key"] != json.loads(json.dumps(key)):
-        return None
-    return folder
+    """The shipped folder built for ``key`` (``build_key``) up to its name, else None: ``tiny:opd-student`` of
+    opd-arith.yaml is the ``quickstart`` build under another name, shipped once."""
+    wanted = weights_key(key)
+    names = shipped_names()
+    if key["name"] in names:  # its own name first
+        names.remove(key["name"])
+        names.insert(0, key["name"])
+    for name in names:
+        manifest = read_manifest(SHIPPED / name)
+        if weights_key(manifest["key"]) == wanted:
+            return SHIPPED / name
+    return None
 
 
 def copy_shipped(key: dict, out: Path) -> bool:
@@ -88,6 +98,6 @@ def copy_shipped(key: dict, out: Path) -> bool:
         return False
     shutil.copytree(folder, out, dirs_exist_ok=True)
     built = manifest["built_with"]
-    print(f"tiny policy {key['name']!r}: the shipped warm start ({key['warm_start']}, "
+    print(f"tiny policy {key['name']!r}: the shipped warm start {folder.name!r} ({key['warm_start']}, "
           f"{key['warm_start_steps']} steps; built with torch {built['torch']}), nothing to train", flush=True)
     return True
