@@ -12,7 +12,9 @@ Nothing here imports ``policy.py``.
 - ``vlm.py``: the tiny Qwen2.5-VL (small vision tower, local image processor).
 - ``warm.py``: the supervised warm starts (``warm_start``, ``warm_start_vision``) and ``greedy_accuracy``.
 - ``tool_warm.py``: the warm start on scripted calculator episodes (``warm_start_tools``), for ``arith_tools``.
-- ``sft.py``: the warm starts' supervised loop ``sft``.
+- ``sft.py``: the warm starts' supervised loop ``sft`` (prints its progress and the time left).
+- ``shipped.py``: the warm-started builds shipped in ``shipped/<name>/`` (``tools/build_tiny_weights.py``), copied
+  into the cache by ``tiny_folder`` instead of trained.
 
 This ``__init__`` imports nothing: ``import lightning_grpo.tiny.spec`` (what a config needs) stays a dataclass.
 """

@@ -3,7 +3,8 @@
 ``tiny_folder`` is where ``policy.resolve_path`` sends a ``tiny:<name>`` path: the folder is built once
 (and warm-started once, when the config asks) into ``$LIGHTNING_GRPO_CACHE`` (default
 ``~/.cache/lightning_grpo``), keyed on every field of the spec, then loaded through the very same
-``from_pretrained`` path as any checkpoint.
+``from_pretrained`` path as any checkpoint. A build the package ships (``shipped.py``: the quickstarts' warm
+starts) is copied into the cache instead of trained.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_grpo.tiny.shipped import build_key, copy_shipped
 from lightning_grpo.tiny.spec import TinyPolicySpec
 from lightning_grpo.tiny.tokenizer import TINY_CHAT_TEMPLATE, TOKENIZER_VERSION, make_char_tokenizer
 from lightning_grpo.tiny.vlm import build_tiny_vlm
@@ -94,9 +96,22 @@ def tiny_folder(name: str, spec: TinyPolicySpec, warm_start: str | None = None, 
     folder = tiny_cache_dir(name, spec, warm)
     if not (folder / "config.json").exists():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        build_tiny_policy(tmp, spec)
-        if warm_start:
-            warm_start_folder(tmp, warm_start, warm_start_steps, spec.seed, vision=spec.arch == VLM_ARCH)
+        key = build_key(name, spec, warm_start, warm_start_steps)
+        # the package ships the quickstarts' warm starts (shipped.py): copied, not trained
+        if not copy_shipped(key, tmp):
+            build_folder(tmp, spec, warm_start, warm_start_steps)
         if not folder.exists():  # another rank may have won the race
             os.replace(tmp, folder)
     return folder
+
+
+def build_folder(out: Path, spec: TinyPolicySpec, warm_start: str | None, warm_start_steps: int) -> Path:
+    """Build the tiny policy of ``spec`` into ``out`` and warm-start it on ``warm_start`` (when given).
+
+    What ``tiny_folder`` does on a cache miss, and ``tools/build_tiny_weights.py`` to make the shipped folders.
+    """
+    build_tiny_policy(out, spec)
+    if warm_start:
+        vision = spec.arch == VLM_ARCH
+        warm_start_folder(out, warm_start, warm_start_steps, spec.seed, vision=vision)
+    return out

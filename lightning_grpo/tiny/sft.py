@@ -3,6 +3,7 @@ and the tool-episode one (``tool_warm.py``)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,38 @@ class WarmStartResult:
     seconds: float
 
 
+class Progress:
+    """A warm start's progress with an estimate of the time left: tqdm's bar on a terminal, else a printed line
+    every tenth of the steps (a log file gets ten lines, not a bar redrawn per step)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.every = max(steps // 10, 1)
+        self.start = time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=steps, desc="warm start", unit="step")
+
+    def update(self, done: int, loss: float) -> None:
+        """Report ``done`` steps finished, the last at ``loss``."""
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            return
+        if done % self.every and done != self.steps:
+            return
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / done * (self.steps - done)
+        print(f"warm start: step {done}/{self.steps}, loss {loss:.3f}, {elapsed:.0f} s, ~{left:.0f} s left",
+              flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of) -> WarmStartResult:
     """The warm starts' supervised loop: AdamW at a constant ``lr`` over the trainable parameters, the loss on the
     labelled (answer) tokens only. The global RNG is forked and seeded with ``seed``; the model's mode is restored.
@@ -31,6 +64,7 @@ def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of) -> WarmSta
     model.train()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        progress = Progress(steps)
         for step in range(steps):
             ids, mask, labels, kwargs = batch_of(step)
             logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, :-1]  # [B, T-1, V]
@@ -39,5 +73,7 @@ def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of) -> WarmSta
             loss.backward()
             opt.step()
             losses.append(loss.item())
+            progress.update(step + 1, losses[-1])
+        progress.close()
     model.train(was_training)
     return WarmStartResult(steps, sum(losses[-10:]) / max(len(losses[-10:]), 1), time.perf_counter() - start)
