@@ -68,8 +68,8 @@ MUTATIONS = (
         ("seed = (self.seed * 1_000_003 + loop_step) * max(self.world, 1) + self.rank",
          "seed = (self.seed * 1_000_003 + loop_step) * max(self.world, 1)"),
     )),
-    Mutation("async", "staleness off by one", "collect/schedule.py", (
-        ("staleness_metrics(step - 1 - weights_step,", "staleness_metrics(step - weights_step,"),
+    Mutation("async", "staleness off by one", "collect/staleness.py", (
+        ("stale = (trainer_version - first).double()", "stale = (trainer_version - first + 1).double()"),
     )),
     Mutation("async", "a weight sync does not wait for the draw in flight", "collect/async_rollouts.py", (
         ("        self.wait_idle()  # a batch is drawn with one weight version, never a mix\n", ""),
@@ -78,8 +78,8 @@ MUTATIONS = (
         ("flight.prompt_ids != [p.id for p in prompts] or flight.seed != sampling.seed",
          "flight.prompt_ids != [p.id for p in prompts]"),
     )),
-    Mutation("server", "the weight version not checked after a sync", "rollout/vllm_server.py", (
-        ("if self.version and reported != str(self.version):", "if False:"),
+    Mutation("server", "the weight version not checked after a sync", "rollout/server/probe.py", (
+        ("if version and reported != str(version):", "if False:"),
     )),
     Mutation("server", "sync phases wait the generation timeout (600 s), not sync_timeout_s", "rollout/server/client.py", (
         ("request_json(self.url, path, body, self.config.sync_timeout_s, phase)",
