@@ -12,10 +12,8 @@ The engine is kept current through a ``WeightPublisher`` (``publisher.py``); a
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 from torch import Tensor
 
@@ -26,7 +24,6 @@ from lightning_grpo.certificate import Certifier, probe_prompts
 from lightning_grpo.checkpoint import adapter
 from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.collect.async_rollouts import unwrapped
-from lightning_grpo.collect.rows import TokenFigure
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.fitting import PromptFit, fit_prompts
 from lightning_grpo.data.rewards import RewardSpec
@@ -37,14 +34,13 @@ from lightning_grpo.envs import EnvConfig, EpisodeRunner
 from lightning_grpo.handoff import attach_handoff
 from lightning_grpo.metrics import job_metrics, time_metrics, update_metrics
 from lightning_grpo.objectives import Objective, ObjectiveParts, Stats, build_objective
-from lightning_grpo.objectives.base import ExplainsTokens
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.run_check import check_parts, check_run
-from lightning_grpo.scoring import ChunkScorer, build_scorer, frozen_copy
+from lightning_grpo.scoring import ChunkScorer, build_scorer, explained_rows, frozen_copy
 from lightning_grpo.timing import UPDATE, WAIT_BATCH
 from lightning_grpo.update import AheadPass, LoopResult, Recorder, Split, Updater, batch_needs, pi_old_source
 from lightning_grpo.update.ahead import warn_if_unfrozen
@@ -374,11 +370,7 @@ class GRPOModule(UpdateModule):
         """The last loop step's rows on this rank (``completions.py`` writes a few), with the objective's per-token
         figure when it has one (OPD's KL to the teacher: ``ExplainsTokens``)."""
         rows = self.collector.last_rows if self.collector is not None else None
-        if rows is None or not isinstance(self.objective, ExplainsTokens):
-            return rows
-        values = functools.partial(self.scorer.token_figures, self.objective, self.tokenizer.pad_token_id)
-        figure = TokenFigure(self.objective.token_figure, values)
-        return replace(rows, figure=figure, uses_advantages=self.objective.uses_advantages())
+        return explained_rows(rows, self.objective, self.scorer, self.tokenizer)
 
     def _weights_step(self) -> int:
         """The loop step whose weights the trainer holds (an async engine reads it when a sync ends)."""
