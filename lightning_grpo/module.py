@@ -237,12 +237,8 @@ class GRPOModule(UpdateModule):
 
     def check_data(self) -> None:
         """Fit the datamodule's prompts to this policy and its rewards before any step runs (``data/fitting.py``)."""
-        limit = self.rollout_cfg.prompt_limit(self.context_length())
-        fit = PromptFit(tokenizer=self.tokenizer, max_prompt_tokens=limit,
-                        long_prompts=self.rollout_cfg.long_prompts, reward_specs=self.reward_specs or [],
-                        policy_path=self.policy_cfg.path, vision=self.vision is not None,
-                        objective=self.objective.name, dynamic_sampling=self.rl.dynamic_sampling,
-                        prompt_room=self.rollout_cfg.prompt_room(self.context_length()))
+        fit = PromptFit.of(self.tokenizer, self.context_length(), self.rollout_cfg, self.rl, self.reward_specs,
+                           self.policy_cfg.path, self.vision is not None, self.objective.name)
         fit_prompts(fit, getattr(self._trainer, "datamodule", None))
         if self.episodes is None:  # loads model.env: an environment that does not import is refused here
             self.episodes = self.configure_episodes()
