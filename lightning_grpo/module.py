@@ -31,12 +31,12 @@ from lightning_grpo.data.seam import PromptProvider, prompt_provider
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.engines import EngineParts, build_engine
 from lightning_grpo.envs import EnvConfig, EpisodeRunner
-from lightning_grpo.handoff import attach_handoff
+from lightning_grpo.handoff import engine_publisher
 from lightning_grpo.metrics import job_metrics, time_metrics, update_metrics
 from lightning_grpo.objectives import Objective, ObjectiveParts, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision
-from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
+from lightning_grpo.publisher import NoPublisher, WeightPublisher, engine_sleeps
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
 from lightning_grpo.routing import RoutingReplay, attach_routing
 from lightning_grpo.run_check import check_parts, check_run
@@ -228,10 +228,10 @@ class GRPOModule(UpdateModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)  # check_strategy, loop-step bars, the schedule's horizon
-        publisher = find_publisher(self.trainer.callbacks) if self._trainer is not None else None
+        sleeps = engine_sleeps(self.trainer.callbacks) if self._trainer is not None else False
         # what loads or answers without a weight: env, reward columns, hand-off, server URL (before a server launches)
-        check_parts(self.rollout_cfg, self.env_cfg, self.reward_specs or [], self._prompt_provider(),
-                    engine_sleeps=publisher is not None and publisher.sleeps_engine)
+        check_parts(self.rollout_cfg, self.env_cfg, self.reward_specs or [], prompt_provider(self._trainer),
+                    engine_sleeps=sleeps)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 
@@ -272,13 +272,9 @@ class GRPOModule(UpdateModule):
         # Outside configure_model: its default device/dtype contexts must not leak into an engine (vLLM). Before
         # Lightning restores optimizer state onto the device, so the hand-off can put the engine to sleep first.
         self.check_data()  # before the engine: a data problem is reported in seconds, not after vLLM starts
-        publisher = find_publisher(self.trainer.callbacks)
         if self.engine is None:
-            sleeps = publisher is not None and publisher.sleeps_engine
-            self.engine = self.build_engine(will_sleep=sleeps)
-        if publisher is None and needs_publisher(self.engine, self.policy):
-            publisher = attach_handoff(self.trainer, self.engine)
-        self._publisher = publisher or NoPublisher()
+            self.engine = self.build_engine(will_sleep=engine_sleeps(self.trainer.callbacks))
+        self._publisher = engine_publisher(self.trainer, self.engine, self.policy)  # attached when none is
         bucket_mb = self.rollout_cfg.sync_bucket_mb
         self._publisher.on_engine_ready(self.trainer, self.engine, self.policy, bucket_mb, self.timer)
         self.collector = self.configure_collector()
