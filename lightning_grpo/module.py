@@ -20,10 +20,9 @@ from torch import Tensor
 from lightning_grpo import collect, lora
 from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.certificate import Certifier, probe_prompts
+from lightning_grpo.certificate import Certifier
 from lightning_grpo.checkpoint import adapter
 from lightning_grpo.checkpoint.signals import stop_poll
-from lightning_grpo.collect.async_rollouts import unwrapped
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.fitting import PromptFit, fit_prompts
 from lightning_grpo.data.rewards import RewardSpec
@@ -146,36 +145,20 @@ class GRPOModule(UpdateModule):
         as they are; ``rewards: []`` scores 0."""
         return self.reward_scorer(rollouts)
 
-    def configure_episodes(self) -> EpisodeRunner | None:
-        """``model.env``'s episode runner (None: single-turn completions)."""
-        generation = getattr(self.policy, "generation_config", None)
-        eos = getattr(generation, "eos_token_id", None)
-        return collect.episode_runner(self.env_cfg, self.tokenizer, eos, self.context_length())
-
     def configure_collector(self) -> collect.Collector:
-        """The rollout of one loop step, from this module's parts and ``self.engine``. Built once the strategy is
-        known (the sampling seed and the reductions depend on the ranks)."""
+        """The rollout of one loop step, from this module's parts and ``self.engine`` (``collect/wiring.py``). Built
+        once the strategy is known (the sampling seed and the reductions depend on the ranks)."""
         if self.episodes is None:
-            self.episodes = self.configure_episodes()
+            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, self.context_length())
         # a SIGTERM abandons a reward call still running, or the wait for rollouts in flight
         rewards_stop = self._stop_poll("a reward function")
         self.reward_scorer = collect.RewardScorer(self.reward_specs, rewards_stop)
-        waiting_stop = self._stop_poll("rollouts in flight")
-        schedule = collect.schedule_of(self.engine, waiting_stop, self._in_flight)
-        drawer = collect.Drawer(self.engine, self.episodes)
-        return collect.Collector(
-            drawer, self.compute_rewards, rewards=self.reward_scorer, rl=self.rl,
-            max_new_tokens=self.rollout_cfg.max_new_tokens, sampling=self.step_sampling(),
-            tokenizer=self.tokenizer, vision=self.vision, context=self.context_length(),
-            prompts=prompt_provider(self._trainer), dp=self.dp_group(), schedule=schedule)
-
-    def configure_certifier(self) -> Certifier | None:
-        """``rollout.certificate``: engine vs trainer at the first loop step and after every sync (None: off)."""
-        cfg = self.rollout_cfg.certificate
-        if cfg is None:
-            return None
-        syncs = not isinstance(self._publisher, NoPublisher)  # a publisher syncs the engine every loop step
-        return Certifier(cfg, self.policy, probe_prompts(self.tokenizer, cfg.prompts), after_syncs=syncs)
+        parts = collect.CollectParts(
+            self.engine, self.episodes, self.compute_rewards, self.reward_scorer, self.rl, self.rollout_cfg,
+            self.step_sampling(), self.tokenizer, vision=self.vision, context=self.context_length(),
+            prompts=prompt_provider(self._trainer), dp=self.dp_group(),
+            waiting_stop=self._stop_poll("rollouts in flight"), in_flight=self._in_flight)
+        return collect.wire_collector(parts)
 
     def sampling(self) -> SamplingConfig:
         """The sampling of this rank's next training draw."""
@@ -241,7 +224,7 @@ class GRPOModule(UpdateModule):
                            self.policy_cfg.path, self.vision is not None, self.objective.name)
         fit_prompts(fit, getattr(self._trainer, "datamodule", None))
         if self.episodes is None:  # loads model.env: an environment that does not import is refused here
-            self.episodes = self.configure_episodes()
+            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, self.context_length())
 
     def configure_model(self) -> None:
         """Build policy, tokenizer and (beta > 0) the frozen reference; FSDP2-shard them under ModelParallelStrategy.
@@ -278,7 +261,8 @@ class GRPOModule(UpdateModule):
         bucket_mb = self.rollout_cfg.sync_bucket_mb
         self._publisher.on_engine_ready(self.trainer, self.engine, self.policy, bucket_mb, self.timer)
         self.collector = self.configure_collector()
-        self.certifier = self.configure_certifier()
+        syncs = not isinstance(self._publisher, NoPublisher)  # a publisher syncs the engine every loop step
+        self.certifier = collect.certifier_of(self.rollout_cfg.certificate, self.policy, self.tokenizer, syncs)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)  # the boundary state; refused (no weights) when any is non-finite
@@ -328,7 +312,7 @@ class GRPOModule(UpdateModule):
         certificate when one is due (the sync of this step is done and nothing is in flight)."""
         if self.certifier is None:
             return self.collector.collect(records, self.loop_step)
-        mismatch = self.certifier(unwrapped(self.engine), self.loop_step)
+        mismatch = self.certifier(collect.unwrapped(self.engine), self.loop_step)
         batch, metrics = self.collector.collect(records, self.loop_step)
         return batch, {**metrics, **mismatch}
 
