@@ -32,16 +32,17 @@ from lightning_grpo.engines import EngineParts, build_engine
 from lightning_grpo.envs import EnvConfig, EpisodeRunner
 from lightning_grpo.handoff import engine_publisher
 from lightning_grpo.metrics import job_metrics, time_metrics, update_metrics
+from lightning_grpo.model_parts import build_updater, scoring_parts, trainable
 from lightning_grpo.objectives import Objective, ObjectiveParts, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, engine_sleeps
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
-from lightning_grpo.routing import RoutingReplay, attach_routing
+from lightning_grpo.routing import RoutingReplay
 from lightning_grpo.run_check import check_parts, check_run
-from lightning_grpo.scoring import ChunkScorer, build_scorer, explained_rows, frozen_copy
+from lightning_grpo.scoring import ChunkScorer, explained_rows
 from lightning_grpo.timing import UPDATE, WAIT_BATCH
-from lightning_grpo.update import AheadPass, LoopResult, Recorder, Split, Updater, batch_needs, pi_old_source
+from lightning_grpo.update import LoopResult, Recorder, Split, Updater, pi_old_source
 from lightning_grpo.update.ahead import warn_if_unfrozen
 from lightning_grpo.validation import greedy_scores
 from lightning_grpo.vision import VisionProcessor
@@ -175,17 +176,13 @@ class GRPOModule(UpdateModule):
         return []
 
     def configure_updater(self) -> Updater:
-        """The update of one collected batch: split by ``rl``, the objective on each chunk, the ahead pass (frozen
-        pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it. What depends on the ranks
-        (the per-rank split, the reductions) joins with the optimizer (``data_parallel``), once the strategy is
-        known."""
-        extra = self.configure_recorders()
-        hooks = [self.routing] if self.routing is not None else []  # per-chunk hooks (update/records.py)
-        ahead = AheadPass(self.policy, self.scorer.pi_old, dp_sum=self.dp_sum, hooks=hooks, recorders=extra)
-        needs = batch_needs(self.rl, self.objective, hooks, bool(extra))
-        return Updater(self.policy, self.forward_chunk, split=self.split(), needs=needs, ahead=ahead,
-                       hooks=hooks, seed=self.seed, max_grad_norm=self.rl.max_grad_norm,
-                       max_consecutive_skips=self.rl.max_consecutive_skips, timer=self.timer)
+        """The update of one collected batch (``model_parts.build_updater``): split by ``rl``, the objective on each
+        chunk, the ahead pass (frozen pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it.
+        What depends on the ranks (the per-rank split, the reductions) joins with the optimizer (``data_parallel``),
+        once the strategy is known."""
+        return build_updater(self.policy, self.forward_chunk, self.scorer, self.routing, self.objective, self.rl,
+                             recorders=self.configure_recorders(), split=self.split(), dp_sum=self.dp_sum,
+                             seed=self.seed, timer=self.timer)
 
     def split(self) -> Split:
         """How this rank cuts a collected batch (packed: token budgets count real tokens)."""
@@ -232,21 +229,18 @@ class GRPOModule(UpdateModule):
         Idempotent: Lightning may call it again for a later ``validate``; outside a Trainer call it yourself.
         """
         if self.policy is None:
-            policy, self.tokenizer = self.configure_policy()
-            if self.policy_cfg.lora is not None:  # peft freezes the base: only the adapter trains
-                policy = lora.apply_lora(policy, self.policy_cfg.lora, seed=self.seed)
-                self.lora_base = lora.fingerprint(policy)  # checkpoints hold the adapter, and this to check the base
-            self.policy = policy.train()  # from_pretrained returns eval(); Lightning trains (and checks) in train mode
+            model, self.tokenizer = self.configure_policy()
+            trained = trainable(model, self.policy_cfg.lora, self.seed)  # model_parts.py
+            self.policy = trained.policy
+            self.lora_base = trained.lora_base
             self.vision = self.configure_vision()  # before the optimizer and the reference: it may freeze a tower
-            # k3 KL's reference: a frozen copy (under LoRA the base with the adapter off; beta == 0: none)
-            copy_ref = self.objective.needs_reference() and self.policy_cfg.lora is None
-            self.ref = frozen_copy(self.policy, copy_ref)
-            self.objective.setup(self.policy, self.tokenizer)  # OPD: loads the teacher, refuses another vocabulary
-            # MoE routing: before FSDP2 shards the routers, and before an engine starts (refusals)
-            self.routing = attach_routing(self.policy, self.rl, self.dp_mean)
+            lora_on = self.policy_cfg.lora is not None
             temperature = self.rollout_cfg.temperature
-            routed = self.routing is not None
-            self.scorer = build_scorer(self.policy, self.ref, self.vision, self.objective, self.rl, temperature, routed)
+            parts = scoring_parts(self.policy, self.tokenizer, self.vision, self.objective, self.rl, temperature,
+                                  lora_on, self.dp_mean)  # OPD loads its teacher here
+            self.ref = parts.ref
+            self.routing = parts.routing
+            self.scorer = parts.scorer
             self.updater = self.configure_updater()
         self.shard(self.policy, self.ref)
 
