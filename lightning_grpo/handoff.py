@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_grpo import lora
 from lightning_grpo.offload import OffloadBackend, TrainerOffload, trainer_offload
-from lightning_grpo.publisher import generates_with
+from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, generates_with, needs_publisher
 from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import DeclaresWeights, DrawsAhead, RolloutEngine
 from lightning_grpo.rollout.sleep import sleep_level_problem
@@ -380,10 +380,14 @@ def _recorded(named: Iterable[tuple[str, Tensor]], names: list[str]) -> Iterator
         yield name, tensor
 
 
-def attach_handoff(trainer: Trainer, engine: RolloutEngine) -> HandoffCallback:
-    """No callback publishes weights to an engine that holds its own: attach the hand-off, never sample stale."""
+def engine_publisher(trainer: Trainer, engine: RolloutEngine, policy: nn.Module) -> WeightPublisher:
+    """The fit's publisher: the Trainer's own; else, for an engine with weights of its own, a hand-off attached
+    here (a run never samples stale weights); else ``NoPublisher``."""
     from lightning.pytorch.callbacks import Checkpoint
 
+    found = find_publisher(trainer.callbacks)
+    if found is not None or not needs_publisher(engine, policy):
+        return found or NoPublisher()
     publisher = HandoffCallback(colocated_offload=False)  # the engine was built without sleep mode
     callbacks = trainer.callbacks
     at = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))

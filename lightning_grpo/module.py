@@ -12,21 +12,17 @@ The engine is kept current through a ``WeightPublisher`` (``publisher.py``); a
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 from torch import Tensor
 
 from lightning_grpo import collect, lora
 from lightning_grpo.base import UpdateModule
 from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.certificate import Certifier, probe_prompts
+from lightning_grpo.certificate import Certifier
 from lightning_grpo.checkpoint import adapter
 from lightning_grpo.checkpoint.signals import stop_poll
-from lightning_grpo.collect.async_rollouts import unwrapped
-from lightning_grpo.collect.rows import TokenFigure
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.fitting import PromptFit, fit_prompts
 from lightning_grpo.data.rewards import RewardSpec
@@ -34,19 +30,19 @@ from lightning_grpo.data.seam import PromptProvider, prompt_provider
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.engines import EngineParts, build_engine
 from lightning_grpo.envs import EnvConfig, EpisodeRunner
-from lightning_grpo.handoff import attach_handoff
+from lightning_grpo.handoff import engine_publisher
 from lightning_grpo.metrics import job_metrics, time_metrics, update_metrics
+from lightning_grpo.model_parts import build_updater, scoring_parts, trainable
 from lightning_grpo.objectives import Objective, ObjectiveParts, Stats, build_objective
-from lightning_grpo.objectives.base import ExplainsTokens
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision
-from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, needs_publisher
+from lightning_grpo.publisher import NoPublisher, WeightPublisher, engine_sleeps
 from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
-from lightning_grpo.routing import RoutingReplay, attach_routing
+from lightning_grpo.routing import RoutingReplay
 from lightning_grpo.run_check import check_parts, check_run
-from lightning_grpo.scoring import ChunkScorer, build_scorer, frozen_copy
+from lightning_grpo.scoring import ChunkScorer, explained_rows
 from lightning_grpo.timing import UPDATE, WAIT_BATCH
-from lightning_grpo.update import AheadPass, LoopResult, Recorder, Split, Updater, batch_needs, pi_old_source
+from lightning_grpo.update import LoopResult, Recorder, Split, Updater, pi_old_source
 from lightning_grpo.update.ahead import warn_if_unfrozen
 from lightning_grpo.validation import greedy_scores
 from lightning_grpo.vision import VisionProcessor
@@ -150,36 +146,20 @@ class GRPOModule(UpdateModule):
         as they are; ``rewards: []`` scores 0."""
         return self.reward_scorer(rollouts)
 
-    def configure_episodes(self) -> EpisodeRunner | None:
-        """``model.env``'s episode runner (None: single-turn completions)."""
-        generation = getattr(self.policy, "generation_config", None)
-        eos = getattr(generation, "eos_token_id", None)
-        return collect.episode_runner(self.env_cfg, self.tokenizer, eos, self.context_length())
-
     def configure_collector(self) -> collect.Collector:
-        """The rollout of one loop step, from this module's parts and ``self.engine``. Built once the strategy is
-        known (the sampling seed and the reductions depend on the ranks)."""
+        """The rollout of one loop step, from this module's parts and ``self.engine`` (``collect/wiring.py``). Built
+        once the strategy is known (the sampling seed and the reductions depend on the ranks)."""
         if self.episodes is None:
-            self.episodes = self.configure_episodes()
+            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, self.context_length())
         # a SIGTERM abandons a reward call still running, or the wait for rollouts in flight
         rewards_stop = self._stop_poll("a reward function")
         self.reward_scorer = collect.RewardScorer(self.reward_specs, rewards_stop)
-        waiting_stop = self._stop_poll("rollouts in flight")
-        schedule = collect.schedule_of(self.engine, waiting_stop, self._in_flight)
-        drawer = collect.Drawer(self.engine, self.episodes)
-        return collect.Collector(
-            drawer, self.compute_rewards, rewards=self.reward_scorer, rl=self.rl,
-            max_new_tokens=self.rollout_cfg.max_new_tokens, sampling=self.step_sampling(),
-            tokenizer=self.tokenizer, vision=self.vision, context=self.context_length(),
-            prompts=prompt_provider(self._trainer), dp=self.dp_group(), schedule=schedule)
-
-    def configure_certifier(self) -> Certifier | None:
-        """``rollout.certificate``: engine vs trainer at the first loop step and after every sync (None: off)."""
-        cfg = self.rollout_cfg.certificate
-        if cfg is None:
-            return None
-        syncs = not isinstance(self._publisher, NoPublisher)  # a publisher syncs the engine every loop step
-        return Certifier(cfg, self.policy, probe_prompts(self.tokenizer, cfg.prompts), after_syncs=syncs)
+        parts = collect.CollectParts(
+            self.engine, self.episodes, self.compute_rewards, self.reward_scorer, self.rl, self.rollout_cfg,
+            self.step_sampling(), self.tokenizer, vision=self.vision, context=self.context_length(),
+            prompts=prompt_provider(self._trainer), dp=self.dp_group(),
+            waiting_stop=self._stop_poll("rollouts in flight"), in_flight=self._in_flight)
+        return collect.wire_collector(parts)
 
     def sampling(self) -> SamplingConfig:
         """The sampling of this rank's next training draw."""
@@ -196,17 +176,13 @@ class GRPOModule(UpdateModule):
         return []
 
     def configure_updater(self) -> Updater:
-        """The update of one collected batch: split by ``rl``, the objective on each chunk, the ahead pass (frozen
-        pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it. What depends on the ranks
-        (the per-rank split, the reductions) joins with the optimizer (``data_parallel``), once the strategy is
-        known."""
-        extra = self.configure_recorders()
-        hooks = [self.routing] if self.routing is not None else []  # per-chunk hooks (update/records.py)
-        ahead = AheadPass(self.policy, self.scorer.pi_old, dp_sum=self.dp_sum, hooks=hooks, recorders=extra)
-        needs = batch_needs(self.rl, self.objective, hooks, bool(extra))
-        return Updater(self.policy, self.forward_chunk, split=self.split(), needs=needs, ahead=ahead,
-                       hooks=hooks, seed=self.seed, max_grad_norm=self.rl.max_grad_norm,
-                       max_consecutive_skips=self.rl.max_consecutive_skips, timer=self.timer)
+        """The update of one collected batch (``model_parts.build_updater``): split by ``rl``, the objective on each
+        chunk, the ahead pass (frozen pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it.
+        What depends on the ranks (the per-rank split, the reductions) joins with the optimizer (``data_parallel``),
+        once the strategy is known."""
+        return build_updater(self.policy, self.forward_chunk, self.scorer, self.routing, self.objective, self.rl,
+                             recorders=self.configure_recorders(), split=self.split(), dp_sum=self.dp_sum,
+                             seed=self.seed, timer=self.timer)
 
     def split(self) -> Split:
         """How this rank cuts a collected batch (packed: token budgets count real tokens)."""
@@ -232,24 +208,20 @@ class GRPOModule(UpdateModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)  # check_strategy, loop-step bars, the schedule's horizon
-        publisher = find_publisher(self.trainer.callbacks) if self._trainer is not None else None
+        sleeps = engine_sleeps(self.trainer.callbacks) if self._trainer is not None else False
         # what loads or answers without a weight: env, reward columns, hand-off, server URL (before a server launches)
         check_parts(self.rollout_cfg, self.env_cfg, self.reward_specs or [], prompt_provider(self._trainer),
-                    engine_sleeps=publisher is not None and publisher.sleeps_engine)
+                    engine_sleeps=sleeps)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 
     def check_data(self) -> None:
         """Fit the datamodule's prompts to this policy and its rewards before any step runs (``data/fitting.py``)."""
-        limit = self.rollout_cfg.prompt_limit(self.context_length())
-        fit = PromptFit(tokenizer=self.tokenizer, max_prompt_tokens=limit,
-                        long_prompts=self.rollout_cfg.long_prompts, reward_specs=self.reward_specs or [],
-                        policy_path=self.policy_cfg.path, vision=self.vision is not None,
-                        objective=self.objective.name, dynamic_sampling=self.rl.dynamic_sampling,
-                        prompt_room=self.rollout_cfg.prompt_room(self.context_length()))
+        fit = PromptFit.of(self.tokenizer, self.context_length(), self.rollout_cfg, self.rl, self.reward_specs,
+                           self.policy_cfg.path, self.vision is not None, self.objective.name)
         fit_prompts(fit, getattr(self._trainer, "datamodule", None))
         if self.episodes is None:  # loads model.env: an environment that does not import is refused here
-            self.episodes = self.configure_episodes()
+            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, self.context_length())
 
     def configure_model(self) -> None:
         """Build policy, tokenizer and (beta > 0) the frozen reference; FSDP2-shard them under ModelParallelStrategy.
@@ -257,21 +229,18 @@ class GRPOModule(UpdateModule):
         Idempotent: Lightning may call it again for a later ``validate``; outside a Trainer call it yourself.
         """
         if self.policy is None:
-            policy, self.tokenizer = self.configure_policy()
-            if self.policy_cfg.lora is not None:  # peft freezes the base: only the adapter trains
-                policy = lora.apply_lora(policy, self.policy_cfg.lora, seed=self.seed)
-                self.lora_base = lora.fingerprint(policy)  # checkpoints hold the adapter, and this to check the base
-            self.policy = policy.train()  # from_pretrained returns eval(); Lightning trains (and checks) in train mode
+            model, self.tokenizer = self.configure_policy()
+            trained = trainable(model, self.policy_cfg.lora, self.seed)  # model_parts.py
+            self.policy = trained.policy
+            self.lora_base = trained.lora_base
             self.vision = self.configure_vision()  # before the optimizer and the reference: it may freeze a tower
-            # k3 KL's reference: a frozen copy (under LoRA the base with the adapter off; beta == 0: none)
-            copy_ref = self.objective.needs_reference() and self.policy_cfg.lora is None
-            self.ref = frozen_copy(self.policy, copy_ref)
-            self.objective.setup(self.policy, self.tokenizer)  # OPD: loads the teacher, refuses another vocabulary
-            # MoE routing: before FSDP2 shards the routers, and before an engine starts (refusals)
-            self.routing = attach_routing(self.policy, self.rl, self.dp_mean)
+            lora_on = self.policy_cfg.lora is not None
             temperature = self.rollout_cfg.temperature
-            routed = self.routing is not None
-            self.scorer = build_scorer(self.policy, self.ref, self.vision, self.objective, self.rl, temperature, routed)
+            parts = scoring_parts(self.policy, self.tokenizer, self.vision, self.objective, self.rl, temperature,
+                                  lora_on, self.dp_mean)  # OPD loads its teacher here
+            self.ref = parts.ref
+            self.routing = parts.routing
+            self.scorer = parts.scorer
             self.updater = self.configure_updater()
         self.shard(self.policy, self.ref)
 
@@ -280,17 +249,14 @@ class GRPOModule(UpdateModule):
         # Outside configure_model: its default device/dtype contexts must not leak into an engine (vLLM). Before
         # Lightning restores optimizer state onto the device, so the hand-off can put the engine to sleep first.
         self.check_data()  # before the engine: a data problem is reported in seconds, not after vLLM starts
-        publisher = find_publisher(self.trainer.callbacks)
         if self.engine is None:
-            sleeps = publisher is not None and publisher.sleeps_engine
-            self.engine = self.build_engine(will_sleep=sleeps)
-        if publisher is None and needs_publisher(self.engine, self.policy):
-            publisher = attach_handoff(self.trainer, self.engine)
-        self._publisher = publisher or NoPublisher()
+            self.engine = self.build_engine(will_sleep=engine_sleeps(self.trainer.callbacks))
+        self._publisher = engine_publisher(self.trainer, self.engine, self.policy)  # attached when none is
         bucket_mb = self.rollout_cfg.sync_bucket_mb
         self._publisher.on_engine_ready(self.trainer, self.engine, self.policy, bucket_mb, self.timer)
         self.collector = self.configure_collector()
-        self.certifier = self.configure_certifier()
+        syncs = not isinstance(self._publisher, NoPublisher)  # a publisher syncs the engine every loop step
+        self.certifier = collect.certifier_of(self.rollout_cfg.certificate, self.policy, self.tokenizer, syncs)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)  # the boundary state; refused (no weights) when any is non-finite
@@ -340,7 +306,7 @@ class GRPOModule(UpdateModule):
         certificate when one is due (the sync of this step is done and nothing is in flight)."""
         if self.certifier is None:
             return self.collector.collect(records, self.loop_step)
-        mismatch = self.certifier(unwrapped(self.engine), self.loop_step)
+        mismatch = self.certifier(collect.unwrapped(self.engine), self.loop_step)
         batch, metrics = self.collector.collect(records, self.loop_step)
         return batch, {**metrics, **mismatch}
 
@@ -374,11 +340,7 @@ class GRPOModule(UpdateModule):
         """The last loop step's rows on this rank (``completions.py`` writes a few), with the objective's per-token
         figure when it has one (OPD's KL to the teacher: ``ExplainsTokens``)."""
         rows = self.collector.last_rows if self.collector is not None else None
-        if rows is None or not isinstance(self.objective, ExplainsTokens):
-            return rows
-        values = functools.partial(self.scorer.token_figures, self.objective, self.tokenizer.pad_token_id)
-        figure = TokenFigure(self.objective.token_figure, values)
-        return replace(rows, figure=figure, uses_advantages=self.objective.uses_advantages())
+        return explained_rows(rows, self.objective, self.scorer, self.tokenizer)
 
     def _weights_step(self) -> int:
         """The loop step whose weights the trainer holds (an async engine reads it when a sync ends)."""

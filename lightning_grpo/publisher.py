@@ -78,3 +78,9 @@ def find_publisher(callbacks: Iterable[object]) -> WeightPublisher | None:
         raise ValueError(f"Trainer(callbacks=[...]) holds {len(found)} weight publishers ({names}): keep one "
                          "HandoffCallback; each would sleep, wake and sync the same engine")
     return found[0] if found else None
+
+
+def engine_sleeps(callbacks: Iterable[object]) -> bool:
+    """Whether the one publisher among ``callbacks`` puts the engine to sleep between generations (none: never)."""
+    publisher = find_publisher(callbacks)
+    return publisher is not None and publisher.sleeps_engine

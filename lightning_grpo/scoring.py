@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from lightning_grpo import lora
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
+from lightning_grpo.collect.rows import StepRows, TokenFigure
 from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import fuses_head, token_logprobs
 from lightning_grpo.objectives.base import ExplainsTokens, Objective, PolicyView, Stats
@@ -143,6 +145,17 @@ class _ChunkScores:
     def with_entropy(self, chunk: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor]:
         entropy = "grad" if grad else "value"
         return self.scorer.logprobs(self.scorer.policy, chunk, self.pixels(chunk), entropy)
+
+
+def explained_rows(rows: StepRows | None, objective: Objective, scorer: ChunkScorer, tokenizer) -> StepRows | None:
+    """``rows`` with the objective's per-token figure when it has one (OPD's KL to the teacher:
+    ``ExplainsTokens``), measured on demand for the rows a log shows."""
+    if rows is None or not isinstance(objective, ExplainsTokens):
+        return rows
+    pad_id = tokenizer.pad_token_id
+    values = functools.partial(scorer.token_figures, objective, pad_id)
+    figure = TokenFigure(objective.token_figure, values)
+    return replace(rows, figure=figure, uses_advantages=objective.uses_advantages())
 
 
 def frozen_copy(policy: nn.Module, needed: bool) -> nn.Module | None:

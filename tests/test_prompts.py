@@ -267,3 +267,16 @@ def test_the_prompt_room_names_the_engine_context_when_smaller():
     assert rollout.prompt_room(256) == ("rollout.max_new_tokens=60 leaves 4 tokens of a 64-token context "
                                         "(rollout.server.max_model_len) for the prompt")
     assert RolloutConfig(max_new_tokens=8).prompt_room(None) is None  # no context known: nothing derived
+
+
+def test_prompt_fit_of_a_built_policy_reads_the_sections():
+    """``PromptFit.of`` (``GRPOModule.check_data``): the limit is what ``max_new_tokens`` leaves of the context, and
+    that room is named; a set ``max_prompt_tokens`` wins and names nothing."""
+    from lightning_grpo.config import GRPOConfig, RolloutConfig
+
+    rl = GRPOConfig(dynamic_sampling=True)
+    derived = PromptFit.of("tok", 64, RolloutConfig(max_new_tokens=16), rl, None, "tiny:x", False, "grpo")
+    assert (derived.max_prompt_tokens, derived.reward_specs, derived.dynamic_sampling) == (48, [], True)
+    assert "rollout.max_new_tokens=16 leaves 48 tokens" in derived.prompt_room
+    fixed = PromptFit.of("tok", 64, RolloutConfig(max_prompt_tokens=20), rl, None, None, True, "opd")
+    assert (fixed.max_prompt_tokens, fixed.prompt_room, fixed.vision, fixed.objective) == (20, None, True, "opd")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_grpo.checks import ConfigError
+from lightning_grpo.config import GRPOConfig, RolloutConfig
 from lightning_grpo.data.chat import LongPromptsError
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns
 from lightning_grpo.data.seam import PromptProvider
@@ -16,7 +17,8 @@ from lightning_grpo.data.seam import PromptProvider
 
 @dataclass(frozen=True)
 class PromptFit:
-    """What prompts are fitted to: the trained policy's side and the run's rules (``GRPOModule.check_data``)."""
+    """What prompts are fitted to: the trained policy's side and the run's rules (``GRPOModule.check_data``;
+    ``PromptFit.of`` builds it from a built policy and the run's sections)."""
 
     tokenizer: Any
     """The policy's tokenizer: its chat template formats chat prompts, its ids count prompt tokens."""
@@ -37,6 +39,22 @@ class PromptFit:
     prompt_room: str | None = None
     """How ``max_prompt_tokens`` was derived from the context (``RolloutConfig.prompt_room``); None: set by the
     user. Named instead of the limit when prompts do not fit."""
+
+    @classmethod
+    def of(cls, tokenizer, context: int | None, rollout: RolloutConfig, rl: GRPOConfig,
+           reward_specs: Sequence[RewardSpec] | None, policy_path: str | None, vision: bool,
+           objective: str) -> PromptFit:
+        """The fit of a built policy (its tokenizer, its context in tokens, whether it sees images) under the
+        ``rollout`` and ``rl`` sections (the prompt limit is what ``max_new_tokens`` leaves of ``context``)."""
+        return cls(tokenizer=tokenizer,
+                   max_prompt_tokens=rollout.prompt_limit(context),
+                   long_prompts=rollout.long_prompts,
+                   reward_specs=reward_specs or [],
+                   policy_path=policy_path,
+                   vision=vision,
+                   objective=objective,
+                   dynamic_sampling=rl.dynamic_sampling,
+                   prompt_room=rollout.prompt_room(context))
 
 
 def fit_prompts(fit: PromptFit, dm) -> None:
