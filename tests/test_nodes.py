@@ -24,10 +24,11 @@ import torch
 import yaml
 from helpers import TINY_JOB
 
+from lightning_grpo.timing import is_timing
+
 TESTS = Path(__file__).parent
 WORKER = TESTS / "node_worker.py"
 LOOP_STEPS = 6
-WALL_CLOCK = {"grpo/ahead_seconds", "grpo/ahead_share"}  # timings: the only columns allowed to differ
 TIMEOUT = 600
 
 
@@ -66,7 +67,7 @@ class Job:
     def rows(self, version: int) -> list[dict]:
         """The metrics rows of one launch (the CSV logger's ``version_<n>``), timings dropped."""
         with open(self.shared / "runs" / "tiny" / f"version_{version}" / "metrics.csv") as f:
-            return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in csv.DictReader(f)]
+            return [{k: v for k, v in r.items() if not is_timing(k)} for r in csv.DictReader(f)]
 
     def checkpoints(self) -> list[Path]:
         return sorted(self.shared.rglob("loop-step-*.ckpt"))
@@ -318,5 +319,5 @@ def test_a_vllm_serve_pool_per_node_serves_its_own_nodes_ranks_and_equals_one_sh
     assert per_node[0]["params"] == per_node[1]["params"] and per_node[0]["metrics"] == per_node[1]["metrics"]
     for a, b in zip(per_node[0]["metrics"], shared[0]["metrics"]):
         assert a.keys() == b.keys()
-        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6, nan_ok=True) for k in a if k not in WALL_CLOCK)
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6, nan_ok=True) for k in a if not is_timing(k))
     assert per_node[0]["params"] == shared[0]["params"]  # measured: the same weights bit for bit (float32 servers)
