@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -35,6 +36,16 @@ def _can_clip(series: dict[str, Series]) -> bool:
     return _moved(series["grpo/clip_frac"]) or any(v > 1 for v in series.get("grpo/optimizer_steps", ([], []))[1])
 
 
+REPLACED_BY = {"dpo/accuracy": "val/accuracy"}
+"""Metrics drawn (and reported by the run summary) only when the run did not log the named one. DPO shows one
+accuracy, the held-out policy preference, right at loop step 0 (~0.5); the implicit-reward accuracy is 0 there,
+every margin being an exact tie."""
+
+
+def _not_replaced(metric: str, series: dict[str, Series]) -> bool:
+    return REPLACED_BY.get(metric) not in series
+
+
 class Panel(NamedTuple):
     """One panel of the figure: the metric it draws, its title, the lines drawn over it, and when it is drawn."""
 
@@ -50,10 +61,8 @@ PANELS = (
     Panel("reward/mean", "reward (mean over the collected batch)", ("val/reward",)),
     Panel("grpo/loss", "loss"),
     Panel("dpo/loss", "DPO loss"),
-    # One accuracy: the held-out policy preference, right at loop step 0 (~0.5). The implicit-reward accuracy
-    # (dpo/accuracy, val/reward_accuracy) is 0 there, every margin being an exact tie: drawn only without validation.
     Panel("val/accuracy", "held-out accuracy (the policy prefers the chosen answer)"),
-    Panel("dpo/accuracy", "accuracy (chosen ranked first)", when=lambda s: "val/accuracy" not in s),
+    Panel("dpo/accuracy", "accuracy (chosen ranked first)", when=functools.partial(_not_replaced, "dpo/accuracy")),
     Panel("dpo/margin", "implicit reward margin (chosen - rejected)", ("val/margin",)),
     Panel("grpo/kl", "KL to the reference (nats/token)", when=lambda s: _moved(s["grpo/kl"])),
     Panel("opd/kl", "reverse KL to the teacher (nats/token)"),

@@ -16,13 +16,11 @@ from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from lightning_grpo.checkpoint.signals import Preempted
-from lightning_grpo.plot import PlotError, Series, plot_curves, series_of, smoothed
+from lightning_grpo.plot import REPLACED_BY, PlotError, Series, plot_curves, series_of, smoothed
 from lightning_grpo.validation import is_measurement
 
 HEADLINES = {"reward/mean": "reward", "dpo/loss": "dpo/loss", "dpo/accuracy": "dpo/accuracy"}
 """Training metrics reported first/last (trailing mean over ``window`` loop steps) when the run logs them: label."""
-REPLACED_BY = {"dpo/accuracy": "val/accuracy"}
-"""Headlines left out when the run logs the named metric: DPO reports (and plots) one accuracy, the held-out one."""
 VAL_HEADLINES = ("val/reward", "val/accuracy")
 """Validation metrics reported first/last (one value per validation, with its loop step) when logged."""
 NOT_MEASURED = "  validation       not measured (no validation ran: trainer.val_check_interval, data.val_size)"

@@ -7,8 +7,8 @@ import csv
 import re
 from pathlib import Path
 
-from lightning_grpo.plot import SMOOTHED, plot_curves
-from lightning_grpo.summary import HEADLINES, REPLACED_BY, VAL_HEADLINES
+from lightning_grpo.plot import REPLACED_BY, SMOOTHED, plot_curves
+from lightning_grpo.summary import HEADLINES, VAL_HEADLINES
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 
