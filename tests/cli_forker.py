@@ -1,6 +1,6 @@
 """Runs ``lightning-grpo`` commands as forked children of one process that imported the CLI once.
 
-The kill -9 / resume test (tests/test_resume.py) needs three CLI runs; on a loaded 2-core machine
+The kill -9 / resume test (tests/update/test_resume.py) needs three CLI runs; on a loaded 2-core machine
 importing torch + Lightning costs 30-90 s of wall time per process. This launcher pays it once:
 it imports ``lightning_grpo.cli`` (and runs no torch op, so no thread pool exists yet and forking
 is safe), then for each stdin line ``<cwd>\\t<arg>\\t<arg>...`` forks a child that runs

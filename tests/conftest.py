@@ -1,11 +1,18 @@
 import contextlib
 import io
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# Each layer's folder is importable by its file names from any other (a test module names a helper of another layer's
+# test, as "test_envs:AddOnly" in an env config does): basenames are unique across tests/, so nothing shadows.
+for _folder in sorted(Path(__file__).parent.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 # Tests never touch the network or the user's cache: Hugging Face Hub and datasets caches live in a
 # throwaway folder (set before huggingface_hub/datasets are imported: they read these at import).
@@ -25,11 +32,13 @@ _TIER_TESTS: dict[str, int] = {}
 
 
 def tier_of(item) -> str:
-    """unit (a layer's folder), contract (marked), end-to-end (slow), else integration; CONTRIBUTING.md says which."""
+    """unit (a layer's folder unless the file says integration), contract (marked), end-to-end (slow), else integration."""
     if item.get_closest_marker("slow"):
         return "end-to-end"
     if item.get_closest_marker("contract"):
         return "contract"
+    if item.get_closest_marker("integration"):
+        return "integration"
     folder = Path(str(item.path)).parent
     if folder.parent.name == "tests" and folder.name in UNIT_DIRS:
         return "unit"

@@ -239,7 +239,7 @@ def _strategy(case: str):
     return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if case.startswith("fsdp2") else "ddp"
 
 
-FAMILY = {  # grpo-<name>-m<n>: the loss family and rollout corrections (tests/test_objectives_distributed.py)
+FAMILY = {  # grpo-<name>-m<n>: the loss family and rollout corrections (tests/objectives/test_objectives_distributed.py)
     "grpo": {"loss_type": "grpo"}, "drgrpo": {"loss_type": "dr_grpo"}, "seqsum": {"loss_type": "seq-mean-token-sum"},
     "gspo": {"ratio_level": "sequence"}, "cispo": {"loss": "cispo"},
     "tis": {"rollout_correction": {"mode": "tis", "threshold": 1.3}},

@@ -1,4 +1,4 @@
-"""One rank of the 2-rank ``vllm serve`` check (tests/test_async.py launches two, the way torchrun would).
+"""One rank of the 2-rank ``vllm serve`` check (tests/collect/test_async.py launches two, the way torchrun would).
 
 Two DDP ranks (gloo) train ``TINY_JOB`` through one server that rank 0 launches; ``--k`` sets
 ``rollout.max_off_policy_steps``. ``--nodes 2 --placement per_node`` (under two torchrun node agents,

@@ -27,7 +27,7 @@ def test_no_function_over_60_lines():
 
 @pytest.mark.parametrize("package", ["update", "collect"])
 def test_the_lightning_free_packages_import_no_lightning_module(package):
-    """``update/`` and ``collect/`` are the Lightning-free core (tests/test_updater.py and
+    """``update/`` and ``collect/`` are the Lightning-free core (tests/update/test_updater.py and
     tests/collect/test_collector.py also check what importing them loads)."""
     for p in (PACKAGE / package).rglob("*.py"):
         for node in ast.walk(ast.parse(p.read_text())):
@@ -187,3 +187,23 @@ def test_the_update_package_knows_no_moe():
 def test_the_moe_check_sees_parameters_attributes_and_imports():
     code = "from lightning_grpo.routing import X\ndef f(routing=None):\n    return self.moe_aux\n"
     assert {"lightning_grpo.routing", "routing", "moe_aux"} <= code_names(ast.parse(code))
+
+
+TESTS = Path(__file__).parent
+SUBPACKAGES = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+
+
+def test_test_file_names_are_unique_across_tests():
+    """Every test folder is on sys.path (tests/conftest.py): two files of one name would shadow each other."""
+    seen: dict[str, list[str]] = {}
+    for p in TESTS.rglob("*.py"):
+        if p.name != "conftest.py" and "__pycache__" not in p.parts:
+            seen.setdefault(p.name, []).append(str(p.relative_to(TESTS)))
+    twins = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twins, f"test files share a name (rename one): {twins}"
+
+
+def test_test_folders_mirror_the_package():
+    """A folder of tests/ names a subpackage of lightning_grpo (or holds data or GPU scripts)."""
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders <= SUBPACKAGES, f"test folders with no subpackage of that name: {sorted(folders - SUBPACKAGES)}"

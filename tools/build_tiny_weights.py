@@ -8,7 +8,7 @@ YAML as the CLI reads them): built and warm-started by ``tiny_folder``'s own cod
 written with a ``manifest.json`` holding the build key ``tiny_folder`` matches, the seed, the torch /
 transformers / python versions and CPU threads it was built with, the seconds it took, its greedy accuracy on
 its task (text warm starts) and each file's sha256. Weights differ across CPUs at float level: a rebuild
-elsewhere scores the same (tests/test_shipped.py), it is not byte-identical.
+elsewhere scores the same (tests/tiny/test_shipped.py), it is not byte-identical.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ ENTRIES = {
 opd-arith.yaml's ``tiny:opd-student``, the same build under another name: ``shipped.shipped_folder``)."""
 SCORE_ITEMS = 256
 SCORE_SEED = 99
-"""The draw ``score`` measures greedy accuracy on (the task's train split, as tests/test_tiny.py)."""
+"""The draw ``score`` measures greedy accuracy on (the task's train split, as tests/tiny/test_tiny.py)."""
 
 
 def section(config: dict, dotted: str) -> dict:

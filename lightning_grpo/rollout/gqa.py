@@ -6,7 +6,7 @@ mask; with one (left-padded prompts: every decode step of a batched draw) it fir
 head of its group (``repeat_kv``), the whole KV cache of every layer, at every decode step. On CPU torch's SDPA takes
 the mask and the grouping together (its flash kernel indexes the KV head per query head) and returns the same output
 bit for bit, so decoding with ``decode_attention`` skips those copies: bench/generation.py measures the draw with and
-without it, and tests/test_rollout_hf.py checks the tokens and sampler logprobs are unchanged.
+without it, and tests/rollout/test_rollout_hf.py checks the tokens and sampler logprobs are unchanged.
 
 Generation only: the update keeps the model's own attention (SDPA's grouped backward sums the KV-head gradients in
 another order, a rounding-level change to every update). Not on CUDA: there a masked grouped SDPA falls back to the

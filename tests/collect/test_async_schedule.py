@@ -1,4 +1,4 @@
-"""The async schedule on a fake engine (unit tier; tests/test_async.py runs it against a real ``vllm serve``).
+"""The async schedule on a fake engine (unit tier; tests/collect/test_async.py runs it against a real ``vllm serve``).
 
 A ``VersionedEngine`` stamps each completion with the weight version it holds when it samples, and a sync
 (``load_weights`` .. ``reset_prefix_cache``) bumps that version, so each test reads off which weights drew a batch.

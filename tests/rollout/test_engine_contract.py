@@ -184,7 +184,7 @@ def test_episodes_are_token_in_token_out(case):
     sampled ones and the trainer's logprobs meet the sampler's (test_envs.check_vllm_episodes, for every engine)."""
     needs_draws(case)
     if case.name == "hf":  # at the check's fixed seed this tiny policy's hf draws end no turn (all truncated)
-        pytest.skip("hf episodes are played in tests/test_envs.py (a float64 GPT-2 whose turns end)")
+        pytest.skip("hf episodes are played in tests/envs/test_envs.py (a float64 GPT-2 whose turns end)")
     from test_envs import check_vllm_episodes
 
     from lightning_grpo.tiny.tokenizer import TINY_CHAT_TEMPLATE
