@@ -4,13 +4,15 @@
 appeared meanwhile and that no live process holds; with CI set (one job on the machine) the run fails on them.
 Other jobs may run on the same machine: an entry a live process maps, holds open, works in, or names in its command
 line or environment is theirs (or still in use), never a leftover; nor is a folder this process will remove at exit
-(a live ``tempfile.TemporaryDirectory``). A job that ended meanwhile on a shared machine can still show its own
+(a live ``tempfile.TemporaryDirectory``, multiprocessing's own temporary folder, a ``sem.mp-*`` semaphore its
+resource tracker unlinks at exit). A job that ended meanwhile on a shared machine can still show its own
 leftovers here: hence a report, not a failure, outside CI.
 """
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import re
 import tempfile
@@ -61,6 +63,24 @@ def held() -> set[str]:
             found.update(os.readlink(fd) for fd in (proc / "fd").iterdir())
         except OSError:
             continue
+    return found
+
+
+def _pending_tracker() -> bool:
+    """Whether this session's multiprocessing resource tracker runs: at exit it unlinks the named semaphores
+    (``sem.mp-*``) of children killed with -9 before they could (their SemLocks are registered with it)."""
+    from multiprocessing import resource_tracker
+
+    pid = resource_tracker._resource_tracker._pid
+    return pid is not None and Path(f"/proc/{pid}").exists()
+
+
+def _this_process_will_remove() -> set[str]:
+    """Folders this process removes at exit: live ``tempfile.TemporaryDirectory`` objects, multiprocessing's own."""
+    found = set()
+    mp_temp = multiprocessing.current_process()._config.get("tempdir")
+    if mp_temp:
+        found.add(mp_temp)
     with warnings.catch_warnings():  # isinstance on every object touches deprecated module attributes
         warnings.simplefilter("ignore")
         found.update(str(obj.name) for obj in gc.get_objects()
@@ -69,6 +89,8 @@ def held() -> set[str]:
 
 
 def _is_held(entry: str, holding: set[str]) -> bool:
+    if Path(entry).name.startswith("sem.mp-") and _pending_tracker():
+        return True
     return any(path == entry or path.startswith(entry + "/") for path in holding)
 
 
@@ -78,5 +100,5 @@ def leftovers(before: set[str], keep: set[str] = frozenset()) -> list[str]:
     if not new:
         return []
     gc.collect()  # run the finalizers of objects nobody references any more (a closed engine's folders)
-    holding = held()
+    holding = held() | _this_process_will_remove()
     return sorted(e for e in new if os.path.lexists(e) and not _is_held(e, holding))

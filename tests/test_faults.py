@@ -2,7 +2,6 @@
 a signal while a reward call hangs, an error mid-run, a second run in the same folder, an unverified checkpoint."""
 
 import csv
-import multiprocessing
 import os
 import signal
 import threading
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import reward_fns
 import torch
-from helpers import StepRecorder, fit_tiny, global_determinism_restored, tiny_grpo_module
+from helpers import StepRecorder, fit_tiny, forked_context, global_determinism_restored, tiny_grpo_module
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from test_resume import SignalAt, _without_timings
@@ -47,11 +46,12 @@ def val_steps(rows: list[dict]) -> list[int]:
 
 
 def in_child(target, *args) -> int:
-    """Run ``target(*args)`` in a fresh (spawned) process; its exit code (negative: killed by that signal).
+    """Run ``target(*args)`` in a fresh process forked from the session's fork server (``helpers.forked_context``);
+    its exit code (negative: killed by that signal).
 
     Not ``os.fork``: a fork of a process whose torch/OpenMP threads already ran can deadlock on a lock a thread held.
     """
-    child = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    child = forked_context().Process(target=target, args=args)
     child.start()
     child.join(timeout=600)
     assert child.exitcode is not None, "the child run hung"
