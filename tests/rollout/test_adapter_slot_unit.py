@@ -1,5 +1,6 @@
-"""The in-process engine's LoRA slot keeps its publications in /dev/shm (RAM until reboot): the folder goes when the slot
-is closed, when it is dropped, and at interpreter exit, after a failure too (an engine nobody closes: a CLI fit's).
+"""The in-process engine's LoRA slot keeps its publications in /dev/shm (RAM until reboot): the folder goes when the
+slot is closed, when it is dropped, and at interpreter exit, after a failure too (an engine nobody closes: a CLI
+fit's).
 
 The fast tier's check of what a vllm_lora fit leaves in /dev/shm; tests/test_leftovers.py runs the whole fit (slow).
 """
