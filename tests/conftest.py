@@ -170,6 +170,22 @@ def tiny_teacher_dir(tmp_path_factory):
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-teacher"), replace(SMALL, seed=1))
 
 
+@pytest.fixture(scope="session")
+def two_rank_cases(tmp_path_factory, tiny_policy_dir, tiny_teacher_dir):
+    """Every fast-tier 2-rank case of tests/dist_worker.py, run once on 2 gloo ranks: one launch (two processes
+    importing torch, Lightning and transformers) serves test_distributed, test_objectives_distributed and
+    test_dynamic_sampling. Returns ``load(case, rank=0)``: what that rank saved."""
+    import test_distributed
+    import test_objectives_distributed
+    import torch
+
+    # the fit last: a Trainer sets process-wide switches the update cases before it must not see
+    cases = [*test_distributed.CASES, *test_objectives_distributed.CASES, "ddp-dynamic-fit"]
+    out = tmp_path_factory.mktemp("two-ranks")
+    test_distributed.launch_two_ranks(out, tiny_policy_dir, cases, timeout=900, teacher=tiny_teacher_dir)
+    return lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)
+
+
 @dataclass(frozen=True)
 class QuickstartRun:
     argv: list[str]
