@@ -1,12 +1,12 @@
 """What a test run leaves behind: ``/dev/shm`` entries (RAM until reboot) and temporary folders nobody holds.
 
 ``tests/conftest.py`` snapshots both places when the session starts and, when it ends, lists the entries that
-appeared meanwhile and that no live process holds; with CI set (one job on the machine) the run fails on them.
+appeared meanwhile and that no live process holds; with LIGHTNING_GRPO_LEFTOVERS_FAIL=1 the run fails on them.
 Other jobs may run on the same machine: an entry a live process maps, holds open, works in, or names in its command
 line or environment is theirs (or still in use), never a leftover; nor is a folder this process will remove at exit
 (a live ``tempfile.TemporaryDirectory``, multiprocessing's own temporary folder, a ``sem.mp-*`` semaphore its
 resource tracker unlinks at exit). A job that ended meanwhile on a shared machine can still show its own
-leftovers here: hence a report, not a failure, outside CI.
+leftovers here: hence a report by default, a failure on request (CI, once the slow tier leaves nothing).
 """
 
 from __future__ import annotations
