@@ -1,6 +1,7 @@
 import contextlib
 import io
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ for _folder in sorted(Path(__file__).parent.iterdir()):
 
 # Tests never touch the network or the user's cache: Hugging Face Hub and datasets caches live in a
 # throwaway folder (set before huggingface_hub/datasets are imported: they read these at import).
-os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="lightning-grpo-hf-")
+_HF_HOME = tempfile.mkdtemp(prefix="lightning-grpo-hf-")
+os.environ["HF_HOME"] = _HF_HOME
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -62,8 +64,49 @@ def pytest_runtest_logreport(report):
         _TIER_TESTS[tier] = _TIER_TESTS.get(tier, 0) + 1
 
 
+_SHM_AND_TEMP_AT_START: set[str] = set()
+_LEFT: list[str] = []
+LEFTOVERS_FAIL = "LIGHTNING_GRPO_LEFTOVERS_FAIL"
+"""1: fail the run when it left entries in /dev/shm or the temporary folder; unset or 0: report them only (a
+shared machine's other jobs may leave entries meanwhile; the slow tier's killed `vllm serve` children still keep
+their logs)."""
+
+
+def _fail_on_leftovers() -> bool:
+    return os.environ.get(LEFTOVERS_FAIL, "0") not in ("", "0", "false", "False")
+
+
+def pytest_sessionstart(session):
+    from leftovers import entries
+
+    _SHM_AND_TEMP_AT_START.update(entries())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when it left /dev/shm entries or temporary folders that no live process holds (tests/leftovers.py):
+    fixtures are torn down by now, so whatever is left stays after the run."""
+    from leftovers import leftovers
+
+    shutil.rmtree(_HF_HOME, ignore_errors=True)
+    if session.config.option.collectonly:
+        return
+    pytest_tmp = session.config._tmp_path_factory._basetemp  # pytest keeps its last 3 runs' folders on purpose
+    keep = {str(pytest_tmp), str(pytest_tmp.parent)} if pytest_tmp is not None else set()
+    _LEFT.extend(leftovers(_SHM_AND_TEMP_AT_START, keep))
+    if _LEFT and _fail_on_leftovers() and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Per-tier totals (CI prints them with --durations), then what `make test` left out here, and how to run it."""
+    """Per-tier totals (CI prints them with --durations), what the run left behind, then what `make test` left out
+    here, and how to run it."""
+    if _LEFT:
+        terminalreporter.write_sep("!", "the run left these in /dev/shm or the temporary folder, held by no process",
+                                   red=True)
+        for entry in _LEFT:
+            terminalreporter.write_line(f"  {entry}")
+        verdict = "the run fails on them" if _fail_on_leftovers() else "reported only"
+        terminalreporter.write_line(f"(created during this session; {verdict}: {LEFTOVERS_FAIL}=1 fails, =0 reports)")
     if _TIER_SECONDS:
         terminalreporter.write_sep("-", "seconds per test tier (setup + call + teardown)")
         for tier in TIERS:
@@ -134,6 +177,22 @@ def tiny_teacher_dir(tmp_path_factory):
     from lightning_grpo.tiny.build import build_tiny_policy
 
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-teacher"), replace(SMALL, seed=1))
+
+
+@pytest.fixture(scope="session")
+def two_rank_cases(tmp_path_factory, tiny_policy_dir, tiny_teacher_dir):
+    """Every fast-tier 2-rank case of tests/dist_worker.py, run once on 2 gloo ranks: one launch (two processes
+    importing torch, Lightning and transformers) serves test_distributed, test_objectives_distributed and
+    test_dynamic_sampling. Returns ``load(case, rank=0)``: what that rank saved."""
+    import test_distributed
+    import test_objectives_distributed
+    import torch
+
+    # the fit last: a Trainer sets process-wide switches the update cases before it must not see
+    cases = [*test_distributed.CASES, *test_objectives_distributed.CASES, "ddp-dynamic-fit"]
+    out = tmp_path_factory.mktemp("two-ranks")
+    test_distributed.launch_two_ranks(out, tiny_policy_dir, cases, timeout=900, teacher=tiny_teacher_dir)
+    return lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import multiprocessing
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,19 @@ QUICKSTART_ARGS = [
     "--model.policy.warm_start_steps=30",
 ]
 """``lightning-grpo fit`` arguments of the shortened quickstart (the quickstart_run fixture, the sweep test)."""
+
+
+FORKSERVER_PRELOAD = ("torch", "transformers", "lightning.pytorch", "lightning_grpo.module", "lightning_grpo.cli")
+"""What the fork server imports once for every child process of the session (tests/dist processes pay it each)."""
+
+
+def forked_context():
+    """A multiprocessing context whose children fork from one server that imported torch, Lightning and the package
+    once per session (``forkserver``): a child starts in about a second instead of re-importing them. Forking is safe
+    there, unlike ``os.fork`` of pytest itself: the server ran no torch op, so no thread pool holds a lock."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return context
 
 
 def synthetic_batch(completion_lens: list[int], prompt_len: int = 4, vocab: int = 80, seed: int = 0,

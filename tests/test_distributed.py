@@ -64,11 +64,9 @@ def launch_two_ranks(out: Path, policy: Path, cases: list[str], timeout: float =
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, tiny_policy_dir):
-    """Run every case on 2 gloo ranks once; returns ``load(case, rank)``."""
-    out = tmp_path_factory.mktemp("two-ranks")
-    launch_two_ranks(out, tiny_policy_dir, CASES)
-    return lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)
+def two_ranks(two_rank_cases):
+    """Every case of CASES run on 2 gloo ranks once (tests/conftest.py's one launch); ``load(case, rank)``."""
+    return two_rank_cases
 
 
 _REFERENCE: dict = {}

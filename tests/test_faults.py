@@ -2,7 +2,6 @@
 a signal while a reward call hangs, an error mid-run, a second run in the same folder, an unverified checkpoint."""
 
 import csv
-import multiprocessing
 import os
 import signal
 import threading
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import reward_fns
 import torch
-from helpers import StepRecorder, fit_tiny, global_determinism_restored, tiny_grpo_module
+from helpers import StepRecorder, fit_tiny, forked_context, global_determinism_restored, tiny_grpo_module
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from test_resume import SignalAt, _without_timings
@@ -47,11 +46,12 @@ def val_steps(rows: list[dict]) -> list[int]:
 
 
 def in_child(target, *args) -> int:
-    """Run ``target(*args)`` in a fresh (spawned) process; its exit code (negative: killed by that signal).
+    """Run ``target(*args)`` in a fresh process forked from the session's fork server (``helpers.forked_context``);
+    its exit code (negative: killed by that signal).
 
     Not ``os.fork``: a fork of a process whose torch/OpenMP threads already ran can deadlock on a lock a thread held.
     """
-    child = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    child = forked_context().Process(target=target, args=args)
     child.start()
     child.join(timeout=600)
     assert child.exitcode is not None, "the child run hung"
@@ -117,15 +117,32 @@ def _fit_cut_in_validation(policy_dir: Path, root: Path, how: str) -> None:
              callbacks=[stopper, GRPOCheckpoint(dirpath=str(root / "ckpt"), every_n_loop_steps=2)])
 
 
+@pytest.fixture(scope="module")
+def validated_rows(tiny_policy_dir, tmp_path_factory) -> list[dict]:
+    """The validation rows of the tiny job run whole for 4 loop steps, validating after 2 and 4 (one run serves both
+    ways of cutting the validation short)."""
+    full = tmp_path_factory.mktemp("validated")
+    with global_determinism_restored():
+        fit_tiny(tiny_grpo_module(tiny_policy_dir), full, loop_steps=4, **logged(full), **VAL)
+    return [r for r in csv_rows(full) if "val/reward" in r]
+
+
+def _cut_in_validation(policy_dir: Path, root: Path, how: str) -> int:
+    """The run's exit code: SIGTERM in this process (the stop is a Preempted, code 143), kill -9 in a child."""
+    if how == "kill9":
+        return in_child(_fit_cut_in_validation, policy_dir, root, how)
+    with pytest.raises(Preempted) as stop:
+        _fit_cut_in_validation(policy_dir, root, how)
+    return stop.value.code
+
+
 @pytest.mark.parametrize("how", ["sigterm", "kill9"])
-def test_a_validation_cut_short_runs_again_first_when_the_run_resumes(tiny_policy_dir, tmp_path, how):
-    full = tmp_path / "full"
-    fit_tiny(tiny_grpo_module(tiny_policy_dir), full, loop_steps=4, **logged(full), **VAL)
-    expected = [r for r in csv_rows(full) if "val/reward" in r]
+def test_a_validation_cut_short_runs_again_first_when_the_run_resumes(validated_rows, tiny_policy_dir, tmp_path, how):
+    expected = validated_rows
     assert val_steps(expected) == [2, 4]
 
     cut, ckpt = tmp_path / "cut", tmp_path / "cut" / "ckpt"
-    assert in_child(_fit_cut_in_validation, tiny_policy_dir, cut, how) == (143 if how == "sigterm" else -signal.SIGKILL)
+    assert _cut_in_validation(tiny_policy_dir, cut, how) == (143 if how == "sigterm" else -signal.SIGKILL)
     saved = next(ckpt.glob("loop-step-000002-*.ckpt"))
     assert read_manifest(saved).validation == "pending"
     assert val_steps(csv_rows(cut)) == []  # the validation after step 2 never finished
@@ -157,14 +174,21 @@ def hanging_module(policy_dir, timeout_s):
     return module
 
 
-@pytest.mark.parametrize("timeout_s", [None, 600.0])
-def test_sigterm_while_a_reward_call_hangs_saves_the_boundary_and_the_resume_is_exact(tiny_policy_dir, tmp_path,
-                                                                                     timeout_s):
+@pytest.fixture(scope="module")
+def released_run(tiny_policy_dir, tmp_path_factory):
+    """The job with the hanging reward released, run whole for 4 loop steps: its StepRecorder and final weights. One
+    run serves both timeouts: a released call returns at once, so timeout_s changes nothing in it."""
     reward_fns.RELEASE.set()
-    full, module = StepRecorder(), hanging_module(tiny_policy_dir, timeout_s)
-    fit_tiny(module, tmp_path / "full", loop_steps=4, callbacks=[full])
-    expected = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    full, module = StepRecorder(), hanging_module(tiny_policy_dir, None)
+    with global_determinism_restored():
+        fit_tiny(module, tmp_path_factory.mktemp("released"), loop_steps=4, callbacks=[full])
+    return full, {k: v.clone() for k, v in module.policy.state_dict().items()}
 
+
+@pytest.mark.parametrize("timeout_s", [None, 600.0])
+def test_sigterm_while_a_reward_call_hangs_saves_the_boundary_and_the_resume_is_exact(released_run, tiny_policy_dir,
+                                                                                     tmp_path, timeout_s):
+    full, expected = released_run
     reward_fns.RELEASE.clear()
     cb = GRPOCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_loop_steps=0)
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))

@@ -26,8 +26,11 @@ LORA = ["--config", str(CONFIGS / "lora-quickstart.yaml"), "--trainer.max_steps=
         "--trainer.logger=false", "--trainer.enable_checkpointing=false"]  # n_mini 4: one loop step
 FITS = {
     "hf": ([*QUICKSTART_ARGS, *SHORT], 0),
-    "vllm_lora": (LORA, 0),  # an in-process engine serving each publication from a folder in /dev/shm
-    "vllm_lora_failure": ([*LORA, "--model.rewards=[{name: reward_fns:fails_as_batch}]"], 2),
+    # an in-process engine serving each publication from a folder in /dev/shm; the fast tier checks that folder's
+    # lifetime (closed, dropped, at exit after a failure too) in tests/rollout/test_adapter_slot_unit.py
+    "vllm_lora": pytest.param(LORA, 0, marks=pytest.mark.slow),
+    "vllm_lora_failure": pytest.param([*LORA, "--model.rewards=[{name: reward_fns:fails_as_batch}]"], 2,
+                                      marks=pytest.mark.slow),
     "vllm_server": pytest.param(["--config", str(CONFIGS / "vllm-server.yaml"), *SHORT,
                                  "--model.rollout.server.kv_cache_memory_bytes=33554432"], 0, marks=pytest.mark.slow),
 }

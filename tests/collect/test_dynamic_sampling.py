@@ -168,13 +168,10 @@ def test_an_overlong_buffer_as_long_as_the_completion_is_refused(tiny_policy_dir
     assert module(tiny_policy_dir, overlong_buffer=3).rl.overlong_buffer == 3
 
 
-def test_two_ranks_agree_on_refill_rounds_and_one_short_rank_does_not_hang(tmp_path, tiny_policy_dir):
+def test_two_ranks_agree_on_refill_rounds_and_one_short_rank_does_not_hang(two_rank_cases):
     """tests/dist_worker.py ``run_dynamic_fit``: rank 0 can never fill (its refills are flat), rank 1 fills after one
     round; both draw the agreed 3 rounds, rank 1 generating nothing, and the step ends on both."""
-    from test_distributed import launch_two_ranks
-
-    launch_two_ranks(tmp_path, tiny_policy_dir, ["ddp-dynamic-fit"])
-    r0, r1 = (torch.load(tmp_path / f"ddp-dynamic-fit.rank{r}.pt", weights_only=False) for r in (0, 1))
+    r0, r1 = (two_rank_cases("ddp-dynamic-fit", r) for r in (0, 1))
     for r in (r0, r1):  # one figure per metric for the job, the same on both ranks
         assert r["metrics"]["data/dynamic_refill_rounds"] == 3.0 and r["metrics"]["data/dynamic_batch_short"] == 1.0
     same = [k for k in r0["metrics"] if not is_timing(k)]

@@ -619,8 +619,9 @@ def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
 
 
 def test_the_tools_quickstart_runs_as_shipped(tmp_path, monkeypatch):
-    """configs/tools-quickstart.yaml through the CLI, shortened to 2 loop steps and a 20-step warm start: episodes and
-    their metrics logged. (That it learns, as shipped: tests/test_quickstart.py.)"""
+    """configs/tools-quickstart.yaml through the CLI, shortened to 2 loop steps and 8 held-out prompts, its warm start
+    the shipped one (copied, not trained): episodes and their metrics logged. (That it learns, as shipped:
+    tests/test_quickstart.py.)"""
     import csv
     from pathlib import Path
 
@@ -628,14 +629,14 @@ def test_the_tools_quickstart_runs_as_shipped(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).parents[2] / "configs" / "tools-quickstart.yaml"
-    main(["fit", "--config", str(config), "--trainer.max_steps=2", "--model.policy.warm_start_steps=20"])
+    main(["fit", "--config", str(config), "--trainer.max_steps=2", "--data.val_size=8"])
     rows = [r for r in csv.DictReader((tmp_path / "runs/tools-quickstart/version_0/metrics.csv").open())
             if r.get("episode/turns_mean")]
     assert len(rows) == 2
     for r in rows:
         assert 1 <= float(r["episode/turns_mean"]) <= 3 and 0 <= float(r["episode/truncated_frac"]) <= 1
         assert float(r["tools/call_frequency"]) >= float(r["tools/failure_frequency"]) >= 0
-    assert any(float(r["tools/call_frequency"]) > 0 for r in rows)  # 20 warm-start steps: it writes calls (few valid)
+    assert any(float(r["tools/call_frequency"]) > 0 for r in rows)  # the shipped warm start writes calls
 
 
 @pytest.mark.parametrize("parser", ["os:system", "builtins:eval", "subprocess:getoutput", "shutil:rmtree"])

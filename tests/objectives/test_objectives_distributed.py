@@ -12,7 +12,6 @@ import dist_worker as W
 import pytest
 import torch
 from helpers import max_rel_delta, params_of
-from test_distributed import launch_two_ranks
 
 pytestmark = pytest.mark.integration  # a fit with a transformers policy: not the unit tier
 
@@ -22,10 +21,9 @@ CASES = ["opd-full-m1", "opd-full-m4", "opd-sampled-m4", "opd-full-rewards-m2", 
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, tiny_policy_dir, tiny_teacher_dir):
-    out = tmp_path_factory.mktemp("two-ranks-objectives")
-    launch_two_ranks(out, tiny_policy_dir, CASES, teacher=tiny_teacher_dir)
-    return lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)
+def two_ranks(two_rank_cases):
+    """Every case of CASES run on 2 gloo ranks once (tests/conftest.py's one launch); ``load(case, rank)``."""
+    return two_rank_cases
 
 
 def one_rank(policy_dir, teacher_dir, case: str):

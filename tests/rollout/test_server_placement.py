@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import forked_context
 
 from lightning_grpo.config import RolloutConfig, ServerConfig
 from lightning_grpo.rollout.server.placement import bucket_bodies, check_reachable_pool, hop_transport, on_this_node
@@ -118,7 +119,8 @@ def test_each_rank_hears_its_own_pool_leads_urls(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_from_lead, args=(4, port, str(tmp_path)), nprocs=4, join=True)
+    forked_context()  # the session's fork server (torch imported once), not 4 fresh interpreters
+    mp.start_processes(_from_lead, args=(4, port, str(tmp_path)), nprocs=4, join=True, start_method="forkserver")
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert [g["global"] for g in got] == [["http://node0:9000"]] * 4
     assert [g["per_node"] for g in got] == [["http://node0:9000"]] * 2 + [["http://node1:9002"]] * 2

@@ -9,6 +9,7 @@ the interrupted work. No vLLM, no model: a few seconds per test.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import sys
 import threading
@@ -57,7 +58,7 @@ def launch(tmp_path, monkeypatch):
     """``launch(*flags, restarts=...)``: an engine whose launched server is the stub with these fault flags."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"vocab_size": 64}))
-    engines = []
+    engines, logs = [], []
 
     def make(*flags: str, restarts: int = 1, config: ServerConfig = CONFIG, republish: bool = True):
         faults = Faults(tmp_path, *flags)
@@ -66,6 +67,11 @@ def launch(tmp_path, monkeypatch):
             def __init__(self, *args, **kwargs) -> None:
                 super().__init__(*args, **kwargs)
                 self.argv = faults.argv(self.port)
+                logs.append(self.log_dir)
+
+            def start(self, *args, **kwargs):
+                logs.append(self.log_dir)  # a dead child's log is kept for its user: this test's go with it
+                return super().start(*args, **kwargs)
 
         monkeypatch.setattr("lightning_grpo.rollout.server.pool.ServerProcess", StubProcess)
         cfg = ServerConfig(**{**config.__dict__, "restarts": restarts})
@@ -78,6 +84,8 @@ def launch(tmp_path, monkeypatch):
     yield make
     for engine in engines:
         engine.close()
+    for folder in logs:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def trainer_logprobs(ids) -> list[float]:

@@ -27,7 +27,9 @@ def sgd_update(module, batch, lr=0.1):
     return module.updater.update(batch)
 
 
-@pytest.mark.parametrize("dtype,tol", [("float64", 5e-8), ("float32", 1e-5)])
+# Each test marked slow here has its toy-model twin of the same name in tests/update/test_accumulate_unit.py (the unit
+# tier, float64 to 1e-12); the float32 chunking, the config refusal and the window rule stay in the fast tier.
+@pytest.mark.parametrize("dtype,tol", [pytest.param("float64", 5e-8, marks=pytest.mark.slow), ("float32", 1e-5)])
 @pytest.mark.parametrize("n_micro", [2, 4, 8])
 def test_chunked_step_equals_unchunked_on_unequal_lengths(tiny_policy_dir, dtype, tol, n_micro):
     batch = synthetic_batch(UNEQUAL, seed=1)
@@ -40,6 +42,7 @@ def test_chunked_step_equals_unchunked_on_unequal_lengths(tiny_policy_dir, dtype
     assert max_rel_delta(before, params_of(whole.policy), params_of(chunked.policy)) <= tol
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_micro", [2, 4, 8])
 def test_naive_mean_of_chunk_means_fails_the_same_tolerance(tiny_policy_dir, n_micro):
     """The gate can tell: averaging per-chunk token means is a different (wrong) update."""
@@ -56,6 +59,7 @@ def test_naive_mean_of_chunk_means_fails_the_same_tolerance(tiny_policy_dir, n_m
     assert max_rel_delta(before, params_of(whole.policy), params_of(naive.policy)) > 1e-3
 
 
+@pytest.mark.slow
 def test_equal_lengths_make_mean_of_means_agree(tiny_policy_dir):
     """Sanity check of the test above: with equal chunk token counts both reductions coincide."""
     batch = synthetic_batch([6] * 8, seed=2)
@@ -70,6 +74,7 @@ def test_equal_lengths_make_mean_of_means_agree(tiny_policy_dir):
     assert max_rel_delta(before, params_of(whole.policy), params_of(naive.policy)) <= 5e-8
 
 
+@pytest.mark.slow
 def test_scale_then_clip_matches_unchunked_and_clip_then_scale_does_not(tiny_policy_dir):
     batch = synthetic_batch(UNEQUAL, seed=3)
     clip = 1e-3  # far below the natural gradient norm, so clipping binds
@@ -96,6 +101,7 @@ def test_scale_then_clip_matches_unchunked_and_clip_then_scale_does_not(tiny_pol
     assert max_rel_delta(before, params_of(whole.policy), params_of(wrong.policy)) > 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro", [0, 2])
 def test_all_empty_batch_gives_zero_gradient_no_nan_no_skip(tiny_policy_dir, micro):
     batch = synthetic_batch([0] * 8, seed=4)
@@ -119,6 +125,7 @@ def test_batch_size_disagreeing_with_config_is_refused_before_backward(tiny_poli
     assert all(torch.equal(before[k], v) for k, v in params_of(module.policy).items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_micro", [1, 4])
 def test_fractional_dp_divisor_below_one_gives_the_exact_token_mean(tiny_policy_dir, n_micro):
     """A DP-mean divisor in (0, 1) (here: 8 ranks' mean of a few tokens) is divided by as is, only 0 is guarded.

@@ -1,5 +1,8 @@
 """Frozen pi_old across the window: the ahead pass, its gates, call-order keying and the one-shot probe."""
 
+# A test marked slow here has its toy-model twin of the same name in tests/update/test_ahead_unit.py
+# (the unit tier); the runs here, through a GRPOModule on the tiny Qwen2 policy, are the slow tier's.
+
 from dataclasses import replace
 
 import pytest
@@ -67,6 +70,7 @@ def dropout_policy_dir(tmp_path_factory):
 
 
 # -- the clip binds only with frozen pi_old -------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("skip_first_mini", [True, False], ids=["skip-mini0", "full-walk"])
 def test_frozen_pi_old_first_mini_ratio_is_one_and_later_minis_clip(tiny_policy_dir, skip_first_mini):
     module = make(tiny_policy_dir)  # n_mini=4 x n_micro=2
@@ -84,6 +88,7 @@ def test_frozen_pi_old_first_mini_ratio_is_one_and_later_minis_clip(tiny_policy_
     assert 0 < module.timer.seconds(AHEAD) < module.timer.seconds(UPDATE)  # the updater times it on the module's
 
 
+@pytest.mark.slow
 def test_without_frozen_pi_old_the_clip_never_binds(tiny_policy_dir):
     module = make(tiny_policy_dir, freeze_pi_old=False)
     calls = count_scores(module)
@@ -119,6 +124,7 @@ def record_walks(module):
     return ahead, train
 
 
+@pytest.mark.slow
 def test_ahead_and_training_walks_visit_identical_chunks(tiny_policy_dir):
     module = make(tiny_policy_dir)
     module.updater.ahead.skip_first_mini = False
@@ -133,6 +139,7 @@ def test_ahead_and_training_walks_visit_identical_chunks(tiny_policy_dir):
     assert ahead == train[2:]
 
 
+@pytest.mark.slow
 def test_non_contiguous_plan_pairs_by_call_order(tiny_policy_dir):
     module = make(tiny_policy_dir)
     module.updater.ahead.skip_first_mini = False
@@ -146,6 +153,7 @@ def test_non_contiguous_plan_pairs_by_call_order(tiny_policy_dir):
     assert ahead == train and len(train) == 8
 
 
+@pytest.mark.slow
 def test_a_record_that_does_not_fit_its_chunk_is_refused(tiny_policy_dir):
     module = make(tiny_policy_dir)
     batch = synthetic_batch(LENS)
@@ -158,6 +166,7 @@ def test_a_record_that_does_not_fit_its_chunk_is_refused(tiny_policy_dir):
 
 
 # -- the one-shot determinism probe --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_probe_catches_dropout_left_on(dropout_policy_dir):
     torch.manual_seed(0)
     module = make(dropout_policy_dir)
@@ -171,6 +180,7 @@ def test_probe_catches_dropout_left_on(dropout_policy_dir):
     assert module.policy.training  # the mode it had before the ahead pass
 
 
+@pytest.mark.slow
 def test_probe_accepts_the_noise_a_policy_declares(dropout_policy_dir):
     torch.manual_seed(0)
     module = make(dropout_policy_dir)
@@ -179,6 +189,7 @@ def test_probe_accepts_the_noise_a_policy_declares(dropout_policy_dir):
     assert module.updater.ahead.probe_passed
 
 
+@pytest.mark.slow
 def test_probe_passes_a_deterministic_policy_and_runs_once(tiny_policy_dir):
     module = make(tiny_policy_dir)
     calls = count_scores(module)
@@ -190,6 +201,7 @@ def test_probe_passes_a_deterministic_policy_and_runs_once(tiny_policy_dir):
     assert module.updater.ahead.probe_passed and module.policy.training  # its mode before the ahead pass
 
 
+@pytest.mark.slow
 def test_probe_state_survives_resume(tiny_policy_dir):
     module = make(tiny_policy_dir)
     module.updater.update(synthetic_batch(LENS))
@@ -238,6 +250,7 @@ def test_freeze_pi_old_must_be_a_bool():
         GRPOConfig(freeze_pi_old="yes")
 
 
+@pytest.mark.slow
 def test_n_mini_1_runs_no_ahead_pass_and_stays_byte_identical(tiny_policy_dir):
     module = make(tiny_policy_dir, mini=0, micro=4)  # n_mini=1, n_micro=4
     reference = clone(module)
@@ -324,6 +337,7 @@ def budget_make(policy_dir, budget=40, ahead=0, mu=1):
     return make(policy_dir, micro=0, max_tokens_per_micro=budget, max_tokens_per_ahead_micro=ahead, mu_iterations=mu)
 
 
+@pytest.mark.slow
 def test_ahead_pass_with_its_own_budget_records_what_the_training_chunks_would(tiny_policy_dir):
     """Bigger no-grad chunks (default 2x the budget), laid out per row as the training chunks: the same pi_old."""
     module = budget_make(tiny_policy_dir, mu=2)  # mu = 2: every chunk is recorded
@@ -342,6 +356,7 @@ def test_ahead_pass_with_its_own_budget_records_what_the_training_chunks_would(t
         torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_training_walk_on_a_shuffled_plan_is_caught_by_the_shape_check(tiny_policy_dir):
     module = budget_make(tiny_policy_dir, budget=40)
     module.updater.ahead.skip_first_mini = False
@@ -354,6 +369,7 @@ def test_training_walk_on_a_shuffled_plan_is_caught_by_the_shape_check(tiny_poli
         module.updater.loop.run(batch, shuffled, pi_old)
 
 
+@pytest.mark.slow
 def test_update_computes_one_plan_per_collected_batch_for_both_walks(tiny_policy_dir):
     module = budget_make(tiny_policy_dir, budget=40, mu=2)
     ahead, train = record_walks(module)

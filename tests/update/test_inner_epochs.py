@@ -1,5 +1,8 @@
 """rl.mu_iterations: inner epochs over one collected batch against the one frozen pi_old of the rollout policy."""
 
+# A test marked slow here has its toy-model twin of the same name in tests/update/test_ahead_unit.py
+# (the unit tier); the runs here, through a GRPOModule on the tiny Qwen2 policy, are the slow tier's.
+
 from types import SimpleNamespace
 
 import pytest
@@ -37,6 +40,7 @@ def record_pi_old(module) -> list[tuple[int, tuple, torch.Tensor | None]]:
     return seen
 
 
+@pytest.mark.slow
 def test_every_epoch_scores_against_the_rollout_policy_and_the_clip_binds_more_in_epoch_2(tiny_policy_dir):
     module = make(tiny_policy_dir)  # n_mini = 2, mu = 2: 4 optimizer steps
     rollout_policy = clone(module.policy)
@@ -68,6 +72,7 @@ def test_every_epoch_scores_against_the_rollout_policy_and_the_clip_binds_more_i
     assert m["grpo/optimizer_steps"] == 4
 
 
+@pytest.mark.slow
 def test_recomputing_pi_old_per_epoch_collapses_the_clip(tiny_policy_dir):
     """The failure the test above guards: pi_old recomputed at each epoch start clips less in epoch 2."""
     frozen, one = make(tiny_policy_dir), make(tiny_policy_dir, mu=1)
@@ -80,6 +85,7 @@ def test_recomputing_pi_old_per_epoch_collapses_the_clip(tiny_policy_dir):
     assert one.last_metrics["grpo/clip_frac"] < frozen.last_metrics["grpo/epoch2/clip_frac"]
 
 
+@pytest.mark.slow
 def test_ahead_pass_records_mini_batch_0_at_mu_2_even_after_the_probe(tiny_policy_dir):
     module = make(tiny_policy_dir, mini=4)
     module.updater.update(synthetic_batch(LENS, seed=1))
@@ -90,6 +96,7 @@ def test_ahead_pass_records_mini_batch_0_at_mu_2_even_after_the_probe(tiny_polic
     assert len(pi_old) == 2 * 4 and all(old is not None for old in pi_old)
 
 
+@pytest.mark.slow
 def test_later_epochs_reshuffle_the_mini_batch_order_deterministically(tiny_policy_dir):
     module = make(tiny_policy_dir, mu=3, mini=2)  # n_mini = 8
     batch = synthetic_batch(LENS)
@@ -101,6 +108,7 @@ def test_later_epochs_reshuffle_the_mini_batch_order_deterministically(tiny_poli
     assert module.updater.plan(batch)[0].order != plan.order  # a new one every loop step
 
 
+@pytest.mark.slow
 def test_mu_with_a_token_budget_walks_the_same_chunks_each_epoch(tiny_policy_dir):
     module = make(tiny_policy_dir, max_tokens_per_micro=40)
     seen = record_pi_old(module)

@@ -11,7 +11,9 @@ from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.update.loop import NonFiniteRunError
 
-pytestmark = pytest.mark.integration  # a fit with a transformers policy: not the unit tier
+# Every test here has its toy-model twin of the same name in tests/update/test_loop_unit.py (the unit tier): these
+# runs through a GRPOModule on the tiny Qwen2 policy are the slow tier's.
+pytestmark = pytest.mark.slow
 
 LENS = [3, 9, 1, 6, 12, 2, 5, 8, 4, 10, 7, 11]  # 12 trajectories: n_mini=2 x n_micro=3 x 2 rows
 

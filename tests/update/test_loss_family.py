@@ -175,6 +175,9 @@ def bare(policy_dir, split: Split, obj: GRPOObjective, needs: Needs, lr: float =
     return updater
 
 
+# The fast tier checks both on the toy float64 model to 1e-12 (tests/objectives/test_loss_family_unit.py); these run
+# the same on the tiny Qwen2 policy in the slow tier.
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type,ratio_level,loss", COMBOS)
 def test_chunked_update_equals_unchunked_in_float64(tiny_policy_dir, loss_type, ratio_level, loss):
     """Two inner epochs against a frozen pi_old: the second sees ratios off 1 and clips; both chunkings equal one."""
@@ -199,6 +202,7 @@ def test_chunked_update_equals_unchunked_in_float64(tiny_policy_dir, loss_type, 
             assert metrics[name][metric] == pytest.approx(metrics["whole"][metric], rel=1e-12, abs=1e-15), metric
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type,ratio_level,loss", COMBOS)
 def test_one_chunk_is_bit_identical_to_the_whole_batch_objective_call(tiny_policy_dir, loss_type, ratio_level, loss):
     batch = synthetic_batch(UNEQUAL, seed=1)

@@ -1,5 +1,8 @@
 """ChunkPlan under a token budget: fewest balanced chunks under a hard cap, DP fillers, exactness, refusals."""
 
+# A test marked slow here has its toy-model twin of the same name in tests/update/test_plan_unit.py
+# (the unit tier); the runs here, through a GRPOModule on the tiny Qwen2 policy, are the slow tier's.
+
 import pytest
 import torch
 from helpers import max_rel_delta, params_of, synthetic_batch
@@ -112,6 +115,7 @@ def budget_module(policy_dir, budget=0, dtype="float32", packed=False, **rl):
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,tol", [("float64", 5e-8), ("float32", 1e-5)])
 @pytest.mark.parametrize("n_chunks", [1, 3, 7])
 def test_token_budgeted_step_equals_the_unchunked_step(tiny_policy_dir, dtype, tol, n_chunks):
@@ -127,6 +131,7 @@ def test_token_budgeted_step_equals_the_unchunked_step(tiny_policy_dir, dtype, t
         assert delta == 0.0
 
 
+@pytest.mark.slow
 def test_empty_filler_chunks_change_nothing(tiny_policy_dir):
     """A rank padded with empty chunks (another rank needed more) takes exactly the same step."""
     batch = synthetic_batch(UNEQUAL, seed=1)
@@ -141,6 +146,7 @@ def test_empty_filler_chunks_change_nothing(tiny_policy_dir):
     assert max_rel_delta(before, params_of(plain.policy), params_of(padded.policy)) <= 5e-8
 
 
+@pytest.mark.slow
 def test_poisoned_window_discards_exactly_the_rest_of_a_data_dependent_window(tiny_policy_dir):
     """Windows of 3 and 2 chunks: a NaN in chunk 1 of the first discards 1 call; the second window trains."""
     batch = synthetic_batch([20, 18, 19, 17, 1, 2, 3, 4], seed=3)
