@@ -202,8 +202,7 @@ class GRPOCLI(LightningCLI):
                                           help=OPTIMIZER_REFUSED, **common)
 
     def parse_arguments(self, parser, args) -> None:
-        given = args
-        args = self._default_help_class(sys.argv[1:] if args is None else args)
+        given, args = args, self._default_help_class(sys.argv[1:] if args is None else args)
         if given is None and args == sys.argv[1:]:
             args = None  # LightningCLI warns ("args parameter is intended ...") when args and sys.argv both come
         try:

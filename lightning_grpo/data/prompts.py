@@ -119,10 +119,8 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         self.on_bad_record = on_bad_record
         self.bad_records_skipped = 0
         """Records skipped for an unreadable image (``on_bad_record=skip``; logged: data/bad_records_skipped)."""
-        self.source = source
-        self.val_source = val_source
-        self.split = split
-        self.val_split = val_split
+        self.source, self.val_source = source, val_source  # the train / held-out pairs
+        self.split, self.val_split = split, val_split
         self.prompts_per_step = prompts_per_step
         self._load = {
             "prompt_key": prompt_key, "answer_key": answer_key, "prompt_template": prompt_template,
@@ -132,8 +130,7 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         self.shuffle = shuffle
         self.builtin_size = builtin_size
         self.val_size = val_size
-        self.rank = 0
-        self.world_size = 1
+        self.rank, self.world_size = 0, 1
         self.long_prompts_dropped = 0
         """Training prompts dropped as longer than ``rollout.max_prompt_tokens`` (logged: data/long_prompts_dropped)."""
         self._items: list[TaskItem] | None = None
