@@ -1,15 +1,22 @@
 """``lightning-grpo`` and ``python -m lightning_grpo``: the console entry point.
 
-``lightning-grpo --help`` is answered here, before anything imports Lightning (seconds of CPU: torch,
-torchmetrics, and the transformers and matplotlib that torchmetrics imports); everything else goes to
-``cli.main`` (LightningCLI).
+``lightning-grpo --help`` and ``lightning-grpo fit --help`` are answered here, before anything imports Lightning
+(seconds of CPU: torch, torchmetrics, and the transformers and matplotlib that torchmetrics imports); everything
+else goes to ``cli.main`` (LightningCLI). Both texts are the CLI's own output at 80 columns, checked by
+tests/test_cli_help.py: ``TOP_HELP`` below, and ``fit_help.txt`` (written by ``tools/write_fit_help.py``), which is
+printed only under the Lightning and jsonargparse versions it was recorded with (any other install asks the parser).
 """
 
 from __future__ import annotations
 
 import sys
+from importlib import metadata
+from pathlib import Path
 
 HELP_FLAGS = (["-h"], ["--help"])
+FIT_HELP_FLAGS = (["fit", "-h"], ["fit", "--help"])
+FIT_HELP = Path(__file__).with_name("fit_help.txt")
+"""The first line names the versions it was recorded under (``recorded_under``), the rest is the help."""
 
 TOP_HELP = """\
 usage: lightning-grpo [-c CONFIG] {fit,validate,plot,show,certify} ...
@@ -47,10 +54,25 @@ subcommands:
 """``lightning-grpo --help`` (tests/test_cli.py checks it against ``GRPOCLI``'s own parser)."""
 
 
+def recorded_under() -> str:
+    """``fit_help.txt``'s first line for this install: the versions whose parser the text is the output of."""
+    versions = " ".join(f"{name}=={metadata.version(name)}" for name in ("lightning", "jsonargparse"))
+    return f"# lightning-grpo fit --help at 80 columns, {versions} (tools/write_fit_help.py)"
+
+
+def fit_help() -> str | None:
+    """The recorded ``fit --help``, or None where this install's parser could print another (other versions)."""
+    header, _, text = FIT_HELP.read_text().partition("\n")
+    return text if header == recorded_under() else None
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv in HELP_FLAGS:
         sys.stdout.write(TOP_HELP)
+        return
+    if argv in FIT_HELP_FLAGS and (text := fit_help()) is not None:
+        sys.stdout.write(text)
         return
     from lightning_grpo.cli import main as cli_main
 

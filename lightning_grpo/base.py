@@ -13,12 +13,15 @@ A subclass (``GRPOModule``, ``DPOModule``) builds its policy and its ``Updater``
 * ``on_save_checkpoint`` / ``on_load_checkpoint``: the state at the last batch boundary (``checkpoint/state.py``);
   parameters holding NaN/inf are never written.
 * ``end_loop_step``: the batch boundary (what any checkpoint records until the next loop step ends).
+* ``publish``: the row each loop step logs: the subclass's metrics, the counters and the step timer's columns, one
+  figure per metric for the whole job (``metrics.loop_step_row``).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 import warnings
 
@@ -34,6 +37,7 @@ from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParam
 from lightning_grpo.config import OptimConfig
 from lightning_grpo.determinism import run_seed
 from lightning_grpo.distributed import DataParallelOps, data_parallel_mesh, shard_fsdp2
+from lightning_grpo.metrics import loop_step_row
 from lightning_grpo.policy import PolicyConfig, with_seed
 from lightning_grpo.precision import PluginStep, adamw_kernel, check_precision
 from lightning_grpo.progress import count_loop_steps
@@ -256,11 +260,16 @@ class UpdateModule(DataParallelOps, LightningModule):
         for name, mean, attribute in self.val_means.add(metrics, weight, self.device):
             self.log(name, mean, on_step=False, on_epoch=True, metric_attribute=attribute)
 
-    def publish(self, metrics: dict[str, float], bar: dict[str, float]) -> None:
-        """Log one roll-up per loop step (``metrics`` to the loggers, ``bar`` to the progress bar)."""
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
-        self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
-        self.last_metrics = metrics
+    def publish(self, metrics: dict[str, float], rows: int, bar: dict[str, str]) -> None:
+        """Log one row per loop step: ``metrics`` with the counters and the step timer's columns, one figure per
+        metric for the whole job (``metrics.loop_step_row``; ``rows``: trajectories or pairs per rank), to the
+        loggers; ``bar`` (label -> metric name) picks what the progress bar shows."""
+        columns = self.timer.columns()
+        row = loop_step_row(metrics, self.counters(), columns, self.dp_all_reduce, self.dp_size(), rows)
+        shown = {label: row.get(name, math.nan) for label, name in bar.items()}
+        self.log_dict(row, on_step=True, on_epoch=False, batch_size=1)
+        self.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+        self.last_metrics = row
 
     def _identity(self) -> dict:
         """What a checkpoint records about this run: seed, model, dtype, optimizer (``checkpoint/identity.py``)."""

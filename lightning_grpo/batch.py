@@ -85,7 +85,8 @@ def pack_rollouts(rollouts, advantages: Tensor, rewards: Tensor, pad_id: int, ma
             if len(s) > max_len:
                 raise ValueError(f"rollout {i} (prompt id {rollouts[i].prompt.id}) has {len(s)} tokens, over the "
                                  f"model context of {max_len}; lower rollout.max_new_tokens or the prompt length")
-    n, width = len(seqs), max(max(len(s) for s in seqs), 2)
+    n = len(seqs)
+    width = max(max(len(s) for s in seqs), 2)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.bool)
     completion = torch.zeros((n, width), dtype=torch.bool)

@@ -8,6 +8,9 @@ their descriptions. The top-level help is ``__main__.TOP_HELP`` (printed without
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser
@@ -48,3 +51,19 @@ def parser_of(cls: type, key: str, prog: str) -> ArgumentParser:
     section = ArgumentParser(prog=prog, description=f"{key}: {cls.__name__}")
     section.add_class_arguments(cls, key)
     return section
+
+
+FIT_HELP_PROBE = "import sys; sys.argv[0] = 'lightning-grpo'; from lightning_grpo.cli import main; main(['fit', '--help'])"
+"""``lightning-grpo fit --help`` through the parser (``cli.main``), as the console script runs it."""
+
+
+def fresh_fit_help() -> str:
+    """What the parser prints for ``lightning-grpo fit --help`` at 80 columns, from a fresh interpreter: the help
+    lists the callback classes imported so far as known subclasses, so an interpreter that imported more (a test
+    session) prints more. ``__main__.fit_help`` prints this text (``tools/write_fit_help.py`` records it)."""
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-c", FIT_HELP_PROBE], capture_output=True, text=True, env=env,
+                          check=False, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"fit --help exited with {done.returncode}: {done.stderr[-2000:]}")
+    return done.stdout

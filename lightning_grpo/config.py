@@ -234,7 +234,10 @@ class GRPOConfig:
     def _size_problems(self) -> list[str]:
         """The batch, its group, mini-batch and chunk sizes, and the passes over it."""
         p: list[str] = []
-        b, mini, micro, g = self.batch_per_replica, self.mini_batch_per_replica, self.micro_batch_per_replica, self.group_size
+        b = self.batch_per_replica
+        mini = self.mini_batch_per_replica
+        micro = self.micro_batch_per_replica
+        g = self.group_size
         if not is_int(g) or g < 2:
             p.append(f"group_size={g}: must be an integer >= 2 (a group of one has no relative advantage)")
         if not is_int(b) or b <= 0:

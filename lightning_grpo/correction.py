@@ -154,7 +154,8 @@ def derived_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Figures that are ratios of the job-wide means: effective sample size and the two perplexities."""
     if "correction/is_weight_mean" not in metrics:
         return {}
-    mean, sq = metrics["correction/is_weight_mean"], metrics["correction/is_weight_sq_mean"]
+    mean = metrics["correction/is_weight_mean"]
+    sq = metrics["correction/is_weight_sq_mean"]
     return {"correction/ess": mean * mean / sq if sq > 0 else math.nan,
             "correction/training_ppl": math.exp(-metrics["correction/trainer_logprob_mean"]),
             "correction/rollout_ppl": math.exp(-metrics["correction/rollout_logprob_mean"])}

@@ -14,7 +14,6 @@ weighted by pairs, and the module owns its state, as in ``GRPOModule``.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -28,11 +27,11 @@ from lightning_grpo.config import OptimConfig
 from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
 from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import token_logprobs
-from lightning_grpo.metrics import job_metrics, roll_up, time_metrics
+from lightning_grpo.metrics import roll_up
 from lightning_grpo.objectives.dpo import DPOObjective, DPOStats
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.timing import UPDATE
-from lightning_grpo.update import ChunkPlan, DataParallel, LoopResult, Split, Updater, eval_mode
+from lightning_grpo.update import ChunkPlan, LoopResult, Split, Updater, eval_mode
 
 
 @dataclass
@@ -143,10 +142,10 @@ class DPOModule(UpdateModule):
             policy, self.tokenizer = load_policy(self.policy_cfg)
             self.policy = policy.train()
             self.ref = None if self.dpo.reference_free else copy.deepcopy(self.policy).requires_grad_(False)
-            # One optimizer step of dpo.grad_accum train calls per batch; DPO has no pi_old (no ahead pass).
-            dp = DataParallel(grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
-            self.updater = Updater(self.policy, self.forward_chunk, Split(n_micro=self.dpo.grad_accum), dp=dp,
-                                   max_grad_norm=self.dpo.max_grad_norm)
+            # One optimizer step of dpo.grad_accum train calls per batch; DPO has no pi_old (no ahead pass). Built for
+            # one process: the ranks' reductions join with the optimizer (UpdateModule.on_train_start).
+            split = Split(n_micro=self.dpo.grad_accum)
+            self.updater = Updater(self.policy, self.forward_chunk, split, max_grad_norm=self.dpo.max_grad_norm)
 
     def training_step(self, pairs: Sequence[PreferencePair], batch_idx: int) -> None:
         # 1. tokenize this rank's pairs; 2. reference pass; 3. grad_accum train calls, one optimizer step
@@ -214,14 +213,8 @@ class DPOModule(UpdateModule):
         return chunk.ref_chosen.to(like.device), chunk.ref_rejected.to(like.device)
 
     def report(self, result: LoopResult) -> None:
-        """One row per batch: the roll-up, counters and timing, one figure per metric (pairs summed, per-pair means
-        over equal shares)."""
+        """One row per batch: the roll-up (pairs summed, per-pair means over equal shares), published with the
+        counters and timing as GRPO's (``UpdateModule.publish``)."""
         metrics = roll_up(result, prefix="dpo", stats=self.objective.stats)
-        metrics |= self.counters()
-        metrics |= time_metrics(self.timer.columns())
-        world = self.dp_size()
-        rows = self.dpo.pairs_per_rank(world)
-        metrics = job_metrics(metrics, self.dp_all_reduce, world, rows)
-        loss = metrics.get("dpo/loss", math.nan)
-        accuracy = metrics.get("dpo/accuracy", math.nan)
-        self.publish(metrics, {"loss": loss, "acc": accuracy})
+        rows = self.dpo.pairs_per_rank(self.dp_size())
+        self.publish(metrics, rows, bar={"loss": "dpo/loss", "acc": "dpo/accuracy"})

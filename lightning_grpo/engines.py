@@ -7,6 +7,7 @@ fills them from its policy, tokenizer and ``rl`` section); nothing here reads a 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -117,8 +118,8 @@ def _server_engine(cfg: RolloutConfig, parts: EngineParts) -> RolloutEngine:
         adapter_sync.publish_policy(parts.policy, engine, int(cfg.sync_bucket_mb * (1 << 20)))
 
     engine = VLLMServerEngine(str(resolve_path(parts.policy_cfg)), server,
-                              reference=lambda ids: sequence_logprobs(parts.policy, ids),
-                              decode=lambda ids: parts.tokenizer.decode(ids, skip_special_tokens=True),
+                              reference=functools.partial(sequence_logprobs, parts.policy),
+                              decode=functools.partial(parts.tokenizer.decode, skip_special_tokens=True),
                               sampler_logprobs=parts.sampler_logprobs, ranks=ranks, republish=republish,
                               lora_rank=parts.lora_rank)
     return engine

@@ -159,7 +159,8 @@ class _Plan:
 
     @classmethod
     def of(cls, h: Tensor, weight: Tensor, chunk_bytes: int, keep_bytes: int) -> _Plan:
-        vocab, device_type = weight.shape[0], h.device.type
+        vocab = weight.shape[0]
+        device_type = h.device.type
         compute = weight.dtype
         if torch.is_autocast_enabled(device_type) and weight.dtype == torch.float32:  # what autocast would cast
             compute = torch.get_autocast_dtype(device_type)
@@ -234,7 +235,10 @@ class _FusedHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, targets, temperature, plan, entropy=False):
-        out, lses, kept, ents = [], [], [], []
+        out = []
+        lses = []
+        kept = []
+        ents = []
         w_c, b_c = _cast(weight, bias, plan)
         for i, (s, e) in enumerate(plan.bounds):
             lp, lse, unnormalized, total, ent = _chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan,
@@ -244,7 +248,9 @@ class _FusedHeadLogprobs(torch.autograd.Function):
             ents.append(ent)
             kept.append((unnormalized, total) if i >= plan.first_kept else None)  # the rest: recomputed in backward
         ctx.save_for_backward(h, weight, bias, targets, torch.cat(lses) if lses else h.new_zeros(0))
-        ctx.temperature, ctx.plan, ctx.kept = temperature, plan, kept
+        ctx.temperature = temperature
+        ctx.plan = plan
+        ctx.kept = kept
         lp = torch.cat(out) if out else h.new_zeros(0, dtype=plan.out_dtype)
         if not entropy:
             return lp
@@ -256,7 +262,8 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, *_):
         h, weight, bias, targets, lse = ctx.saved_tensors
-        plan, temperature = ctx.plan, ctx.temperature
+        plan = ctx.plan
+        temperature = ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dt = plan.compute_dtype
         w_c, b_c = _cast(weight, bias, plan)

@@ -109,6 +109,15 @@ def time_metrics(columns: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def loop_step_row(metrics: dict[str, float], counters: dict[str, float], timer_columns: dict[str, float],
+                  all_reduce: AllReduce, world_size: int, rows: int) -> dict[str, float]:
+    """One loop step's row for the whole job, GRPO's and DPO's alike: ``metrics`` (the roll-up and what the module
+    adds), the ``counters`` (``step``, ``loop_step``, ``global_step``) and the step timer's ``time/*`` columns, one
+    figure per metric (``job_metrics``; ``rows``: trajectories or pairs per rank)."""
+    row = {**metrics, **counters, **time_metrics(timer_columns)}
+    return job_metrics(row, all_reduce, world_size, rows)
+
+
 def job_metrics(metrics: dict[str, float], all_reduce: AllReduce, world_size: int, rows: int) -> dict[str, float]:
     """One figure per metric for the whole job (``combine_ranks`` when several ranks; reductions:
     docs/distributed.md), and the ratios of its means (``correction/ess``, ``*_ppl``)."""

@@ -85,10 +85,15 @@ def scoring_parts(policy: nn.Module, tokenizer, vision: VisionProcessor | None, 
 
 def build_updater(policy: nn.Module, forward_chunk: ForwardChunk, scorer: ChunkScorer,
                   routing: RoutingReplay | None, objective: Objective, rl: GRPOConfig, *,
-                  recorders: list[Recorder], split: Split, dp_sum: Callable[[Tensor], Tensor], seed: int,
+                  recorders: list[Recorder], dp_sum: Callable[[Tensor], Tensor], seed: int,
                   timer: StepTimer) -> Updater:
     """The update of one collected batch: split by ``rl``, ``forward_chunk`` on each chunk, the ahead pass (frozen
-    pi_old from ``scorer``, the one-shot probe, MoE routes, ``recorders``) when ``plan.batch_needs`` asks for it."""
+    pi_old from ``scorer``, the one-shot probe, MoE routes, ``recorders``) when ``plan.batch_needs`` asks for it.
+
+    Built for one process, wherever it is built (``configure_model`` may run before ``Trainer.fit``): the ranks'
+    split and reductions replace it when the optimizer joins (``Updater.attach``), once the strategy is known.
+    """
+    split = Split.of(rl, 1, scorer.packed)
     hooks = [routing] if routing is not None else []  # per-chunk hooks (update/records.py)
     ahead = AheadPass(policy, scorer.pi_old, dp_sum=dp_sum, hooks=hooks, recorders=recorders)
     needs = batch_needs(rl, objective, hooks, bool(recorders))

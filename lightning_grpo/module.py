@@ -1,26 +1,18 @@
 """GRPOModule: Lightning wiring whose ``training_step`` is one loop step: collect -> update -> report.
 
-The rollout is a ``Collector`` (``collect/``, docs/collect.md), the update an ``Updater``
-(``update/``, docs/update.md), both without Lightning; what every module shares (optimizer,
-precision step, DP ops, checkpoint state, the step timer) is ``base.UpdateModule``.
-``trainer.global_step`` counts optimizer steps (``trainer.max_steps`` = loop steps x
-mu_iterations x n_mini); ``loop_step`` counts collected batches, the logged x-axis (``step``).
-The engine is kept current through a ``WeightPublisher`` (``publisher.py``); a
-``HandoffCallback`` is attached here when the engine holds its own weights.
+The rollout is a ``Collector`` (``collect/``, docs/collect.md), the update an ``Updater`` (``update/``,
+docs/update.md), both without Lightning; what every module shares (optimizer, precision step, DP ops, checkpoint
+state, the step timer, the row it logs) is ``base.UpdateModule``. Which hook builds what, and what a subclass
+overrides: docs/lightning.md.
 """
 
 from __future__ import annotations
 
 import copy
-import math
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from torch import Tensor
-
-from lightning_grpo import collect, lora
+from lightning_grpo import collect
 from lightning_grpo.base import UpdateModule
-from lightning_grpo.batch import RolloutBatch
-from lightning_grpo.certificate import Certifier
 from lightning_grpo.checkpoint import adapter
 from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
@@ -31,21 +23,29 @@ from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.engines import EngineParts, build_engine
 from lightning_grpo.envs import EnvConfig, EpisodeRunner
 from lightning_grpo.handoff import engine_publisher
-from lightning_grpo.metrics import job_metrics, time_metrics, update_metrics
+from lightning_grpo.metrics import update_metrics
 from lightning_grpo.model_parts import build_updater, scoring_parts, trainable
 from lightning_grpo.objectives import Objective, ObjectiveParts, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
 from lightning_grpo.policy import PolicyConfig, load_policy, load_vision
 from lightning_grpo.publisher import NoPublisher, WeightPublisher, engine_sleeps
-from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
-from lightning_grpo.routing import RoutingReplay
-from lightning_grpo.run_check import check_parts, check_run
+from lightning_grpo.run_check import check_module, check_parts, check_ranks
 from lightning_grpo.scoring import ChunkScorer, explained_rows
 from lightning_grpo.timing import UPDATE, WAIT_BATCH
 from lightning_grpo.update import LoopResult, Recorder, Split, Updater, pi_old_source
-from lightning_grpo.update.ahead import warn_if_unfrozen
 from lightning_grpo.validation import greedy_scores
-from lightning_grpo.vision import VisionProcessor
+
+if TYPE_CHECKING:  # annotations only
+    from collections.abc import Sequence
+
+    from torch import Tensor
+
+    from lightning_grpo.batch import RolloutBatch
+    from lightning_grpo.certificate import Certifier
+    from lightning_grpo.lora import BaseFingerprint
+    from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
+    from lightning_grpo.routing import RoutingReplay
+    from lightning_grpo.vision import VisionProcessor
 
 # The sections' defaults: instances rather than None, so `--help` and `--print_config` show every field.
 # Shared between modules, hence copied by GRPOModule.__init__ and never mutated.
@@ -77,13 +77,6 @@ class GRPOModule(UpdateModule):
 
         module = GRPOModule(rl=GRPOConfig(batch_per_replica=16, group_size=4, micro_batch_per_replica=4))
         Trainer(max_steps=10, callbacks=[HandoffCallback()]).fit(module, datamodule=PromptDataModule())
-
-        module = GRPOModule()     # outside a Trainer: build the policy yourself
-        module.configure_model()  # module.policy, module.tokenizer now exist
-
-    The policy is built in ``configure_model`` (Lightning calls it on each rank inside the strategy's init context,
-    so it loads on its device and FSDP2 shards it before the optimizer exists), the engine and the collector in
-    ``on_fit_start``. Subclasses override ``configure_policy``, ``compute_rewards`` or ``build_engine``.
     """
 
     def __init__(self, policy: PolicyConfig = _POLICY, rl: GRPOConfig = _RL, optim: OptimConfig = _OPTIM,
@@ -96,15 +89,13 @@ class GRPOModule(UpdateModule):
         self.reward_specs = rewards
         self.opd_cfg = copy.deepcopy(opd)
         self.env_cfg = copy.deepcopy(env)
-        warn_if_unfrozen(self.rl)
         named = objective if isinstance(objective, str) else None  # an instance brings its own config
-        # every rule across sections, before any model is built
-        check_run(self.policy_cfg, self.rl, self.rollout_cfg, self.opd_cfg, named)
+        check_module(self.policy_cfg, self.rl, self.rollout_cfg, self.opd_cfg, named)  # before any model is built
         self.objective = self.configure_objective(objective)
         # Built in configure_model: the image side (None: text-only), LoRA's frozen base, MoE routing replay,
         # the per-chunk scorer; built with the engine in on_fit_start: the collector.
         self.vision: VisionProcessor | None = None
-        self.lora_base: lora.BaseFingerprint | None = None
+        self.lora_base: BaseFingerprint | None = None
         self.routing: RoutingReplay | None = None
         self.scorer: ChunkScorer | None = None
         self.engine: RolloutEngine | None = None
@@ -149,16 +140,20 @@ class GRPOModule(UpdateModule):
     def configure_collector(self) -> collect.Collector:
         """The rollout of one loop step, from this module's parts and ``self.engine`` (``collect/wiring.py``). Built
         once the strategy is known (the sampling seed and the reductions depend on the ranks)."""
+        context = self.context_length()
         if self.episodes is None:
-            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, self.context_length())
+            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, context)
         # a SIGTERM abandons a reward call still running, or the wait for rollouts in flight
-        rewards_stop = self._stop_poll("a reward function")
-        self.reward_scorer = collect.RewardScorer(self.reward_specs, rewards_stop)
+        self.reward_scorer = collect.RewardScorer(self.reward_specs, stop_poll(self._trainer, "a reward function"))
         parts = collect.CollectParts(
             self.engine, self.episodes, self.compute_rewards, self.reward_scorer, self.rl, self.rollout_cfg,
-            self.step_sampling(), self.tokenizer, vision=self.vision, context=self.context_length(),
-            prompts=prompt_provider(self._trainer), dp=self.dp_group(),
-            waiting_stop=self._stop_poll("rollouts in flight"), in_flight=self._in_flight)
+            self.step_sampling(), self.tokenizer,
+            vision=self.vision,
+            context=context,
+            prompts=prompt_provider(self._trainer),
+            dp=self.dp_group(),
+            waiting_stop=stop_poll(self._trainer, "rollouts in flight"),
+            in_flight=self._in_flight)
         return collect.wire_collector(parts)
 
     def sampling(self) -> SamplingConfig:
@@ -168,8 +163,8 @@ class GRPOModule(UpdateModule):
     def step_sampling(self) -> collect.StepSampling:
         """How each loop step samples on this rank (``rollout`` section; a seed per seed, loop step and rank)."""
         logprobs = self.rl.needs_sampler_logprobs
-        return collect.StepSampling.of(self.rollout_cfg, logprobs, self.seed, self.dp_size(), self.global_rank,
-                                       self.vision)
+        rank = self.global_rank
+        return collect.StepSampling.of(self.rollout_cfg, logprobs, self.seed, self.dp_size(), rank, self.vision)
 
     def configure_recorders(self) -> list[Recorder]:
         """More per-token records for the ahead pass to take (``update/records.py``; none by default)."""
@@ -178,11 +173,11 @@ class GRPOModule(UpdateModule):
     def configure_updater(self) -> Updater:
         """The update of one collected batch (``model_parts.build_updater``): split by ``rl``, the objective on each
         chunk, the ahead pass (frozen pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it.
-        What depends on the ranks (the per-rank split, the reductions) joins with the optimizer (``data_parallel``),
-        once the strategy is known."""
+        Built for one process: the ranks' split and reductions join with the optimizer (``on_train_start``), once
+        the strategy is known."""
         return build_updater(self.policy, self.forward_chunk, self.scorer, self.routing, self.objective, self.rl,
-                             recorders=self.configure_recorders(), split=self.split(), dp_sum=self.dp_sum,
-                             seed=self.seed, timer=self.timer)
+                             recorders=self.configure_recorders(), dp_sum=self.dp_sum, seed=self.seed,
+                             timer=self.timer)
 
     def split(self) -> Split:
         """How this rank cuts a collected batch (packed: token budgets count real tokens)."""
@@ -200,28 +195,26 @@ class GRPOModule(UpdateModule):
         return self.rl.steps_per_loop_step
 
     def check_strategy(self) -> None:
-        dp_size = self.dp_size()
-        self.rl.validate(dp_size)  # per-rank divisibility needs the DP size
-        # the rules across sections that need the DP size (the objective's ran in __init__)
-        check_run(self.policy_cfg, self.rl, self.rollout_cfg, objective=None, dp_size=dp_size)
-        lora.check_strategy(self.policy_cfg.lora, getattr(self._trainer, "strategy", None))
+        strategy = getattr(self._trainer, "strategy", None)
+        check_ranks(self.policy_cfg, self.rl, self.rollout_cfg, self.dp_size(), strategy)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)  # check_strategy, loop-step bars, the schedule's horizon
         sleeps = engine_sleeps(self.trainer.callbacks) if self._trainer is not None else False
         # what loads or answers without a weight: env, reward columns, hand-off, server URL (before a server launches)
-        check_parts(self.rollout_cfg, self.env_cfg, self.reward_specs or [], prompt_provider(self._trainer),
-                    engine_sleeps=sleeps)
+        prompts = prompt_provider(self._trainer)
+        check_parts(self.rollout_cfg, self.env_cfg, self.reward_specs or [], prompts, engine_sleeps=sleeps)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 
     def check_data(self) -> None:
         """Fit the datamodule's prompts to this policy and its rewards before any step runs (``data/fitting.py``)."""
-        fit = PromptFit.of(self.tokenizer, self.context_length(), self.rollout_cfg, self.rl, self.reward_specs,
+        context = self.context_length()
+        fit = PromptFit.of(self.tokenizer, context, self.rollout_cfg, self.rl, self.reward_specs,
                            self.policy_cfg.path, self.vision is not None, self.objective.name)
         fit_prompts(fit, getattr(self._trainer, "datamodule", None))
         if self.episodes is None:  # loads model.env: an environment that does not import is refused here
-            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, self.context_length())
+            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, context)
 
     def configure_model(self) -> None:
         """Build policy, tokenizer and (beta > 0) the frozen reference; FSDP2-shard them under ModelParallelStrategy.
@@ -260,20 +253,16 @@ class GRPOModule(UpdateModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)  # the boundary state; refused (no weights) when any is non-finite
-        schedule = self.collector.schedule if self.collector is not None else None
-        if schedule is not None:  # the prompts in flight (drawn again on resume)
-            schedule.record(checkpoint)
-        if "state_dict" in checkpoint and lora.is_lora(self.policy):  # the base is rebuilt from policy.path
-            adapter.drop_base(checkpoint, self.lora_base, "policy.", self.policy)
+        if self.collector is not None:  # the prompts in flight (drawn again on resume)
+            self.collector.record(checkpoint)
+        adapter.save_adapter(checkpoint, self.policy, self.lora_base, "policy.")  # LoRA: the base is rebuilt
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)  # put back at on_train_start, once the updater has its loop
         self._in_flight = collect.in_flight_of(checkpoint, self.global_rank)  # checked when drawn again
-        schedule = self.collector.schedule if self.collector is not None else None
-        if schedule is not None:  # a strategy that restores after on_fit_start
-            schedule.expect_reissue(self._in_flight)
-        if lora.is_lora(self.policy):  # before Lightning loads the state dict: the base comes from this policy
-            adapter.restore_base(checkpoint, self.state_dict(), self.lora_base, "policy.")
+        if self.collector is not None:  # a strategy that restores after on_fit_start
+            self.collector.expect_reissue(self._in_flight)
+        adapter.load_adapter(checkpoint, self.policy, self.lora_base, "policy.")  # before Lightning loads it
 
     def training_step(self, records, batch_idx: int) -> None:
         # 1. rollout: this rank's prompts -> completions -> rewards -> group advantages
@@ -320,19 +309,14 @@ class GRPOModule(UpdateModule):
         return self.scorer.chunk_loss(self.objective, chunk, old_logprobs, sampler)
 
     def report(self, result: LoopResult, rollout_metrics: dict[str, float]) -> None:
-        """One row per loop step: rollout, update, counters, MoE routing and timing, one figure per metric."""
+        """One row per loop step: rollout, update and MoE routing, with the counters and timing
+        (``UpdateModule.publish``)."""
         stats = getattr(self.objective, "stats", None)
-        metrics = {**rollout_metrics, **update_metrics(result, self.updater.last_plan, stats)}
-        metrics |= self.counters()
+        metrics = rollout_metrics | update_metrics(result, self.updater.last_plan, stats)
         if self.routing is not None:
             metrics |= self.routing.metrics()  # moe/route_flip_frac, moe/aux_loss
-        metrics |= time_metrics(self.timer.columns())
-        world = self.dp_size()
-        rows = self.rl.rank_sizes(world).batch
-        metrics = job_metrics(metrics, self.dp_all_reduce, world, rows)
-        reward = metrics.get("reward/mean", math.nan)
-        loss = metrics.get("grpo/loss", math.nan)
-        self.publish(metrics, {"reward": reward, "loss": loss})
+        rows = self.rl.rank_sizes(self.dp_size()).batch
+        self.publish(metrics, rows, bar={"reward": "reward/mean", "loss": "grpo/loss"})
 
     # -- helpers ------------------------------------------------------------------------------------------------------
     @property
@@ -345,7 +329,3 @@ class GRPOModule(UpdateModule):
     def _weights_step(self) -> int:
         """The loop step whose weights the trainer holds (an async engine reads it when a sync ends)."""
         return self.loop_step
-
-    def _stop_poll(self, what: str):
-        """What a long wait polls for a SIGTERM (``checkpoint/signals.py``); None outside a Trainer."""
-        return stop_poll(self.trainer, what) if self._trainer is not None else None

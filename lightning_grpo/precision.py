@@ -68,7 +68,8 @@ def cpu_supports(dtype: torch.dtype) -> bool | None:
 
 def matmul_slowdown(dtype: torch.dtype, size: int = 256, repeats: int = 5) -> float:
     """Time of a ``size``-cubed matmul under ``dtype`` autocast over its float32 time, on this CPU (best of repeats)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
 
     def best(autocast: bool) -> float:
         times = []
@@ -127,14 +128,17 @@ class PluginStep:
     """
 
     def __init__(self, trainer, policy: nn.Module, optimizer) -> None:
-        self.trainer, self.policy, self.optimizer = trainer, policy, optimizer
+        self.trainer = trainer
+        self.policy = policy
+        self.optimizer = optimizer
         self._finish: Callable[[], float] | None = None  # set while a GradScaler step waits for the hook
         self._norm = math.nan
 
     def __call__(self, finish: Callable[[], float]) -> float:
         if getattr(self.trainer.precision_plugin, "scaler", None) is None:
             return plain_step(self.optimizer)(finish)
-        self._finish, self._norm = finish, math.nan
+        self._finish = finish
+        self._norm = math.nan
         self.optimizer.step()
         if self._finish is not None:
             raise RuntimeError(f"{type(self.trainer.precision_plugin).__name__}.optimizer_step did not call "
@@ -144,7 +148,8 @@ class PluginStep:
     def before_optimizer_step(self) -> None:
         """``GRPOModule.on_before_optimizer_step``: inside a GradScaler step the gradients are unscaled now."""
         if self._finish is not None:
-            finish, self._finish = self._finish, None
+            finish = self._finish
+            self._finish = None
             self._norm = finish()
 
     def clip(self, max_norm: float, norm: Tensor) -> None:

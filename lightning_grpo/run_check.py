@@ -5,9 +5,9 @@ read two sections or more (``rl`` with ``rollout``, ``policy.lora`` with ``rollo
 ``opd``), so no section can check them alone. ``check_run`` takes config objects and plain values only, never a
 module or a model, and reports every broken rule at once as ``field=value: rule; fix`` lines in one ``ConfigError``.
 
-Who runs it: ``GRPOModule.__init__`` (every rule that needs no data-parallel size), ``GRPOModule.setup`` and the CLI
-once the Trainer exists (with ``dp_size``: the rules that depend on how many ranks train), all before the policy's
-weights are read. ``check_parts`` (``GRPOModule.setup``, before the policy loads) refuses what needs no weight but
+Who runs it: ``GRPOModule.__init__`` through ``check_module`` (every rule that needs no data-parallel size),
+``GRPOModule.setup`` through ``check_ranks`` and the CLI once the Trainer exists (with ``dp_size``: the rules that
+depend on how many ranks train), all before the policy's weights are read. ``check_parts`` (``GRPOModule.setup``, before the policy loads) refuses what needs no weight but
 loads or asks something: the environment, a reward's data columns, async with a sleeping engine, a server URL.
 Rules that need the loaded model (MoE layers, whether a policy packs exactly, the tokenizer's
 chat template) stay where the model is: ``routing/``, ``packing.py``, ``envs/``.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_grpo import lora
 from lightning_grpo.checks import ConfigError, raise_problems
 from lightning_grpo.config import GRPOConfig, RolloutConfig, ServerConfig
 from lightning_grpo.data.rewards import RewardSpec, check_reward_columns
@@ -29,6 +30,7 @@ from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.server.placement import hop_transport
 from lightning_grpo.rollout.server.pool import check_answers
 from lightning_grpo.routing.replay import rollout_refusal
+from lightning_grpo.update.ahead import warn_if_unfrozen
 
 OPD_FAMILY = (("loss_type", "dapo"), ("ratio_level", "token"), ("loss", "ppo_clip"), ("entropy_coef", 0.0),
               ("top_entropy_quantile", 1.0))
@@ -54,6 +56,23 @@ def check_run(policy: PolicyConfig, rl: GRPOConfig, rollout: RolloutConfig, opd:
     if objective is not None:
         p += objective_problems(objective, rl, opd)
     raise_problems("run config", p)
+
+
+def check_module(policy: PolicyConfig, rl: GRPOConfig, rollout: RolloutConfig, opd: OPDConfig | None,
+                 objective: str | None) -> None:
+    """What ``GRPOModule(...)`` checks when it is built, before any model: ``check_run`` without the DP size, and a
+    warning when ``rl.freeze_pi_old=false`` makes the clip a no-op (off-label, said once)."""
+    warn_if_unfrozen(rl)
+    check_run(policy, rl, rollout, opd, objective)
+
+
+def check_ranks(policy: PolicyConfig, rl: GRPOConfig, rollout: RolloutConfig, dp_size: int, strategy) -> None:
+    """The rules that need the strategy, at ``setup`` before the policy loads: ``rl``'s per-rank divisibility, the
+    rules across sections that read the DP size (the objective's ran when the module was built), and LoRA under
+    this ``strategy`` (the Trainer's, or None outside one)."""
+    rl.validate(dp_size)
+    check_run(policy, rl, rollout, objective=None, dp_size=dp_size)
+    lora.check_strategy(policy.lora, strategy)
 
 
 def sampler_logprobs_problems(rl: GRPOConfig, rollout: RolloutConfig) -> list[str]:

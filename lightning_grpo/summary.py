@@ -44,22 +44,27 @@ class RunSummary(Callback):
     def __init__(self, window: int = 5, plot: bool = True) -> None:
         if window < 1:
             raise ValueError(f"RunSummary(window={window}): must be >= 1")
-        self.window, self.plot = window, plot
+        self.window = window
+        self.plot = plot
         self._rows: list[dict[str, float]] = []  # per loop step: its step and the HEADLINES it logged
         self._val: list[dict[str, float]] = []  # per logged validation: its loop step and the VAL_HEADLINES
         self._counts: dict[str, float] = {}  # THROUGHPUT counts of this fit (not of the run a resume continues)
-        self._start, self._first_step = 0.0, 0
+        self._start = 0.0
+        self._first_step = 0
         self._earlier: list[dict] = []  # earlier fits of this run (a resume): their loop steps and log folder
         self._log_dir: str | None = None  # this fit's log folder (where metrics.csv and curves.png are)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":  # a fresh fit starts empty; a resume loads its rows after this (load_state_dict)
-            self._rows, self._val, self._earlier = [], [], []
+            self._rows = []
+            self._val = []
+            self._earlier = []
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start, self._counts = time.perf_counter(), {}
+        self._start = time.perf_counter()
+        self._counts = {}
         self._first_step = int(getattr(pl_module, "loop_step", 0))  # UpdateModule's: a loaded checkpoint's
         self._log_dir = getattr(trainer, "log_dir", None)  # on every rank: a broadcast under DDP
 
@@ -122,9 +127,11 @@ class RunSummary(Callback):
         lines = []
         shown = [m for m in HEADLINES if m in series and REPLACED_BY.get(m) not in series]
         for metric in shown:
-            (xs, ys), w = series[metric], min(self.window, len(series[metric][1]))
+            xs, ys = series[metric]
+            w = min(self.window, len(series[metric][1]))
             mean = smoothed(ys, self.window)
-            first, last = mean[w - 1], mean[-1]
+            first = mean[w - 1]
+            last = mean[-1]
             label = HEADLINES[metric]
             span = f"loop steps {xs[-w]:.0f}-{xs[-1]:.0f}, {last - first:+.3f}"
             lines += [f"  {f'{label} first {w}':<16} {first:.3f}  (loop steps {xs[0]:.0f}-{xs[w - 1]:.0f})",
@@ -188,5 +195,6 @@ class RunSummary(Callback):
             self._rows = [{"step": float(i + 1), "reward/mean": r} for i, r in enumerate(state.get("rewards", []))]
             self._val = [{"step": float(s), "val/reward": v} for s, v in state.get("val", [])]
             return
-        self._rows, self._val = [dict(r) for r in state["rows"]], [dict(v) for v in state["val_rows"]]
+        self._rows = [dict(r) for r in state["rows"]]
+        self._val = [dict(v) for v in state["val_rows"]]
         self._earlier = [dict(f) for f in state.get("folders", [])]  # older checkpoints: not recorded

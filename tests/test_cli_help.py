@@ -11,6 +11,7 @@ import pytest
 from lightning_grpo import docgen
 from lightning_grpo.__main__ import TOP_HELP
 from lightning_grpo.cli import GRPOCLI, main
+from lightning_grpo.cli_help import fresh_fit_help
 from lightning_grpo.data.prompts import PromptDataModule
 
 HEAVY = ("vllm", "wandb", "matplotlib", "transformers.models.", "peft", "datasets")
@@ -53,3 +54,27 @@ def test_fit_help_lists_every_data_key_with_its_description(capsys):
     assert {"source", "val_size", "on_bad_record"} <= set(docs)
     for name, doc in docs.items():
         assert f"--data.{name}" in out and " ".join(doc.split())[:30] in out, name
+
+
+def test_fit_help_is_answered_without_lightning_from_the_clis_own_text(capsys):
+    """`lightning-grpo fit --help` took ~10 s of CPU on a busy 2-core machine (Lightning's import alone ~8.5 s):
+    __main__ prints fit_help.txt instead, which must be exactly what the CLI prints (tools/write_fit_help.py)."""
+    import lightning_grpo.__main__ as entry
+
+    recorded = entry.fit_help()
+    assert recorded is not None, "fit_help.txt was recorded under other versions: run python tools/write_fit_help.py"
+    assert fresh_fit_help() == recorded, "fit_help.txt is stale: run python tools/write_fit_help.py"
+    assert {"--data.source", "--data.on_bad_record", "--checkpoint.every_n_loop_steps"} <= set(recorded.split())
+    entry.main(["fit", "--help"])
+    assert capsys.readouterr().out == recorded
+    quiet = "import contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()):\n    main(['fit', '--help'])"
+    loaded = _modules_after("from lightning_grpo.__main__ import main\n" + quiet)
+    assert not [m for m in loaded if m.split(".")[0] in ("torch", "lightning", "jsonargparse", "transformers")]
+
+
+def test_fit_help_asks_the_parser_under_other_versions(monkeypatch):
+    """Another Lightning's Trainer has other flags: the recorded text is printed only under the versions it names."""
+    import lightning_grpo.__main__ as entry
+
+    monkeypatch.setattr(entry.metadata, "version", lambda name: "0.0.1")
+    assert entry.fit_help() is None

@@ -1,9 +1,10 @@
 """A LoRA run's checkpoints hold the adapter, not the frozen base (docs/lora.md).
 
-``GRPOModule.on_save_checkpoint`` takes the frozen tensors out of ``checkpoint["state_dict"]`` and
-records a fingerprint of the base beside the adapter's config; ``on_load_checkpoint`` puts this
-policy's base back after checking it is the same one. ``export_adapter`` writes the adapter of any
-such checkpoint as a peft folder (``PeftModel.from_pretrained``).
+``GRPOModule.on_save_checkpoint`` calls ``save_adapter``, which takes the frozen tensors out of
+``checkpoint["state_dict"]`` and records a fingerprint of the base beside the adapter's config;
+``on_load_checkpoint`` calls ``load_adapter``, which puts this policy's base back after checking it is the
+same one. ``export_adapter`` writes the adapter of any such checkpoint as a peft folder
+(``PeftModel.from_pretrained``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,30 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.lora import BaseFingerprint, adapter_config_json, adapter_names, write_adapter_folder
+from lightning_grpo.lora import BaseFingerprint, adapter_config_json, adapter_names, is_lora, write_adapter_folder
 
 CHECKPOINT_KEY = "grpo_lora"
+
+
+def save_adapter(checkpoint: dict, policy: nn.Module, base: BaseFingerprint | None, prefix: str) -> None:
+    """A LoRA policy's checkpoint holds the adapter only (``drop_base``); any other checkpoint is left as it is, as is
+    one written without weights (``state_dict`` refused on the way out of a failure).
+
+    Args:
+        checkpoint: the dict Lightning is about to write.
+        policy: the trained policy (a peft model under ``policy.lora``).
+        base: the fingerprint of its frozen base (``lora.fingerprint``).
+        prefix: the policy's key prefix in the module's state dict (``"policy."``).
+    """
+    if "state_dict" in checkpoint and is_lora(policy):
+        drop_base(checkpoint, base, prefix, policy)
+
+
+def load_adapter(checkpoint: dict, policy: nn.Module, base: BaseFingerprint | None, prefix: str) -> None:
+    """Before Lightning loads ``checkpoint["state_dict"]`` into a LoRA policy, its frozen base goes back in
+    (``restore_base``: the base is this policy's, after checking it is the one the adapter was trained on)."""
+    if is_lora(policy):
+        restore_base(checkpoint, policy.state_dict(prefix=prefix), base, prefix)
 
 
 
@@ -58,6 +80,7 @@ def export_adapter(checkpoint_path: str | os.PathLike, folder: str | os.PathLike
     saved = ckpt.get(CHECKPOINT_KEY)
     if saved is None:
         raise ValueError(f"{checkpoint_path}: not a checkpoint of a LoRA run (no {CHECKPOINT_KEY!r} entry)")
-    prefix, state = saved["prefix"], ckpt["state_dict"]
+    prefix = saved["prefix"]
+    state = ckpt["state_dict"]
     adapter = {key: state[prefix + name].contiguous() for name, key in saved["adapter_names"].items()}
     return write_adapter_folder(adapter, saved["adapter_config"], folder)

@@ -57,7 +57,10 @@ class _Recording:
     """The file handed to a writer: hashes what passes through, and keeps an ``OSError`` a writer may swallow."""
 
     def __init__(self, f: IO[bytes]) -> None:
-        self.f, self.sha, self.bytes, self.error = f, hashlib.sha256(), 0, None
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+        self.error = None
 
     def write(self, data) -> int:
         try:

@@ -93,8 +93,10 @@ class GRPOCheckpoint(Checkpoint):
             problems.append(f"keep_last={keep_last!r}: must be an integer >= 0 (0 = keep every checkpoint)")
         if problems:
             raise ValueError("GRPOCheckpoint(" + "; ".join(problems) + ")")
-        self.every_n_loop_steps, self.keep_last = every_n_loop_steps, keep_last
-        self.save_on_train_end, self.save_on_signal = save_on_train_end, save_on_signal
+        self.every_n_loop_steps = every_n_loop_steps
+        self.keep_last = keep_last
+        self.save_on_train_end = save_on_train_end
+        self.save_on_signal = save_on_signal
         self.explicit_dirpath = dirpath is not None
         """Whether ``dirpath`` was given (then ``--ckpt_path last`` searches only there)."""
         self.dirpath: Path | None = Path(dirpath) if dirpath else None
@@ -125,8 +127,11 @@ class GRPOCheckpoint(Checkpoint):
         self.run_id = trainer.strategy.broadcast(secrets.token_hex(4))  # one id for every rank
         check_every_rank_sees(trainer, self._resumed)  # before Lightning loads it on each rank
         self._resumed = None  # a later fit resolves its own
-        self._loaded_lineage, self._last_saved, self._save_failed = None, None, False
-        self._pending, self._stop = None, None
+        self._loaded_lineage = None
+        self._last_saved = None
+        self._save_failed = False
+        self._pending = None
+        self._stop = None
 
     def resume_from(self, path: str | os.PathLike | None) -> None:
         """The checkpoint this rank will load (``resolve_ckpt_path``); every rank's is compared at setup."""
@@ -256,7 +261,8 @@ class GRPOCheckpoint(Checkpoint):
             if isinstance(err, OSError) and err.errno in DISK_FULL:
                 raise disk_full(err, path) from err  # the last line names the checkpoint, not its staging name
             raise
-        self._last_saved, self.last_path = loop_step, path
+        self._last_saved = loop_step
+        self.last_path = path
         self._pending = (path, manifest)
         if publish_now:
             self._publish_pending(trainer)
@@ -266,7 +272,8 @@ class GRPOCheckpoint(Checkpoint):
         """Manifest, rename into place, prune: the staged save becomes a checkpoint (rank 0 writes)."""
         if self._pending is None:
             return
-        (path, manifest), self._pending = self._pending, None
+        path, manifest = self._pending
+        self._pending = None
         if trainer.is_global_zero:
             write_manifest(path, dataclasses.replace(manifest, validation=validation))
             publish(staging_path(path), path)
@@ -280,7 +287,8 @@ class GRPOCheckpoint(Checkpoint):
 
     def _stop_now(self, trainer: Trainer, loop_step: int, validation: str | None = None) -> None:
         """Save the boundary (unless saved), run the wrapped handler (Lightning's / SLURM requeue), exit non-zero."""
-        signum, self._stop = self._stop, None
+        signum = self._stop
+        self._stop = None
         if self._last_saved != loop_step:
             self.save(trainer, loop_step, f"signal:{signal.Signals(signum).name}", publish_now=False)
         self._publish_pending(trainer, validation)
@@ -380,7 +388,8 @@ def resolved_config(trainer: Trainer) -> str:
             return cb.parser.dump(cb.config, skip_none=False)
     import yaml
 
-    module, out = trainer.lightning_module, {}
+    module = trainer.lightning_module
+    out = {}
     for name in ("policy_cfg", "rl", "optim_cfg", "rollout_cfg", "seed"):
         value = getattr(module, name, None)
         out[name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value

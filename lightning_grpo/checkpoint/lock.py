@@ -73,7 +73,8 @@ class FolderLock:
         """Drop the hold (the file stays: unlinking a locked file lets two runs lock two different files)."""
         if self._fd is None:
             return
-        fd, self._fd = self._fd, None
+        fd = self._fd
+        self._fd = None
         try:
             os.ftruncate(fd, 0)
         finally:

@@ -39,7 +39,9 @@ class Preempted(SystemExit):
 
     def __init__(self, signum: int, path: object, loop_step: int) -> None:
         super().__init__(128 + signum)
-        self.signum, self.path, self.loop_step = signum, path, loop_step
+        self.signum = signum
+        self.path = path
+        self.loop_step = loop_step
 
     def __str__(self) -> str:
         return (f"stopped by {signal.Signals(self.signum).name} after loop step {self.loop_step}: emergency "
@@ -54,15 +56,20 @@ class StopRequested(SystemExit):
 
     def __init__(self, signum: int, waiting_on: str) -> None:
         super().__init__(128 + signum)
-        self.signum, self.waiting_on = signum, waiting_on
+        self.signum = signum
+        self.waiting_on = waiting_on
 
     def __str__(self) -> str:
         return f"{signal.Signals(self.signum).name} arrived while waiting on {self.waiting_on}: stopping"
 
 
-def stop_poll(trainer: Trainer, waiting_on: str) -> Callable[[], bool]:
+def stop_poll(trainer: Trainer | None, waiting_on: str) -> Callable[[], bool] | None:
     """``should_stop`` for a long wait: a watched signal raises ``StopRequested`` (``GRPOCheckpoint`` then saves the
-    boundary on the way out); without a watch (no ``GRPOCheckpoint``), Lightning's SIGTERM flag ends the wait."""
+    boundary on the way out); without a watch (no ``GRPOCheckpoint``), Lightning's SIGTERM flag ends the wait. None
+    without a Trainer (a module driven by hand): nothing to poll, the wait runs to its end."""
+    if trainer is None:
+        return None
+
     def poll() -> bool:
         if (signum := requested_signal()) is not None:
             raise StopRequested(signum, waiting_on)

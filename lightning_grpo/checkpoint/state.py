@@ -175,7 +175,8 @@ class LoopState:
         if state is None:
             return
         checkpoint[STATE_KEY] = state
-        datamodule, data = trainer.datamodule, state["data"]
+        datamodule = trainer.datamodule
+        data = state["data"]
         key = type(datamodule).__qualname__
         drawn_ahead = isinstance(datamodule, StreamPosition) and data is not None and key in checkpoint
         if drawn_ahead and datamodule.position != data["position"]:  # drawn, not trained on: the resume redraws them
@@ -210,7 +211,8 @@ class LoopState:
 
     def resume(self, trainer: Trainer, updater, datamodule) -> None:
         """Put a loaded state back into the fresh updater; check the datamodule resumed at the boundary."""
-        state, self._loaded = self._loaded, None
+        state = self._loaded
+        self._loaded = None
         if state is None:
             return
         updater.load_state_dict(state)
@@ -227,7 +229,8 @@ class LoopState:
 def _check_data_position(datamodule, saved: dict[str, Any] | None) -> None:
     if saved is None or not isinstance(datamodule, StreamPosition):
         return
-    at, boundary = datamodule.position, saved["position"]
+    at = datamodule.position
+    boundary = saved["position"]
     if at != boundary:
         raise RuntimeError(
             f"resumed {type(datamodule).__name__} at position {at} but the checkpoint had consumed {boundary} "

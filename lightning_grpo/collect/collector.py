@@ -123,6 +123,18 @@ class Collector:
         self.last_rows = StepRows(loop_step + 1, groups.rollouts, groups.rewards, advantages, parts, trained=counted)
         return counted_only(batch, groups, self.rl.mask_truncated_completions), metrics
 
+    # -- its share of a checkpoint ------------------------------------------------------------------------------------
+    def record(self, checkpoint: dict) -> None:
+        """Under async rollouts the prompts in flight go into ``checkpoint`` (drawn again on resume); else nothing."""
+        if self.schedule is not None:
+            self.schedule.record(checkpoint)
+
+    def expect_reissue(self, in_flight: dict[int, list[int]]) -> None:
+        """A loaded checkpoint's prompts in flight (``schedule.in_flight_of``), for a checkpoint loaded after this
+        collector was built (a strategy that restores after ``on_fit_start``)."""
+        if self.schedule is not None:
+            self.schedule.expect_reissue(in_flight)
+
     # -- the pieces validation shares ---------------------------------------------------------------------------------
     def prompts_of(self, records: Sequence) -> tuple[list[Prompt], list[int]]:
         """``(prompts, skipped)`` of ``records`` (``prompts.step_prompts`` with the data's bad-record rule)."""

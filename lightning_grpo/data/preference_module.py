@@ -55,10 +55,16 @@ class PreferenceDataModule(LightningDataModule):
             raise ValueError(f"PreferenceDataModule(pairs_per_step={pairs_per_step!r}): must be a positive integer")
         if val_size < 0:
             raise ValueError(f"PreferenceDataModule(val_size={val_size}): must be >= 0 (0 disables validation)")
-        self.source, self.val_source, self.pairs_per_step = source, val_source, pairs_per_step
+        self.source = source
+        self.val_source = val_source
+        self.pairs_per_step = pairs_per_step
         self.keys = {"prompt_key": prompt_key, "chosen_key": chosen_key, "rejected_key": rejected_key}
-        self.seed, self.shuffle, self.builtin_size, self.val_size = seed, shuffle, builtin_size, val_size
-        self.rank, self.world_size = 0, 1
+        self.seed = seed
+        self.shuffle = shuffle
+        self.builtin_size = builtin_size
+        self.val_size = val_size
+        self.rank = 0
+        self.world_size = 1
         self._pairs: list[PreferencePair] | None = None
         self._val: list[PreferencePair] = []
         self._orders: dict[int, list[int]] = {}
@@ -67,7 +73,8 @@ class PreferenceDataModule(LightningDataModule):
     @override
     def setup(self, stage: str | None = None) -> None:
         if self.trainer is not None:
-            self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
+            self.rank = self.trainer.global_rank
+            self.world_size = self.trainer.world_size
             dpo = getattr(self.trainer.lightning_module, "dpo", None)
             if self.pairs_per_step is None and dpo is not None:
                 self.pairs_per_step = dpo.batch_size
@@ -102,7 +109,8 @@ class PreferenceDataModule(LightningDataModule):
         """This rank's pairs of step ``step`` (ids are stream positions)."""
         if self._pairs is None:
             self.setup("fit")
-        per_rank, n = self.pairs_per_step // self.world_size, len(self._pairs)
+        per_rank = self.pairs_per_step // self.world_size
+        n = len(self._pairs)
         start = step * self.pairs_per_step + self.rank * per_rank
         out = []
         for position in range(start, start + per_rank):
@@ -122,7 +130,8 @@ class PreferenceDataModule(LightningDataModule):
         """This rank's held-out pairs in equal lists (the last wraps around, so every rank runs as many)."""
         if self._pairs is None:
             self.setup("fit")
-        n, per_rank = len(self._val), self.pairs_per_step // self.world_size
+        n = len(self._val)
+        per_rank = self.pairs_per_step // self.world_size
         batches = []
         for step in range(-(-n // self.pairs_per_step) if n else 0):
             start = step * self.pairs_per_step + self.rank * per_rank

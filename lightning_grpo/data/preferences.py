@@ -108,7 +108,8 @@ def _pair(row: Any, i: int, where: str, prompt_key: str, chosen_key: str, reject
             f"{where}: no column {' or '.join(map(repr, missing))}; the row has columns {sorted(row)}. A preference "
             f"pair needs {chosen_key!r} and {rejected_key!r} (TRL's preference format): set chosen_key / "
             "rejected_key (CLI: --data.init_args.chosen_key) to the columns holding the two answers")
-    chosen, rejected = row[chosen_key], row[rejected_key]
+    chosen = row[chosen_key]
+    rejected = row[rejected_key]
     if prompt_key in row:
         return PreferencePair(i, row[prompt_key], chosen, rejected)
     if _is_messages(chosen) and _is_messages(rejected):  # implicit prompt: the shared leading messages
@@ -135,7 +136,9 @@ def builtin_pairs(task: str, split: str, size: int, seed: int) -> list[Preferenc
     """
     t = get_task(task)
     items = t.items(6 * size, seed, "train") + t.items(size, seed, "val")  # every prompt the task has, in both
-    rng, pairs, seen = random.Random(seed + (split == "val")), [], set()
+    rng = random.Random(seed + (split == "val"))
+    pairs = []
+    seen = set()
     for item in items:
         wrong = int(item.answer) + rng.choice((-3, -2, -1, 1, 2, 3))
         if wrong < 0 or (_stable_hash(item.text, wrong) % 5 == 0) != (split == "val"):
@@ -249,5 +252,6 @@ def _pack(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Tensor,
     for i, (prompt, answer) in enumerate(rows):
         n = len(prompt) + len(answer)
         ids[i, :n] = torch.tensor(prompt + answer, dtype=torch.long)
-        attention[i, :n], mask[i, len(prompt) : n] = True, True
+        attention[i, :n] = True
+        mask[i, len(prompt) : n] = True
     return ids, attention, mask

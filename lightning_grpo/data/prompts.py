@@ -112,20 +112,24 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         if not isinstance(val_samples_per_prompt, int) or val_samples_per_prompt < 0:
             raise ValueError(f"PromptDataModule(val_samples_per_prompt={val_samples_per_prompt!r}): must be an integer "
                              ">= 0 (0 = greedy validation only)")
-        self.val_samples_per_prompt, self.val_pass_reward = val_samples_per_prompt, val_pass_reward
+        self.val_samples_per_prompt = val_samples_per_prompt
+        self.val_pass_reward = val_pass_reward
         if on_bad_record not in ("error", "skip"):
             raise ValueError(f"PromptDataModule(on_bad_record={on_bad_record!r}): must be 'error' or 'skip'")
         self.on_bad_record = on_bad_record
         self.bad_records_skipped = 0
         """Records skipped for an unreadable image (``on_bad_record=skip``; logged: data/bad_records_skipped)."""
-        self.source, self.val_source = source, val_source
+        self.source, self.val_source = source, val_source  # the train / held-out pairs
         self.split, self.val_split = split, val_split
         self.prompts_per_step = prompts_per_step
         self._load = {
             "prompt_key": prompt_key, "answer_key": answer_key, "prompt_template": prompt_template,
             "system_prompt": system_prompt, "chat": chat, "seed": seed, "subset": subset, "image_key": image_key,
         }
-        self.seed, self.shuffle, self.builtin_size, self.val_size = seed, shuffle, builtin_size, val_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.builtin_size = builtin_size
+        self.val_size = val_size
         self.rank, self.world_size = 0, 1
         self.long_prompts_dropped = 0
         """Training prompts dropped as longer than ``rollout.max_prompt_tokens`` (logged: data/long_prompts_dropped)."""
@@ -144,7 +148,8 @@ class PromptDataModule(PromptProvider, LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Read rank/world and ``prompts_per_step`` from the trainer (if attached), then load the sources."""
         if self.trainer is not None:
-            self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
+            self.rank = self.trainer.global_rank
+            self.world_size = self.trainer.world_size
             if self.prompts_per_step is None:
                 self.prompts_per_step = self._prompts_from_module()
         if self.prompts_per_step is None:
@@ -179,7 +184,9 @@ class PromptDataModule(PromptProvider, LightningDataModule):
 
     def _assemble(self, tokenizer=None, max_tokens: int | None = None, on_long: str = "drop") -> None:
         """The training stream and the held-out items from the loaded ones (fitted to ``tokenizer`` if given)."""
-        items, rows, val = self._items, list(range(len(self._items))), self._val_given
+        items = self._items
+        rows = list(range(len(self._items)))
+        val = self._val_given
         if tokenizer is not None:
             items, rows = fit_items(items, tokenizer, max_tokens, on_long, f"data.source={_name(self.source)}")
             self.long_prompts_dropped = len(self._items) - len(items)
@@ -284,7 +291,9 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         (uneven ranks would hang a distributed validation loop); wrapped prompts repeat their ids.
         """
         self._ensure_setup()
-        items, per_rank, n = self._val_items, self.prompts_per_step // self.world_size, len(self._val_items)
+        items = self._val_items
+        per_rank = self.prompts_per_step // self.world_size
+        n = len(self._val_items)
         batches = []
         for step in range(-(-n // self.prompts_per_step) if n else 0):
             start = step * self.prompts_per_step + self.rank * per_rank
@@ -348,4 +357,5 @@ class PromptDataModule(PromptProvider, LightningDataModule):
             )
         self.prompts_per_step = self.prompts_per_step or saved
         self._consumed = int(state_dict["position"])
-        self._refill_rounds, self._rounds_at = int(state_dict.get("refill_rounds", 0)), {}
+        self._refill_rounds = int(state_dict.get("refill_rounds", 0))
+        self._rounds_at = {}

@@ -68,7 +68,10 @@ class DPOObjective:
 
     def __init__(self, beta: float = 0.1, loss_type: LossType = "sigmoid", label_smoothing: float = 0.0,
                  dp_mean: DPMean = single_process) -> None:
-        self.beta, self.loss_type, self.label_smoothing, self.dp_mean = beta, loss_type, label_smoothing, dp_mean
+        self.beta = beta
+        self.loss_type = loss_type
+        self.label_smoothing = label_smoothing
+        self.dp_mean = dp_mean
 
     def needs_old_logprobs(self) -> bool:
         """No ratio: DPO reads the reference, never pi_old."""
@@ -95,7 +98,8 @@ class DPOObjective:
         loss = per_pair.sum() / nonzero(denom)  # an empty chunk: loss 0, divisor 0
         with torch.no_grad():
             local = pairs.clamp(min=1)
-            c, r = self.beta * chosen_reward.detach(), self.beta * rejected_reward.detach()
+            c = self.beta * chosen_reward.detach()
+            r = self.beta * rejected_reward.detach()
             stats = DPOStats(loss=loss.detach(), denom=denom, pairs=pairs, accuracy=(c > r).to(c.dtype).sum() / local,
                              margin=(c - r).sum() / local, chosen_reward=c.sum() / local,
                              rejected_reward=r.sum() / local, chosen_logp=chosen.detach().sum() / local,

@@ -139,12 +139,15 @@ class GRPOObjective:
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.beta = beta
         self.dp_mean = dp_mean
-        self.loss_type, self.ratio_level, self.loss = loss_type, ratio_level, loss
+        self.loss_type = loss_type
+        self.ratio_level = ratio_level
+        self.loss = loss
         self.max_completion_length = max_completion_length
         self.correction = correction if correction is not None and correction.mode != "off" else None
         if self.correction is not None:
             self.stats = CorrectedChunkStats
-        self.entropy_coef, self.top_entropy_quantile = entropy_coef, top_entropy_quantile
+        self.entropy_coef = entropy_coef
+        self.top_entropy_quantile = top_entropy_quantile
 
     def needs_old_logprobs(self) -> bool:
         """The ratio consumes pi_old, so mini-batching needs it frozen (the ahead pass)."""
@@ -167,7 +170,8 @@ class GRPOObjective:
             raise ValueError("GRPOObjective(entropy_coef > 0 or top_entropy_quantile < 1) needs a PolicyView with "
                              "logprobs_and_entropy")
         else:
-            logprobs, entropy = policy.logprobs(chunk), None
+            logprobs = policy.logprobs(chunk)
+            entropy = None
         ref = policy.reference(chunk) if self.beta > 0 and policy.reference is not None else None
         rollout = chunk.rollout_logprobs[:, 1:] if chunk.rollout_logprobs is not None else None
         return self(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref, rollout,
@@ -279,7 +283,8 @@ class GRPOObjective:
         local = tokens.clamp(min=1)
         token_ratio = ratio if self.ratio_level == "token" else torch.exp(log_ratio)  # [B, T-1]
         if self.loss == "cispo":  # the weight is truncated whatever the advantage's sign
-            low, high = (ratio < 1 - self.epsilon).to(m.dtype) * m, (ratio > 1 + self.epsilon_high).to(m.dtype) * m
+            low = (ratio < 1 - self.epsilon).to(m.dtype) * m
+            high = (ratio > 1 + self.epsilon_high).to(m.dtype) * m
             is_clipped = low + high
         else:
             is_clipped = ((ratio * adv) > (clipped * adv)).to(m.dtype) * m  # the min picked the clipped term

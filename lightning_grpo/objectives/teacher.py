@@ -87,7 +87,8 @@ class HFTeacher:
     @torch.no_grad()
     def token_logprobs(self, chunk: RolloutBatch) -> Tensor:
         """``[B, T-1]`` teacher logprobs of the chunk's tokens at the completion positions (0 elsewhere)."""
-        device, mask = self._place(chunk.input_ids), chunk.completion_mask[:, 1:]
+        device = self._place(chunk.input_ids)
+        mask = chunk.completion_mask[:, 1:]
         lp = token_logprobs(self.model, chunk.input_ids.to(device), chunk.attention_mask.to(device))
         return lp.to(chunk.input_ids.device).masked_fill(~mask, 0.0)
 
@@ -127,7 +128,8 @@ class VLLMTeacher:
         """``[B, T-1]`` teacher logprobs of the chunk's tokens at the completion positions (0 elsewhere)."""
         from vllm import SamplingParams
 
-        ids, lengths = chunk.input_ids.tolist(), chunk.attention_mask.sum(-1).tolist()
+        ids = chunk.input_ids.tolist()
+        lengths = chunk.attention_mask.sum(-1).tolist()
         requests = [{"prompt_token_ids": row[:n]} for row, n in zip(ids, lengths)]
         outs = self.engine.llm.generate(requests, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
         lp = torch.zeros(chunk.input_ids.shape[0], chunk.input_ids.shape[1] - 1, dtype=torch.float32)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_grpo.distributed import single_process
 from lightning_grpo.routing.hooks import (
     ReplayHooks,
     RoutingRecord,
@@ -65,7 +66,7 @@ class RoutingReplay:
     re-runs its router in backward).
     """
 
-    def __init__(self, model: nn.Module, mode: str = "ahead", dp_mean=lambda t: t) -> None:
+    def __init__(self, model: nn.Module, mode: str = "ahead", dp_mean=single_process) -> None:
         self.mode = mode
         self.hooks = ReplayHooks(model)
         self.aux = aux_loss_spec(model)
@@ -111,7 +112,9 @@ class RoutingReplay:
         """Take the ahead pass's per-row records and prepare each window's aux-loss constants."""
         self._routes = records if self.mode != "off" else None
         self._walk = [(mini, plan.rows[mini][micro]) for _, mini, micro in plan.training_walk()]
-        self._windows, self._aux_values, self._steps = {}, [], plan.mu_iterations * plan.n_mini
+        self._windows = {}
+        self._aux_values = []
+        self._steps = plan.mu_iterations * plan.n_mini
         if self.aux is None:
             return
         for mini, micro in plan.walk():  # every epoch revisits the same windows: their constants are per mini
@@ -127,9 +130,11 @@ class RoutingReplay:
         and padding positions route naturally."""
         if self._routes is None or not rows or not any(r in self._routes.by_row for r in rows):
             return None
-        width, lengths = chunk.input_ids.shape[1], chunk.attention_mask.sum(-1).tolist()
+        width = chunk.input_ids.shape[1]
+        lengths = chunk.attention_mask.sum(-1).tolist()
         some = next(iter(self._routes.by_row.values()))
-        (layers, _, k), device = some.shape, some.device  # built where the records live: no host copy per row
+        layers, _, k = some.shape
+        device = some.device  # built where the records live: no host copy per row
         forced = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
         n_forced = 0
         for i, r in enumerate(rows):
@@ -212,7 +217,9 @@ class _ChunkScope:
         """
         if self.window is None or self.active is None or self.owner is None or self.owner.aux is None:
             return loss
-        spec, w, active = self.owner.aux, self.window, self.active
+        spec = self.owner.aux
+        w = self.window
+        active = self.active
         layers = len(self.owner.hooks.routers)
         counts = w.counts
         if not w.complete:  # no record: only exact when this chunk is the whole window (its own routing)

@@ -29,6 +29,7 @@ plan sets each window's count before it opens (``open_window``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -55,6 +56,11 @@ def plain_step(optimizer) -> StepDriver:
         return norm
 
     return drive
+
+
+def plain_backward(loss: Tensor) -> None:
+    """The backward of one chunk without a precision plugin (a Trainer's goes through ``manual_backward``)."""
+    loss.backward()
 
 
 def _no_sync_control(enabled: bool) -> contextlib.AbstractContextManager:
@@ -110,12 +116,12 @@ class DeferredAccumulator:
         self.optimizer = optimizer
         self.grad_accum = grad_accum
         self.max_grad_norm = max_grad_norm
-        self.backward = backward or (lambda loss: loss.backward())
+        self.backward = backward or plain_backward
         self.scheduler = scheduler
         self.grad_sync = grad_sync or _no_sync_control  # None: one process, nothing to skip
         self.all_finite = all_finite or _local_finite
         self.step = step or plain_step(optimizer)
-        self.clip = clip or (lambda max_norm, norm: torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm))
+        self.clip = clip or functools.partial(torch.nn.utils.clip_grads_with_norm_, self.params)
         self._calls = 0  # calls taken into the current window
         self._denom_sum: Tensor | float = 0.0
         self._ref: Tensor | float = 1.0  # window constant the chunk sums are carried divided by
@@ -150,7 +156,8 @@ class DeferredAccumulator:
     def _reset_window(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._calls = 0
-        self._denom_sum, self._ref = 0.0, 1.0
+        self._denom_sum = 0.0
+        self._ref = 1.0
 
     def open_window(self, n_chunks: int) -> None:
         """The next window takes ``n_chunks`` calls (a token-budgeted plan's count is data-dependent).
@@ -233,8 +240,11 @@ class DeferredAccumulator:
                 "discarded_chunks": self.discarded_chunks, "consecutive_skips": self.consecutive_skips}
 
     def load_state_dict(self, state: dict) -> None:
-        self._calls, self._denom_sum, self._discard = state["calls"], state["denom_sum"], state["discard"]
+        self._calls = state["calls"]
+        self._denom_sum = state["denom_sum"]
+        self._discard = state["discard"]
         self._ref = state.get("ref", 1.0)
         self.grad_accum = state.get("window", self.grad_accum)
-        self.skipped_steps, self.discarded_chunks = state["skipped_steps"], state["discarded_chunks"]
+        self.skipped_steps = state["skipped_steps"]
+        self.discarded_chunks = state["discarded_chunks"]
         self.consecutive_skips = state.get("consecutive_skips", 0)  # absent in checkpoints before 0.x

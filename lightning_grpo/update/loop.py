@@ -94,13 +94,17 @@ class CollectedBatchLoop:
         n_calls = sum(1 for _ in plan.training_walk())
         if pi_old is not None and len(pi_old) != n_calls:
             raise ValueError(f"pi_old has {len(pi_old)} entries for a plan of {n_calls} chunks")
-        acc, result, k = self.accumulator, LoopResult(), 0  # k: chunk number in walk order (pi_old pairs by it)
+        acc = self.accumulator
+        result = LoopResult()
+        k = 0  # k: chunk number in walk order (pi_old pairs by it)
         discarded_before = acc.discarded_chunks
         for epoch, mini in plan.windows():  # one optimizer step each; epochs replay the same chunks
             window: list[Stats] = []
             acc.open_window(plan.n_chunks(mini))  # data-dependent under a token budget
             for micro in range(plan.n_chunks(mini)):  # one forward/backward each; the last one steps
-                self.progress.epoch, self.progress.mini, self.progress.micro = epoch, mini, micro
+                self.progress.epoch = epoch
+                self.progress.mini = mini
+                self.progress.micro = micro
                 if acc.discarding():  # rest of a poisoned window: skip the forward too
                     outcome = acc.discard()
                 else:
@@ -142,7 +146,8 @@ class CollectedBatchLoop:
             result.chunk_epochs.extend([epoch] * len(window))
             return
         log.warning("%s: skipped that optimizer step", self.last_nonfinite)
-        limit, run = self.max_consecutive_skips, self.accumulator.consecutive_skips
+        limit = self.max_consecutive_skips
+        run = self.accumulator.consecutive_skips
         if limit is not None and run > limit:
             raise NonFiniteRunError(
                 f"rl.max_consecutive_skips={limit}: {run} optimizer steps in a row were skipped for non-finite "

@@ -309,7 +309,8 @@ def token_chunks(lengths: list[int], rows, budget: int, packed: bool = False) ->
     cost = [max(lengths[r], 2) for r in ordered]
     runs = _packed_runs if packed else _runs
     fewest = len(runs(cost, budget))
-    lo, hi = 1, budget  # the smallest cap that still needs no more than `fewest` runs
+    lo = 1
+    hi = budget  # the smallest cap that still needs no more than `fewest` runs
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if len(runs(cost, mid)) <= fewest else (mid + 1, hi)
@@ -318,7 +319,8 @@ def token_chunks(lengths: list[int], rows, budget: int, packed: bool = False) ->
 
 def _runs(cost: list[int], cap: int) -> list[tuple[int, int]]:
     """Greedy runs ``[a, b)`` of a longest-first cost list with (b - a) x cost[a] <= cap (a single row always fits)."""
-    runs, a = [], 0
+    runs = []
+    a = 0
     while a < len(cost):
         b = a + max(cap // cost[a], 1)
         runs.append((a, min(b, len(cost))))
@@ -328,9 +330,11 @@ def _runs(cost: list[int], cap: int) -> list[tuple[int, int]]:
 
 def _packed_runs(cost: list[int], cap: int) -> list[tuple[int, int]]:
     """Greedy runs ``[a, b)`` with sum(cost[a:b]) <= cap (a single row always fits): a packed chunk's real tokens."""
-    runs, a = [], 0
+    runs = []
+    a = 0
     while a < len(cost):
-        b, total = a + 1, cost[a]
+        b = a + 1
+        total = cost[a]
         while b < len(cost) and total + cost[b] <= cap:
             total += cost[b]
             b += 1
