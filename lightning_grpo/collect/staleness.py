@@ -24,14 +24,17 @@ def stamps(rows: int, version: int) -> Tensor:
 
 
 def drawn_stamps(rollouts: Sequence[Rollout], version: int, group_size: int) -> Tensor:
-    """``[rows, 2]`` stamps of a round whose batch was put in flight with ``version``: the first token of every group
-    is that version's; under in-flight updates (``Rollout.versions``, in loop steps) its last token is the newest
-    version that sampled a token of the group. Without per-token versions: ``stamps``."""
+    """``[rows, 2]`` stamps of a round whose batch was put in flight with ``version``. Without per-token versions:
+    ``stamps``. Under in-flight updates (``Rollout.versions``, in loop steps) a group's first token is the oldest
+    version of its rows' first tokens (a request sent after a sync samples with the newer weights from its first
+    token) and its last the newest version that sampled a token of the group."""
     out = stamps(len(rollouts), version)
     if all(r.versions is None for r in rollouts) or len(rollouts) % group_size:
         return out
+    first = torch.tensor([(r.versions or [version])[0] for r in rollouts], dtype=torch.int64)  # [rows]
     last = torch.tensor([max(r.versions or [version]) for r in rollouts], dtype=torch.int64)  # [rows]
-    out[:, 1] = last.view(-1, group_size).amax(1).repeat_interleave(group_size)  # [G] -> [rows]
+    out[:, 0] = first.view(-1, group_size).amin(1).repeat_interleave(group_size)  # [G] -> [rows]
+    out[:, 1] = last.view(-1, group_size).amax(1).repeat_interleave(group_size)
     return out
 
 

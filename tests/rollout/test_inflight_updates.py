@@ -17,6 +17,7 @@ import torch
 from toy import ToyLM
 
 from lightning_grpo.checks import ConfigError
+from lightning_grpo.collect.async_rollouts import AsyncRollouts
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
 from lightning_grpo.rollout.rollout_config import RolloutConfig
 from lightning_grpo.rollout.server.process import ServerError
@@ -132,3 +133,43 @@ def test_inflight_updates_without_async_rollouts_or_with_restarts_is_refused():
         RolloutConfig(engine="vllm_server", server=ServerConfig(inflight_updates=True))
     with pytest.raises(ConfigError, match="inflight_updates=True with restarts=1"):
         ServerConfig(inflight_updates=True, restarts=1)
+
+
+def test_one_step_off_with_inflight_updates_bounds_the_first_token_and_scores_every_token_by_its_version(
+        stub_server, policy_folder):
+    """The async schedule (k = 1) over 4 loop steps, a sync at each boundary landing in the batch in flight: a
+    group's first token is at most k steps stale, its later tokens may be newer, each token's logprob is the one of
+    the loop step's weights it records; a sync puts the next batch in flight at once (beside the cut one)."""
+    stub_server.token_delay = 0.004
+    trainer = ToyLM(seed=0)
+    engine = connect(stub_server, policy_folder, trainer)
+    steps = [0]  # the loop step whose weights the trainer holds
+    rollouts = AsyncRollouts(engine, 1, weights_step=lambda: steps[0])
+    weights = {0: ToyLM(seed=1)}  # loop step -> the weights the stub held
+
+    def batch(step: int):
+        return [Prompt(2 * step, [3, step + 4]), Prompt(2 * step + 1, [step + 5])], \
+            SamplingConfig(max_new_tokens=16, seed=step, logprobs=True)
+
+    def job(prompts, sampling):
+        return engine.generate(prompts, 2, sampling), {}
+
+    drawn, in_flight = [], []
+    for loop_step in range(4):
+        got, _, first = rollouts.take(loop_step + 1, *batch(loop_step + 1), job)
+        rollouts.submit_ahead(loop_step + 1, lambda i, s=loop_step + 1: batch(s + i), job)
+        assert loop_step - first <= 1  # put in flight with weights at most k = 1 step old ...
+        assert all(first <= r.versions[0] and loop_step - r.versions[0] <= 1 for r in got)  # ... or sent after a sync
+        assert all(r.versions[0] <= v <= loop_step for r in got for v in r.versions)
+        drawn += got
+        with torch.no_grad():  # the update
+            trainer.head.weight.add_(0.5 * torch.randn(trainer.head.weight.shape, dtype=torch.float64))
+        steps[0] = loop_step + 1
+        push_weights(trainer, rollouts)
+        weights[loop_step + 1] = as_pushed(trainer)
+        in_flight.append(sorted(rollouts.in_flight()))
+    assert in_flight[0] == [2, 3]  # the batch the sync cut, and the next one, put in flight by the sync
+    assert any(len(set(r.versions)) > 1 for r in drawn)  # some syncs landed mid-completion
+    assert max(token_errors(drawn, weights, lambda r: r.versions)) < 1e-9
+    assert max(token_errors(drawn, weights, lambda r: [max(r.versions)] * len(r.versions))) > 1e-2
+    rollouts.close()

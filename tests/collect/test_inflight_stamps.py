@@ -1,0 +1,36 @@
+"""Version stamps and staleness under in-flight updates (``collect/staleness.py``): a group's first token may be older
+than its last; the figures describe the counted rows, token by token where tokens differ."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_grpo.collect.staleness import drawn_stamps, staleness_metrics, stamps, token_staleness
+from lightning_grpo.rollout.base import Prompt, Rollout
+
+
+def row(versions: list[int] | None, n: int = 4) -> Rollout:
+    return Rollout(Prompt(0, [1]), [5] * n, "", "length", versions=versions)
+
+
+def test_without_per_token_versions_the_stamps_are_the_batchs_version():
+    rollouts = [row(None) for _ in range(4)]
+    assert torch.equal(drawn_stamps(rollouts, 3, 2), stamps(4, 3))
+
+
+def test_a_group_spans_from_its_oldest_first_token_to_its_newest_token():
+    # group 0: one row cut by a sync (2 -> 3), one row sent after it; group 1: drawn under 2 throughout
+    rollouts = [row([2, 2, 3, 3]), row([3, 3, 3, 3]), row([2, 2, 2, 2]), row([2, 2, 2, 2])]
+    out = drawn_stamps(rollouts, 2, 2)
+    assert out.tolist() == [[2, 3], [2, 3], [2, 2], [2, 2]]
+    metrics = staleness_metrics(out, torch.ones(4, dtype=torch.bool), 3, 1)
+    assert metrics["rollout/staleness"] == 1.0 and metrics["rollout/version_span"] == 1.0  # a group is as old as
+    # its oldest first token (the row sent after the sync does not make group 0 fresher)
+
+
+def test_token_staleness_weighs_each_counted_token_by_its_own_version():
+    rollouts = [row([2, 2, 3, 3]), row([3, 3, 3, 3]), row([2, 2, 2, 2]), row([2, 2, 2, 2])]
+    counted = torch.tensor([True, True, False, True])
+    metrics = token_staleness(rollouts, counted, trainer_version=3)
+    assert metrics["rollout/token_staleness"] == (1 + 1 + 0 + 0 + 0 + 0 + 0 + 0 + 1 + 1 + 1 + 1) / 12
+    assert metrics["rollout/inflight_tokens_frac"] == 2 / 12
