@@ -41,7 +41,8 @@ def drawn_stamps(rollouts: Sequence[Rollout], version: int, group_size: int) -> 
 def token_staleness(rollouts: Sequence[Rollout], counted: Tensor, trainer_version: int) -> dict[str, float]:
     """Under in-flight updates: the mean staleness of the counted rows' sampled tokens (each by the version that
     sampled it) and the fraction of them sampled after a sync cut their completion."""
-    stale, cut = [], []
+    stale: list[int] = []
+    cut: list[bool] = []
     for rollout, keep in zip(rollouts, counted.tolist()):
         if keep and rollout.versions:
             stale += [trainer_version - v for v in rollout.versions]
