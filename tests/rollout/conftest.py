@@ -32,6 +32,8 @@ class StubServer:
     def __init__(self, seed: int = 1) -> None:
         self.model = ToyLM(seed)
         self.phases: list[str] = []
+        self.bodies: list[tuple[str, dict | None]] = []
+        """(route, JSON body) of every request but the streamed ones, in order."""
         self.version = "0"
         self.drop_updates = False
         """Answer /update_weights without loading the weights (a sync that did not land)."""
@@ -68,6 +70,7 @@ class StubServer:
     def answer(self, path: str, body: dict | None) -> tuple[int, object]:
         path, _, query = path.partition("?")
         self.phases.append(path)
+        self.bodies.append((path, body))
         time.sleep(self.slow.get(path, 0.0))
         if path in ("/pause", "/resume", "/is_paused"):
             return self.pause_route(path, query)
