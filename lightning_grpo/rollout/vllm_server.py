@@ -340,7 +340,8 @@ class VLLMServerEngine(BookkeptSleep):
             self.ranks.barrier()  # no rank samples before the new weights landed
             self.check_current()  # on every rank
             return
-        self._post("/resume", {}, "resume")  # the probe is a request too: the servers sample again, the gate is shut
+        if self.ranks.leads:  # the probe is a request too: the servers sample again, the gate stays shut
+            self._post("/resume", {}, "resume")
         try:
             self.check_current()
         except BaseException as err:

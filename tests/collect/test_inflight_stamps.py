@@ -3,7 +3,10 @@ than its last; the figures describe the counted rows, token by token where token
 
 from __future__ import annotations
 
+import threading
+
 import torch
+from test_async_schedule import Trainer
 
 from lightning_grpo.collect.staleness import drawn_stamps, staleness_metrics, stamps, token_staleness
 from lightning_grpo.rollout.base import Prompt, Rollout
@@ -34,3 +37,41 @@ def test_token_staleness_weighs_each_counted_token_by_its_own_version():
     metrics = token_staleness(rollouts, counted, trainer_version=3)
     assert metrics["rollout/token_staleness"] == (1 + 1 + 0 + 0 + 0 + 0 + 0 + 0 + 1 + 1 + 1 + 1) / 12
     assert metrics["rollout/inflight_tokens_frac"] == 2 / 12
+
+
+class CutEngine:
+    """A fake in-flight engine: each completion samples 2 tokens, then (a sync landing mid-completion) waits up to
+    1 s for the next sync and samples 2 more with whatever version the engine then holds."""
+
+    updates_in_flight = True
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.synced = threading.Condition()
+
+    def generate(self, prompts, group_size, sampling):
+        first = self.version
+        with self.synced:
+            self.synced.wait_for(lambda: self.version > first, timeout=1.0)
+        second = self.version
+        return [Rollout(p, [5, 5, 5, 5], "", "length", versions=[first, first, second, second])
+                for p in prompts for _ in range(group_size)]
+
+    def load_weights(self, named_tensors) -> None:
+        list(named_tensors)
+
+    def reset_prefix_cache(self) -> None:
+        with self.synced:
+            self.version += 1
+            self.synced.notify_all()
+
+
+def test_the_collector_reports_groups_cut_by_a_sync_token_by_token():
+    run = Trainer(CutEngine())
+    assert run.rollouts.inflight
+    seen = [run.step()[1] for _ in range(4)]
+    assert sorted(run.rollouts.in_flight()) == [5, 6]  # the sync put the step after next in flight at once
+    for metrics in seen[1:]:  # drawn one step off, cut by the sync of the step that drew it
+        assert metrics["rollout/staleness"] == 1.0 and metrics["rollout/staleness_worst"] == 1.0
+        assert metrics["rollout/version_span"] == 1.0
+        assert metrics["rollout/token_staleness"] == 0.5 and metrics["rollout/inflight_tokens_frac"] == 0.5
