@@ -144,5 +144,34 @@ def main() -> None:
     print(json.dumps(summary))
 
 
+def section(d: dict | None, md_table, load_range) -> str:
+    """The docs/benchmarks.md section (rendered by bench/report.py)."""
+    title = "## 3g. In-flight weight updates on a long-tail batch (`rollout.server.inflight_updates`)"
+    if not d:
+        return f"{title}\n\nNot run."
+    a = d["args"]
+    rows = [{"round": r["round"], "idle": r["idle_step_s"], "inflight": r["inflight_step_s"], "ratio": r["ratio"],
+             "idle_sync": r["runs"]["idle"]["sync_s"], "inflight_sync": r["runs"]["inflight"]["sync_s"],
+             "lengths": f"{r['runs']['inflight']['median_len']:.0f} / {r['runs']['inflight']['max_len']}",
+             "cut": f"{r['runs']['inflight']['rows_cut']} of {r['runs']['inflight']['rows']}"} for r in d["rounds"]]
+    return "\n".join([
+        title,
+        "",
+        (f"`{d['command']}`: one launched `vllm serve` (the tests' SMALL tiny policy, float32, eager, one thread), the "
+         f"async schedule at `max_off_policy_steps: 1`, {a['prompts']} prompts x 4 samples a batch, {a['tokens']} new "
+         f"tokens but {a['tokens'] * a['tail']} for the last prompt's group, an update of {a['update_s']} s (modelled "
+         "trainer work) per loop step; *idle*: every sync waits until nothing is in flight, *inflight*: the sync cuts "
+         "the batch in flight and puts the next one in flight. Median loop step (s) after 2 warm-up steps per run; "
+         "the runs of a round alternate." + load_range(d)),
+        "",
+        md_table(rows, [("round", "round"), ("idle", "idle step s"), ("inflight", "inflight step s"),
+                        ("ratio", "idle / inflight"), ("idle_sync", "idle sync s"),
+                        ("inflight_sync", "inflight sync s"), ("lengths", "median / max tokens"),
+                        ("cut", "rows cut by a sync")]),
+        "",
+        f"Median ratio over the rounds: **{d['summary']['ratio']:.2f}x**.",
+    ])
+
+
 if __name__ == "__main__":
     main()
