@@ -35,7 +35,7 @@ from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server.adapters import ServerAdapters
 from lightning_grpo.rollout.server.client import ServerClient, each
-from lightning_grpo.rollout.server.inflight import Gate, check_pausable, complete_in_flight
+from lightning_grpo.rollout.server.inflight import Gate, check_pausable, complete_in_flight, fails_gate
 from lightning_grpo.rollout.server.placement import bucket_bodies, hop_transport
 from lightning_grpo.rollout.server.pool import connect
 from lightning_grpo.rollout.server.probe import check_probe, check_version, probe_ids
@@ -262,6 +262,10 @@ class VLLMServerEngine(BookkeptSleep):
     # -- weight sync (vLLM's RL API) -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """One bucket (checkpoint names); the first bucket of a sync opens vLLM's weight-update session."""
+        with fails_gate(self.gate):  # in-flight: the cut requests raise a failed sync's error
+            self._load_bucket(named_tensors)
+
+    def _load_bucket(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self._sleep.require("weights", call="VLLMServerEngine.load_weights()")
         if not self._session:
             self.ranks.barrier()  # every rank is done sampling before the weights change
@@ -321,10 +325,11 @@ class VLLMServerEngine(BookkeptSleep):
         """End of a sync: finish the session under the next weight version, drop cached KV blocks (under
         ``cache_salt`` the next requests' salt does it), check the engine.
         A server that died in this sync (any phase) is started again and the sync redone from its first bucket."""
-        try:
-            self._finish_sync()
-        except ServerDied as err:
-            self._recover(err)  # the republish is the redone sync (the trainer's weights did not change meanwhile)
+        with fails_gate(self.gate):  # in-flight: the cut requests raise a failed sync's error
+            try:
+                self._finish_sync()
+            except ServerDied as err:
+                self._recover(err)  # the republish is the redone sync (the trainer's weights did not change meanwhile)
 
     def _finish_sync(self) -> None:
         if self._interrupted is not None:
@@ -342,11 +347,7 @@ class VLLMServerEngine(BookkeptSleep):
             return
         if self.ranks.leads:  # the probe is a request too: the servers sample again, the gate stays shut
             self._post("/resume", {}, "resume")
-        try:
-            self.check_current()
-        except BaseException as err:
-            self.gate.fail(err)  # the cut requests stop with the sync's error, never continue on stale weights
-            raise
+        self.check_current()  # failing, it fails the gate: the cut requests never continue on stale weights
         self.gate.open(self.version)
 
     def check_current(self) -> float | None:

@@ -20,6 +20,7 @@ from lightning_grpo.checks import ConfigError
 from lightning_grpo.collect.async_rollouts import AsyncRollouts
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
 from lightning_grpo.rollout.rollout_config import RolloutConfig
+from lightning_grpo.rollout.server.probe import StaleEngineError
 from lightning_grpo.rollout.server.process import ServerError
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_server import VLLMServerEngine
@@ -173,3 +174,13 @@ def test_one_step_off_with_inflight_updates_bounds_the_first_token_and_scores_ev
     assert max(token_errors(drawn, weights, lambda r: r.versions)) < 1e-9
     assert max(token_errors(drawn, weights, lambda r: [max(r.versions)] * len(r.versions))) > 1e-2
     rollouts.close()
+
+
+def test_a_sync_that_fails_stops_the_cut_requests_with_its_error(stub_server, policy_folder):
+    """A sync that did not land (the probe disagrees): the rows it cut raise the sync's error, never continue."""
+    trainer = ToyLM(seed=0)
+    engine = connect(stub_server, policy_folder, trainer)
+    stub_server.drop_updates = True
+    with pytest.raises(StaleEngineError):
+        sync_mid_draw(stub_server, engine, trainer)
+    assert stub_server.phases.count("/v1/completions") == 4 + 1  # the rows and the probe; no continuation

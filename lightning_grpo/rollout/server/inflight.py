@@ -20,6 +20,7 @@ once its first chunk arrived, and a sync pauses only once every request sent is 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import threading
@@ -83,6 +84,18 @@ class Gate:
             self._error = err
             self._closed = False
             self._cond.notify_all()
+
+
+@contextlib.contextmanager
+def fails_gate(gate: Gate | None):
+    """A sync that fails fails ``gate`` too (None: in-flight updates off), so the requests it cut raise its error
+    instead of waiting for a resume that never comes."""
+    try:
+        yield
+    except BaseException as err:
+        if gate is not None:
+            gate.fail(err)
+        raise
 
 
 def complete_in_flight(client: ServerClient, body: dict, gate: Gate, salt: Callable[[int], dict]) -> dict:
