@@ -19,7 +19,6 @@ validation) is drawn on the spot, after the in-flight batches, with the current 
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -96,8 +95,9 @@ class AsyncRollouts:
         the next batch the schedule allows in flight at once (``_after_sync``)."""
         self._step_of = {engine.version: self.weights_step} if self.inflight else {}
         """The engine's weight version -> the loop step whose weights it is (per-token versions are translated)."""
-        self._ahead: tuple[int, Callable, Job] | None = None
-        """The last ``submit_ahead`` call (step, batches, job): what a sync may put in flight early."""
+        self._early: tuple[int, tuple[Sequence[Prompt], SamplingConfig], Job] | None = None
+        """(step, its prompts and sampling, job) of the batch the next sync puts in flight (``_after_sync``): read when
+        the last ``submit_ahead`` ran, while the data position is the one its ``batches`` counts from."""
         self._flight: dict[int, InFlight] = {}
         self._queue: list[tuple[InFlight, Callable[[], tuple]]] = []
         self._wake = threading.Condition()
@@ -152,7 +152,9 @@ class AsyncRollouts:
                      job: Job) -> None:
         """Put the batches of steps ``step+1 .. step+k`` in flight (``batches(i)``: step ``step+i``'s prompts and
         sampling, None when unknown, e.g. past the end of the data)."""
-        self._ahead = (step, batches, job)
+        if self.inflight:
+            early = batches(self.k + 1)
+            self._early = None if early is None else (step + self.k + 1, early, job)
         for i in range(1, self.k + 1):
             if step + i in self._flight:
                 continue
@@ -193,10 +195,11 @@ class AsyncRollouts:
         further than the last ``submit_ahead`` did: with these weights it is exactly ``k`` steps stale when taken, as
         the schedule allows, and it samples beside the tail of the batches cut by the sync."""
         self._step_of[self.engine.version] = self.weights_step
-        if self._ahead is None:
+        if self._early is None or self._early[0] in self._flight:
             return
-        step, batches, job = self._ahead
-        self.submit_ahead(step + 1, functools.partial(_shifted, batches), job)
+        step, batch, job = self._early
+        self._early = None
+        self._submit(step, *batch, job)
 
     def _in_steps(self, rollouts: list[Rollout]) -> list[Rollout]:
         """Per-token weight versions as loop steps (the engine counts syncs; the stamps count loop steps)."""
@@ -277,10 +280,6 @@ def _run(flight: InFlight, run: Callable[[], tuple]) -> None:
         flight.error = err
     flight.done.set()
 
-
-def _shifted(batches: Callable[[int], tuple | None], i: int) -> tuple | None:
-    """``batches`` of the step after: ``submit_ahead``'s ``i`` counted from one step further."""
-    return batches(i + 1)
 
 
 def unwrapped(engine: RolloutEngine) -> RolloutEngine:

@@ -48,8 +48,10 @@ class CutEngine:
     def __init__(self) -> None:
         self.version = 0
         self.synced = threading.Condition()
+        self.drawn: list[tuple[int, ...]] = []
 
     def generate(self, prompts, group_size, sampling):
+        self.drawn.append(tuple(p.id for p in prompts))
         first = self.version
         with self.synced:
             self.synced.wait_for(lambda: self.version > first, timeout=1.0)
@@ -67,10 +69,19 @@ class CutEngine:
 
 
 def test_the_collector_reports_groups_cut_by_a_sync_token_by_token():
-    run = Trainer(CutEngine())
+    engine = CutEngine()
+    run = Trainer(engine)
     assert run.rollouts.inflight
-    seen = [run.step()[1] for _ in range(4)]
-    assert sorted(run.rollouts.in_flight()) == [5, 6]  # the sync put the step after next in flight at once
+    seen = []
+    records = run.stream.fetch()
+    for _ in range(4):
+        seen.append(run.collector.collect(records, run.loop_step)[1])
+        run.loop_step += 1  # the update
+        records = run.stream.fetch()  # Lightning hands the next batch over before the hand-off publishes
+        run.rollouts.load_weights([])
+        run.rollouts.reset_prefix_cache()
+    assert sorted(run.rollouts.in_flight()) == [5, 6]  # the sync put the step after next in flight at once ...
+    assert len(engine.drawn) == len(set(engine.drawn)) == 6  # ... with that step's prompts: none drawn twice
     for metrics in seen[1:]:  # drawn one step off, cut by the sync of the step that drew it
         assert metrics["rollout/staleness"] == 1.0 and metrics["rollout/staleness_worst"] == 1.0
         assert metrics["rollout/version_span"] == 1.0
