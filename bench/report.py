@@ -61,7 +61,7 @@ def render(results: Path) -> str:
     r = {n: load(results, n) for n in ("suite", "update_memory", "speed_vs_trl", "logprobs", "sampler",
                                        "engine_throughput", "ahead_pass", "lightning_overhead", "weight_sync",
                                        "oom_acceptance", "budget_speed", "lora", "server_sync", "packing", "async",
-                                       "async_reward", "generation", "tool_calls")}
+                                       "async_reward", "generation", "tool_calls", "inflight")}
     targets: list[dict] = []
     sections = [
         _memory(r["update_memory"], targets),
@@ -74,6 +74,7 @@ def render(results: Path) -> str:
         _lora(r["lora"]),
         _server_sync(r["server_sync"]),
         _async(r["async"], r["async_reward"]),
+        _inflight(r["inflight"]),
         _throughput(r["engine_throughput"]),
         _generation(r["generation"]),
         _tool_calls(r["tool_calls"]),
@@ -398,6 +399,12 @@ def _lora(d: dict | None) -> str:
 
 def _generation(d: dict | None) -> str:
     from bench.generation import section  # deferred: bench.generation imports torch, which rendering never needs
+
+    return section(d, md_table, _load_range)
+
+
+def _inflight(d: dict | None) -> str:
+    from bench.inflight import section
 
     return section(d, md_table, _load_range)
 

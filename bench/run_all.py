@@ -44,6 +44,7 @@ SUITE: list[tuple[str, list[str]]] = [
     ("server_sync", ["--repeats", "3"]),
     ("async", ["--rounds", "3"]),
     ("async", ["--reward", "--seeds", "0,1,2"]),
+    ("inflight", ["--rounds", "3"]),
 ]
 
 

@@ -121,6 +121,11 @@ def server_problems(policy: PolicyConfig, rollout: RolloutConfig, dp_size: int |
                  "pace (refill rounds, episodes), so one may meet the dead server while another already waits in the "
                  "update's all-reduce, with no barrier where rank 0 could restart it; set rollout.server.restarts: 0 "
                  "(the run stops with an emergency checkpoint; resume with --ckpt_path last)")
+    if server.inflight_updates and ranks > 1:
+        p.append(f"rollout.server.inflight_updates=True with {ranks} trainer ranks: rank 0 pauses the servers while "
+                 "the other ranks' requests are in flight, and their clients cannot know which of their tokens came "
+                 "before the pause; set rollout.server.inflight_updates: false (each sync waits for idle) or train on "
+                 "one rank")
     hops = []
     for url in server.urls:  # a launched server is on its lead's node: shm under auto
         try:

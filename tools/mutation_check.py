@@ -72,7 +72,7 @@ MUTATIONS = (
         ("stale = (trainer_version - first).double()", "stale = (trainer_version - first + 1).double()"),
     )),
     Mutation("async", "a weight sync does not wait for the draw in flight", "collect/async_rollouts.py", (
-        ("        self.wait_idle()  # a batch is drawn with one weight version, never a mix\n", ""),
+        ("            self.wait_idle()  # a batch is drawn with one weight version, never a mix\n", "            pass\n"),
     )),
     Mutation("async", "a batch in flight taken although its seed changed", "collect/async_rollouts.py", (
         ("flight.prompt_ids != [p.id for p in prompts] or flight.seed != sampling.seed",
@@ -84,6 +84,12 @@ MUTATIONS = (
     Mutation("server", "sync phases wait the generation timeout (600 s), not sync_timeout_s", "rollout/server/client.py", (
         ("request_json(self.url, path, body, self.config.sync_timeout_s, phase)",
          "request_json(self.url, path, body, self.config.request_timeout_s, phase)"),
+    )),
+    Mutation("server", "an in-flight sync does not pause the servers (tokens sampled mid-sync)", "rollout/vllm_server.py", (
+        ('self._guarded(self._post, "/pause?mode=abort&clear_cache=false", {}, "pause")', "pass"),
+    )),
+    Mutation("server", "a cut request continues from its prompt, not its tokens so far", "rollout/server/inflight.py", (
+        ('"prompt": list(body["prompt"]) + tokens', '"prompt": list(body["prompt"])'),
     )),
     Mutation("objectives", "Dr. GRPO divides by tokens, not sequences x max length", "objectives/grpo.py", (
         ("self.dp_mean(seqs.detach() * self.max_completion_length)", "self.dp_mean(tokens.detach())"),

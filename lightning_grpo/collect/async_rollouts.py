@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -37,6 +37,7 @@ from lightning_grpo.rollout.base import (
     RolloutEngine,
     SamplingConfig,
     Served,
+    UpdatesInFlight,
     WeightDevice,
     WeightDtype,
 )
@@ -89,6 +90,14 @@ class AsyncRollouts:
         self.max_off_policy_steps = max_off_policy_steps
         self.weights_step = weights_step()
         """Loop step whose weights the engine holds (set when a sync ends)."""
+        self.inflight = isinstance(engine, UpdatesInFlight) and engine.updates_in_flight
+        """``rollout.server.inflight_updates``: a sync cuts the batches in flight instead of waiting for them, and puts
+        the next batch the schedule allows in flight at once (``_after_sync``)."""
+        self._step_of = {engine.version: self.weights_step} if self.inflight else {}
+        """The engine's weight version -> the loop step whose weights it is (per-token versions are translated)."""
+        self._early: tuple[int, tuple[Sequence[Prompt], SamplingConfig], Job] | None = None
+        """(step, its prompts and sampling, job) of the batch the next sync puts in flight (``_after_sync``): read when
+        the last ``submit_ahead`` ran, while the data position is the one its ``batches`` counts from."""
         self._flight: dict[int, InFlight] = {}
         self._queue: list[tuple[InFlight, Callable[[], tuple]]] = []
         self._wake = threading.Condition()
@@ -114,7 +123,7 @@ class AsyncRollouts:
         while True:
             try:
                 rollouts, metrics = flight.wait(should_stop)
-                return rollouts, metrics, flight.weights_step
+                return self._in_steps(rollouts), metrics, flight.weights_step
             except Exception as err:
                 if not self._recovered(err, should_stop):
                     raise  # not a death a restart repairs, or none left: the stop message
@@ -143,6 +152,9 @@ class AsyncRollouts:
                      job: Job) -> None:
         """Put the batches of steps ``step+1 .. step+k`` in flight (``batches(i)``: step ``step+i``'s prompts and
         sampling, None when unknown, e.g. past the end of the data)."""
+        if self.inflight:
+            early = batches(self.k + 1)
+            self._early = None if early is None else (step + self.k + 1, early, job)
         for i in range(1, self.k + 1):
             if step + i in self._flight:
                 continue
@@ -166,13 +178,33 @@ class AsyncRollouts:
         return self.engine.generate(prompts, group_size, sampling)  # this thread restarts a dead server itself
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        self.wait_idle()  # a batch is drawn with one weight version, never a mix
+        if not self.inflight:
+            self.wait_idle()  # a batch is drawn with one weight version, never a mix
         self.engine.load_weights(named_tensors)
 
     def reset_prefix_cache(self) -> None:
-        self.wait_idle()
+        if not self.inflight:
+            self.wait_idle()
         self.engine.reset_prefix_cache()
         self.weights_step = self._weights_now()
+        if self.inflight:
+            self._after_sync()
+
+    def _after_sync(self) -> None:
+        """In-flight updates: remember which loop step the new engine version is, and put in flight the batch one step
+        further than the last ``submit_ahead`` did: with these weights it is exactly ``k`` steps stale when taken, as
+        the schedule allows, and it samples beside the tail of the batches cut by the sync."""
+        self._step_of[self.engine.version] = self.weights_step
+        if self._early is None or self._early[0] in self._flight:
+            return
+        step, batch, job = self._early
+        self._early = None
+        self._submit(step, *batch, job)
+
+    def _in_steps(self, rollouts: list[Rollout]) -> list[Rollout]:
+        """Per-token weight versions as loop steps (the engine counts syncs; the stamps count loop steps)."""
+        return [r if r.versions is None else replace(r, versions=[self._step_of[v] for v in r.versions])
+                for r in rollouts]
 
     def sleep(self, level: int = 1) -> None:
         self.wait_idle()
@@ -220,6 +252,10 @@ class AsyncRollouts:
     def _submit(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job) -> InFlight:
         flight = InFlight(step, [p.id for p in prompts], sampling.seed, self.weights_step)
         self._flight[step] = flight
+        if self.inflight:  # batches overlap: the next one samples beside the tail of the one a sync cut
+            threading.Thread(target=_run, args=(flight, lambda: job(prompts, sampling)), name=f"lightning-grpo-rollouts-"
+                             f"{step}", daemon=True).start()
+            return flight
         with self._wake:
             self._queue.append((flight, lambda: job(prompts, sampling)))
             self._wake.notify()
@@ -233,11 +269,17 @@ class AsyncRollouts:
                 if self._closed:
                     return
                 flight, run = self._queue.pop(0)
-            try:
-                flight.result = run()
-            except BaseException as err:  # noqa: BLE001 - handed to the main thread when the batch is taken
-                flight.error = err
-            flight.done.set()
+            _run(flight, run)
+
+
+def _run(flight: InFlight, run: Callable[[], tuple]) -> None:
+    """Draw ``flight``'s batch; its result or error waits in it until the batch is taken."""
+    try:
+        flight.result = run()
+    except BaseException as err:  # noqa: BLE001 - handed to the main thread when the batch is taken
+        flight.error = err
+    flight.done.set()
+
 
 
 def unwrapped(engine: RolloutEngine) -> RolloutEngine:

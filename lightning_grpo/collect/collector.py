@@ -35,7 +35,7 @@ from lightning_grpo.collect.rewards import RewardScorer
 from lightning_grpo.collect.rows import RewardParts, StepRows
 from lightning_grpo.collect.schedule import AsyncSchedule
 from lightning_grpo.collect.shaping import batch_metrics, counted_only, counted_rows, shape_rewards
-from lightning_grpo.collect.staleness import staleness_metrics, stamps
+from lightning_grpo.collect.staleness import drawn_stamps, staleness_metrics, token_staleness
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.distributed import ONE_PROCESS_GROUP, DataParallelGroup
@@ -113,6 +113,8 @@ class Collector:
         if self.schedule is not None:  # over the rows trained: a refill round is drawn now, with current weights
             rows = groups.trained if bool(groups.trained.any()) else groups.live  # as _advantages: what was drawn
             metrics.update(staleness_metrics(groups.versions, rows, loop_step, self.schedule.rollouts.k))
+            if self.schedule.rollouts.inflight:  # tokens of one row may come from two versions
+                metrics.update(token_staleness(groups.rollouts, rows, loop_step))
         advantages, adv_metrics = self._advantages(groups)
         batch = pack_rollouts(groups.rollouts, advantages, groups.rewards, self.tokenizer.pad_token_id, self.context)
         metrics.update(adv_metrics)
@@ -162,7 +164,7 @@ class Collector:
             rollouts, keep = with_skipped_groups(rollouts, prompts, skipped, self.rl.group_size,
                                                  self.tokenizer.eos_token_id)
             rewards = scatter(rewards, keep)
-        return Groups(rollouts, rewards, keep, keep, stamps(len(rollouts), version)), metrics
+        return Groups(rollouts, rewards, keep, keep, drawn_stamps(rollouts, version, self.rl.group_size)), metrics
 
     def _training_draw(self, prompts: list[Prompt], loop_step: int) -> tuple[list[Rollout], dict[str, float], int]:
         """(rollouts, episode metrics, the weight version that drew them: ``loop_step`` when drawn now)."""

@@ -10,13 +10,45 @@ figure per batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
+
+from lightning_grpo.rollout.base import Rollout
 
 
 def stamps(rows: int, version: int) -> Tensor:
     """``[rows, 2]`` int64 (first, last token's version) of a round drawn with one weight version throughout."""
     return torch.full((rows, 2), version, dtype=torch.int64)
+
+
+def drawn_stamps(rollouts: Sequence[Rollout], version: int, group_size: int) -> Tensor:
+    """``[rows, 2]`` stamps of a round whose batch was put in flight with ``version``. Without per-token versions:
+    ``stamps``. Under in-flight updates (``Rollout.versions``, in loop steps) a group's first token is the oldest
+    version of its rows' first tokens (a request sent after a sync samples with the newer weights from its first
+    token) and its last the newest version that sampled a token of the group."""
+    out = stamps(len(rollouts), version)
+    if all(r.versions is None for r in rollouts) or len(rollouts) % group_size:
+        return out
+    first = torch.tensor([(r.versions or [version])[0] for r in rollouts], dtype=torch.int64)  # [rows]
+    last = torch.tensor([max(r.versions or [version]) for r in rollouts], dtype=torch.int64)  # [rows]
+    out[:, 0] = first.view(-1, group_size).amin(1).repeat_interleave(group_size)  # [G] -> [rows]
+    out[:, 1] = last.view(-1, group_size).amax(1).repeat_interleave(group_size)
+    return out
+
+
+def token_staleness(rollouts: Sequence[Rollout], counted: Tensor, trainer_version: int) -> dict[str, float]:
+    """Under in-flight updates: the mean staleness of the counted rows' sampled tokens (each by the version that
+    sampled it) and the fraction of them sampled after a sync cut their completion."""
+    stale: list[int] = []
+    cut: list[bool] = []
+    for rollout, keep in zip(rollouts, counted.tolist()):
+        if keep and rollout.versions:
+            stale += [trainer_version - v for v in rollout.versions]
+            cut += [v != rollout.versions[0] for v in rollout.versions]
+    n = max(len(stale), 1)
+    return {"rollout/token_staleness": sum(stale) / n, "rollout/inflight_tokens_frac": sum(cut) / n}
 
 
 def staleness_metrics(versions: Tensor, counted: Tensor, trainer_version: int, k: int) -> dict[str, float]:

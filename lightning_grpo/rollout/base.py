@@ -123,6 +123,9 @@ class Rollout:
     multi-turn episode (``envs/episode.py``) holds tool results and turn separators as False: context only."""
     transcript: Transcript | None = None
     """A multi-turn episode's turns, calls and results as text (None: a single-turn completion)."""
+    versions: list[int] | None = None
+    """Per completion token, the weight version that sampled it (``rollout.server.inflight_updates``: a sync may land
+    mid-completion). None = the whole completion was sampled by the weights its batch was drawn with."""
 
 
 @runtime_checkable
@@ -212,6 +215,20 @@ class Served(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class UpdatesInFlight(Protocol):
+    """A weight sync may land while requests are in flight (``rollout.server.inflight_updates``): each token then
+    records the engine's weight ``version`` that sampled it (``Rollout.versions``)."""
+
+    version: int
+    """The engine's weight version now: one more per sync."""
+
+    @property
+    def updates_in_flight(self) -> bool:
+        """True: a sync cuts the requests in flight and they continue under the new weights."""
+        ...
 
 
 @runtime_checkable

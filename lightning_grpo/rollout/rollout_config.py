@@ -120,6 +120,21 @@ class RolloutConfig:
             p.append(f"server.cache_salt=True with engine={self.engine!r}: only the vllm_server engine salts its "
                      "requests by weight version; set engine: vllm_server, or leave server.cache_salt false (the "
                      "other engines reset their prefix cache at every sync)")
+        p += self._inflight_problems()
         if self.engine == "replay" and not self.replay_path:
             p.append("replay_path=None: engine=replay needs a JSONL file of recorded rollouts")
         return p
+
+    def _inflight_problems(self) -> list[str]:
+        """``server.inflight_updates`` pauses a ``vllm serve`` mid-batch: only that engine, only with batches in flight."""
+        if self.server is None or not self.server.inflight_updates:
+            return []
+        if self.engine != "vllm_server":
+            return [f"server.inflight_updates=True with engine={self.engine!r}: an engine in this process samples "
+                    "nothing while the trainer syncs, so there is no request to keep across a sync; set engine: "
+                    "vllm_server (with max_off_policy_steps >= 1), or leave server.inflight_updates false"]
+        if not self.max_off_policy_steps:
+            return ["server.inflight_updates=True with max_off_policy_steps=0: generation and update take turns, so "
+                    "nothing is in flight at a sync; set max_off_policy_steps: 1 (async rollouts), or leave "
+                    "server.inflight_updates false"]
+        return []

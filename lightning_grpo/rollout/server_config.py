@@ -68,6 +68,12 @@ class ServerConfig:
     """Keep the prefix cache across weight syncs, keyed by weight version: every request carries vLLM's
     ``cache_salt`` of the version the servers hold, so a prefix cached under older weights is never reused, and no
     global ``/reset_prefix_cache`` runs at a sync. False = reset the whole cache at every sync (docs/async.md)."""
+    inflight_updates: bool = False
+    """Under async rollouts (``max_off_policy_steps`` >= 1), a weight sync does not wait for the batches in flight:
+    it pauses the servers (in-flight requests end where they are), pushes and checks the weights, resumes, and each
+    cut request continues from its tokens so far under the new weights. Every token records the weight version that
+    sampled it and its sampler logprob comes from those weights (rollout correction weighs each token by its own).
+    False = every sync first waits until nothing is in flight (one weight version per batch; docs/async.md)."""
     restarts: int = 0
     """How many times a launched server that dies mid-run (in a draw, a weight sync, the version check or the probe)
     is started again on its port before the run stops. The engine then republishes the trainer's current weights
@@ -123,6 +129,9 @@ class ServerConfig:
         elif self.restarts and self.url is not None:
             p.append(f"restarts={self.restarts} with url set: only a server this run launched can be started again; "
                      "restart the server at the URL yourself, or set url: null to launch it")
+        if self.inflight_updates and self.restarts:
+            p.append(f"inflight_updates=True with restarts={self.restarts}: a restart republishes the weights "
+                     "outside the paused sync that in-flight updates need; set restarts: 0 or inflight_updates: false")
         if self.probe_tolerance is not None and (not is_finite(self.probe_tolerance) or self.probe_tolerance <= 0):
             p.append(f"probe_tolerance={self.probe_tolerance!r}: must be > 0 or null (by dtype)")
         return p

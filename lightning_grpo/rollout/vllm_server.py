@@ -19,6 +19,7 @@ reaches each (one thread per server, ``server/client.each``) before any samples 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -34,6 +35,7 @@ from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server.adapters import ServerAdapters
 from lightning_grpo.rollout.server.client import ServerClient, each
+from lightning_grpo.rollout.server.inflight import Gate, check_pausable, complete_in_flight, fails_gate
 from lightning_grpo.rollout.server.placement import bucket_bodies, hop_transport
 from lightning_grpo.rollout.server.pool import connect
 from lightning_grpo.rollout.server.probe import check_probe, check_version, probe_ids
@@ -129,6 +131,10 @@ class VLLMServerEngine(BookkeptSleep):
         that other clients already synced continue from the highest count, so after a sync all report the same."""
         self.last_probe_error: float | None = None
         """The largest probe error over the servers at the last check (each client keeps its own)."""
+        self.gate = Gate(self.version) if self.config.inflight_updates else None
+        """In-flight updates: when requests may go out and under which version (``server/inflight.py``); None = off."""
+        if self.gate is not None:
+            each(self.clients, check_pausable)
         self._session = False
         self._bucket = 0
         self._sleep = SleepState()
@@ -167,25 +173,40 @@ class VLLMServerEngine(BookkeptSleep):
         for client in targets:
             client.requests += 1
         replies = self._complete(targets, bodies)
-        out = []
-        for p, reply in zip(rows, replies):
-            choice = reply["choices"][0]
-            lps = choice["logprobs"]["token_logprobs"] if sampling.logprobs else None
-            out.append(finish_rollout(p, choice["token_ids"], choice["text"], choice["finish_reason"], lps,
-                                      sampling, self._decoder() if sampling.stop else self.decode))
-        return out
+        return [self._rollout(p, reply["choices"][0], sampling) for p, reply in zip(rows, replies)]
+
+    def _rollout(self, prompt: Prompt, choice: dict, sampling: SamplingConfig) -> Rollout:
+        lps = choice["logprobs"]["token_logprobs"] if sampling.logprobs else None
+        text = choice["text"]
+        if choice.get("segments", 1) > 1:  # continued across a sync: the text of the whole, not of the parts
+            text = self._decoder()(choice["token_ids"])
+        rollout = finish_rollout(prompt, choice["token_ids"], text, choice["finish_reason"], lps, sampling,
+                                 self._decoder() if sampling.stop else self.decode)
+        if "versions" not in choice:
+            return rollout
+        return dataclasses.replace(rollout, versions=choice["versions"][: len(rollout.token_ids)])  # cuts keep a prefix
 
     def _complete(self, targets: Sequence[ServerClient], bodies: Sequence[dict]) -> list[dict]:
         """One request per body to its server, up to 64 at a time; the replies in order. A server that died is
         started again and the draw re-sent (the same seeds: the same tokens)."""
         while True:
             try:
+                call = ServerClient.complete if self.gate is None else self._complete_in_flight
                 with ThreadPoolExecutor(max_workers=min(len(bodies), 64) or 1) as pool:
-                    return list(pool.map(ServerClient.complete, targets, bodies))
+                    return list(pool.map(call, targets, bodies))
             except ServerDied as err:
                 if threading.current_thread() in self._held:
                     raise  # the async worker: the training thread recovers (``recover``)
                 self._recover(err)
+
+    def _complete_in_flight(self, client: ServerClient, body: dict) -> dict:
+        """One row, continued across the syncs that cut it; each token stamped with its weight version."""
+        return complete_in_flight(client, body, self.gate, self._salt_of)
+
+    @property
+    def updates_in_flight(self) -> bool:
+        """A sync pauses the servers and cuts the requests in flight instead of waiting for them (``UpdatesInFlight``)."""
+        return self.gate is not None
 
     @property
     def server_restarts(self) -> int:
@@ -233,15 +254,25 @@ class VLLMServerEngine(BookkeptSleep):
         """``cache_salt``: vLLM hashes it into every prefix-cache block of the request, so blocks cached under another
         weight version never match (``rollout.server.cache_salt``). Versions only grow on a server (a URL's continue
         from its highest), so a salt is never reused for other weights; ranks share it, so they share blocks."""
-        return {"cache_salt": f"lightning-grpo-v{self.version}"} if self.config.cache_salt else {}
+        return self._salt_of(self.version)
+
+    def _salt_of(self, version: int) -> dict:
+        return {"cache_salt": f"lightning-grpo-v{version}"} if self.config.cache_salt else {}
 
     # -- weight sync (vLLM's RL API) -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """One bucket (checkpoint names); the first bucket of a sync opens vLLM's weight-update session."""
+        with fails_gate(self.gate):  # in-flight: the cut requests raise a failed sync's error
+            self._load_bucket(named_tensors)
+
+    def _load_bucket(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self._sleep.require("weights", call="VLLMServerEngine.load_weights()")
         if not self._session:
             self.ranks.barrier()  # every rank is done sampling before the weights change
             self._session, self._bucket = True, 0
+            if self.gate is not None:  # in-flight updates: cut the running requests instead of waiting for them
+                self.gate.close(self.config.sync_timeout_s)
+                self._guarded(self._post, "/pause?mode=abort&clear_cache=false", {}, "pause")
             self._guarded(self._post, "/start_weight_update", {}, "start_weight_update")
         self._bucket += 1
         tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}  # every rank: FSDP2 gathers
@@ -294,10 +325,11 @@ class VLLMServerEngine(BookkeptSleep):
         """End of a sync: finish the session under the next weight version, drop cached KV blocks (under
         ``cache_salt`` the next requests' salt does it), check the engine.
         A server that died in this sync (any phase) is started again and the sync redone from its first bucket."""
-        try:
-            self._finish_sync()
-        except ServerDied as err:
-            self._recover(err)  # the republish is the redone sync (the trainer's weights did not change meanwhile)
+        with fails_gate(self.gate):  # in-flight: the cut requests raise a failed sync's error
+            try:
+                self._finish_sync()
+            except ServerDied as err:
+                self._recover(err)  # the republish is the redone sync (the trainer's weights did not change meanwhile)
 
     def _finish_sync(self) -> None:
         if self._interrupted is not None:
@@ -309,8 +341,14 @@ class VLLMServerEngine(BookkeptSleep):
             self.version += 1
         if self.ranks.leads and not self.config.cache_salt:  # salted: the new version's salt misses the old blocks
             self._post("/reset_prefix_cache", {}, "reset_prefix_cache")
-        self.ranks.barrier()  # no rank samples before the new weights landed
-        self.check_current()  # on every rank
+        if self.gate is None:
+            self.ranks.barrier()  # no rank samples before the new weights landed
+            self.check_current()  # on every rank
+            return
+        if self.ranks.leads:  # the probe is a request too: the servers sample again, the gate stays shut
+            self._post("/resume", {}, "resume")
+        self.check_current()  # failing, it fails the gate: the cut requests never continue on stale weights
+        self.gate.open(self.version)
 
     def check_current(self) -> float | None:
         """Raise ``StaleEngineError`` unless every server holds the trainer's weights; the probes' max |error|."""
