@@ -126,25 +126,51 @@ def test_the_server_engine_in_turns_reproduces_the_in_process_engine(tmp_path_fa
 
 
 TOOLS_CONFIG = Path(__file__).parents[1] / "configs" / "tools-quickstart.yaml"
+_TOOLS_RUNS: dict[int, list[dict]] = {}
+
+
+@pytest.fixture(scope="module")
+def tools_run(tmp_path_factory):
+    """`lightning-grpo fit --config configs/tools-quickstart.yaml --seed_everything=SEED` as shipped, one fit per seed
+    for the module: SEED -> its metrics.csv rows."""
+
+    def run(seed: int) -> list[dict]:
+        if seed not in _TOOLS_RUNS:
+            folder = tmp_path_factory.mktemp(f"tools-quickstart-{seed}")
+            with pytest.MonkeyPatch.context() as patch:
+                patch.chdir(folder)
+                main(["fit", "--config", str(TOOLS_CONFIG), f"--seed_everything={seed}"])
+            _TOOLS_RUNS[seed] = rows_of(folder / "runs" / "tools-quickstart" / "version_0")
+        return _TOOLS_RUNS[seed]
+
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_tools_quickstart_tool_use_and_reward_rise(tmp_path, monkeypatch, seed):
-    """`lightning-grpo fit --config configs/tools-quickstart.yaml` as shipped, 3 seeds: the warm-started tiny policy
-    (built once per session: the config pins its seed) calls the calculator more often and earns more reward.
-    First 5 vs last 5 loop steps of each seed's run."""
-    monkeypatch.chdir(tmp_path)
-    main(["fit", "--config", str(TOOLS_CONFIG), f"--seed_everything={seed}"])
-    every = list(csv.DictReader((tmp_path / "runs/tools-quickstart/version_0/metrics.csv").open()))
-    rows = [r for r in every if r.get("reward/mean")]
-    assert len(rows) == 30
-    for metric, rise in (("reward/mean", 0.1), ("tools/call_frequency", 0.2)):
-        values = [float(r[metric]) for r in rows]
-        first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
-        assert last > first + rise, f"{metric} did not rise (seed {seed}): first 5 {first:.3f}, last 5 {last:.3f}"
+def test_tools_quickstart_learns_to_use_the_tool_on_held_out_prompts(tools_run, seed):
+    """As shipped, 3 seeds: before training the greedy policy submits a guess without calling add (no reward: the
+    answer needs the tool's result); after 8 loop steps it adds first and submits the result, on held-out prompts."""
+    val = [r for r in tools_run(seed) if r.get("val/reward")]  # greedy episodes before training and after the last step
+    assert [int(r["step"]) for r in val] == [0, 8]
+    first, last = (float(val[i]["val/reward"]) for i in (0, -1))
+    calls = [float(r["val/tools/call_frequency"]) for r in val]
+    assert first <= 0.1 and calls[0] < 1.2, f"seed {seed}: the untrained policy already uses the tool: {first}, {calls}"
+    assert last >= first + 0.25, f"val/reward did not rise (seed {seed}): {[r['val/reward'] for r in val]}"
+    assert calls[-1] > 1.8, f"seed {seed}: val/tools/call_frequency {calls}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tools_quickstart_sampled_tool_use_rises(tools_run, seed):
+    """The same runs: the sampled episodes add before submitting more often, first 4 vs last 4 loop steps; the tool
+    and episode metrics are logged every loop step. (Their reward is not compared: 4 prompts a loop step make it
+    too noisy over a few steps; measured at 10 loop steps, seed 0: 0.269 in both halves while held-out val/reward
+    went 0.0 -> 0.5.)"""
+    rows = [r for r in tools_run(seed) if r.get("reward/mean")]
+    assert len(rows) == 8
+    calls = [float(r["tools/call_frequency"]) for r in rows]
+    first, last = sum(calls[:4]) / 4, sum(calls[-4:]) / 4
+    assert last > first + 0.1, f"tools/call_frequency did not rise (seed {seed}): first 4 {first:.3f}, last 4 {last:.3f}"
     for metric in ("tools/failure_frequency", "episode/turns_mean", "episode/truncated_frac"):
         assert all(r[metric] != "" for r in rows), metric
-    val = [r for r in every if r.get("val/reward")]  # greedy episodes before training, then every 10 loop steps
-    assert [int(r["step"]) for r in val] == [0, 10, 20, 30]
-    assert all(float(r["val/tools/call_frequency"]) > 0 for r in val)

@@ -53,9 +53,12 @@ class Progress:
             self.bar.close()
 
 
-def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of) -> WarmStartResult:
+def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of, cooldown: int = 0) -> WarmStartResult:
     """The warm starts' supervised loop: AdamW at a constant ``lr`` over the trainable parameters, the loss on the
     labelled (answer) tokens only. The global RNG is forked and seeded with ``seed``; the model's mode is restored.
+
+    ``cooldown``: the last this many steps decay the lr linearly towards 0 (0: constant to the end). A constant lr
+    leaves the last batches' noise in the weights; decaying it settles them on what the data says.
 
     ``batch_of(step)`` gives ``(input_ids, attention_mask, labels, extra model kwargs)`` (a VLM's pixels).
     """
@@ -71,6 +74,8 @@ def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of) -> WarmSta
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            for group in opt.param_groups:
+                group["lr"] = lr * min(1.0, (steps - step) / max(cooldown, 1))
             opt.step()
             losses.append(loss.item())
             progress.update(step + 1, losses[-1])

@@ -7,9 +7,13 @@ schemas, the calculator really runs, its results come back as the template's del
 run's stop string as the engines cut it. The loss covers the model turns only (``model_mask``), so the warm start
 teaches exactly the token layout and call format the run's parser reads.
 
-Imperfect on purpose, so GRPO has something to improve: only ``share`` of the scripted episodes use the
-calculator (``add`` the operands, ``submit`` the sum, then end the turn); the others answer at once with a guess
-in text (no call, reward 0), and a short warm start leaves the copying of the operands unreliable.
+Two stages, so GRPO has something to improve that held-out validation shows. First the call format and the
+copying of operands: ``calculator_script``, where half the episodes ``add`` the operands, ``submit`` the sum and end,
+the other half answer at once with a guess in text. Then the habit the run must unlearn, over the last ``settle``
+steps with the lr decaying to 0: ``guess_script``, where only ``share`` of the episodes add first and the others
+``submit`` a guess at once, the add skipped (reward 0: the answer needs the tool's result). The settled policy opens
+with ``add`` about ``share`` of the time, so greedy decoding submits a guess; GRPO rewards the sampled episodes that
+add first, and greedy decoding soon adds too.
 """
 
 from __future__ import annotations
@@ -73,31 +77,65 @@ def calculator_script(share: float, seed: int) -> Script:
     return script
 
 
+def guess_script(share: float, seed: int) -> Script:
+    """Per episode (by row id, seeded): with probability ``share`` ``add(a=.., b=..)``, ``submit(answer=<sum>)``, then
+    an empty final turn; otherwise ``submit(answer=<guess>)`` at once, the add skipped (a wrong guess: reward 0), then
+    an empty final turn."""
+    turns: dict[int, int] = {}
+
+    def script(prompt: Prompt) -> tuple[str, bool]:
+        turn = turns[prompt.id] = turns.get(prompt.id, -1) + 1
+        a, b = prompt.meta["a"], prompt.meta["b"]
+        rng = random.Random(f"{seed}-{prompt.id}")
+        if rng.random() < share:
+            return [f"add(a={a}, b={b})", f"submit(answer={a + b})", ""][turn], turn == 2
+        guess = rng.randint(0, 2 * max(a, b, 1))
+        guess += guess == a + b  # never right by chance: only the tool's result earns the reward
+        return [f"submit(answer={guess})", ""][turn], turn == 1
+
+    return script
+
+
 def warm_start_tools(model: nn.Module, tokenizer, task: str = TOOL_TASK, steps: int = 300, seed: int = 0,
-                     batch_size: int = 32, lr: float = 3e-3, share: float = 0.5) -> WarmStartResult:
-    """Supervised pass on scripted ``TOOL_EPISODES`` of ``task``'s train split: the loss on the model turns only.
+                     batch_size: int = 32, lr: float = 3e-3, share: float = 0.35,
+                     settle: int = 100) -> WarmStartResult:
+    """Supervised passes on scripted ``TOOL_EPISODES`` of ``task``'s train split: the loss on the model turns only.
 
     Args:
         model: a causal LM whose tokenizer has a chat template (the tiny policies': ``tiny.chat_template``).
         tokenizer: its tokenizer.
         task: a built-in task whose items carry their operands in ``meta`` (``a``, ``b``).
-        steps: optimizer steps (AdamW, constant ``lr``), ``batch_size`` episodes each.
-        seed: seeds the item draw, the script's choices and any dropout.
-        share: fraction of scripted episodes that use the calculator (the rest answer without it).
+        steps: optimizer steps in all (AdamW), ``batch_size`` episodes each: ``steps - settle`` at a constant ``lr``
+            on ``calculator_script`` (half the episodes use the tool), then ``settle`` with a fresh AdamW, the lr
+            decaying linearly towards 0, on ``guess_script`` (``share`` use it). Without the decay the last batches'
+            noise, not ``share``, decides how often the policy opens with ``add`` (measured: 0.61 for ``share``
+            0.4 after 400 constant-lr steps), so greedy decoding may already call it.
+        seed: seeds the item draw, the scripts' choices and any dropout.
+        share: fraction of the settling episodes that add before submitting (the rest submit a guess).
+        settle: the steps of the second stage (``min(settle, steps)``).
     """
+    settle = min(settle, steps)
     items = get_task(task).items(steps * batch_size, seed, "train")
     runner = EpisodeRunner(TOOL_EPISODES, tokenizer, [tokenizer.eos_token_id])
-    engine = ScriptedTurns(tokenizer, calculator_script(share, seed))
     sampling = SamplingConfig(max_new_tokens=64, stop=TOOL_STOP)
 
-    def batch_of(step: int):
-        rows = items[step * batch_size: (step + 1) * batch_size]
-        prompts = [Prompt(step * batch_size + i, [], it.text, it.answer, dict(it.meta),
-                          [{"role": "user", "content": it.text}]) for i, it in enumerate(rows)]
-        episodes, _ = runner.play(engine, prompts, 1, sampling)
-        return (*episode_rows(episodes, tokenizer.pad_token_id), {})
+    def batches(script: Script, first: int):
+        engine = ScriptedTurns(tokenizer, script)
 
-    return sft(model, steps, seed, lr, batch_of)
+        def batch_of(step: int):
+            start = (first + step) * batch_size
+            prompts = [Prompt(start + i, [], it.text, it.answer, dict(it.meta), [{"role": "user", "content": it.text}])
+                       for i, it in enumerate(items[start: start + batch_size])]
+            episodes, _ = runner.play(engine, prompts, 1, sampling)
+            return (*episode_rows(episodes, tokenizer.pad_token_id), {})
+
+        return batch_of
+
+    formats = sft(model, steps - settle, seed, lr, batches(calculator_script(0.5, seed), 0))
+    if not settle:
+        return formats
+    settled = sft(model, settle, seed, lr, batches(guess_script(share, seed), steps - settle), cooldown=settle)
+    return WarmStartResult(steps, settled.loss, formats.seconds + settled.seconds)
 
 
 def episode_rows(episodes: Sequence[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

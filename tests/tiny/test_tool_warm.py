@@ -16,6 +16,7 @@ from lightning_grpo.tiny.tool_warm import (
     ScriptedTurns,
     calculator_script,
     episode_rows,
+    guess_script,
     warm_start_tools,
 )
 
@@ -31,11 +32,11 @@ def tokenizer():
     return tok
 
 
-def play(tokenizer, share: float, pairs: list[tuple[int, int]], seed: int = 0):
+def play(tokenizer, share: float, pairs: list[tuple[int, int]], seed: int = 0, script=calculator_script):
     runner = EpisodeRunner(TOOL_EPISODES, tokenizer, [tokenizer.eos_token_id])
     prompts = [Prompt(i, [], f"{a}+{b}=", str(a + b), {"a": a, "b": b}, [{"role": "user", "content": f"{a}+{b}="}])
                for i, (a, b) in enumerate(pairs)]
-    return runner.play(ScriptedTurns(tokenizer, calculator_script(share, seed)), prompts, 1,
+    return runner.play(ScriptedTurns(tokenizer, script(share, seed)), prompts, 1,
                        SamplingConfig(max_new_tokens=64, stop=TOOL_STOP))
 
 
@@ -53,7 +54,7 @@ def test_a_scripted_tool_episode_is_the_runs_record_and_only_model_turns_are_lab
     assert labels[0, : len(e.prompt.token_ids)].eq(-100).all()
 
 
-def test_the_script_answers_without_the_tool_in_share_of_the_episodes(tokenizer):
+def test_the_first_stage_answers_without_the_tool_in_share_of_the_episodes(tokenizer):
     pairs = [(i * 7 % 1000, i * 13 % 1000) for i in range(400)]
     episodes, metrics = play(tokenizer, 0.5, pairs)
     tool = [e for e in episodes if e.model_mask.count(False)]  # tool results in the record
@@ -63,6 +64,22 @@ def test_the_script_answers_without_the_tool_in_share_of_the_episodes(tokenizer)
     assert all(e.reward == 0.0 and e.text.isdigit() and e.token_ids[-1] == tokenizer.eos_token_id for e in direct)
     assert metrics["tools/call_frequency"] == pytest.approx(2 * len(tool) / len(episodes))
     assert [e.model_mask for e in play(tokenizer, 0.5, pairs, seed=1)[0]] != [e.model_mask for e in episodes]
+
+
+def test_the_settling_stage_submits_a_guess_without_the_tool_in_the_other_episodes(tokenizer):
+    pairs = [(i * 7 % 1000, i * 13 % 1000) for i in range(400)]
+    episodes, metrics = play(tokenizer, 0.35, pairs, script=guess_script)
+    tool = [e for e in episodes if e.transcript.turns[0].text.startswith("add(")]
+    assert 0.25 < len(tool) / len(episodes) < 0.45, len(tool)
+    assert all(e.reward == 1.0 for e in tool)
+    direct = [e for e in episodes if e not in tool]
+    # the add skipped: submit a guess at once (never the sum), then end the episode
+    for e in direct:
+        assert e.transcript.turns[0].text.startswith("submit(answer=") and e.reward == 0.0
+        assert len(e.transcript.turns) == 2 and e.token_ids[-1] == tokenizer.eos_token_id
+    assert metrics["tools/call_frequency"] == pytest.approx((2 * len(tool) + len(direct)) / len(episodes))
+    again = play(tokenizer, 0.35, pairs, seed=1, script=guess_script)[0]
+    assert [e.model_mask for e in again] != [e.model_mask for e in episodes]
 
 
 def test_the_warm_start_plays_the_shipped_quickstarts_episodes():
@@ -80,6 +97,35 @@ def test_warm_start_tools_trains_the_model_turns(tiny_chat_policy_dir):
         tiny_chat_policy_dir)
     before = [p.detach().clone() for p in model.parameters()]
     first = warm_start_tools(model, tok, steps=1, batch_size=8)
-    result = warm_start_tools(model, tok, steps=20, batch_size=8, seed=1)
+    result = warm_start_tools(model, tok, steps=20, batch_size=8, seed=1, settle=5)  # 15 steps, then 5 settling
     assert result.steps == 20 and result.loss < first.loss
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class _Logits(torch.nn.Module):
+    """A model ``sft`` can train: logits from an embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 5)
+
+    def forward(self, input_ids, attention_mask):
+        return type("Out", (), {"logits": self.emb(input_ids)})()
+
+
+@pytest.mark.parametrize(("cooldown", "expected"), [(0, [1.0] * 6), (3, [1.0, 1.0, 1.0, 1.0, 2 / 3, 1 / 3])])
+def test_the_cooldown_decays_the_lr_over_the_last_steps(monkeypatch, cooldown, expected):
+    from lightning_grpo.tiny.sft import sft
+
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def record(self, *args, **kwargs):
+        seen.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    ids = torch.tensor([[1, 2, 3]])
+    sft(_Logits(), 6, 0, 0.5, lambda s: (ids, torch.ones_like(ids), ids, {}), cooldown=cooldown)
+    # step 1..6 of 6: constant, then linear towards 0 over the last `cooldown` steps
+    assert seen == pytest.approx([0.5 * e for e in expected])
