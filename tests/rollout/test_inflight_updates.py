@@ -141,7 +141,7 @@ def test_one_step_off_with_inflight_updates_bounds_the_first_token_and_scores_ev
     """The async schedule (k = 1) over 4 loop steps, a sync at each boundary landing in the batch in flight: a
     group's first token is at most k steps stale, its later tokens may be newer, each token's logprob is the one of
     the loop step's weights it records; a sync puts the next batch in flight at once (beside the cut one)."""
-    stub_server.token_delay = 0.004
+    stub_server.token_delay = 0.02  # 16 tokens take >= 0.3 s: the sync lands mid-batch even on a loaded machine
     trainer = ToyLM(seed=0)
     engine = connect(stub_server, policy_folder, trainer)
     steps = [0]  # the loop step whose weights the trainer holds
