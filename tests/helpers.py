@@ -5,8 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib
 import multiprocessing
+import os
+import runpy
 import shutil
+import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,6 +48,47 @@ def forked_context():
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return context
+
+
+def run_forked(entry: str, argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 600,
+               ) -> tuple[int, str, str]:
+    """Run a command line in a child of the fork server (``forked_context``), as a fresh interpreter would:
+    ``entry`` ``"module:function"`` is called as a console script (``lightning_grpo.__main__:main`` is
+    ``lightning-grpo``), a bare ``"module"`` runs as ``python -m module``; ``sys.argv``, the working folder and the
+    environment are the command's. Returns the exit code (negative: killed by that signal), stdout and stderr.
+
+    A real process (its own exit code, its own stderr, os._exit at the end) without re-importing torch, Lightning
+    and transformers: 1-2 s instead of 10-30 s of CPU per command on 2 cores.
+    """
+    with tempfile.TemporaryDirectory(prefix="lightning-grpo-forked-") as streams:  # not in cwd: it may be the repo
+        out, err = Path(streams) / "stdout", Path(streams) / "stderr"
+        child = forked_context().Process(target=_as_main, args=(entry, argv, str(cwd), dict(env), str(out), str(err)))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise AssertionError(f"{entry} {' '.join(argv)} ran past {timeout} s\n{err.read_text()[-3000:]}")
+        return child.exitcode, out.read_text(), err.read_text()
+
+
+def _as_main(entry: str, argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    """The fork server child of ``run_forked``: an uncaught error prints its traceback and exits 1, SystemExit(n)
+    exits n (multiprocessing's process bootstrap, as the interpreter's own)."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(handle, fd)
+        os.close(handle)
+    sys.path.insert(0, cwd)  # as `python -m` and a console script run from cwd see it
+    module, _, function = entry.partition(":")
+    sys.argv = [entry, *argv]
+    if function:
+        getattr(importlib.import_module(module), function)()
+    else:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def synthetic_batch(completion_lens: list[int], prompt_len: int = 4, vocab: int = 80, seed: int = 0,
