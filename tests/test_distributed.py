@@ -42,6 +42,7 @@ def launch_two_ranks(out: Path, policy: Path, cases: list[str], timeout: float =
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0", "WORLD_SIZE": "2"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)  # every tests/ folder: a worker names rewards as "test_x:fn"
     if cmd is None:
         cmd = [sys.executable, str(WORKER), "--out", str(out), "--policy", str(policy), "--cases", ",".join(cases)]
         cmd += ["--teacher", str(teacher)] if teacher is not None else []
@@ -355,7 +356,7 @@ def test_cli_fit_on_two_ddp_ranks(tmp_path, tiny_policy_dir):
            "--model.rl.micro_batch_per_replica=4", "--model.rollout.max_new_tokens=8", "--model.optim.lr=0.001",
            '--model.rewards=[{name: arith}, {name: "reward_fns:length_reward", weight: 0.1}]',
            "--data.source=builtin:arith", "--data.val_size=0"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         env["MASTER_PORT"] = str(s.getsockname()[1])

@@ -60,7 +60,7 @@ class Job:
         return self.root / "audit"
 
     def env(self) -> dict:
-        path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+        path = os.pathsep.join([str(TESTS), *sys.path])
         return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "LGRPO_AUDIT_DIR": str(self.audit),
                 "WANDB_MODE": "offline"}
 

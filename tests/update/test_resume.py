@@ -399,7 +399,7 @@ class Forker:
     """Starts CLI runs through tests/cli_forker.py (the CLI imported once, each run a forked child process)."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
         self.proc = subprocess.Popen([sys.executable, str(TESTS / "cli_forker.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, text=True)
         self.codes: dict[int, int] = {}
