@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 
 import pytest
-from shipped_fits import shipped_fit
+from shipped_fits import RISE, SEEDS, shipped_fit
 
 pytest.importorskip("vllm")
 
@@ -32,7 +32,6 @@ from lightning_grpo.rollout.vllm_server import VLLMServerEngine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-SEEDS = (0, 1, 2)
 LOOP_STEPS = 40
 STALENESS = {"sync": 0, "async": 2, "uncorrected": 2, "shipped": 1}
 """``rollout.max_off_policy_steps`` of each kind of fit (``shipped``: configs/async-quickstart.yaml's own)."""
@@ -137,4 +136,4 @@ def test_the_async_quickstart_held_out_validation_rises(seed, server_url, tmp_pa
     val = fit.series("val/reward")
     print(f"async-quickstart seed {seed}: val/reward {val} ({fit.seconds:.0f} s, {fit.cpu_seconds:.0f} s CPU)")
     assert val[0][0] == 0 and val[-1][0] == LOOP_STEPS, val
-    assert val[-1][1] > val[0][1], val
+    assert val[-1][1] > val[0][1] + RISE, val

@@ -1,4 +1,5 @@
-"""The quickstart learns: `lightning-grpo fit --config configs/quickstart.yaml`, as `make run` runs it."""
+"""The quickstarts learn: `lightning-grpo fit --config configs/quickstart.yaml`, as `make run` runs it, and every
+quickstart that learns on CPU over seeds 0, 1, 2 on held-out data (one fit per config and seed: tests/shipped_fits.py)."""
 
 import csv
 import re
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from agreement import check_agreement
-from shipped_fits import LEARNERS, SEEDS, learned
+from shipped_fits import LEARNERS, RISE, SEEDS, learned
 
 from lightning_grpo.cli import main
 
@@ -145,12 +146,13 @@ def test_tools_quickstart_tool_use_and_reward_rise(tmp_path, monkeypatch, seed):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("name", sorted(LEARNERS))
 def test_held_out_validation_rises_as_shipped(name, seed, tmp_path_factory):
-    """Every quickstart that learns on CPU, as shipped (sizes included), over 3 seeds: its held-out validation at
-    the end is above the starting policy's (loop step 0)."""
+    """Every quickstart that learns on CPU, as shipped (overridden: the shipped policy at every seed, dpo-arith's
+    length; shipped_fits.LEARNERS), over 3 seeds: its held-out validation at the end is RISE above the starting policy's
+    (loop step 0). async-quickstart: tests/test_async_learning.py."""
     if name == "lora-quickstart":
         pytest.importorskip("vllm")
     fit = learned(name, seed, tmp_path_factory)
     val = fit.series(LEARNERS[name][1])
     print(f"{name} seed {seed}: {LEARNERS[name][1]} {val} ({fit.seconds:.0f} s, {fit.cpu_seconds:.0f} s CPU)")
     assert val[0][0] == 0, val  # the starting policy, measured
-    assert val[-1][1] > val[0][1], f"{name} seed {seed}: held-out validation did not rise: {val}"
+    assert val[-1][1] > val[0][1] + RISE, f"{name} seed {seed}: held-out validation did not rise: {val}"
