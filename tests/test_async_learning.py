@@ -11,7 +11,9 @@ server this module launches (every fit syncs its own weights first, as a run on 
   trained as if on-policy. Its correction figures are still measured, so it reports the gap it ignores.
 
 And the async quickstart itself (``max_off_policy_steps: 1``) for its held-out validation over the seeds.
-Sizes: the shipped policy (``policy.tiny.seed: 0``: the shipped warm start serves every seed).
+Overridden: the policy's seed (``policy.tiny.seed: 0``: the shipped warm start serves every seed) and the length,
+40 of the config's 80 loop steps (the first 40 steps of an 80-step fit: the learning rate is constant and the
+schedule fixes each batch's weights). The figures each fit reached, and the 80-step ones: docs/async.md.
 """
 
 from __future__ import annotations
