@@ -1,4 +1,5 @@
-"""The quickstart learns: `lightning-grpo fit --config configs/quickstart.yaml`, as `make run` runs it."""
+"""The quickstarts learn: `lightning-grpo fit --config configs/quickstart.yaml`, as `make run` runs it, and every
+quickstart that learns on CPU over seeds 0, 1, 2 on held-out data (one fit per config and seed: tests/shipped_fits.py)."""
 
 import csv
 import re
@@ -7,25 +8,21 @@ from pathlib import Path
 import pytest
 import torch
 from agreement import check_agreement
+from shipped_fits import LEARNERS, RISE, SEEDS, learned
 
 from lightning_grpo.cli import main
 
-CONFIG = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
-
 
 @pytest.mark.slow
-def test_quickstart_reward_rises_and_writes_metrics_and_checkpoint(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    main(["fit", "--config", str(CONFIG)])  # as `make run` runs it
-    run = tmp_path / "runs" / "quickstart" / "version_0"
-    every = list(csv.DictReader((run / "metrics.csv").open()))
+def test_quickstart_reward_rises_and_writes_metrics_and_checkpoint(tmp_path_factory):
+    fit = learned("quickstart", 0, tmp_path_factory)  # as `make run` runs it (seed 0 is the file's)
+    run, every = fit.run, fit.rows
     val = [float(r["val/reward"]) for r in every if r.get("val/reward")]
     assert len(val) == 9 and val[0] > 0, val  # held-out prompts the policy can get right (main: 0.0 throughout)
     # The first val/reward is the starting policy's (num_sanity_val_steps: -1), a row at loop step 0 and the
     # summary's first: the rise over the run.
-    out = capsys.readouterr().out
-    start = float(re.search(r"val/reward first (\d\.\d{3})  \(loop step 0\)", out).group(1))
-    assert abs(start - val[0]) < 6e-4 and "; 9 validations)" in out
+    start = float(re.search(r"val/reward first (\d\.\d{3})  \(loop step 0\)", fit.out).group(1))
+    assert abs(start - val[0]) < 6e-4 and "; 9 validations)" in fit.out
     assert val[-1] > start + 0.05, f"val/reward did not rise: {start} before training, then {val}"
     rows = [r for r in every if r.get("reward/mean")]
     rewards = [float(r["reward/mean"]) for r in rows]
@@ -37,17 +34,12 @@ def test_quickstart_reward_rises_and_writes_metrics_and_checkpoint(tmp_path, mon
     assert list(run.glob("checkpoints/*.ckpt")), "no checkpoint written"
 
 
-VLM_CONFIG = Path(__file__).parents[1] / "configs" / "vlm-quickstart.yaml"
-
-
 @pytest.mark.slow
-def test_vlm_quickstart_reward_rises(tmp_path, monkeypatch):
+def test_vlm_quickstart_reward_rises(tmp_path_factory):
     """`lightning-grpo fit --config configs/vlm-quickstart.yaml` as shipped: a tiny Qwen2.5-VL learns which colour
     the square in the image is (only the pixels tell)."""
-    monkeypatch.chdir(tmp_path)
-    main(["fit", "--config", str(VLM_CONFIG)])
-    run = tmp_path / "runs" / "vlm-quickstart" / "version_0"
-    every = list(csv.DictReader((run / "metrics.csv").open()))
+    fit = learned("vlm-quickstart", 0, tmp_path_factory)
+    run, every = fit.run, fit.rows
     rows = [r for r in every if r.get("reward/mean")]
     rewards = [float(r["reward/mean"]) for r in rows]
     assert len(rewards) == 40
@@ -174,3 +166,19 @@ def test_tools_quickstart_sampled_tool_use_rises(tools_run, seed):
     assert last > first + 0.1, f"tools/call_frequency did not rise (seed {seed}): first 4 {first:.3f}, last 4 {last:.3f}"
     for metric in ("tools/failure_frequency", "episode/turns_mean", "episode/truncated_frac"):
         assert all(r[metric] != "" for r in rows), metric
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", sorted(LEARNERS))
+def test_held_out_validation_rises_as_shipped(name, seed, tmp_path_factory):
+    """Every quickstart that learns on CPU, as shipped (overridden: the shipped policy at every seed, dpo-arith's
+    length; shipped_fits.LEARNERS), over 3 seeds: its held-out validation at the end is RISE above the starting policy's
+    (loop step 0). async-quickstart: tests/test_async_learning.py."""
+    if name == "lora-quickstart":
+        pytest.importorskip("vllm")
+    fit = learned(name, seed, tmp_path_factory)
+    val = fit.series(LEARNERS[name][1])
+    print(f"{name} seed {seed}: {LEARNERS[name][1]} {val} ({fit.seconds:.0f} s, {fit.cpu_seconds:.0f} s CPU)")
+    assert val[0][0] == 0, val  # the starting policy, measured
+    assert val[-1][1] > val[0][1] + RISE, f"{name} seed {seed}: held-out validation did not rise: {val}"

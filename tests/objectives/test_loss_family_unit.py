@@ -2,7 +2,7 @@
 the toy float64 model: chunked (fixed and token-budgeted) equals unchunked to 1e-12 over two inner epochs whose
 second clips, and one chunk is bit-identical to the whole-batch objective call.
 
-Was tests/test_loss_family.py on the tiny Qwen2 policy (there: 5e-8, since Qwen2's RMSNorm and softmax round the
+Was tests/update/test_loss_family.py on the tiny Qwen2 policy (there: 5e-8, since Qwen2's RMSNorm and softmax round the
 backward to float32 even in a float64 model); on the toy model only the summation order differs, so a wrong divisor
 cannot hide under the tolerance. Those transformers runs now run in the slow tier.
 """
@@ -20,7 +20,7 @@ from lightning_grpo.objectives.grpo import GRPOObjective
 from lightning_grpo.update import Needs, Split
 
 COMBOS = [(t, r, f) for t in LOSS_TYPES for r in ("token", "sequence") for f in ("ppo_clip", "cispo")
-          if not (f == "cispo" and r == "sequence")]  # the one refused combination (tests/test_loss_family.py)
+          if not (f == "cispo" and r == "sequence")]  # the one refused combination (tests/update/test_loss_family.py)
 CHUNKINGS = (("whole", {}), ("fixed", {"n_micro": 4}), ("budget", {"max_tokens_per_micro": 40}))
 
 

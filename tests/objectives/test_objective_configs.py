@@ -7,6 +7,7 @@ import csv
 from pathlib import Path
 
 import pytest
+from shipped_fits import learned
 
 from lightning_grpo.cli import main
 
@@ -51,13 +52,14 @@ def test_dpo_config_runs_two_steps_and_resumes(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_opd_student_gets_closer_to_the_teacher_and_better_at_the_task(tmp_path, monkeypatch):
+def test_opd_student_gets_closer_to_the_teacher_and_better_at_the_task(tmp_path_factory):
     """As shipped: reverse KL to the teacher falls, and the task reward (logged, not trained on) rises: greedy on the
-    held-out prompts (`validate` before training, then the fit's validations) and, sampled, in training."""
-    start = fit(tmp_path, monkeypatch, "opd-arith.yaml", command="validate")
-    before = float(next(r["val/reward"] for r in start if r.get("val/reward")))
-    every = fit(tmp_path, monkeypatch, "opd-arith.yaml")
-    rows, val = [r for r in every if r.get("opd/kl")], [float(r["val/reward"]) for r in every if r.get("val/reward")]
+    held-out prompts (the starting policy at loop step 0, then the fit's validations) and, sampled, in training.
+    The seed-0 fit of tests/test_quickstart.py's held-out test (one fit serves both)."""
+    shipped = learned("opd-arith", 0, tmp_path_factory)
+    (start, before), *later = shipped.series("val/reward")
+    assert start == 0  # the starting policy, measured by the sanity check (num_sanity_val_steps: -1)
+    rows, val = [r for r in shipped.rows if r.get("opd/kl")], [v for _, v in later]
     first, last = rows[:8], rows[-8:]
     print(f"opd/kl {mean(first, 'opd/kl'):.3f} -> {mean(last, 'opd/kl'):.3f}; "
           f"reward/mean {mean(first, 'reward/mean'):.3f} -> {mean(last, 'reward/mean'):.3f}; val/reward {before:.3f} "
@@ -73,12 +75,13 @@ def test_opd_student_gets_closer_to_the_teacher_and_better_at_the_task(tmp_path,
 
 
 @pytest.mark.slow
-def test_dpo_held_out_preference_accuracy_rises_from_chance(tmp_path, monkeypatch):
-    """As shipped: `validate` before training (the untrained policy is indifferent), then the fit's validations."""
-    start = fit(tmp_path, monkeypatch, "dpo-arith.yaml", command="validate")
-    before = float(next(r["val/accuracy"] for r in start if r.get("val/accuracy")))
-    rows = fit(tmp_path, monkeypatch, "dpo-arith.yaml")
-    after = [float(r["val/accuracy"]) for r in rows if r.get("val/accuracy")]
+def test_dpo_held_out_preference_accuracy_rises_from_chance(tmp_path_factory):
+    """As shipped, with the sanity check over every held-out pair measuring the untrained (indifferent) policy at
+    loop step 0, then the fit's validations (the seed-0 fit of tests/test_quickstart.py's held-out test)."""
+    shipped = learned("dpo-arith", 0, tmp_path_factory)
+    (start, before), *later = shipped.series("val/accuracy")
+    assert start == 0
+    after = [v for _, v in later]
     print(f"held-out preference accuracy {before:.3f} -> {after}")
     assert 0.3 <= before <= 0.7
     # 64 held-out pairs: one validation's standard error is ~0.06, so judge the second half of the run's validations
