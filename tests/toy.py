@@ -109,3 +109,15 @@ def poison(toy: Toy, calls: set[int]) -> list[int]:
 
     toy.loop.forward_chunk = forward_chunk
     return count
+
+
+def toy_logprobs(model: ToyLM, ids) -> list[float]:
+    """``log p(ids[i] | ids[:i])`` under a toy model: the trainer's side of a stub server's probe."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([list(ids)]))[0, :-1], -1)
+    return logp.gather(-1, torch.tensor(list(ids)[1:])[:, None])[:, 0].tolist()
+
+
+def ids_text(ids) -> str:
+    """The stub server's text of token ids: the ids, space-separated."""
+    return " ".join(map(str, ids))

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import json
 
-from toy import ToyLM
+from toy import ToyLM, ids_text, toy_logprobs
 
 from lightning_grpo.collect.async_rollouts import AsyncRollouts
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
@@ -22,14 +22,6 @@ from lightning_grpo.rollout.vllm_server import VLLMServerEngine
 from lightning_grpo.rollout.weight_sync import push_weights
 
 GOLDEN = "a5d9abf98595b39ab81421df70ebb79dba8c49edf480d2869a37ef4a316c9009"
-
-
-def toy_logprobs(model: ToyLM, ids) -> list[float]:
-    import torch
-
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([list(ids)]))[0, :-1], -1)
-    return logp.gather(-1, torch.tensor(list(ids)[1:])[:, None])[:, 0].tolist()
 
 
 def batch(step: int):
@@ -53,7 +45,7 @@ def digest_of_a_run(stub_server, policy_folder, **knob) -> str:
     trainer = ToyLM(seed=0)
     config = ServerConfig(url=stub_server.url, dtype="float32", weight_transport="http", **knob)
     engine = VLLMServerEngine(policy_folder, config, reference=functools.partial(toy_logprobs, trainer),
-                              decode=lambda ids: " ".join(map(str, ids)))
+                              decode=ids_text)
     steps = [0]
     rollouts = AsyncRollouts(engine, 1, weights_step=lambda: steps[0])
 

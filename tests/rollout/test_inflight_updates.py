@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from toy import ToyLM
+from toy import ToyLM, ids_text, toy_logprobs
 
 from lightning_grpo.checks import ConfigError
 from lightning_grpo.collect.async_rollouts import AsyncRollouts
@@ -30,19 +30,11 @@ PROMPTS = [Prompt(0, [3, 4, 5]), Prompt(1, [6, 7])]
 SAMPLING = SamplingConfig(max_new_tokens=24, seed=11, logprobs=True)
 
 
-def toy_logprobs(model: ToyLM, ids) -> list[float]:
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([list(ids)]))[0, :-1], -1)
-    return logp.gather(-1, torch.tensor(list(ids)[1:])[:, None])[:, 0].tolist()
-
-
-def decode(ids) -> str:
-    return " ".join(map(str, ids))
 
 
 def connect(stub, folder, trainer: ToyLM, inflight: bool = True) -> VLLMServerEngine:
     config = ServerConfig(url=stub.url, dtype="float32", weight_transport="http", inflight_updates=inflight)
-    return VLLMServerEngine(folder, config, reference=functools.partial(toy_logprobs, trainer), decode=decode)
+    return VLLMServerEngine(folder, config, reference=functools.partial(toy_logprobs, trainer), decode=ids_text)
 
 
 def as_pushed(model: ToyLM) -> ToyLM:

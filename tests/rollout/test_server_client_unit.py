@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from toy import ToyLM
+from toy import ToyLM, ids_text, toy_logprobs
 
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
 from lightning_grpo.rollout.server.probe import StaleEngineError
@@ -26,21 +26,12 @@ SYNC = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/re
 """The phases of one sync after the session opens: every bucket, finish, reset, then the checks."""
 
 
-def toy_logprobs(model: ToyLM, ids) -> list[float]:
-    """The trainer's side of the probe: ``log p(ids[i] | ids[:i])`` under the toy model."""
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([list(ids)]))[0, :-1], -1)
-    return logp.gather(-1, torch.tensor(list(ids)[1:])[:, None])[:, 0].tolist()
-
-
-def decode(ids) -> str:
-    return " ".join(map(str, ids))
 
 
 def connect(stub, folder, trainer: ToyLM | None = None, transport: str = "http", **timeouts) -> VLLMServerEngine:
     config = ServerConfig(url=stub.url, dtype="float32", weight_transport=transport, **timeouts)
     reference = None if trainer is None else functools.partial(toy_logprobs, trainer)
-    return VLLMServerEngine(folder, config, reference=reference, decode=decode)
+    return VLLMServerEngine(folder, config, reference=reference, decode=ids_text)
 
 
 @pytest.mark.parametrize("transport", ["http", "shm"])
