@@ -125,7 +125,7 @@ def main() -> None:
 
     folder = policy_folder()
     policy, _ = load_policy(PolicyConfig(path=str(folder)))
-    launcher = VLLMServerEngine(folder, ServerConfig(dtype="float32", max_model_len=512, enforce_eager=True,
+    launcher = VLLMServerEngine(folder, ServerConfig(dtype="float32", max_model_len=256, enforce_eager=True,
                                                      threads=1, kv_cache_memory_bytes=64 << 20))
     rounds = []
     try:
