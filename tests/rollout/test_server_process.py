@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_grpo.config import ServerConfig
+from lightning_grpo.rollout.server import process as server_process
 from lightning_grpo.rollout.server.process import ServerError, ServerProcess, last_error_line
 
 pytestmark = pytest.mark.integration  # a fit with a transformers policy: not the unit tier
@@ -32,8 +34,11 @@ SILENT = "import time\nprint('INFO loading weights', flush=True)\ntime.sleep(120
 def test_a_server_that_exits_at_start_quotes_its_own_error_line(tmp_path):
     """main printed the log's last 30 lines inside the message (vLLM's own one-line error 80 lines up a traceback)."""
     process = _child(tmp_path, EXITS, startup_timeout_s=60)
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(ServerError) as err:
         process.start()
+    # untracked: a dead child's SIGTERM handler left installed turned a later fit's graceful stop into a kill
+    assert signal.getsignal(signal.SIGTERM) == before and process not in server_process._LIVE
     lines = str(err.value).splitlines()
     assert len(lines) == 2, lines
     assert lines[0] == ("vllm serve exited with code 2 while starting; it says: api_server.py: error: unrecognized "

@@ -192,22 +192,27 @@ class ServerProcess:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise self._start_error(f"vllm serve exited with code {self.proc.returncode} while starting",
+                code = self.proc.returncode
+                self._stop_keeping_log()  # untracked: no SIGTERM handler of ours outlives it in this process
+                raise self._start_error(f"vllm serve exited with code {code} while starting",
                                         "fix what it says (rollout.server.extra_args and the other server knobs)")
             with contextlib.suppress(ServerError):
                 request_json(self.url, "/health", timeout=2.0, phase="health")
                 return
             time.sleep(0.5)
-        # stop() removes a running child's log folder: keep a copy for the message and the user
+        self._stop_keeping_log()
+        raise self._start_error(f"vllm serve did not answer /health within rollout.server.startup_timeout_s="
+                                f"{self.cfg.startup_timeout_s:g}s", "raise rollout.server.startup_timeout_s, or "
+                                "fix what its log says")
+
+    def _stop_keeping_log(self) -> None:
+        """Stop the child; stop() removes its log folder, so the log moves to a kept file for the message and user."""
         fd, kept = tempfile.mkstemp(prefix="lightning-grpo-server-", suffix=".log")
         os.close(fd)
         with contextlib.suppress(OSError):
             shutil.copyfile(self.log_path, kept)
         self.stop()
         self.log_path = Path(kept)
-        raise self._start_error(f"vllm serve did not answer /health within rollout.server.startup_timeout_s="
-                                f"{self.cfg.startup_timeout_s:g}s", "raise rollout.server.startup_timeout_s, or "
-                                "fix what its log says")
 
     def _start_error(self, what: str, fix: str) -> ServerError:
         """A start-up failure in a few lines: what happened, the server's last error line, the fix and the log."""
