@@ -1,5 +1,5 @@
 # make run   - set up .venv and run the quickstart GRPO job (CPU, a few minutes)
-# make test  - set up .venv and run the tests: the fast tier here (~9 min on 2 cores); every test, the slow
+# make test  - set up .venv and run the tests: the fast tier here (~13 min on 2 cores); every test, the slow
 #              end-to-end ones too, when CI is set (.ci/run sets it)
 # make test-unit - the unit tier alone (`pytest -m unit`; about a minute)
 # make test-all - every test, as CI runs them (~45 min on 2 cores)

@@ -137,6 +137,19 @@ def _global_seed_restored():
 
 
 @pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A fit cut short in-process by ``Preempted`` (test_faults) ends before Lightning puts its SIGTERM/SIGUSR1
+    handlers back (a real run exits there): restore them, so a later test starts from the handlers it expects."""
+    import signal
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for signum, handler in saved.items():
+        if signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+@pytest.fixture(autouse=True)
 def _determinism_restored():
     """A fit enables deterministic algorithms process-wide (torch has no scoped form): put the switches back after
     every test, so a later in-process reference does not compute under another test's mode (it changed the rounding
