@@ -305,19 +305,21 @@ def objective_module(case: str, policy: str, teacher: str):
     from lightning_grpo.dpo import DPOConfig, DPOModule
     from lightning_grpo.objectives.opd import OPDConfig
 
+    # float64: 2 ranks vs 1 differ only by summation order, ~1e-15 relative (in float32 another CPU's rounding reached
+    # 1.3e-6 of the update, over a 1e-6 bar), so the comparison holds to 1e-12 (measured <= 2e-15)
     n_micro = int(case.split("-")[-1][1:])
     if case.startswith("dpo"):
-        return DPOModule(PolicyConfig(path=policy, dtype="float32"),
+        return DPOModule(PolicyConfig(path=policy, dtype="float64"),
                          DPOConfig(batch_size=len(LENGTHS), grad_accum=n_micro, max_grad_norm=0.0, beta=0.5))
     if case.startswith("grpo"):
         rl = GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, mini_batch_per_replica=4,
                         micro_batch_per_replica=4 // n_micro, max_grad_norm=0.0, **FAMILY[case.split("-")[1]])
-        return GRPOModule(policy=PolicyConfig(path=policy, dtype="float32"), rl=rl, rollout=RolloutConfig())
+        return GRPOModule(policy=PolicyConfig(path=policy, dtype="float64"), rl=rl, rollout=RolloutConfig())
     rl = GRPOConfig(batch_per_replica=len(LENGTHS), group_size=2, micro_batch_per_replica=len(LENGTHS) // n_micro,
                     max_grad_norm=0.0)
-    opd = OPDConfig(teacher=PolicyConfig(path=teacher, dtype="float32"), kl=case.split("-")[1],
+    opd = OPDConfig(teacher=PolicyConfig(path=teacher, dtype="float64"), kl=case.split("-")[1],
                     use_rewards="rewards" in case)
-    return GRPOModule(policy=PolicyConfig(path=policy, dtype="float32"), rl=rl, rollout=RolloutConfig(),
+    return GRPOModule(policy=PolicyConfig(path=policy, dtype="float64"), rl=rl, rollout=RolloutConfig(),
                       objective="opd", opd=opd)
 
 
