@@ -75,24 +75,32 @@ def optim_changes(saved: dict[str, Any] | None, now: dict[str, Any]) -> dict[str
     return {k: (old[k], now["optim"][k]) for k in OPTIM if k in old and old[k] != now["optim"][k]}
 
 
+def set_base_lr(lr: float, optimizer, schedulers) -> None:
+    """A new base LR on every group; under ``LambdaLR`` schedulers, the LR at the schedule's current position from the
+    new base, loaded through the scheduler's own state (so its ``get_last_lr()`` agrees)."""
+    lrs = [lr] * len(optimizer.param_groups)
+    for sched in schedulers:
+        lrs = [lr * factor(sched.last_epoch) for factor in sched.lr_lambdas]
+        state = sched.state_dict()
+        state["base_lrs"] = [lr] * len(lrs)
+        state["_last_lr"] = lrs
+        sched.load_state_dict(state)
+    for group, now in zip(optimizer.param_groups, lrs, strict=True):
+        group["initial_lr"] = lr
+        group["lr"] = now
+
+
 def apply_optim(changes: dict[str, tuple[Any, Any]], optimizer, schedulers) -> str | None:
     """Set the changed hyper-parameters on the restored ``optimizer`` (and the base LR of its ``LambdaLR``
     ``schedulers``); returns the warning to print, or None when nothing changed."""
     if not changes:
         return None
-    for i, group in enumerate(optimizer.param_groups):
+    for group in optimizer.param_groups:
         for name, (_, new) in changes.items():
             if name != "lr":
                 group[name] = tuple(new) if name == "betas" else new
-        if "lr" in changes:
-            new = changes["lr"][1]
-            group["initial_lr"] = new
-            for sched in schedulers:  # the LR at the schedule's current position, from the new base
-                sched.base_lrs[i] = new
-                group["lr"] = new * sched.lr_lambdas[i](sched.last_epoch)
-                sched._last_lr = [g["lr"] for g in optimizer.param_groups]
-            if not schedulers:
-                group["lr"] = new
+    if "lr" in changes:
+        set_base_lr(changes["lr"][1], optimizer, schedulers)
     said = "; ".join(f"optim.{k} {old} -> {new}" for k, (old, new) in changes.items())
     return (f"resumed with other optimizer hyper-parameters than the checkpoint's: {said}; applied (the optimizer's "
             f"moments are kept). The learning rate is now {optimizer.param_groups[0]['lr']:.4g}.")

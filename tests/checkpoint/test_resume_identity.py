@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from helpers import fit_tiny, tiny_grpo_module
 
 from lightning_grpo.checkpoint.identity import IDENTITY_KEY, ResumeMismatchError, optim_changes
@@ -33,6 +34,7 @@ def test_a_changed_learning_rate_is_applied_with_a_warning_naming_old_and_new(on
     assert group["weight_decay"] == 0.1
     said = [str(x.message) for x in w if "applied" in str(x.message)]
     assert len(said) == 1 and f"learning rate is now {group['lr']:.4g}" in said[0]
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [group["lr"]]
 
 
 @pytest.mark.slow
@@ -52,3 +54,30 @@ def test_a_checkpoint_without_an_identity_is_not_compared():
     assert optim_changes(None, now) == {} and IDENTITY_KEY == "grpo_run"
     with pytest.raises(ResumeMismatchError, match=r"model: 'llama, 12 parameters' in the checkpoint, 'qwen2, 10"):
         optim_changes({**now, "model": "llama, 12 parameters"}, now)
+
+
+def test_a_new_base_lr_lands_at_the_schedules_position_and_in_its_own_state():
+    """checkpoint/identity.set_base_lr under transformers' cosine-with-warmup (a LambdaLR): the LR at the current
+    position from the new base, get_last_lr() agrees, and the schedule continues from there."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    from lightning_grpo.checkpoint.identity import set_base_lr
+
+    def stepped(lr: float):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+        sched = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=3, num_training_steps=10)
+        for _ in range(5):
+            optimizer.step()
+            sched.step()
+        return optimizer, sched
+
+    optimizer, sched = stepped(1e-3)
+    twin, twin_sched = stepped(2e-3)
+    set_base_lr(2e-3, optimizer, [sched])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(twin.param_groups[0]["lr"], rel=1e-12)
+    assert sched.get_last_lr() == [optimizer.param_groups[0]["lr"]]
+    optimizer.step()
+    sched.step()
+    twin.step()
+    twin_sched.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(twin.param_groups[0]["lr"], rel=1e-12)
