@@ -40,7 +40,7 @@ from lightning_grpo.config import OptimConfig
 from lightning_grpo.determinism import run_seed
 from lightning_grpo.distributed import DataParallelOps, data_parallel_mesh, shard_fsdp2
 from lightning_grpo.metrics import loop_step_row
-from lightning_grpo.policy import PolicyConfig, with_seed
+from lightning_grpo.policy import PolicyConfig, load_policy, with_seed
 from lightning_grpo.precision import PluginStep, adamw_kernel, check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
@@ -139,6 +139,10 @@ class UpdateModule(DataParallelOps, LightningModule):
         run = run_length(self.trainer, steps_per_loop_step)
         self.schedule_horizon = self.optim_cfg.total_steps or run
         check_horizon(self.optim_cfg, self.schedule_horizon, run)
+
+    def configure_policy(self):
+        """(model, tokenizer), built by ``configure_model``. Default: ``load_policy(self.policy_cfg)``."""
+        return load_policy(self.policy_cfg)
 
     def check_strategy(self) -> None:
         """Raise the rules that need the strategy (the DP size, its kind); ``setup`` calls it before any model is

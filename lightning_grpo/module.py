@@ -23,7 +23,7 @@ from lightning_grpo.metrics import update_metrics
 from lightning_grpo.model_parts import build_updater, scoring_parts, trainable
 from lightning_grpo.objectives import Objective, ObjectiveParts, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
-from lightning_grpo.policy import PolicyConfig, load_policy, load_vision
+from lightning_grpo.policy import PolicyConfig, load_vision
 from lightning_grpo.publisher import NoPublisher, WeightPublisher
 from lightning_grpo.run_check import check_module, check_parts, check_ranks
 from lightning_grpo.timing import UPDATE, WAIT_BATCH
@@ -110,10 +110,6 @@ class GRPOModule(UpdateModule):
         parts = ObjectiveParts(self.rl, self.dp_mean, max_new_tokens, opd=self.opd_cfg, seed=self.seed)
         return build_objective(objective, parts)
 
-    def configure_policy(self):
-        """(model, tokenizer). Default: ``load_policy(self.policy_cfg)``."""
-        return load_policy(self.policy_cfg)
-
     def configure_vision(self) -> VisionProcessor | None:
         """The policy's image side (None for a text-only policy); freezes the vision tower unless
         ``policy.train_vision_tower``. Default: ``load_vision`` on the policy folder."""
@@ -166,10 +162,8 @@ class GRPOModule(UpdateModule):
         return []
 
     def configure_updater(self) -> Updater:
-        """The update of one collected batch (``model_parts.build_updater``): split by ``rl``, the objective on each
-        chunk, the ahead pass (frozen pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it.
-        Built for one process: the ranks' split and reductions join with the optimizer (``on_train_start``), once
-        the strategy is known."""
+        """The update of one collected batch (``model_parts.build_updater``, docs/update.md). Built for one process:
+        the ranks' split and reductions join with the optimizer (``on_train_start``), once the strategy is known."""
         return build_updater(self.policy, self.forward_chunk, self.scorer, self.routing, self.objective, self.rl,
                              recorders=self.configure_recorders(), dp_sum=self.dp_sum, seed=self.seed,
                              timer=self.timer)
@@ -242,9 +236,8 @@ class GRPOModule(UpdateModule):
         side = TrainerSide(self.trainer)
         if self.engine is None:
             self.engine = self.build_engine(will_sleep=side.engine_sleeps)
-        self._publisher = side.publisher(self.engine, self.policy)  # attached when none is
-        bucket_mb = self.rollout_cfg.sync_bucket_mb
-        self._publisher.on_engine_ready(self.trainer, self.engine, self.policy, bucket_mb, self.timer)
+        # the Trainer's publisher (attached when none is), told the engine is ready
+        self._publisher = side.publisher(self.engine, self.policy, self.rollout_cfg.sync_bucket_mb, self.timer)
         syncs = not isinstance(self._publisher, NoPublisher)  # a publisher syncs the engine every loop step
         self.certifier = collect.certifier_of(self.rollout_cfg.certificate, self.policy, self.tokenizer, syncs)
         self.collector = self.configure_collector()  # the certificate runs before each training draw

@@ -18,6 +18,7 @@ from lightning_grpo.data.seam import PromptProvider, prompt_provider
 from lightning_grpo.handoff import engine_publisher
 from lightning_grpo.publisher import WeightPublisher, engine_sleeps
 from lightning_grpo.rollout.base import RolloutEngine
+from lightning_grpo.timing import StepTimer
 
 
 class TrainerSide:
@@ -61,7 +62,11 @@ class TrainerSide:
         the wait runs to its end; ``checkpoint/signals.py``)."""
         return stop_poll(self.trainer, waiting_on)
 
-    def publisher(self, engine: RolloutEngine, policy: nn.Module) -> WeightPublisher:
-        """The fit's publisher of ``policy`` to ``engine``: the Trainer's own, else one attached for an engine with
-        weights of its own (``handoff.engine_publisher``), else ``NoPublisher``."""
-        return engine_publisher(self.trainer, engine, policy)
+    def publisher(self, engine: RolloutEngine, policy: nn.Module, sync_bucket_mb: float,
+                  timer: StepTimer | None = None) -> WeightPublisher:
+        """The fit's publisher of ``policy`` to ``engine``, told the engine is ready (``on_engine_ready``): the
+        Trainer's own, else one attached for an engine with weights of its own (``handoff.engine_publisher``), else
+        ``NoPublisher``."""
+        publisher = engine_publisher(self.trainer, engine, policy)
+        publisher.on_engine_ready(self.trainer, engine, policy, sync_bucket_mb, timer)
+        return publisher
