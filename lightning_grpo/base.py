@@ -24,6 +24,7 @@ import logging
 import math
 import re
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from lightning.pytorch import LightningModule
@@ -32,19 +33,23 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_grpo.checkpoint import adapter
 from lightning_grpo.checkpoint.identity import IDENTITY_KEY, apply_optim, identity, optim_changes
 from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError, nonfinite_parameter
 from lightning_grpo.config import OptimConfig
 from lightning_grpo.determinism import run_seed
 from lightning_grpo.distributed import DataParallelOps, data_parallel_mesh, shard_fsdp2
 from lightning_grpo.metrics import loop_step_row
-from lightning_grpo.policy import PolicyConfig, with_seed
+from lightning_grpo.policy import PolicyConfig, load_policy, with_seed
 from lightning_grpo.precision import PluginStep, adamw_kernel, check_precision
 from lightning_grpo.progress import count_loop_steps
 from lightning_grpo.schedule import build_scheduler, check_horizon, run_length
 from lightning_grpo.timing import StepTimer
 from lightning_grpo.update import DataParallel, Split, Updater
 from lightning_grpo.validation import ValidationMeans, is_measurement
+
+if TYPE_CHECKING:  # annotations only
+    from lightning_grpo.lora import BaseFingerprint
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +102,7 @@ class UpdateModule(DataParallelOps, LightningModule):
         self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer and the reference
         self.tokenizer = None
         self.ref: nn.Module | None = None
+        self.lora_base: BaseFingerprint | None = None  # under policy.lora: the frozen base its checkpoints leave out
         self.updater: Updater | None = None  # built by configure_model; the optimizer joins it in on_train_start
         self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
         self.last_metrics: dict[str, float] = {}
@@ -133,6 +139,10 @@ class UpdateModule(DataParallelOps, LightningModule):
         run = run_length(self.trainer, steps_per_loop_step)
         self.schedule_horizon = self.optim_cfg.total_steps or run
         check_horizon(self.optim_cfg, self.schedule_horizon, run)
+
+    def configure_policy(self):
+        """(model, tokenizer), built by ``configure_model``. Default: ``load_policy(self.policy_cfg)``."""
+        return load_policy(self.policy_cfg)
 
     def check_strategy(self) -> None:
         """Raise the rules that need the strategy (the DP size, its kind); ``setup`` calls it before any model is
@@ -225,6 +235,7 @@ class UpdateModule(DataParallelOps, LightningModule):
             return
         self._state.write(self.trainer, checkpoint)
         checkpoint[IDENTITY_KEY] = self._identity()  # a resume compares its config with it (checkpoint/identity.py)
+        adapter.save_adapter(checkpoint, self.policy, self.lora_base, "policy.")  # LoRA: the base is rebuilt
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
@@ -233,6 +244,7 @@ class UpdateModule(DataParallelOps, LightningModule):
         # seed/model/dtype changed: refused now; optimizer hyper-parameters: applied at on_train_start, with a warning
         self._optim_changes = optim_changes(checkpoint.get(IDENTITY_KEY), self._identity())
         self._state.load(checkpoint)  # put back at on_train_start, once the updater has its loop
+        adapter.load_adapter(checkpoint, self.policy, self.lora_base, "policy.")  # before Lightning loads it
 
     def split(self) -> Split:
         """How this rank cuts a collected batch (here: the updater's own; GRPO derives it from ``rl`` per rank)."""

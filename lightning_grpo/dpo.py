@@ -29,7 +29,7 @@ from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.metrics import roll_up
 from lightning_grpo.objectives.dpo import DPOObjective, DPOStats
-from lightning_grpo.policy import PolicyConfig, load_policy
+from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.timing import UPDATE
 from lightning_grpo.update import ChunkPlan, LoopResult, Split, Updater, eval_mode
 
@@ -139,7 +139,7 @@ class DPOModule(UpdateModule):
     def configure_model(self) -> None:
         """Policy, tokenizer, (unless reference-free) the frozen reference and the updater. Idempotent."""
         if self.policy is None:
-            policy, self.tokenizer = load_policy(self.policy_cfg)
+            policy, self.tokenizer = self.configure_policy()
             self.policy = policy.train()
             self.ref = None if self.dpo.reference_free else copy.deepcopy(self.policy).requires_grad_(False)
             # One optimizer step of dpo.grad_accum train calls per batch; DPO has no pi_old (no ahead pass). Built for

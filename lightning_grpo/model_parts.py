@@ -36,6 +36,11 @@ class Trainable:
     lora_base: lora.BaseFingerprint | None
     """Under ``policy.lora``, the fingerprint of the frozen base (None: no adapter)."""
 
+    @property
+    def has_adapter(self) -> bool:
+        """Under ``policy.lora``: only the adapter trains, and the reference is the base (no copy)."""
+        return self.lora_base is not None
+
 
 def trainable(model: nn.Module, lora_cfg: lora.LoraConfig | None, seed: int) -> Trainable:
     """``model`` ready to train: under ``lora_cfg`` peft freezes the base, and only the adapter trains."""

@@ -13,25 +13,21 @@ from typing import TYPE_CHECKING
 
 from lightning_grpo import collect
 from lightning_grpo.base import UpdateModule
-from lightning_grpo.checkpoint import adapter
-from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.fitting import PromptFit, fit_prompts
 from lightning_grpo.data.rewards import RewardSpec
-from lightning_grpo.data.seam import PromptProvider, prompt_provider
 from lightning_grpo.determinism import enable_determinism
 from lightning_grpo.engines import EngineParts, build_engine
 from lightning_grpo.envs import EnvConfig, EpisodeRunner
-from lightning_grpo.handoff import engine_publisher
 from lightning_grpo.metrics import update_metrics
 from lightning_grpo.model_parts import build_updater, scoring_parts, trainable
 from lightning_grpo.objectives import Objective, ObjectiveParts, Stats, build_objective
 from lightning_grpo.objectives.opd import OPDConfig
-from lightning_grpo.policy import PolicyConfig, load_policy, load_vision
-from lightning_grpo.publisher import NoPublisher, WeightPublisher, engine_sleeps
+from lightning_grpo.policy import PolicyConfig, load_vision
+from lightning_grpo.publisher import NoPublisher, WeightPublisher
 from lightning_grpo.run_check import check_module, check_parts, check_ranks
-from lightning_grpo.scoring import ChunkScorer, explained_rows
 from lightning_grpo.timing import UPDATE, WAIT_BATCH
+from lightning_grpo.trainer_side import TrainerSide
 from lightning_grpo.update import LoopResult, Recorder, Split, Updater, pi_old_source
 from lightning_grpo.validation import greedy_scores
 
@@ -42,9 +38,9 @@ if TYPE_CHECKING:  # annotations only
 
     from lightning_grpo.batch import RolloutBatch
     from lightning_grpo.certificate import Certifier
-    from lightning_grpo.lora import BaseFingerprint
     from lightning_grpo.rollout.base import Rollout, RolloutEngine, SamplingConfig
     from lightning_grpo.routing import RoutingReplay
+    from lightning_grpo.scoring import ChunkScorer
     from lightning_grpo.vision import VisionProcessor
 
 # The sections' defaults: instances rather than None, so `--help` and `--print_config` show every field.
@@ -92,10 +88,9 @@ class GRPOModule(UpdateModule):
         named = objective if isinstance(objective, str) else None  # an instance brings its own config
         check_module(self.policy_cfg, self.rl, self.rollout_cfg, self.opd_cfg, named)  # before any model is built
         self.objective = self.configure_objective(objective)
-        # Built in configure_model: the image side (None: text-only), LoRA's frozen base, MoE routing replay,
-        # the per-chunk scorer; built with the engine in on_fit_start: the collector.
+        # Built in configure_model: the image side (None: text-only), MoE routing replay, the per-chunk scorer;
+        # built with the engine in on_fit_start: the collector.
         self.vision: VisionProcessor | None = None
-        self.lora_base: BaseFingerprint | None = None
         self.routing: RoutingReplay | None = None
         self.scorer: ChunkScorer | None = None
         self.engine: RolloutEngine | None = None
@@ -114,10 +109,6 @@ class GRPOModule(UpdateModule):
         max_new_tokens = self.rollout_cfg.max_new_tokens
         parts = ObjectiveParts(self.rl, self.dp_mean, max_new_tokens, opd=self.opd_cfg, seed=self.seed)
         return build_objective(objective, parts)
-
-    def configure_policy(self):
-        """(model, tokenizer). Default: ``load_policy(self.policy_cfg)``."""
-        return load_policy(self.policy_cfg)
 
     def configure_vision(self) -> VisionProcessor | None:
         """The policy's image side (None for a text-only policy); freezes the vision tower unless
@@ -140,20 +131,20 @@ class GRPOModule(UpdateModule):
     def configure_collector(self) -> collect.Collector:
         """The rollout of one loop step, from this module's parts and ``self.engine`` (``collect/wiring.py``). Built
         once the strategy is known (the sampling seed and the reductions depend on the ranks)."""
-        context = self.context_length()
-        if self.episodes is None:
-            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, context)
+        side = TrainerSide(self._trainer)
+        self.load_episodes()
         # a SIGTERM abandons a reward call still running, or the wait for rollouts in flight
-        self.reward_scorer = collect.RewardScorer(self.reward_specs, stop_poll(self._trainer, "a reward function"))
+        self.reward_scorer = collect.RewardScorer(self.reward_specs, side.stop_poll("a reward function"))
         parts = collect.CollectParts(
             self.engine, self.episodes, self.compute_rewards, self.reward_scorer, self.rl, self.rollout_cfg,
             self.step_sampling(), self.tokenizer,
             vision=self.vision,
-            context=context,
-            prompts=prompt_provider(self._trainer),
+            context=self.context_length(),
+            prompts=side.prompts,
             dp=self.dp_group(),
-            waiting_stop=stop_poll(self._trainer, "rollouts in flight"),
-            in_flight=self._in_flight)
+            waiting_stop=side.stop_poll("rollouts in flight"),
+            in_flight=self._in_flight,
+            certifier=self.certifier)
         return collect.wire_collector(parts)
 
     def sampling(self) -> SamplingConfig:
@@ -171,10 +162,8 @@ class GRPOModule(UpdateModule):
         return []
 
     def configure_updater(self) -> Updater:
-        """The update of one collected batch (``model_parts.build_updater``): split by ``rl``, the objective on each
-        chunk, the ahead pass (frozen pi_old, the one-shot probe, MoE routes) when ``plan.batch_needs`` asks for it.
-        Built for one process: the ranks' split and reductions join with the optimizer (``on_train_start``), once
-        the strategy is known."""
+        """The update of one collected batch (``model_parts.build_updater``, docs/update.md). Built for one process:
+        the ranks' split and reductions join with the optimizer (``on_train_start``), once the strategy is known."""
         return build_updater(self.policy, self.forward_chunk, self.scorer, self.routing, self.objective, self.rl,
                              recorders=self.configure_recorders(), dp_sum=self.dp_sum, seed=self.seed,
                              timer=self.timer)
@@ -195,26 +184,30 @@ class GRPOModule(UpdateModule):
         return self.rl.steps_per_loop_step
 
     def check_strategy(self) -> None:
-        strategy = getattr(self._trainer, "strategy", None)
+        strategy = TrainerSide(self._trainer).strategy
         check_ranks(self.policy_cfg, self.rl, self.rollout_cfg, self.dp_size(), strategy)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)  # check_strategy, loop-step bars, the schedule's horizon
-        sleeps = engine_sleeps(self.trainer.callbacks) if self._trainer is not None else False
+        side = TrainerSide(self._trainer)
         # what loads or answers without a weight: env, reward columns, hand-off, server URL (before a server launches)
-        prompts = prompt_provider(self._trainer)
-        check_parts(self.rollout_cfg, self.env_cfg, self.reward_specs or [], prompts, engine_sleeps=sleeps)
+        rewards = self.reward_specs or []
+        check_parts(self.rollout_cfg, self.env_cfg, rewards, side.prompts, engine_sleeps=side.engine_sleeps)
         if self.rl.deterministic:  # before the policy and engine are built: they may start CUDA work
             enable_determinism(self.seed)
 
     def check_data(self) -> None:
         """Fit the datamodule's prompts to this policy and its rewards before any step runs (``data/fitting.py``)."""
-        context = self.context_length()
-        fit = PromptFit.of(self.tokenizer, context, self.rollout_cfg, self.rl, self.reward_specs,
+        fit = PromptFit.of(self.tokenizer, self.context_length(), self.rollout_cfg, self.rl, self.reward_specs,
                            self.policy_cfg.path, self.vision is not None, self.objective.name)
-        fit_prompts(fit, getattr(self._trainer, "datamodule", None))
-        if self.episodes is None:  # loads model.env: an environment that does not import is refused here
-            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, context)
+        fit_prompts(fit, TrainerSide(self._trainer).datamodule)
+        self.load_episodes()
+
+    def load_episodes(self) -> None:
+        """``model.env``'s runner, built once (``collect.episodes_of``): an environment that does not import is
+        refused here."""
+        if self.episodes is None:
+            self.episodes = collect.episodes_of(self.env_cfg, self.policy, self.tokenizer, self.context_length())
 
     def configure_model(self) -> None:
         """Build policy, tokenizer and (beta > 0) the frozen reference; FSDP2-shard them under ModelParallelStrategy.
@@ -225,12 +218,10 @@ class GRPOModule(UpdateModule):
             model, self.tokenizer = self.configure_policy()
             trained = trainable(model, self.policy_cfg.lora, self.seed)  # model_parts.py
             self.policy = trained.policy
-            self.lora_base = trained.lora_base
+            self.lora_base = trained.lora_base  # base.py leaves it out of checkpoints
             self.vision = self.configure_vision()  # before the optimizer and the reference: it may freeze a tower
-            lora_on = self.policy_cfg.lora is not None
-            temperature = self.rollout_cfg.temperature
-            parts = scoring_parts(self.policy, self.tokenizer, self.vision, self.objective, self.rl, temperature,
-                                  lora_on, self.dp_mean)  # OPD loads its teacher here
+            parts = scoring_parts(self.policy, self.tokenizer, self.vision, self.objective, self.rl,
+                                  self.rollout_cfg.temperature, trained.has_adapter, self.dp_mean)  # OPD's teacher
             self.ref = parts.ref
             self.routing = parts.routing
             self.scorer = parts.scorer
@@ -242,27 +233,25 @@ class GRPOModule(UpdateModule):
         # Outside configure_model: its default device/dtype contexts must not leak into an engine (vLLM). Before
         # Lightning restores optimizer state onto the device, so the hand-off can put the engine to sleep first.
         self.check_data()  # before the engine: a data problem is reported in seconds, not after vLLM starts
+        side = TrainerSide(self.trainer)
         if self.engine is None:
-            self.engine = self.build_engine(will_sleep=engine_sleeps(self.trainer.callbacks))
-        self._publisher = engine_publisher(self.trainer, self.engine, self.policy)  # attached when none is
-        bucket_mb = self.rollout_cfg.sync_bucket_mb
-        self._publisher.on_engine_ready(self.trainer, self.engine, self.policy, bucket_mb, self.timer)
-        self.collector = self.configure_collector()
+            self.engine = self.build_engine(will_sleep=side.engine_sleeps)
+        # the Trainer's publisher (attached when none is), told the engine is ready
+        self._publisher = side.publisher(self.engine, self.policy, self.rollout_cfg.sync_bucket_mb, self.timer)
         syncs = not isinstance(self._publisher, NoPublisher)  # a publisher syncs the engine every loop step
         self.certifier = collect.certifier_of(self.rollout_cfg.certificate, self.policy, self.tokenizer, syncs)
+        self.collector = self.configure_collector()  # the certificate runs before each training draw
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        super().on_save_checkpoint(checkpoint)  # the boundary state; refused (no weights) when any is non-finite
+        super().on_save_checkpoint(checkpoint)  # the boundary state (LoRA: the adapter alone), or no weights
         if self.collector is not None:  # the prompts in flight (drawn again on resume)
             self.collector.record(checkpoint)
-        adapter.save_adapter(checkpoint, self.policy, self.lora_base, "policy.")  # LoRA: the base is rebuilt
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        super().on_load_checkpoint(checkpoint)  # put back at on_train_start, once the updater has its loop
+        super().on_load_checkpoint(checkpoint)  # put back at on_train_start; LoRA: the base goes back in
         self._in_flight = collect.in_flight_of(checkpoint, self.global_rank)  # checked when drawn again
         if self.collector is not None:  # a strategy that restores after on_fit_start
             self.collector.expect_reissue(self._in_flight)
-        adapter.load_adapter(checkpoint, self.policy, self.lora_base, "policy.")  # before Lightning loads it
 
     def training_step(self, records, batch_idx: int) -> None:
         # 1. rollout: this rank's prompts -> completions -> rewards -> group advantages
@@ -283,7 +272,7 @@ class GRPOModule(UpdateModule):
             self.check_data()
             self.engine = self.build_engine(will_sleep=False)
             self.collector = self.configure_collector()
-        data = prompt_provider(self._trainer) or PromptProvider()  # none: the greedy draw alone
+        data = TrainerSide(self._trainer).validation_draws
         k = data.val_samples_per_prompt
         metrics = greedy_scores(self.collector, records, self.loop_step, k, data.val_pass_reward)
         metrics["step"] = float(self.loop_step)  # x-axis: the loop step
@@ -291,13 +280,9 @@ class GRPOModule(UpdateModule):
 
     # -- the phases -----------------------------------------------------------------------------------------------
     def collect(self, records) -> tuple[RolloutBatch, dict[str, float]]:
-        """This rank's collected batch and rollout metrics (``collect/``: docs/collect.md); first the consistency
-        certificate when one is due (the sync of this step is done and nothing is in flight)."""
-        if self.certifier is None:
-            return self.collector.collect(records, self.loop_step)
-        mismatch = self.certifier(collect.unwrapped(self.engine), self.loop_step)
-        batch, metrics = self.collector.collect(records, self.loop_step)
-        return batch, {**metrics, **mismatch}
+        """This rank's collected batch and rollout metrics (``collect/``: docs/collect.md), the consistency
+        certificate's first when one is due."""
+        return self.collector.collect(records, self.loop_step)
 
     def update(self, batch: RolloutBatch) -> LoopResult:
         """Consume one collected batch (this rank's share) as mu_iterations x n_mini optimizer steps."""
@@ -324,7 +309,9 @@ class GRPOModule(UpdateModule):
         """The last loop step's rows on this rank (``completions.py`` writes a few), with the objective's per-token
         figure when it has one (OPD's KL to the teacher: ``ExplainsTokens``)."""
         rows = self.collector.last_rows if self.collector is not None else None
-        return explained_rows(rows, self.objective, self.scorer, self.tokenizer)
+        if rows is None:
+            return None
+        return self.scorer.explained(rows, self.objective, self.tokenizer)
 
     def _weights_step(self) -> int:
         """The loop step whose weights the trainer holds (an async engine reads it when a sync ends)."""

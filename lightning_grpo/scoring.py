@@ -98,6 +98,15 @@ class ChunkScorer:
         mask = chunk.completion_mask[:, 1:]  # [B, T-1]
         return [values[i][mask[i]].tolist() for i in range(len(rollouts))]
 
+    def explained(self, rows: StepRows | None, objective: Objective, tokenizer) -> StepRows | None:
+        """``rows`` with the objective's per-token figure when it has one (OPD's KL to the teacher:
+        ``ExplainsTokens``), measured on demand (``token_figures``) for the rows a log shows."""
+        if rows is None or not isinstance(objective, ExplainsTokens):
+            return rows
+        values = functools.partial(self.token_figures, objective, tokenizer.pad_token_id)
+        figure = TokenFigure(objective.token_figure, values)
+        return replace(rows, figure=figure, uses_advantages=objective.uses_advantages())
+
     def reference_logprobs(self, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
         """``[B, T-1]`` logprobs of the frozen reference: the copy, or under LoRA the policy with its adapter off."""
         if self.ref is not None:
@@ -145,17 +154,6 @@ class _ChunkScores:
     def with_entropy(self, chunk: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor]:
         entropy = "grad" if grad else "value"
         return self.scorer.logprobs(self.scorer.policy, chunk, self.pixels(chunk), entropy)
-
-
-def explained_rows(rows: StepRows | None, objective: Objective, scorer: ChunkScorer, tokenizer) -> StepRows | None:
-    """``rows`` with the objective's per-token figure when it has one (OPD's KL to the teacher:
-    ``ExplainsTokens``), measured on demand for the rows a log shows."""
-    if rows is None or not isinstance(objective, ExplainsTokens):
-        return rows
-    pad_id = tokenizer.pad_token_id
-    values = functools.partial(scorer.token_figures, objective, pad_id)
-    figure = TokenFigure(objective.token_figure, values)
-    return replace(rows, figure=figure, uses_advantages=objective.uses_advantages())
 
 
 def frozen_copy(policy: nn.Module, needed: bool) -> nn.Module | None:

@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch import Trainer
 from PIL import Image
 
-import lightning_grpo.module
+import lightning_grpo.base
 import lightning_grpo.policy
 from lightning_grpo.cli import main
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig, ServerConfig
@@ -54,7 +54,7 @@ def no_policy(monkeypatch):
         raise AssertionError("policy loaded")
 
     monkeypatch.setattr(lightning_grpo.policy, "load_policy", load_policy)
-    monkeypatch.setattr(lightning_grpo.module, "load_policy", load_policy)
+    monkeypatch.setattr(lightning_grpo.base, "load_policy", load_policy)  # UpdateModule.configure_policy
 
 
 @pytest.mark.parametrize("rule", list(RULES))

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lightning_grpo.advantages import dp_batch_std, group_advantages
 from lightning_grpo.batch import RolloutBatch, pack_rollouts
+from lightning_grpo.certificate import Certifier
 from lightning_grpo.collect.async_rollouts import unwrapped
 from lightning_grpo.collect.draw import Drawer
 from lightning_grpo.collect.groups import Groups, scatter
@@ -64,6 +65,8 @@ class Collector:
             ``PromptProvider``: nothing is asked of it).
         dp: the data-parallel ranks (batch-wide reward std, agreed refill rounds).
         schedule: async rollouts (``rollout.max_off_policy_steps``), or None (drawn now).
+        certifier: ``rollout.certificate``, run before each draw (the sync of this step is done and nothing is in
+            flight), or None (off).
 
     Example::
 
@@ -77,7 +80,7 @@ class Collector:
                  sampling: StepSampling, tokenizer, rewards: RewardScorer | None = None,
                  vision: VisionProcessor | None = None, context: int | None = None,
                  prompts: PromptProvider | None = None, dp: DataParallelGroup = ONE_PROCESS_GROUP,
-                 schedule: AsyncSchedule | None = None) -> None:
+                 schedule: AsyncSchedule | None = None, certifier: Certifier | None = None) -> None:
         self.drawer = drawer
         self.score = score
         self.rewards = rewards
@@ -90,6 +93,7 @@ class Collector:
         self.prompts = prompts
         self.dp = dp
         self.schedule = schedule
+        self.certifier = certifier
         # Under async rollouts the worker thread draws with the engine the schedule wraps (never through the wrapper,
         # whose draws wait for the worker).
         self._worker_drawer = Drawer(schedule.rollouts.engine, drawer.episodes) if schedule is not None else None
@@ -100,8 +104,9 @@ class Collector:
         """This rank's collected batch for the loop step after ``loop_step`` (batches consumed so far), and metrics.
 
         ``group_size`` completions per record, scored and normalized per group (``rl.dynamic_sampling``: only groups
-        whose rewards differ, refilled from further prompts).
+        whose rewards differ, refilled from further prompts). First the consistency certificate, when one is due.
         """
+        mismatch = self.certifier(unwrapped(self.drawer.engine), loop_step) if self.certifier is not None else {}
         if self.rewards is not None:
             self.rewards.begin_step()
         groups, metrics = self._round(records, loop_step)
@@ -120,6 +125,7 @@ class Collector:
         metrics.update(adv_metrics)
         metrics.update(batch_metrics(groups, batch, self.rl, self.max_new_tokens))
         metrics.update(self._data_counters())
+        metrics.update(mismatch)  # mismatch/*
         parts = self.rewards.parts if self.rewards is not None else RewardParts()  # no parts shown
         counted = counted_rows(groups, self.rl.mask_truncated_completions)
         self.last_rows = StepRows(loop_step + 1, groups.rollouts, groups.rewards, advantages, parts, trained=counted)

@@ -60,6 +60,8 @@ class CollectParts:
     """What the wait for rollouts in flight polls for a SIGTERM (None: it waits)."""
     in_flight: dict[int, list[int]] = field(default_factory=dict)
     """A loaded checkpoint's prompts in flight, drawn again (``in_flight_of``)."""
+    certifier: Certifier | None = None
+    """``rollout.certificate``, run before each training draw (``certifier_of``; None: off)."""
 
 
 def wire_collector(parts: CollectParts) -> Collector:
@@ -76,7 +78,8 @@ def wire_collector(parts: CollectParts) -> Collector:
                      context=parts.context,
                      prompts=parts.prompts,
                      dp=parts.dp,
-                     schedule=schedule)
+                     schedule=schedule,
+                     certifier=parts.certifier)
 
 
 def episodes_of(env: EnvConfig | None, policy: nn.Module, tokenizer, context: int | None) -> EpisodeRunner | None:
