@@ -1,8 +1,9 @@
 # make run   - set up .venv and run the quickstart GRPO job (CPU, a few minutes)
-# make test  - set up .venv and run the tests: the fast tier here (~13 min on 2 cores); every test, the slow
-#              end-to-end ones too, when CI is set (.ci/run sets it)
-# make test-unit - the unit tier alone (`pytest -m unit`; about a minute)
-# make test-all - every test, as CI runs them (~45 min on 2 cores)
+# make test  - set up .venv and run the tests: unit, contract and light integration tiers here (~4 min on 2 cores);
+#              every test, the heavy integration and slow end-to-end ones too, when CI is set (.ci/run sets it)
+# make test-unit - the unit tier alone (`pytest -m unit`; about 2 minutes)
+# make test-integration - every test but the slow end-to-end ones (the heavy integration tests too; ~13 min)
+# make test-all - every test, as CI runs them (~60 min on 2 cores)
 # make bench - set up .venv and .venv-bench (TRL, for the comparison) and run bench/ (rewrites docs/benchmarks.md)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed-stamp
 # torch==2.13.0 resolves to the CPU wheel on this machine; on a GPU box install your CUDA torch first.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run test test-unit test-all bench bench-env gpu-check clean
+.PHONY: setup run test test-unit test-integration test-all bench bench-env gpu-check clean
 
 setup: $(STAMP)
 
@@ -28,9 +29,10 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/lightning-grpo fit --config configs/quickstart.yaml
 
-# The slow tests (as-shipped quickstarts, launched vllm servers, bench smokes) run in CI; `make test` here skips them.
+# The heavy integration tests (a fit per test, 2-rank launches, vLLM engines) and the slow end-to-end ones (as-shipped
+# quickstarts, launched vllm servers, bench smokes) run in CI; `make test` here skips them.
 CI_SET := $(filter-out 0 false False,$(CI))
-TEST_SELECT := $(if $(CI_SET),,-m "not slow")
+TEST_SELECT := $(if $(CI_SET),,-m "not slow and not heavy")
 
 test: setup
 	$(PY) -m pytest -q --durations=25 $(TEST_SELECT) tests
@@ -38,6 +40,9 @@ test: setup
 # The unit tier alone (toy torch model, fake engine, stub server; tests/update, collect, objectives, rollout, envs).
 test-unit: setup
 	$(PY) -m pytest -q --durations=10 -m unit tests
+
+test-integration: setup
+	$(PY) -m pytest -q --durations=25 -m "not slow" tests
 
 test-all: setup
 	$(PY) -m pytest -q --durations=25 tests

@@ -112,13 +112,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         for tier in TIERS:
             if tier in _TIER_SECONDS:
                 terminalreporter.write_line(f"{tier:>12}: {_TIER_SECONDS[tier]:8.1f} s  ({_TIER_TESTS.get(tier, 0)} tests)")
-    if config.option.markexpr != "not slow":
-        return
-    skipped = [item for item in terminalreporter.stats.get("deselected", []) if item.get_closest_marker("slow")]
-    if skipped:
-        plural = "s were" if len(skipped) != 1 else " was"
-        terminalreporter.write_line(f"{len(skipped)} slow end-to-end test{plural} not run here (CI runs them): "
-                                    "`make test-all` runs every test")
+    deselected = terminalreporter.stats.get("deselected", [])
+    left = {name: sum(1 for item in deselected if item.get_closest_marker(name)) for name in ("heavy", "slow")}
+    if left["heavy"] or left["slow"]:
+        terminalreporter.write_line(f"not run here (CI runs them): {left['heavy']} heavy integration, {left['slow']} slow "
+                                    "end-to-end tests; `make test-integration` adds the heavy ones, `make test-all` "
+                                    "runs every test")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):

@@ -16,6 +16,8 @@ from lightning_grpo.config import CertificateConfig, ConfigError, RolloutConfig
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.rollout.hf import HFEngine
 
+pytestmark = pytest.mark.heavy  # a fit per test: CI and `make test-integration`
+
 STRICT = CertificateConfig(max_kl=1e-6, max_logprob_diff=1e-4, max_new_tokens=8)
 """float32 engine and trainer agree far inside these (measured: KL < 1e-7, |delta| < 6e-6)."""
 

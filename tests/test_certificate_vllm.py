@@ -20,7 +20,8 @@ from lightning_grpo.rollout.base import ScoresVocabulary
 from lightning_grpo.rollout.vllm import VLLMConfig, VLLMEngine
 from lightning_grpo.rollout.weight_sync import iter_buckets, named_weights, push_weights
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.heavy]
+# heavy: an in-process vLLM engine (the contract suite keeps one in make test); CI and `make test-integration` run it
 
 # float32 as the trainer; block_size 32 (CPU default: 128) so each probe prompt fills a prefix-cache block
 CONFIG = VLLMConfig(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=32 << 20,

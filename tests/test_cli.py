@@ -256,6 +256,7 @@ def _short_run(policy_dir, name: str, *extra: str) -> list[str]:
             "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.name={name}", *extra]
 
 
+@pytest.mark.heavy  # a CLI fit: CI and `make test-integration`
 def test_model_class_path_selects_a_users_subclass(tiny_policy_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     argv = _short_run(tiny_policy_dir, "bonus", "--model.class_path=test_cli.BonusModule", "--model.bonus=10")
@@ -278,6 +279,7 @@ def test_a_module_in_the_working_folder_is_found(tmp_path, monkeypatch, capsys):
     assert code == 0 and "--model.knob KNOB my own knob." in _words(out) and "--model.rl.batch_per_replica" in out
 
 
+@pytest.mark.heavy  # a CLI fit and validate: CI and `make test-integration`
 def test_validate_scores_a_checkpoint_as_the_fit_did(tiny_policy_dir, tmp_path, monkeypatch, capsys):
     """`validate --ckpt_path` of the last checkpoint gives the val/reward the fit logged at that loop step, labelled
     with that loop step (it said step 0: the loop counter came back only when training resumed)."""
@@ -325,6 +327,7 @@ def _column(rows, key: str) -> list[float]:
     return [float(r[key]) for r in rows if r[key]]
 
 
+@pytest.mark.heavy  # two CLI fits: CI and `make test-integration`
 def test_another_seed_everything_changes_sampling_and_metrics(seeded_runs):
     one, two = seeded_runs["one"][0], seeded_runs["two"][0]
     assert len(_column(one, "reward/mean")) == 2
@@ -332,10 +335,12 @@ def test_another_seed_everything_changes_sampling_and_metrics(seeded_runs):
     assert _column(one, "grpo/loss") != _column(two, "grpo/loss")  # training
 
 
+@pytest.mark.heavy  # two CLI fits (make test keeps tests/test_golden_metrics.py): CI and `make test-integration`
 def test_the_same_seed_everything_is_bit_identical(seeded_runs):
     assert seeded_runs["one"][0] == seeded_runs["again"][0]  # every logged value, timings aside
 
 
+@pytest.mark.heavy  # the module's seeded CLI fits (its other users are heavy too): CI and `make test-integration`
 def test_model_seed_overrides_seed_everything_and_the_effective_seed_is_logged(seeded_runs):
     assert seeded_runs["two_model1"][0] == seeded_runs["one"][0]  # model.seed=1 wins over seed_everything=2
     params = {name: run[1] for name, run in seeded_runs.items()}

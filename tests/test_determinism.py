@@ -85,6 +85,7 @@ def runs(tiny_policy_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.heavy  # three fits (make test keeps tests/test_golden_metrics.py): CI and `make test-integration`
 def test_same_seed_gives_identical_metrics_parameters_and_prompt_ids(runs):
     (rec_a, params_a), (rec_b, params_b) = runs["a"], runs["b"]
     assert len(rec_a.metrics) == 2

@@ -28,6 +28,8 @@ from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.timing import is_timing
 
+pytestmark = pytest.mark.heavy  # the shared 2-rank launch (tests/conftest.two_rank_cases): CI and `make test-integration`
+
 TOL = 1e-6
 WORKER = Path(__file__).with_name("dist_worker.py")
 CASES = ["ddp-m1", "ddp-m4", "ddp-m4-clip", "ddp-m1-rankmean", "ddp-m4-nan", "ddp-m4-steps2",

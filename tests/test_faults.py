@@ -21,6 +21,8 @@ from lightning_grpo.checkpoint.signals import StopRequested
 from lightning_grpo.data.reward_calls import RewardError
 from lightning_grpo.data.rewards import RewardSpec
 
+pytestmark = pytest.mark.heavy  # kill -9 children and cut-short fits: CI and `make test-integration`
+
 
 @pytest.fixture(autouse=True)
 def _restore_switches():

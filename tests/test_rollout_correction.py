@@ -23,6 +23,8 @@ from lightning_grpo.rollout.replay import ReplayEngine
 from lightning_grpo.run_check import check_run
 from lightning_grpo.update import Needs, Split
 
+pytestmark = pytest.mark.heavy  # 172 tiny-policy updates: ~120 s (the formulas: tests/objectives, unit tier): CI and `make test-integration`
+
 EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 6
 MODES = [("tis", "token"), ("tis", "sequence"), ("mask", "token"), ("mask", "sequence"), ("mask", "geometric"),
          ("icepop", "token"), ("icepop", "sequence"), ("bypass", "token")]

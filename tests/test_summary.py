@@ -16,6 +16,8 @@ from lightning_grpo.checkpoint import GRPOCheckpoint, complete_checkpoints
 from lightning_grpo.cli import main
 from lightning_grpo.summary import RunSummary
 
+pytestmark = pytest.mark.heavy  # a fit of every shipped config: CI and `make test-integration`
+
 
 def test_quickstart_summary_prints_first_and_last_val_reward(quickstart_run):
     lines = quickstart_run.stdout.splitlines()

@@ -20,6 +20,8 @@ import pytest
 import yaml
 from wandb_offline import read_run
 
+pytestmark = pytest.mark.heavy  # two sweep trials, each a fit: CI and `make test-integration`
+
 ROOT = Path(__file__).parents[1]
 SHORTEN = ["--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", "--data.val_size=16",
            "--model.policy.warm_start_steps=30"]

@@ -73,6 +73,7 @@ def test_write_failed_names_the_file_or_the_folder_and_passes_other_errors(tmp_p
         assert write_failed(other, Trainer()) is None  # not the disk's, or already reported
 
 
+@pytest.mark.heavy  # two fits: CI and `make test-integration`
 def test_a_full_disk_under_metrics_csv_is_a_short_report_and_the_run_resumes(tiny_policy_dir, tmp_path, monkeypatch,
                                                                             capsys):
     """Through the CLI: metrics.csv's write fails at loop step 2; stderr is the short report (the file's folder, the

@@ -18,7 +18,8 @@ from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.base import Prompt, Rollout
 from lightning_grpo.timing import is_timing
 
-pytestmark = pytest.mark.integration  # a fit with a transformers policy: not the unit tier
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]  # a fit with a transformers policy: not the unit tier
+# heavy: the shared 2-rank launch (tests/conftest.two_rank_cases); CI and `make test-integration` run it
 
 
 def half_flat(rollouts):

@@ -548,6 +548,7 @@ class AddOnly:
         return a + b
 
 
+@pytest.mark.heavy  # a fit: CI and `make test-integration`
 def test_a_grpo_loop_step_trains_on_episodes(tiny_chat_policy_dir, tmp_path):
     from helpers import StepRecorder, fit_tiny, tiny_grpo_module
 
@@ -612,6 +613,7 @@ def test_validation_plays_one_greedy_episode_per_held_out_prompt(tiny_chat_polic
     assert first["val/len_mean"] == sum(model_tokens) / 4 < sum(len(e.token_ids) for e in episodes) / 4
 
 
+@pytest.mark.heavy  # two fits: CI and `make test-integration`
 def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
     """Episodes are seeded per (loop step, turn, episode) and environments live one episode: a resume replays the
     uninterrupted run row for row."""
@@ -633,6 +635,7 @@ def test_a_multi_turn_run_resumes_exactly(tiny_chat_policy_dir, tmp_path):
     assert all(r["tools/call_frequency"] > 0 for r in rows[1])
 
 
+@pytest.mark.heavy  # the tools quickstart's fit: CI and `make test-integration`
 def test_the_tools_quickstart_runs_as_shipped(tmp_path, monkeypatch):
     """configs/tools-quickstart.yaml through the CLI, shortened to 2 loop steps and 8 held-out prompts, its warm start
     the shipped one (copied, not trained): episodes and their metrics logged. (That it learns, as shipped:
@@ -696,6 +699,7 @@ def test_a_reset_that_returns_a_dict_is_refused_naming_the_fix(gpt2_dir):
                                      "returns the first observation as a str")
 
 
+@pytest.mark.heavy  # a fit: CI and `make test-integration`
 def test_a_nan_environment_reward_stops_the_run_at_that_loop_step(tiny_chat_policy_dir, tmp_path):
     """A NaN episode reward made the loss NaN; the skipped updates did not count toward max_steps, so a
     max_steps=2 run went on for 9 skipped loop steps before max_consecutive_skips stopped it. It is refused where

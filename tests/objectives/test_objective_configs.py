@@ -29,6 +29,7 @@ def mean(rows: list[dict], key: str) -> float:
     return sum(values) / len(values)
 
 
+@pytest.mark.heavy  # a fit of a shipped config: CI and `make test-integration`
 def test_opd_config_runs_two_loop_steps(tmp_path, monkeypatch):
     rows = fit(tmp_path, monkeypatch, "opd-arith.yaml", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
                "--data.val_size=8", "--model.policy.warm_start_steps=2", "--model.opd.teacher.warm_start_steps=4")
@@ -39,6 +40,7 @@ def test_opd_config_runs_two_loop_steps(tmp_path, monkeypatch):
     assert list((tmp_path / "runs" / "opd-arith").glob("version_0/checkpoints/*.ckpt"))
 
 
+@pytest.mark.heavy  # two fits: CI and `make test-integration`
 def test_dpo_config_runs_two_steps_and_resumes(tmp_path, monkeypatch):
     short = ["--trainer.max_steps=2", "--trainer.val_check_interval=2", "--data.init_args.val_size=8"]
     rows = fit(tmp_path, monkeypatch, "dpo-arith.yaml", *short)

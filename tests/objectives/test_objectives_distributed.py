@@ -13,7 +13,8 @@ import pytest
 import torch
 from helpers import max_rel_delta, params_of
 
-pytestmark = pytest.mark.integration  # a fit with a transformers policy: not the unit tier
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]  # a fit with a transformers policy: not the unit tier
+# heavy: the shared 2-rank launch (tests/conftest.two_rank_cases); CI and `make test-integration` run it
 
 TOL = 1e-12  # float64 (tests/dist_worker.objective_module): measured <= 2e-15 over every case
 CASES = ["opd-full-m1", "opd-full-m4", "opd-sampled-m4", "opd-full-rewards-m2", "dpo-m1", "dpo-m4",

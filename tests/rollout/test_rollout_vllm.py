@@ -16,7 +16,8 @@ from lightning_grpo.rollout.base import Prompt, RolloutEngine, SamplingConfig
 from lightning_grpo.rollout.vllm import VLLMConfig, VLLMEngine
 from lightning_grpo.rollout.weight_sync import iter_buckets, named_weights, push_weights
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.heavy]
+# heavy: in-process vLLM engines (the contract suite keeps one in make test); CI and `make test-integration` run it
 
 # float32 so engine and trainer agree to ~1e-6 (vLLM's dtype=auto downcasts float32 checkpoints to bfloat16);
 # block_size 32 (CPU default: 128) so a short prompt fills whole prefix-cache blocks.

@@ -27,7 +27,8 @@ from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
 from lightning_grpo.rollout.vllm import VLLMConfig, VLLMEngine
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.heavy]
+# heavy: in-process vLLM engines (the contract suite keeps one in make test); CI and `make test-integration` run it
 
 CONFIG = VLLMConfig(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=32 << 20)
 TEXT = "(12+34)*56-78=90; 3*3*3=27; 7+7=14"

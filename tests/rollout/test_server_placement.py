@@ -15,7 +15,8 @@ from lightning_grpo.config import RolloutConfig, ServerConfig
 from lightning_grpo.rollout.server.placement import bucket_bodies, check_reachable_pool, hop_transport, on_this_node
 from lightning_grpo.rollout.server.ranks import Ranks
 
-pytestmark = pytest.mark.integration  # a fit with a transformers policy: not the unit tier
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]  # a fit with a transformers policy: not the unit tier
+# heavy: 4 gloo ranks in fork-server children; CI and `make test-integration` run it
 
 HERE = frozenset({"gpu-node-3"})  # this node's names, as this_node_names() would give them on gpu-node-3
 

@@ -168,7 +168,9 @@ def test_a_restart_that_exits_at_start_up_is_reported(launch):
 
 
 def test_a_port_taken_after_the_death_is_named_with_the_fix(launch, monkeypatch):
-    engine, policy, _ = launch("--die-at", "generate:1", "--once", "fired")
+    # the squatter never answers: the draw times out (1 s here, not 10) before the death is found
+    quick = ServerConfig(**{**CONFIG.__dict__, "request_timeout_s": 1.0})
+    engine, policy, _ = launch("--die-at", "generate:1", "--once", "fired", config=quick)
     push_weights(policy, engine, bucket_bytes=1)
     port = engine.server.port
     monkeypatch.setattr(process_module, "PORT_RELEASE_S", 1.0)

@@ -20,6 +20,8 @@ from lightning_grpo.tiny.build import build_tiny_policy
 from lightning_grpo.update.ahead import NondeterministicForwardError
 from lightning_grpo.update.plan import ChunkPlan
 
+pytestmark = pytest.mark.heavy  # MoE fits, 2-rank and FSDP2 launches: ~150 s: CI and `make test-integration`
+
 LENS = [20, 35, 12, 40, 28, 33, 17, 38, 3, 25, 9, 31, 22, 6, 14, 27]  # 16 unequal completions
 
 

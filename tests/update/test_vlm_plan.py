@@ -176,6 +176,7 @@ def test_a_lora_adapter_on_a_vlm_scores_the_images_and_chunks_exactly(tiny_vlm_d
     assert max_rel_delta(before, params_of(whole.policy), after) <= 5e-8
 
 
+@pytest.mark.heavy  # a 2-rank launch: CI and `make test-integration`
 def test_two_ranks_train_a_vlm_whose_last_chunk_on_one_rank_is_a_filler(tmp_path, tiny_vlm_dir):
     """2 gloo ranks, 2 loop steps, vision tower trained: rank 1's synced (last) chunk is a DP filler without pixels.
     DDP needs the vision parameters in that backward; FSDP2 shards the decoder layers and keeps the vision tower in

@@ -15,6 +15,7 @@ from typing import TypeVar
 import torch
 
 from lightning_grpo.rollout.server.process import (
+    ConnectionLost,
     ServerDied,
     ServerError,
     ServerProcess,
@@ -95,7 +96,10 @@ class ServerClient:
         runs and did not answer in time (the timeout's knob), or it runs and dropped the connection."""
         if self.process is None:
             return err
-        if not self.process.alive(wait_s=2.0):  # a request cut short may beat the exit by a moment
+        # a request cut short may beat the exit by a moment; a server that answered (an HTTP status) or timed out is
+        # not waited for (a vLLM without a route answers 404: 2 s lost at every start before)
+        wait_s = 2.0 if isinstance(err, ConnectionLost) else 0.0
+        if not self.process.alive(wait_s=wait_s):
             return ServerDied(self.process, phase)
         log = self.process.log_path
         if isinstance(err, ServerTimeout):
