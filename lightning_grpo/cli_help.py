@@ -15,6 +15,8 @@ import sys
 from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lightning_grpo.cli_nulls import explicit_nulls, restore_nulls
+
 
 class SectionHelp(argparse.Action):
     """``--model.rl.help``: the fields of one config section with their descriptions, then exit."""
@@ -36,6 +38,11 @@ class DataKeysParser(LightningArgumentParser):
 
     appendix: tuple[tuple[str, type], ...] = ()
     """``(key, class)`` pairs whose init arguments close the help (set on the ``fit`` / ``validate`` parsers)."""
+
+    def parse_args(self, args=None, namespace=None, **kwargs):
+        config = super().parse_args(args, namespace, **kwargs)
+        restore_nulls(config, explicit_nulls(sys.argv[1:] if args is None else list(args)))
+        return config
 
     def format_help(self) -> str:
         text = super().format_help()

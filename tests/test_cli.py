@@ -348,3 +348,25 @@ def test_model_seed_overrides_seed_everything_and_the_effective_seed_is_logged(s
     assert params["two_model1"]["seed_everything"] == 2
     assert "seed             2  (from seed_everything)" in seeded_runs["two"][2]
     assert "seed             1  (from model.seed)" in seeded_runs["two_model1"][2]
+
+
+@pytest.mark.parametrize("form", ["equals", "space"])
+def test_a_null_on_the_command_line_is_none_in_a_subclass_mode_section(form, monkeypatch):
+    """`--model.policy.warm_start=null` reaches the module as None (jsonargparse alone hands the string 'None' to a
+    `str | None` field under --model.class_path); a key set to a real string, and one the command line left alone,
+    keep their values."""
+    import lightning_grpo.cli as cli
+
+    seen = {}
+
+    def stop_before_the_module(self):  # the parsed config is what is checked: no model, no fit
+        seen["policy"] = self.config.fit.model.init_args.policy
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli.GRPOCLI, "before_instantiate_classes", stop_before_the_module)
+    null = ["--model.policy.warm_start=null"] if form == "equals" else ["--model.policy.warm_start", "null"]
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), *null,
+              "--model.policy.chat_template=None.jinja"])
+    assert seen["policy"].warm_start is None
+    assert seen["policy"].chat_template == "None.jinja" and seen["policy"].path == "tiny:quickstart"
