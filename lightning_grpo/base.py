@@ -82,6 +82,19 @@ def quiet_upstream_warnings() -> None:
         warnings.filterwarnings("ignore", message=re.escape(start), category=category, module=re.escape(module) + "$")
 
 
+def quiet_litlogger_tip() -> None:
+    """Drop Lightning's "Tip: ... try installing litlogger" line (an advert printed by every Trainer whose loggers
+    are not LitLogger, lightning/pytorch/trainer/connectors/logger_connector.py): our runs log to CSV or W&B."""
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero.filters):
+        rank_zero.addFilter(_NoLitLoggerTip())
+
+
+class _NoLitLoggerTip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
 class UpdateModule(DataParallelOps, LightningModule):
     """A manual-optimization LightningModule whose ``training_step`` is one ``Updater.update``.
 

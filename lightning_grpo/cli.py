@@ -10,7 +10,6 @@ lines (``LIGHTNING_GRPO_DEBUG=1`` shows the traceback), before any model is buil
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import pickle
 import re
@@ -29,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_grpo import run_folder
 from lightning_grpo.alarm import SignalAlarm
+from lightning_grpo.base import quiet_litlogger_tip
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
 from lightning_grpo.checkpoint.resume import check_ckpt_file
 from lightning_grpo.checks import retired_key
@@ -140,8 +140,9 @@ class GRPOCLI(LightningCLI):
         # In subclass mode the given classes are the defaults (a config without class_path builds them) and any
         # LightningModule / LightningDataModule may be named instead.
         self.default_classes = {"model": model_class, "data": datamodule_class}
+        self.experiment_dir: Path | None = None  # a W&B logger's <save_dir>/<name> (before_instantiate_classes)
         kwargs.setdefault("parser_class", DataKeysParser)
-        _quiet_litlogger_tip()
+        quiet_litlogger_tip()
         super().__init__(
             LightningModule if subclass_mode_model else model_class,
             LightningDataModule if subclass_mode_data else datamodule_class,
@@ -253,7 +254,7 @@ class GRPOCLI(LightningCLI):
         if self.subcommand and config.get("trainer.enable_checkpointing") is False:
             self._parser(self.subcommand).callback_keys.remove("checkpoint")  # Lightning refuses a Checkpoint then
         if self.subcommand:  # a W&B run's files get a version folder of their own (two sweep trials: two folders)
-            run_folder.version_wandb_logger(config.get("trainer.logger"))
+            self.experiment_dir = run_folder.version_wandb_logger(config.get("trainer.logger"))
 
     def instantiate_classes(self) -> None:
         try:
@@ -300,7 +301,9 @@ class GRPOCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         if self.trainer.is_global_zero:  # before anything reads or writes the run folder (two runs at once)
             claim_versions(self.trainer.loggers)
-        config["ckpt_path"] = resolve_ckpt_path(config.get("ckpt_path"), self.trainer)  # "last" -> newest complete
+        # "last" -> the newest complete one (a W&B run's: under every version of its experiment, on every rank)
+        roots = [self.experiment_dir] if self.experiment_dir else []
+        config["ckpt_path"] = resolve_ckpt_path(config.get("ckpt_path"), self.trainer, roots)
         # before anything is written: a new fit never lands on a run folder that already holds a run (run_folder.py)
         refuse_reused_version(self.trainer.loggers, explicit_version(self.config[self.subcommand].get("trainer.logger")),
                               resuming=config["ckpt_path"] is not None, overwrite=config.get("overwrite_run", False))
@@ -316,19 +319,6 @@ class GRPOCLI(LightningCLI):
     def _add_summary(self) -> None:
         if not any(isinstance(cb, RunSummary) for cb in self.trainer.callbacks):
             self.trainer.callbacks.append(RunSummary())
-
-
-def _quiet_litlogger_tip() -> None:
-    """Drop Lightning's "Tip: ... try installing litlogger" line (an advert printed by every Trainer whose loggers
-    are not LitLogger, lightning/pytorch/trainer/connectors/logger_connector.py): our runs log to CSV or W&B."""
-    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero.filters):
-        rank_zero.addFilter(_NoLitLoggerTip())
-
-
-class _NoLitLoggerTip(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in str(record.msg)
 
 
 def config_error(err: BaseException | str) -> NoReturn:

@@ -90,8 +90,10 @@ def claim_folder(root: str | os.PathLike) -> Path:
     return folder
 
 
-def version_wandb_logger(logger_config, first_process: bool | None = None) -> None:
-    """Point a ``WandbLogger`` config's ``save_dir`` at a new ``<save_dir>/<name>/version_N`` (in place).
+def version_wandb_logger(logger_config, first_process: bool | None = None) -> Path | None:
+    """Point a ``WandbLogger`` config's ``save_dir`` at a new ``<save_dir>/<name>/version_N`` (in place); returns
+    ``<save_dir>/<name>``, the folder of every version of the experiment, on every rank (None without a W&B logger):
+    ``--ckpt_path last`` searches its versions' checkpoints.
 
     Everything that writes under ``trainer.log_dir`` (config.yaml, completions.jsonl, curves.png, checkpoints, and
     W&B's own ``wandb/`` files) then lands in a folder of this run only. Only the first listed logger gives
@@ -106,11 +108,14 @@ def version_wandb_logger(logger_config, first_process: bool | None = None) -> No
     first_process = rank_zero_only.rank == 0 if first_process is None else first_process
     first = logger_config[0] if isinstance(logger_config, list) and logger_config else logger_config
     init = getattr(first, "init_args", None)
-    if not first_process or init is None or not _is_wandb(getattr(first, "class_path", "")):
-        return
+    if init is None or not _is_wandb(getattr(first, "class_path", "")):
+        return None
     save_dir = getattr(init, "save_dir", None) or "."
     name = getattr(init, "name", None) or "lightning_logs"
-    init.save_dir = str(claim_folder(Path(save_dir) / name))
+    experiment = Path(save_dir) / name
+    if first_process:
+        init.save_dir = str(claim_folder(experiment))
+    return experiment
 
 
 def _is_wandb(class_path: str) -> bool:

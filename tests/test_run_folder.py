@@ -73,7 +73,7 @@ def test_each_wandb_run_claims_a_version_folder_of_its_own(tmp_path):
     first = _logger("lightning.pytorch.loggers.WandbLogger", save_dir=str(tmp_path), name="quickstart")
     second = [_logger("lightning.pytorch.loggers.WandbLogger", save_dir=str(tmp_path), name="quickstart"),
               _logger("lightning.pytorch.loggers.CSVLogger", save_dir=str(tmp_path))]  # the first logger gives log_dir
-    version_wandb_logger(first, first_process=True)
+    assert version_wandb_logger(first, first_process=True) == tmp_path / "quickstart"  # every version's folder
     version_wandb_logger(second, first_process=True)
     assert first.init_args.save_dir == str(tmp_path / "quickstart" / "version_1")
     assert second[0].init_args.save_dir == str(tmp_path / "quickstart" / "version_2")
@@ -85,9 +85,30 @@ def test_other_ranks_and_versioned_loggers_keep_their_config(tmp_path):
     from lightning_grpo.run_folder import version_wandb_logger
 
     other_rank = _logger("lightning.pytorch.loggers.WandbLogger", save_dir=str(tmp_path), name="x")
-    version_wandb_logger(other_rank, first_process=False)  # trainer.log_dir is rank 0's (a broadcast)
+    # trainer.log_dir is rank 0's (a broadcast); the experiment's folder is every rank's (--ckpt_path last)
+    assert version_wandb_logger(other_rank, first_process=False) == tmp_path / "x"
     csv = _logger("lightning.pytorch.loggers.CSVLogger", save_dir=str(tmp_path), name="x")
-    version_wandb_logger(csv, first_process=True)
-    version_wandb_logger(False, first_process=True)  # --trainer.logger=false
+    assert version_wandb_logger(csv, first_process=True) is None
+    assert version_wandb_logger(False, first_process=True) is None  # --trainer.logger=false
     assert other_rank.init_args.save_dir == csv.init_args.save_dir == str(tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.heavy  # two CLI fits: CI and `make test-integration`
+def test_a_wandb_run_resumes_with_ckpt_path_last_from_its_experiments_last_version(tmp_path, monkeypatch, capsys):
+    """A W&B run's checkpoints live in its own <save_dir>/<name>/version_N (version_wandb_logger); `--ckpt_path last`
+    looked under the working folder only, found nothing and started from scratch. It now searches every version of
+    the experiment and resumes the newest intact checkpoint of the latest run."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb = ["--trainer.logger=lightning.pytorch.loggers.WandbLogger", "--trainer.logger.init_args.save_dir=runs",
+             "--trainer.logger.init_args.name=qs", "--trainer.logger.init_args.offline=true"]
+    small = [arg for arg in SMALL if "logger" not in arg]
+    main(["fit", *QUICKSTART_ARGS, *small, *wandb])
+    [first] = (tmp_path / "runs" / "qs" / "version_0" / "checkpoints").glob("*.ckpt")
+    capsys.readouterr()
+    main(["fit", *QUICKSTART_ARGS, *small, *wandb, "--trainer.max_steps=2", "--ckpt_path=last"])
+    out = capsys.readouterr().out
+    assert "runs/qs/version_1  (loop steps 2-2; loop steps 1-1: runs/qs/version_0)" in out  # the summary's lineage
+    [second] = (tmp_path / "runs" / "qs" / "version_1" / "checkpoints").glob("*.ckpt")
+    assert second.name == first.name.replace("loop-step-000001-", "loop-step-000002-")  # the same run, one step on

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from lightning.pytorch import Trainer
@@ -22,33 +23,37 @@ from lightning_grpo.checkpoint.paths import LATEST, entries, resolve_last
 log = logging.getLogger(__name__)
 
 
-def search_dirs(trainer: Trainer) -> list[Path]:
-    """Where ``last`` looks: each GRPOCheckpoint's explicit dirpath, else ``checkpoints/`` of every run version."""
+def search_dirs(trainer: Trainer, roots: Sequence[Path] = ()) -> list[Path]:
+    """Where ``last`` looks: each GRPOCheckpoint's explicit dirpath, else ``checkpoints/`` of every run version
+    under the logger's root (``roots`` instead where given: a W&B logger has none, ``run_folder.version_wandb_logger``
+    names its experiment's folder)."""
     explicit = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, GRPOCheckpoint) and cb.explicit_dirpath]
     if explicit:
         return explicit
-    logger = trainer.logger
-    root = Path(getattr(logger, "root_dir", None) or trainer.default_root_dir)
-    return [root / "checkpoints", *sorted(root.glob("*/checkpoints"))]
+    if not roots:
+        roots = [Path(getattr(trainer.logger, "root_dir", None) or trainer.default_root_dir)]
+    return [d for root in map(Path, roots) for d in (root / "checkpoints", *sorted(root.glob("*/checkpoints")))]
 
 
-def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, trainer: Trainer) -> str | os.PathLike | None:
-    """``"last"`` -> the newest intact checkpoint of the latest lineage (None, with a warning, when there is none).
+def resolve_ckpt_path(ckpt_path: str | os.PathLike | None, trainer: Trainer,
+                      roots: Sequence[Path] = ()) -> str | os.PathLike | None:
+    """``"last"`` -> the newest intact checkpoint of the latest lineage (None, with a warning, when there is none),
+    searched under ``roots`` (``search_dirs``) where given.
 
     A trainer whose ``GRPOCheckpoint`` already belongs to a lineage (a second ``fit``) resumes that lineage.
     Any other value is returned unchanged (the CLI checks it first: ``check_ckpt_file``).
     """
-    resolved = _resolve(ckpt_path, trainer)
+    resolved = _resolve(ckpt_path, trainer, roots)
     for cb in trainer.callbacks:
         if isinstance(cb, GRPOCheckpoint):
             cb.resume_from(resolved)  # compared over ranks before anything loads (checkpoint/shared.py)
     return resolved
 
 
-def _resolve(ckpt_path: str | os.PathLike | None, trainer: Trainer) -> str | os.PathLike | None:
+def _resolve(ckpt_path: str | os.PathLike | None, trainer: Trainer, roots: Sequence[Path]) -> str | os.PathLike | None:
     if ckpt_path != "last":
         return ckpt_path
-    dirs = search_dirs(trainer)
+    dirs = search_dirs(trainer, roots)
     own = next((cb.lineage for cb in trainer.callbacks if isinstance(cb, GRPOCheckpoint) and cb.lineage), LATEST)
     found = resolve_last(dirs, own)
     if found is None:  # like Lightning: "last" may be set before the first run of a job
