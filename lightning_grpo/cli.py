@@ -24,6 +24,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfigCallback
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
 
 from lightning_grpo import run_folder
@@ -221,6 +222,8 @@ class GRPOCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         try:
+            if ckpt_path not in (None, "last") and rank_zero_only.rank != 0 and not Path(ckpt_path).exists():
+                return  # rank 0's file, unseen here: every rank stops at setup, naming the folder (checkpoint/shared.py)
             if ckpt_path not in (None, "last"):
                 check_ckpt_file(ckpt_path)
             super()._parse_ckpt_path()

@@ -234,6 +234,26 @@ def test_a_checkpoint_folder_only_one_node_sees_is_refused_on_every_rank_at_resu
     assert "a filesystem every node mounts" in logs
 
 
+@pytest.mark.slow
+def test_an_explicit_checkpoint_only_one_node_sees_is_refused_on_every_rank(runs, tmp_path, tiny_policy_dir):
+    """``--ckpt_path ckpt/<file>`` (relative: each node's own working folder) exists on node 0 only. Node 1 used to
+    stop at parse time ("no such file") while rank 0 waited for it forever; now both ranks reach setup and stop
+    together, naming the folder."""
+    job = Job(tmp_path, nodes=2)
+    write_config(job, tiny_policy_dir, nodes=2, devices=1)
+    saved = next(p for p in runs["two_nodes"].checkpoints() if "loop-step-000003" in p.name)
+    local = job.node_dirs[0] / "ckpt"
+    local.mkdir()
+    for part in saved.parent.glob(saved.name.replace(".ckpt", ".*")):  # the file, its manifest and config
+        (local / part.name).write_bytes(part.read_bytes())
+    codes = torchrun(job, 1, f"--ckpt_path=ckpt/{saved.name}")
+    said = [f.read_text() for f in sorted(job.logs.glob("agent*.log"))]  # whole logs: c10d's teardown follows
+    assert codes != [0, 0] and len(said) == 2, tails(job)
+    for log in said:  # each node's rank stopped with the refusal, none waited forever
+        assert "checkpoint.dirpath: rank 0 resumes from ckpt/" in log and "which rank 1 (node 1) cannot see" in log
+        assert "a filesystem every node mounts" in log
+
+
 def fake_scontrol(folder: Path) -> Path:
     """A ``scontrol`` that records its call (with the caller's SLURM_PROCID) in ``folder/scontrol.log``."""
     bin_dir = folder / "bin"
