@@ -31,6 +31,7 @@ def test_the_top_help_imports_no_lightning_and_no_torch():
     assert not [m for m in loaded if m.split(".")[0] in ("torch", "lightning", "jsonargparse", "transformers")]
 
 
+@pytest.mark.heavy  # fresh interpreters: CI and `make test-integration`
 def test_the_cli_module_imports_nothing_heavy_beyond_lightning():
     """Lightning itself imports torchmetrics, which imports transformers' auto classes and matplotlib: that is the
     floor of `fit --help` and of a config error. Nothing of ours may add to it."""
@@ -56,6 +57,7 @@ def test_fit_help_lists_every_data_key_with_its_description(capsys):
         assert f"--data.{name}" in out and " ".join(doc.split())[:30] in out, name
 
 
+@pytest.mark.heavy  # a fresh interpreter and a fresh parser: CI and `make test-integration`
 def test_fit_help_is_answered_without_lightning_from_the_clis_own_text(capsys):
     """`lightning-grpo fit --help` took ~10 s of CPU on a busy 2-core machine (Lightning's import alone ~8.5 s):
     __main__ prints fit_help.txt instead, which must be exactly what the CLI prints (tools/write_fit_help.py)."""

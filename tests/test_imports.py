@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import lightning_grpo
 
 ROOT = Path(lightning_grpo.__file__).resolve().parents[1]
@@ -214,6 +216,7 @@ print(json.dumps([type(model).__name__, sorted(m for m in sys.modules if m.start
 """
 
 
+@pytest.mark.heavy  # fresh interpreters: CI and `make test-integration`
 def test_loading_a_model_folder_imports_nothing_of_the_tiny_factory(tiny_policy_dir):
     """A real model (a folder here; a Hub id resolves to one) never enters ``lightning_grpo/tiny/`` nor the built-in
     tasks and chat helpers its warm starts use. A fresh process, so the test session's own imports do not count."""

@@ -238,6 +238,7 @@ def job_module(policy_dir, cfg=ADAPTER, beta=0.0):
                       rewards=[RewardSpec(name="helpers:digit_share")], seed=0)
 
 
+@pytest.mark.heavy  # two fits: CI and `make test-integration`
 def test_checkpoints_hold_the_adapter_in_peft_format_and_resume_exactly(tmp_path, tiny_policy_dir):
     from peft import PeftModel
 

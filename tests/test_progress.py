@@ -52,6 +52,7 @@ def _fit(module, root, max_steps: int, bar, ckpt_path=None) -> BarReader:
     return reader
 
 
+@pytest.mark.heavy  # two fits per bar: CI and `make test-integration`
 @pytest.mark.parametrize("bar_class", [TQDMProgressBar, RichProgressBar])
 def test_the_bar_counts_loop_steps_on_a_fresh_run_and_after_a_resume(bar_class, tiny_policy_dir, tmp_path):
     """n_mini = 2: max_steps=4 optimizer steps is 2 loop steps; the resumed run to max_steps=10 shows 3/5 .. 5/5.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import lightning_grpo
 
 PROBE = """
@@ -22,6 +24,7 @@ def test_exports_are_the_listed_names():
     assert set(lightning_grpo.__all__) <= set(dir(lightning_grpo))
 
 
+@pytest.mark.heavy  # fresh interpreters: CI and `make test-integration`
 def test_import_is_lazy_and_every_name_resolves_without_vllm():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "False"]  # nothing heavy at import; all names resolve; vllm never imported

@@ -91,6 +91,7 @@ def test_dpo_held_out_preference_accuracy_rises_from_chance(tmp_path_factory):
     assert sum(late) / len(late) >= before + 0.2 and max(after) >= 0.75
 
 
+@pytest.mark.heavy  # a fit: CI and `make test-integration`
 def test_the_same_classes_in_a_plain_lightning_project(tmp_path, tiny_policy_dir, tiny_teacher_dir):
     """No CLI: the project's own Trainer, logger and ModelCheckpoint drive DPOModule and GRPOModule(objective=opd)."""
     from lightning.pytorch import Trainer

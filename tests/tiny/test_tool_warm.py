@@ -54,6 +54,7 @@ def test_a_scripted_tool_episode_is_the_runs_record_and_only_model_turns_are_lab
     assert labels[0, : len(e.prompt.token_ids)].eq(-100).all()
 
 
+@pytest.mark.heavy  # a warm start: CI and `make test-integration`
 def test_the_first_stage_answers_without_the_tool_in_share_of_the_episodes(tokenizer):
     pairs = [(i * 7 % 1000, i * 13 % 1000) for i in range(400)]
     episodes, metrics = play(tokenizer, 0.5, pairs)
