@@ -1,8 +1,8 @@
 # make run   - set up .venv and run the quickstart GRPO job (CPU, a few minutes)
 # make test  - set up .venv and run the tests: unit, contract and light integration tiers here (~4.5 min on 2 cores);
 #              every test, the heavy integration and slow end-to-end ones too, when CI is set (.ci/run sets it)
-# make test-unit - the unit tier alone (`pytest -m unit`; about 2 minutes)
-# make test-integration - every test but the slow end-to-end ones (the heavy integration tests too; ~13 min)
+# make test-unit - the unit tier alone (`pytest -m unit`; under a minute)
+# make test-integration - every test but the slow end-to-end ones (the heavy integration tests too; ~11 min)
 # make test-all - every test, as CI runs them (~60 min on 2 cores)
 # make bench - set up .venv and .venv-bench (TRL, for the comparison) and run bench/ (rewrites docs/benchmarks.md)
 VENV ?= .venv
