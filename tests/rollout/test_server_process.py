@@ -46,6 +46,7 @@ def test_a_server_that_exits_at_start_quotes_its_own_error_line(tmp_path):
     assert "rollout.server.extra_args" in lines[1] and str(process.log_path) in lines[1]
     assert "INFO 12-03 loading the model" in "".join(err.value.__notes__)  # the tail: error.log keeps it
     assert process.log_path.is_file()
+    process.log_path.unlink()  # kept for the user; the test's own goes
 
 
 def test_a_server_start_up_timeout_shows_its_log_and_keeps_it(tmp_path):

@@ -212,6 +212,7 @@ class ServerProcess:
         with contextlib.suppress(OSError):
             shutil.copyfile(self.log_path, kept)
         self.stop()
+        shutil.rmtree(self.log_dir, ignore_errors=True)  # copied; stop() keeps a child's folder if it had exited
         self.log_path = Path(kept)
 
     def _start_error(self, what: str, fix: str) -> ServerError:
