@@ -1,5 +1,5 @@
 # make run   - set up .venv and run the quickstart GRPO job (CPU, a few minutes)
-# make test  - set up .venv and run the tests: unit, contract and light integration tiers here (~4.5 min on 2 cores);
+# make test  - set up .venv and run the tests: unit, contract and light integration tiers here (under 5 min on 2 cores);
 #              every test, the heavy integration and slow end-to-end ones too, when CI is set (.ci/run sets it)
 # make test-unit - the unit tier alone (`pytest -m unit`; under a minute)
 # make test-integration - every test but the slow end-to-end ones (the heavy integration tests too; ~11 min)
