@@ -222,9 +222,9 @@ class GRPOCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         try:
-            if ckpt_path not in (None, "last") and rank_zero_only.rank != 0 and not Path(ckpt_path).exists():
-                return  # rank 0's file, unseen here: every rank stops at setup, naming the folder (checkpoint/shared.py)
             if ckpt_path not in (None, "last"):
+                if rank_zero_only.rank != 0 and not Path(ckpt_path).exists():
+                    return  # rank 0's file, unseen here: every rank stops at setup, naming it (checkpoint/shared.py)
                 check_ckpt_file(ckpt_path)
             super()._parse_ckpt_path()
         except RUN_ERRORS as err:

@@ -27,14 +27,14 @@ def explicit_nulls(args: list[str]) -> list[str]:
     return keys
 
 
-def _child(node: Namespace, part: str) -> object:
-    """``node.part``, looking inside a subclass-mode section's ``init_args`` too."""
-    if part in node:
-        return node[part]
+def _holder(node: object, key: str) -> Namespace | None:
+    """The namespace that holds ``key`` under ``node``: ``node`` itself, or a subclass-mode section's ``init_args``."""
+    if not isinstance(node, Namespace):
+        return None
+    if key in node:
+        return node
     init_args = node.get("init_args")
-    if isinstance(init_args, Namespace) and part in init_args:
-        return init_args[part]
-    return None
+    return init_args if isinstance(init_args, Namespace) and key in init_args else None
 
 
 def restore_nulls(config: Namespace, keys: list[str]) -> None:
@@ -44,9 +44,8 @@ def restore_nulls(config: Namespace, keys: list[str]) -> None:
         *parents, leaf = key.split(".")
         node = root
         for part in parents:
-            node = _child(node, part) if isinstance(node, Namespace) else None
-        if not isinstance(node, Namespace):
-            continue
-        owner = node if leaf in node else node.get("init_args")
-        if isinstance(owner, Namespace) and owner.get(leaf) in NULL_TOKENS:
-            owner[leaf] = None
+            holder = _holder(node, part)
+            node = holder[part] if holder is not None else None
+        holder = _holder(node, leaf)
+        if holder is not None and holder[leaf] in NULL_TOKENS:
+            holder[leaf] = None

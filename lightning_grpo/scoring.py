@@ -98,10 +98,10 @@ class ChunkScorer:
         mask = chunk.completion_mask[:, 1:]  # [B, T-1]
         return [values[i][mask[i]].tolist() for i in range(len(rollouts))]
 
-    def explained(self, rows: StepRows | None, objective: Objective, tokenizer) -> StepRows | None:
+    def explained(self, rows: StepRows, objective: Objective, tokenizer) -> StepRows:
         """``rows`` with the objective's per-token figure when it has one (OPD's KL to the teacher:
         ``ExplainsTokens``), measured on demand (``token_figures``) for the rows a log shows."""
-        if rows is None or not isinstance(objective, ExplainsTokens):
+        if not isinstance(objective, ExplainsTokens):
             return rows
         values = functools.partial(self.token_figures, objective, tokenizer.pad_token_id)
         figure = TokenFigure(objective.token_figure, values)

@@ -206,7 +206,7 @@ class ServerProcess:
                                 "fix what its log says")
 
     def _stop_keeping_log(self) -> None:
-        """Stop the child; stop() removes its log folder, so the log moves to a kept file for the message and user."""
+        """Stop the child and move its log to a kept file (for the message and the user); its folder goes."""
         fd, kept = tempfile.mkstemp(prefix="lightning-grpo-server-", suffix=".log")
         os.close(fd)
         with contextlib.suppress(OSError):
