@@ -120,7 +120,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.checkpoint import GRPOCheckpoint
     from lightning_grpo.cli import GRPOCLI
-    from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
+    from lightning_grpo.config import (
+        ConfigError,
+        GRPOConfig,
+        OptimConfig,
+        RolloutConfig,
+        ServerConfig,
+        VLLMConfig,
+    )
     from lightning_grpo.data.preference_module import PreferenceDataModule
     from lightning_grpo.data.prompts import PromptDataModule, PromptRecord
     from lightning_grpo.data.rewards import RewardError, RewardSpec, score
@@ -134,7 +141,12 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from lightning_grpo.plot import plot_curves
     from lightning_grpo.policy import PolicyConfig, load_policy
     from lightning_grpo.progress import GRPOProgressBar, GRPORichProgressBar
-    from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
+    from lightning_grpo.rollout.base import (
+        Prompt,
+        Rollout,
+        RolloutEngine,
+        SamplingConfig,
+    )
     from lightning_grpo.rollout.hf import HFEngine
     from lightning_grpo.rollout.replay import ReplayEngine
     from lightning_grpo.rollout.vllm import VLLMEngine

@@ -56,7 +56,9 @@ subcommands:
 
 def recorded_under() -> str:
     """``fit_help.txt``'s first line for this install: the versions whose parser the text is the output of."""
-    versions = " ".join(f"{name}=={metadata.version(name)}" for name in ("lightning", "jsonargparse"))
+    versions = " ".join(
+        f"{name}=={metadata.version(name)}" for name in ("lightning", "jsonargparse")
+    )
     return f"# lightning-grpo fit --help at 80 columns, {versions} (tools/write_fit_help.py)"
 
 

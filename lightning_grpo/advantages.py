@@ -52,7 +52,11 @@ def group_advantages(
     if scale == "group":
         advantages = centred / (group_std.repeat_interleave(group_size) + eps)
     elif scale == "batch":
-        std = r.std(correction=1) if batch_std is None else torch.as_tensor(batch_std, dtype=r.dtype)
+        std = (
+            r.std(correction=1)
+            if batch_std is None
+            else torch.as_tensor(batch_std, dtype=r.dtype)
+        )
         advantages = centred / (std + eps)
     else:
         advantages = centred
@@ -74,7 +78,9 @@ def _stats(r: Tensor, grouped: Tensor, group_std: Tensor) -> dict[str, Tensor]:
 
 def _check(rewards: Tensor, group_size: int, scale: str) -> None:
     if scale not in SCALES:
-        raise ValueError(f"scale={scale!r}: must be one of {', '.join(map(repr, SCALES))}")
+        raise ValueError(
+            f"scale={scale!r}: must be one of {', '.join(map(repr, SCALES))}"
+        )
     if not isinstance(group_size, int) or group_size < 2:
         raise ValueError(
             f"group_size={group_size!r}: must be an integer >= 2 (a group of one has no relative advantage)"
@@ -89,5 +95,7 @@ def _check(rewards: Tensor, group_size: int, scale: str) -> None:
 def dp_batch_std(rewards: Tensor, all_reduce) -> Tensor:
     """``scale_rewards="batch"`` under DP: the unbiased std of every rank's rewards (``all_reduce(t, "sum")``)."""
     r = rewards.detach().double()
-    total, squares, n = all_reduce(torch.stack([r.sum(), r.square().sum(), r.new_tensor(r.numel())]), "sum")
+    total, squares, n = all_reduce(
+        torch.stack([r.sum(), r.square().sum(), r.new_tensor(r.numel())]), "sum"
+    )
     return ((squares - total * total / n).clamp(min=0) / (n - 1)).sqrt().float()

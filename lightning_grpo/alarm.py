@@ -28,43 +28,74 @@ class SignalAlarm(Callback):
         Trainer(callbacks=[SignalAlarm(zero_std_frac=0.9, patience=5)])
     """
 
-    def __init__(self, zero_std_frac: float = 0.9, clipped_frac: float = 0.5, patience: int = 5) -> None:
+    def __init__(
+        self, zero_std_frac: float = 0.9, clipped_frac: float = 0.5, patience: int = 5
+    ) -> None:
         if not (0 <= zero_std_frac < 1 and 0 <= clipped_frac < 1) or patience < 0:
-            raise ValueError(f"SignalAlarm(zero_std_frac={zero_std_frac}, clipped_frac={clipped_frac}, patience="
-                             f"{patience}): the fractions must be in [0, 1), patience >= 0 (0 = off)")
-        self.limits = {"reward/frac_zero_std": zero_std_frac, "completion/clipped_frac": clipped_frac}
+            raise ValueError(
+                f"SignalAlarm(zero_std_frac={zero_std_frac}, clipped_frac={clipped_frac}, patience="
+                f"{patience}): the fractions must be in [0, 1), patience >= 0 (0 = off)"
+            )
+        self.limits = {
+            "reward/frac_zero_std": zero_std_frac,
+            "completion/clipped_frac": clipped_frac,
+        }
         self.patience = patience
         self._streak = dict.fromkeys(self.limits, 0)
         self._warned: set[str] = set()
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs,
+        batch,
+        batch_idx: int,
+    ) -> None:
         metrics = getattr(pl_module, "last_metrics", {})
         for name, limit in self.limits.items():
             above = name in metrics and float(metrics[name]) > limit
             self._streak[name] = self._streak[name] + 1 if above else 0
-            if self.patience and self._streak[name] == self.patience and name not in self._warned:
-                self._warned.add(name)  # once per fit: the message names the fix, repeating it adds nothing
-                rollout, rl = getattr(pl_module, "rollout_cfg", None), getattr(pl_module, "rl", None)
+            if (
+                self.patience
+                and self._streak[name] == self.patience
+                and name not in self._warned
+            ):
+                # once per fit: the message names the fix, repeating it adds nothing
+                self._warned.add(name)
+                rollout, rl = (
+                    getattr(pl_module, "rollout_cfg", None),
+                    getattr(pl_module, "rl", None),
+                )
                 rank_zero_warn(self.message(name, metrics, rollout, rl))
 
-    def message(self, name: str, metrics: dict[str, float], rollout: RolloutConfig | None,
-                rl: GRPOConfig | None) -> str:
+    def message(
+        self,
+        name: str,
+        metrics: dict[str, float],
+        rollout: RolloutConfig | None,
+        rl: GRPOConfig | None,
+    ) -> str:
         """The warning for metric ``name``, with the values of the knobs that set it (``rollout``, ``rl``: the run's
         sections, None where the module has none)."""
         temperature = getattr(rollout, "temperature", "?")
         step = int(metrics.get("step", 0))
         if name == "completion/clipped_frac":
-            return (f"no learning signal: {metrics[name]:.0%} of completions hit model.rollout.max_new_tokens="
-                    f"{getattr(rollout, 'max_new_tokens', '?')} for {self.patience} loop steps (to loop step {step})"
-                    f": their rewards grade cut-off text. Raise max_new_tokens, or ask for shorter answers.")
+            return (
+                f"no learning signal: {metrics[name]:.0%} of completions hit model.rollout.max_new_tokens="
+                f"{getattr(rollout, 'max_new_tokens', '?')} for {self.patience} loop steps (to loop step {step})"
+                f": their rewards grade cut-off text. Raise max_new_tokens, or ask for shorter answers."
+            )
         reward = metrics.get("reward/mean", float("nan"))
-        return (f"no learning signal: reward/frac_zero_std > {self.limits[name]} for {self.patience} loop steps (to "
-                f"loop step {step}; now {metrics[name]:.2f}): the completions of a prompt all get the same reward, so "
-                f"every advantage is 0. Causes: model.rollout.temperature={temperature} too low for diverse "
-                f"samples, model.rl.group_size={getattr(rl, 'group_size', '?')} too small, or the task too easy or "
-                f"too hard for this policy (reward/mean {reward:.3f}). Raise the temperature or the group size, or "
-                f"change the task's difficulty.")
+        return (
+            f"no learning signal: reward/frac_zero_std > {self.limits[name]} for {self.patience} loop steps (to "
+            f"loop step {step}; now {metrics[name]:.2f}): the completions of a prompt all get the same reward, so "
+            f"every advantage is 0. Causes: model.rollout.temperature={temperature} too low for diverse "
+            f"samples, model.rl.group_size={getattr(rl, 'group_size', '?')} too small, or the task too easy or "
+            f"too hard for this policy (reward/mean {reward:.3f}). Raise the temperature or the group size, or "
+            f"change the task's difficulty."
+        )
 
     def state_dict(self) -> dict:
         return {"streak": dict(self._streak), "warned": sorted(self._warned)}

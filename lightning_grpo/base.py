@@ -34,8 +34,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_grpo.checkpoint import adapter
-from lightning_grpo.checkpoint.identity import IDENTITY_KEY, apply_optim, identity, optim_changes
-from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError, nonfinite_parameter
+from lightning_grpo.checkpoint.identity import (
+    IDENTITY_KEY,
+    apply_optim,
+    identity,
+    optim_changes,
+)
+from lightning_grpo.checkpoint.state import (
+    STATE_KEY,
+    LoopState,
+    NonFiniteParametersError,
+    nonfinite_parameter,
+)
 from lightning_grpo.config import OptimConfig
 from lightning_grpo.determinism import run_seed
 from lightning_grpo.distributed import DataParallelOps, data_parallel_mesh, shard_fsdp2
@@ -57,17 +67,32 @@ log = logging.getLogger(__name__)
 UPSTREAM_WARNINGS = {
     # message start: (category, the module that warns, where it comes from)
     "`isinstance(treespec, LeafSpec)` is deprecated": (
-        FutureWarning, "lightning.pytorch.utilities._pytree",
-        ("Lightning's CombinedLoader builds torch's deprecated LeafSpec() at every fit and validate "
-         "(Lightning-AI/pytorch-lightning#21326)")),
+        FutureWarning,
+        "lightning.pytorch.utilities._pytree",
+        (
+            "Lightning's CombinedLoader builds torch's deprecated LeafSpec() at every fit and validate "
+            "(Lightning-AI/pytorch-lightning#21326)"
+        ),
+    ),
     "`torch.distributed.reduce_op` is deprecated": (
-        FutureWarning, "vllm.triton_utils.dispatcher",
-        ("vLLM 0.32's Triton kernel scan reads every attribute of every loaded module, torch.distributed's "
-         "deprecated alias included, when an engine starts")),
-    **{f"Precision {p} is not supported by the model summary": (
-        UserWarning, "lightning.pytorch.utilities.model_summary.model_summary",
-        ("Lightning's model summary at every fit under mixed precision (the GPU recipes): it then counts 32 bits a "
-         "parameter, which is right, the master weights being float32")) for p in ("bf16-mixed", "16-mixed")},
+        FutureWarning,
+        "vllm.triton_utils.dispatcher",
+        (
+            "vLLM 0.32's Triton kernel scan reads every attribute of every loaded module, torch.distributed's "
+            "deprecated alias included, when an engine starts"
+        ),
+    ),
+    **{
+        f"Precision {p} is not supported by the model summary": (
+            UserWarning,
+            "lightning.pytorch.utilities.model_summary.model_summary",
+            (
+                "Lightning's model summary at every fit under mixed precision (the GPU recipes): it then counts 32 bits a "
+                "parameter, which is right, the master weights being float32"
+            ),
+        )
+        for p in ("bf16-mixed", "16-mixed")
+    },
 }
 """Warnings our runs printed that only their upstream can fix and that say nothing about the run."""
 
@@ -79,7 +104,12 @@ def quiet_upstream_warnings() -> None:
     where a caller reset the filters after import (pytest does, per test).
     """
     for start, (category, module, _) in UPSTREAM_WARNINGS.items():
-        warnings.filterwarnings("ignore", message=re.escape(start), category=category, module=re.escape(module) + "$")
+        warnings.filterwarnings(
+            "ignore",
+            message=re.escape(start),
+            category=category,
+            module=re.escape(module) + "$",
+        )
 
 
 def quiet_litlogger_tip() -> None:
@@ -104,25 +134,37 @@ class UpdateModule(DataParallelOps, LightningModule):
         seed: the module's seed; None = the seed ``seed_everything`` applied, else 0.
     """
 
-    def __init__(self, policy: PolicyConfig, optim: OptimConfig, seed: int | None) -> None:
+    def __init__(
+        self, policy: PolicyConfig, optim: OptimConfig, seed: int | None
+    ) -> None:
         super().__init__()
         self.automatic_optimization = False  # the updater steps the optimizer itself
-        resolved = run_seed(seed)  # one source of truth: model.seed, else seed_everything's
+        # one source of truth: model.seed, else seed_everything's
+        resolved = run_seed(seed)
         self.seed = resolved.value
         self.seed_source = resolved.source
-        self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)  # the tiny build it used
+        # the tiny build it used
+        self.policy_cfg = with_seed(copy.deepcopy(policy or PolicyConfig()), self.seed)
         self.optim_cfg = copy.deepcopy(optim or OptimConfig())
-        self.policy: nn.Module | None = None  # built by configure_model, with the tokenizer and the reference
+        # built by configure_model, with the tokenizer and the reference
+        self.policy: nn.Module | None = None
         self.tokenizer = None
         self.ref: nn.Module | None = None
-        self.lora_base: BaseFingerprint | None = None  # under policy.lora: the frozen base its checkpoints leave out
-        self.updater: Updater | None = None  # built by configure_model; the optimizer joins it in on_train_start
-        self.val_means = ValidationMeans()  # epoch means of val/* (torchmetrics: synced across ranks)
+        # under policy.lora: the frozen base its checkpoints leave out
+        self.lora_base: BaseFingerprint | None = None
+        # built by configure_model; the optimizer joins it in on_train_start
+        self.updater: Updater | None = None
+        # epoch means of val/* (torchmetrics: synced across ranks)
+        self.val_means = ValidationMeans()
         self.last_metrics: dict[str, float] = {}
-        self._optim_changes: dict = {}  # optimizer hyper-parameters a resume changed (checkpoint/identity.py)
-        self._state = LoopState()  # what every checkpoint records (see on_save_checkpoint)
-        self.schedule_horizon: int | None = self.optim_cfg.total_steps or None  # resolved from the Trainer at setup
-        self.timer = StepTimer()  # the loop step's phases (timing.py): time/* columns in every row
+        # optimizer hyper-parameters a resume changed (checkpoint/identity.py)
+        self._optim_changes: dict = {}
+        # what every checkpoint records (see on_save_checkpoint)
+        self._state = LoopState()
+        # resolved from the Trainer at setup
+        self.schedule_horizon: int | None = self.optim_cfg.total_steps or None
+        # the loop step's phases (timing.py): time/* columns in every row
+        self.timer = StepTimer()
 
     @property
     def loop_step(self) -> int:
@@ -146,9 +188,12 @@ class UpdateModule(DataParallelOps, LightningModule):
     def resolve_horizon(self, steps_per_loop_step: int) -> None:
         """A decaying LR schedule needs a horizon: resolved from the Trainer (refused here, before the model is set
         up, when there is none)."""
-        if self.trainer.max_steps == 0:  # Lightning would set up, train nothing and end without a word
-            raise ValueError("trainer.max_steps=0: the fit would train nothing and end silently; set trainer.max_steps "
-                             "> 0 (optimizer steps = loop steps x mu_iterations x n_mini), or -1 with trainer.max_epochs")
+        # Lightning would set up, train nothing and end without a word
+        if self.trainer.max_steps == 0:
+            raise ValueError(
+                "trainer.max_steps=0: the fit would train nothing and end silently; set trainer.max_steps "
+                "> 0 (optimizer steps = loop steps x mu_iterations x n_mini), or -1 with trainer.max_epochs"
+            )
         run = run_length(self.trainer, steps_per_loop_step)
         self.schedule_horizon = self.optim_cfg.total_steps or run
         check_horizon(self.optim_cfg, self.schedule_horizon, run)
@@ -164,7 +209,9 @@ class UpdateModule(DataParallelOps, LightningModule):
     def shard(self, *models: nn.Module | None) -> None:
         """FSDP2-shard ``models`` over the data-parallel ranks under ``ModelParallelStrategy`` (DDP wraps the whole
         module itself; one process needs nothing)."""
-        if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+        if self._trainer is None or not isinstance(
+            self.trainer.strategy, ModelParallelStrategy
+        ):
             return
         mesh = data_parallel_mesh(self.trainer.strategy)
         for model in models:
@@ -173,37 +220,67 @@ class UpdateModule(DataParallelOps, LightningModule):
 
     def context_length(self) -> int | None:
         """The policy's context length (prompt + completion tokens), or None where its config does not say."""
-        return getattr(getattr(self.policy, "config", None), "max_position_embeddings", None)
+        return getattr(
+            getattr(self.policy, "config", None), "max_position_embeddings", None
+        )
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         self.check_strategy()  # per-rank divisibility needs the DP size
         quiet_upstream_warnings()
-        if self._trainer is not None:  # Lightning's bars count batches (= loop steps) against optimizer steps
+        # Lightning's bars count batches (= loop steps) against optimizer steps
+        if self._trainer is not None:
             count_loop_steps(self.trainer)
         if stage == "fit":
             self.resolve_horizon(self.steps_per_loop_step)
 
     def on_fit_start(self) -> None:
         # The weights are final here (precision plugin conversion, FSDP2 sharding): refuse or warn once per fit.
-        check_precision(str(self.trainer.precision), self.policy, self.device.type == "cpu", self._scaler())
+        check_precision(
+            str(self.trainer.precision),
+            self.policy,
+            self.device.type == "cpu",
+            self._scaler(),
+        )
 
     def configure_optimizers(self):
         o = self.optim_cfg
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                **adamw_kernel(params, o.fused, self._scaler()))
+        opt = torch.optim.AdamW(
+            params,
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            **adamw_kernel(params, o.fused, self._scaler()),
+        )
         return [opt], [build_scheduler(opt, o, self.schedule_horizon)]
 
     def on_train_start(self) -> None:
         opt = self.optimizers()
-        plugin_step = PluginStep(self.trainer, self.policy, opt)  # unscale -> 1/sum -> clip -> step via the plugin
+        # unscale -> 1/sum -> clip -> step via the plugin
+        plugin_step = PluginStep(self.trainer, self.policy, opt)
         schedulers = self.lr_schedulers()
-        split, dp = self.data_parallel()  # the strategy is set up: the ranks' split and reductions are known now
-        self.updater.attach(opt, schedulers, self.manual_backward, step=plugin_step, clip=plugin_step.clip, split=split,
-                            dp=dp)
-        listed = [] if schedulers is None else schedulers if isinstance(schedulers, list) else [schedulers]
-        if (changed := apply_optim(self._optim_changes, opt, listed)) is not None:  # a resume under another lr
+        # the strategy is set up: the ranks' split and reductions are known now
+        split, dp = self.data_parallel()
+        self.updater.attach(
+            opt,
+            schedulers,
+            self.manual_backward,
+            step=plugin_step,
+            clip=plugin_step.clip,
+            split=split,
+            dp=dp,
+        )
+        listed = (
+            []
+            if schedulers is None
+            else schedulers
+            if isinstance(schedulers, list)
+            else [schedulers]
+        )
+        # a resume under another lr
+        if (changed := apply_optim(self._optim_changes, opt, listed)) is not None:
             rank_zero_warn(changed)
         self._optim_changes = {}
         self._state.resume(self.trainer, self.updater, self.trainer.datamodule)
@@ -211,12 +288,14 @@ class UpdateModule(DataParallelOps, LightningModule):
         self.timer.restart(self.device)  # the first loop step's time/step starts here
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        self._state.step_started()  # the last hook before training_step: a loaded RNG state is restored here
+        # the last hook before training_step: a loaded RNG state is restored here
+        self._state.step_started()
 
     def on_before_optimizer_step(self, optimizer) -> None:
         loop = self.updater.loop if self.updater is not None else None
         step = loop.accumulator.step if loop is not None else None
-        if isinstance(step, PluginStep):  # in a GradScaler step the plugin has unscaled: now the divisor and the clip
+        # in a GradScaler step the plugin has unscaled: now the divisor and the clip
+        if isinstance(step, PluginStep):
             step.before_optimizer_step()
 
     def on_validation_end(self) -> None:
@@ -224,7 +303,11 @@ class UpdateModule(DataParallelOps, LightningModule):
         # (num_sanity_val_steps: -1), so it gets its metrics row at this loop step like any validation.
         if self.trainer.sanity_checking and is_measurement(self.trainer):
             found = self.trainer.callback_metrics
-            row = {name: float(found[name]) for name in self.val_means.names() if name in found and name != "step"}
+            row = {
+                name: float(found[name])
+                for name in self.val_means.names()
+                if name in found and name != "step"
+            }
             for logger in self.trainer.loggers:
                 logger.log_metrics(row, step=self.loop_step)
                 logger.save()
@@ -237,27 +320,38 @@ class UpdateModule(DataParallelOps, LightningModule):
         replace that failure and skip Lightning's teardown, so the file is written without weights or optimizer
         state instead, saying why, and loading it refuses with that reason.
         """
-        if (bad := nonfinite_parameter(self.trainer)) is not None:  # a collective under DP: every rank refuses
+        # a collective under DP: every rank refuses
+        if (bad := nonfinite_parameter(self.trainer)) is not None:
             refused = NonFiniteParametersError(bad)
             if self.trainer.state.status != TrainerStatus.INTERRUPTED:
                 raise refused
-            log.error("%s: the checkpoint written while handling the failure holds no weights", refused)
+            log.error(
+                "%s: the checkpoint written while handling the failure holds no weights",
+                refused,
+            )
             for key in ("state_dict", "optimizer_states", "lr_schedulers"):
                 checkpoint.pop(key, None)
             checkpoint[STATE_KEY] = {"refused": str(refused)}
             return
         self._state.write(self.trainer, checkpoint)
-        checkpoint[IDENTITY_KEY] = self._identity()  # a resume compares its config with it (checkpoint/identity.py)
-        adapter.save_adapter(checkpoint, self.policy, self.lora_base, "policy.")  # LoRA: the base is rebuilt
+        # a resume compares its config with it (checkpoint/identity.py)
+        checkpoint[IDENTITY_KEY] = self._identity()
+        # LoRA: the base is rebuilt
+        adapter.save_adapter(checkpoint, self.policy, self.lora_base, "policy.")
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         refused = (checkpoint.get(STATE_KEY) or {}).get("refused")
-        if refused:  # written without weights on the way out of a failure: nothing to resume
+        # written without weights on the way out of a failure: nothing to resume
+        if refused:
             raise NonFiniteParametersError.loading(refused)
         # seed/model/dtype changed: refused now; optimizer hyper-parameters: applied at on_train_start, with a warning
-        self._optim_changes = optim_changes(checkpoint.get(IDENTITY_KEY), self._identity())
-        self._state.load(checkpoint)  # put back at on_train_start, once the updater has its loop
-        adapter.load_adapter(checkpoint, self.policy, self.lora_base, "policy.")  # before Lightning loads it
+        self._optim_changes = optim_changes(
+            checkpoint.get(IDENTITY_KEY), self._identity()
+        )
+        # put back at on_train_start, once the updater has its loop
+        self._state.load(checkpoint)
+        # before Lightning loads it
+        adapter.load_adapter(checkpoint, self.policy, self.lora_base, "policy.")
 
     def split(self) -> Split:
         """How this rank cuts a collected batch (here: the updater's own; GRPO derives it from ``rl`` per rank)."""
@@ -266,7 +360,11 @@ class UpdateModule(DataParallelOps, LightningModule):
     def data_parallel(self) -> tuple[Split, DataParallel]:
         """How this rank cuts a batch and the reductions one update needs, as the strategy set the ranks up. Read in
         ``on_train_start``, never earlier: a user may build the model (``configure_model``) before ``fit``."""
-        dp = DataParallel(max=self.dp_group().max, grad_sync=self.dp_grad_sync, all_finite=self.dp_all_finite)
+        dp = DataParallel(
+            max=self.dp_group().max,
+            grad_sync=self.dp_grad_sync,
+            all_finite=self.dp_all_finite,
+        )
         return self.split(), dp
 
     # -- the batch boundary and the report -----------------------------------------------------------------------------
@@ -278,22 +376,39 @@ class UpdateModule(DataParallelOps, LightningModule):
         """The row's counters: ``loop_step`` (also ``step``, the loggers' x-axis: collected batches) and
         ``global_step`` (optimizer steps)."""
         loop_step = float(self.loop_step)
-        return {"loop_step": loop_step, "global_step": float(self.global_step), "step": loop_step}
+        return {
+            "loop_step": loop_step,
+            "global_step": float(self.global_step),
+            "step": loop_step,
+        }
 
     def log_validation(self, metrics: dict[str, float], weight: int) -> None:
         """One validation batch's ``val/*`` metrics, averaged over the epoch (weighted, synced across ranks)."""
         for name, mean, attribute in self.val_means.add(metrics, weight, self.device):
-            self.log(name, mean, on_step=False, on_epoch=True, metric_attribute=attribute)
+            self.log(
+                name, mean, on_step=False, on_epoch=True, metric_attribute=attribute
+            )
 
-    def publish(self, metrics: dict[str, float], rows: int, bar: dict[str, str]) -> None:
+    def publish(
+        self, metrics: dict[str, float], rows: int, bar: dict[str, str]
+    ) -> None:
         """Log one row per loop step: ``metrics`` with the counters and the step timer's columns, one figure per
         metric for the whole job (``metrics.loop_step_row``; ``rows``: trajectories or pairs per rank), to the
         loggers; ``bar`` (label -> metric name) picks what the progress bar shows."""
         columns = self.timer.columns()
-        row = loop_step_row(metrics, self.counters(), columns, self.dp_all_reduce, self.dp_size(), rows)
+        row = loop_step_row(
+            metrics, self.counters(), columns, self.dp_all_reduce, self.dp_size(), rows
+        )
         shown = {label: row.get(name, math.nan) for label, name in bar.items()}
         self.log_dict(row, on_step=True, on_epoch=False, batch_size=1)
-        self.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+        self.log_dict(
+            shown,
+            prog_bar=True,
+            logger=False,
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
         self.last_metrics = row
 
     def _identity(self) -> dict:
@@ -302,4 +417,8 @@ class UpdateModule(DataParallelOps, LightningModule):
 
     def _scaler(self):
         """The precision plugin's GradScaler (16-mixed), or None."""
-        return getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
+        return (
+            getattr(self.trainer.precision_plugin, "scaler", None)
+            if self._trainer is not None
+            else None
+        )

@@ -49,28 +49,50 @@ class RolloutBatch:
     def select(self, rows: Tensor | slice) -> RolloutBatch:
         """Rows ``rows`` of the batch, trimmed to their longest real sequence (saves memory, exact)."""
         picked = {f.name: _take(getattr(self, f.name), rows) for f in fields(self)}
-        width = int(picked["attention_mask"].sum(-1).max().item()) if len(picked["input_ids"]) else 0
-        width = max(width, 2)  # one target token at least, so logprob shapes never go empty
-        for name in ("input_ids", "attention_mask", "completion_mask", "rollout_logprobs"):
+        width = (
+            int(picked["attention_mask"].sum(-1).max().item())
+            if len(picked["input_ids"])
+            else 0
+        )
+        # one target token at least, so logprob shapes never go empty
+        width = max(width, 2)
+        for name in (
+            "input_ids",
+            "attention_mask",
+            "completion_mask",
+            "rollout_logprobs",
+        ):
             if picked[name] is not None:
                 picked[name] = picked[name][:, :width]
         return RolloutBatch(**picked)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
-        return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
+        return replace(
+            self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)}
+        )
 
 
 def _take(t: Tensor | tuple | None, rows: Tensor | slice) -> Tensor | tuple | None:
     if isinstance(t, tuple):  # per-row references (images)
-        return t[rows] if isinstance(rows, slice) else tuple(t[i] for i in rows.tolist())
+        return (
+            t[rows] if isinstance(rows, slice) else tuple(t[i] for i in rows.tolist())
+        )
     return None if t is None else t[rows]
 
 
-def _move(t: Tensor | tuple | None, device: torch.device | str) -> Tensor | tuple | None:
+def _move(
+    t: Tensor | tuple | None, device: torch.device | str
+) -> Tensor | tuple | None:
     return t.to(device) if isinstance(t, Tensor) else t
 
 
-def pack_rollouts(rollouts, advantages: Tensor, rewards: Tensor, pad_id: int, max_len: int | None = None) -> RolloutBatch:
+def pack_rollouts(
+    rollouts,
+    advantages: Tensor,
+    rewards: Tensor,
+    pad_id: int,
+    max_len: int | None = None,
+) -> RolloutBatch:
     """Pack ``prompt + completion`` of each rollout from position 0, right-padded to the longest.
 
     Args:
@@ -83,8 +105,10 @@ def pack_rollouts(rollouts, advantages: Tensor, rewards: Tensor, pad_id: int, ma
     if max_len is not None:
         for i, s in enumerate(seqs):
             if len(s) > max_len:
-                raise ValueError(f"rollout {i} (prompt id {rollouts[i].prompt.id}) has {len(s)} tokens, over the "
-                                 f"model context of {max_len}; lower rollout.max_new_tokens or the prompt length")
+                raise ValueError(
+                    f"rollout {i} (prompt id {rollouts[i].prompt.id}) has {len(s)} tokens, over the "
+                    f"model context of {max_len}; lower rollout.max_new_tokens or the prompt length"
+                )
     n = len(seqs)
     width = max(max(len(s) for s in seqs), 2)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -96,10 +120,17 @@ def pack_rollouts(rollouts, advantages: Tensor, rewards: Tensor, pad_id: int, ma
         p = len(r.prompt.token_ids)
         input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         attention[i, : len(s)] = True
-        sampled = torch.ones(len(s) - p, dtype=torch.bool) if r.model_mask is None else torch.tensor(r.model_mask)
-        completion[i, p : len(s)] = sampled  # environment tokens of an episode: context, outside the loss
+        sampled = (
+            torch.ones(len(s) - p, dtype=torch.bool)
+            if r.model_mask is None
+            else torch.tensor(r.model_mask)
+        )
+        # environment tokens of an episode: context, outside the loss
+        completion[i, p : len(s)] = sampled
         if logprobs is not None and r.token_ids:
-            logprobs[i, p : len(s)] = torch.tensor(r.logprobs, dtype=torch.float32).masked_fill(~sampled, 0.0)
+            logprobs[i, p : len(s)] = torch.tensor(
+                r.logprobs, dtype=torch.float32
+            ).masked_fill(~sampled, 0.0)
     group_ids = torch.tensor([r.prompt.id for r in rollouts], dtype=torch.long)
     # Sample id = group_id * group_size + rank within the group: deterministic and unique.
     seen: dict[int, int] = {}
@@ -119,5 +150,7 @@ def pack_rollouts(rollouts, advantages: Tensor, rewards: Tensor, pad_id: int, ma
         group_ids=group_ids,
         sample_ids=group_ids * group_size + torch.tensor(within, dtype=torch.long),
         rollout_logprobs=logprobs,
-        images=tuple(tuple(r.prompt.images) for r in rollouts) if any(r.prompt.images for r in rollouts) else None,
+        images=tuple(tuple(r.prompt.images) for r in rollouts)
+        if any(r.prompt.images for r in rollouts)
+        else None,
     )

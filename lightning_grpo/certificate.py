@@ -51,15 +51,23 @@ class Figures:
     """Wall time of the certificate (engine draw + trainer forward)."""
 
     def metrics(self) -> dict[str, float]:
-        return {"mismatch/kl_mean": self.kl_mean, "mismatch/kl_max": self.kl_max,
-                "mismatch/logprob_diff_max": self.logprob_diff_max, "mismatch/top1_agree": self.top1_agree,
-                "mismatch/seconds": self.seconds}
+        return {
+            "mismatch/kl_mean": self.kl_mean,
+            "mismatch/kl_max": self.kl_max,
+            "mismatch/logprob_diff_max": self.logprob_diff_max,
+            "mismatch/top1_agree": self.top1_agree,
+            "mismatch/seconds": self.seconds,
+        }
 
     def table(self) -> str:
-        rows = [("positions", f"{self.positions}"), ("KL(engine||trainer) mean", f"{self.kl_mean:.3e}"),
-                ("KL(engine||trainer) max", f"{self.kl_max:.3e}"),
-                ("max |delta logprob| (vocabulary)", f"{self.logprob_diff_max:.3e}"),
-                ("top-1 agreement", f"{self.top1_agree:.4f}"), ("seconds", f"{self.seconds:.3f}")]
+        rows = [
+            ("positions", f"{self.positions}"),
+            ("KL(engine||trainer) mean", f"{self.kl_mean:.3e}"),
+            ("KL(engine||trainer) max", f"{self.kl_max:.3e}"),
+            ("max |delta logprob| (vocabulary)", f"{self.logprob_diff_max:.3e}"),
+            ("top-1 agreement", f"{self.top1_agree:.4f}"),
+            ("seconds", f"{self.seconds:.3f}"),
+        ]
         return "\n".join(f"{name:<34}{value:>12}" for name, value in rows)
 
 
@@ -71,15 +79,25 @@ def compare(engine: Tensor, trainer: Tensor) -> Figures:
     """The figures of ``[P, V]`` engine and trainer log-distributions at the same ``P`` positions (float64)."""
     p = engine.double()
     q = trainer.double()
-    both = torch.isneginf(p) & torch.isneginf(q)  # a token neither side can draw adds nothing
+    # a token neither side can draw adds nothing
+    both = torch.isneginf(p) & torch.isneginf(q)
     gap = torch.where(both, 0.0, p - q)  # [P, V]
-    terms = torch.where(torch.isneginf(p), 0.0, p.exp() * gap)  # p log(p / q); 0 where p = 0
+    # p log(p / q); 0 where p = 0
+    terms = torch.where(torch.isneginf(p), 0.0, p.exp() * gap)
     kl = terms.sum(-1)  # [P]
     top1 = (p.argmax(-1) == q.argmax(-1)).double()
-    return Figures(float(kl.mean()), float(kl.max()), float(gap.abs().max()), float(top1.mean()), p.shape[0])
+    return Figures(
+        float(kl.mean()),
+        float(kl.max()),
+        float(gap.abs().max()),
+        float(top1.mean()),
+        p.shape[0],
+    )
 
 
-def trainer_logprobs(policy: nn.Module, prompt: list[int], completion: list[int]) -> Tensor:
+def trainer_logprobs(
+    policy: nn.Module, prompt: list[int], completion: list[int]
+) -> Tensor:
     """``[T, V]`` float32 log-softmax of the trainer's logits at the completion's positions (eval mode: no dropout)."""
     device = next(policy.parameters()).device
     ids = torch.tensor([prompt + completion], device=device)
@@ -95,11 +113,18 @@ def trainer_logprobs(policy: nn.Module, prompt: list[int], completion: list[int]
 
 def probe_prompts(tokenizer, count: int) -> list[Prompt]:
     """The first ``count`` fixed probe prompts, encoded (ids from 1e9 up: never a data prompt's)."""
-    return [Prompt(id=10**9 + i, token_ids=list(tokenizer(t)["input_ids"]), text=t)
-            for i, t in enumerate(PROBE_TEXTS[:count])]
+    return [
+        Prompt(id=10**9 + i, token_ids=list(tokenizer(t)["input_ids"]), text=t)
+        for i, t in enumerate(PROBE_TEXTS[:count])
+    ]
 
 
-def certify(engine: ScoresVocabulary, policy: nn.Module, prompts: list[Prompt], cfg: CertificateConfig) -> Figures:
+def certify(
+    engine: ScoresVocabulary,
+    policy: nn.Module,
+    prompts: list[Prompt],
+    cfg: CertificateConfig,
+) -> Figures:
     """One certificate of ``engine`` against ``policy`` on ``prompts``."""
     start = time.perf_counter()
     draws = engine.vocabulary_logprobs(prompts, cfg.max_new_tokens, cfg.seed)
@@ -112,21 +137,27 @@ def breach(figures: Figures, cfg: CertificateConfig) -> list[str]:
     """The thresholds ``figures`` break, as ``name=value > knob=limit`` lines (none: certified)."""
     out = []
     if not figures.kl_mean <= cfg.max_kl:
-        out.append(f"KL mean {figures.kl_mean:.3g} > rollout.certificate.max_kl={cfg.max_kl:g}")
+        out.append(
+            f"KL mean {figures.kl_mean:.3g} > rollout.certificate.max_kl={cfg.max_kl:g}"
+        )
     limit = cfg.max_logprob_diff
     if limit is not None and not figures.logprob_diff_max <= limit:
-        out.append(f"max |delta logprob| {figures.logprob_diff_max:.3g} > rollout.certificate.max_logprob_diff="
-                   f"{limit:g}")
+        out.append(
+            f"max |delta logprob| {figures.logprob_diff_max:.3g} > rollout.certificate.max_logprob_diff="
+            f"{limit:g}"
+        )
     return out
 
 
 def breach_message(step: int, figures: Figures, broken: list[str]) -> str:
-    return (f"consistency certificate at loop step {step}: the engine's next-token distribution differs from the "
-            f"trainer's ({'; '.join(broken)}; KL max {figures.kl_max:.3g}, top-1 agreement {figures.top1_agree:.3f} "
-            f"over {figures.positions} positions). Likely causes: a weight sync that did not land or a prefix cache "
-            "not reset after it (stale KV), an engine dtype below the trainer's (rollout.vllm.dtype / "
-            "rollout.server.dtype: a bfloat16 head), batch-variant kernels, or MoE routing that differs. See "
-            "docs/consistency.md.")
+    return (
+        f"consistency certificate at loop step {step}: the engine's next-token distribution differs from the "
+        f"trainer's ({'; '.join(broken)}; KL max {figures.kl_max:.3g}, top-1 agreement {figures.top1_agree:.3f} "
+        f"over {figures.positions} positions). Likely causes: a weight sync that did not land or a prefix cache "
+        "not reset after it (stale KV), an engine dtype below the trainer's (rollout.vllm.dtype / "
+        "rollout.server.dtype: a bfloat16 head), batch-variant kernels, or MoE routing that differs. See "
+        "docs/consistency.md."
+    )
 
 
 class Certifier:
@@ -140,7 +171,13 @@ class Certifier:
         after_syncs: whether the engine is synced every loop step (False: it samples with the policy itself).
     """
 
-    def __init__(self, cfg: CertificateConfig, policy: nn.Module, prompts: list[Prompt], after_syncs: bool) -> None:
+    def __init__(
+        self,
+        cfg: CertificateConfig,
+        policy: nn.Module,
+        prompts: list[Prompt],
+        after_syncs: bool,
+    ) -> None:
         self.cfg = cfg
         self.policy = policy
         self.prompts = prompts
@@ -155,8 +192,10 @@ class Certifier:
             return dict(UNMEASURED)
         self._first = False
         if not isinstance(engine, ScoresVocabulary):
-            raise TypeError(f"rollout.certificate: {type(engine).__name__} cannot return its whole next-token "
-                            "distribution (ScoresVocabulary); use engine hf or vllm, or leave rollout.certificate out")
+            raise TypeError(
+                f"rollout.certificate: {type(engine).__name__} cannot return its whole next-token "
+                "distribution (ScoresVocabulary); use engine hf or vllm, or leave rollout.certificate out"
+            )
         self.last = certify(engine, self.policy, self.prompts, self.cfg)
         broken = breach(self.last, self.cfg)
         if broken:
@@ -167,7 +206,9 @@ class Certifier:
         return self.last.metrics()
 
 
-def _stacked(policy: nn.Module, prompts: list[Prompt], draws: list[VocabDraw]) -> tuple[Tensor, Tensor]:
+def _stacked(
+    policy: nn.Module, prompts: list[Prompt], draws: list[VocabDraw]
+) -> tuple[Tensor, Tensor]:
     """``[P, V]`` engine and trainer log-distributions over every completion position of every probe."""
     sampler = []
     trainer = []
@@ -176,5 +217,8 @@ def _stacked(policy: nn.Module, prompts: list[Prompt], draws: list[VocabDraw]) -
             continue
         sampler.append(draw.logprobs)
         trainer.append(trainer_logprobs(policy, list(prompt.token_ids), draw.token_ids))
-    width = min(t.shape[-1] for t in sampler + trainer)  # a head padded past the tokenizer's vocabulary
-    return torch.cat([t[:, :width] for t in sampler]), torch.cat([t[:, :width] for t in trainer])
+    # a head padded past the tokenizer's vocabulary
+    width = min(t.shape[-1] for t in sampler + trainer)
+    return torch.cat([t[:, :width] for t in sampler]), torch.cat(
+        [t[:, :width] for t in trainer]
+    )

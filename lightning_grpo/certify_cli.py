@@ -16,9 +16,15 @@ DESCRIPTION = "The consistency certificate of a run's policy and engine (engine 
 
 def build_parser(parser_class=argparse.ArgumentParser):
     parser = parser_class(prog="lightning-grpo certify", description=DESCRIPTION)
-    parser.add_argument("--config", required=True, help="a run's YAML (the one `fit --config` takes)")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default=None,
-                        help="the engine to certify (default: the config's model.rollout.engine)")
+    parser.add_argument(
+        "--config", required=True, help="a run's YAML (the one `fit --config` takes)"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default=None,
+        help="the engine to certify (default: the config's model.rollout.engine)",
+    )
     return parser
 
 
@@ -48,20 +54,29 @@ def main(argv: list[str] | None = None) -> int:
     typed = ArgumentParser(exit_on_error=False)
     typed.add_argument("--policy", type=PolicyConfig, default=PolicyConfig())
     typed.add_argument("--rollout", type=RolloutConfig, default=RolloutConfig())
-    parsed = typed.instantiate_classes(typed.parse_object({"policy": policy_section, "rollout": rollout_section}))
+    parsed = typed.instantiate_classes(
+        typed.parse_object({"policy": policy_section, "rollout": rollout_section})
+    )
     rollout = parsed.rollout
     if args.engine is not None:
         rollout = replace(rollout, engine=args.engine)
     cert = rollout.certificate or CertificateConfig()
-    rollout = replace(rollout, certificate=cert)  # the vLLM engine is built to return every logprob
+    # the vLLM engine is built to return every logprob
+    rollout = replace(rollout, certificate=cert)
     policy, tokenizer = load_policy(parsed.policy)
-    engine = build_engine(rollout, EngineParts(policy, tokenizer, parsed.policy, GRPOConfig()), will_sleep=False)
+    engine = build_engine(
+        rollout,
+        EngineParts(policy, tokenizer, parsed.policy, GRPOConfig()),
+        will_sleep=False,
+    )
     try:
         figures = certify(engine, policy, probe_prompts(tokenizer, cert.prompts), cert)
     finally:
         if isinstance(engine, Closable):
             engine.close()
-    print(f"policy {parsed.policy.path} ({parsed.policy.dtype}), engine {rollout.engine}")
+    print(
+        f"policy {parsed.policy.path} ({parsed.policy.dtype}), engine {rollout.engine}"
+    )
     print(figures.table())
     broken = breach(figures, cert)
     print("\n".join(f"BREACH: {line}" for line in broken) if broken else "certified")

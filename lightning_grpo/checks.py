@@ -36,7 +36,9 @@ def raise_problems(where: str, problems: Iterable[str]) -> None:
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         plural = "s" * (len(problems) > 1)
-        raise ConfigError(f"invalid {where} ({len(problems)} problem{plural}):\n{lines}", problems)
+        raise ConfigError(
+            f"invalid {where} ({len(problems)} problem{plural}):\n{lines}", problems
+        )
 
 
 RETIRED: dict[str, str] = {}
@@ -56,8 +58,11 @@ def retire(section: str, where: str, **fields: str):
 
         @functools.wraps(init)
         def __init__(self, *args, **kwargs) -> None:
-            gone = [f"{name}={kwargs.pop(name)!r}: {RETIRED[f'{section}.{name}']}"
-                    for name in list(kwargs) if name in fields]
+            gone = [
+                f"{name}={kwargs.pop(name)!r}: {RETIRED[f'{section}.{name}']}"
+                for name in list(kwargs)
+                if name in fields
+            ]
             try:
                 init(self, *args, **kwargs)
                 problems = []
@@ -65,11 +70,15 @@ def retire(section: str, where: str, **fields: str):
                 if not (gone and err.problems):
                     raise
                 problems = err.problems
-            raise_problems(where, gone + problems)  # outside the except: one error, not a chain of two
+            # outside the except: one error, not a chain of two
+            raise_problems(where, gone + problems)
 
         for name, message in fields.items():
-            if f"{section}.{name}" not in message:  # the CLI prints the message alone: it must name the key
-                raise TypeError(f"retire({section!r}, {name}=...): the message must name {section}.{name}")
+            # the CLI prints the message alone: it must name the key
+            if f"{section}.{name}" not in message:
+                raise TypeError(
+                    f"retire({section!r}, {name}=...): the message must name {section}.{name}"
+                )
             RETIRED[f"{section}.{name}"] = message
         cls.__init__ = __init__
         return cls
@@ -85,7 +94,10 @@ def retired_key(text: str) -> str | None:
     """
     for key, message in RETIRED.items():
         section, name = key.rsplit(".", 1)
-        if re.search(rf"(?<!\w){re.escape(key)}\b", text) or f"'{section}' does not accept option '{name}'" in text:
+        if (
+            re.search(rf"(?<!\w){re.escape(key)}\b", text)
+            or f"'{section}' does not accept option '{name}'" in text
+        ):
             return message
     return None
 

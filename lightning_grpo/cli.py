@@ -36,7 +36,14 @@ from lightning_grpo.checks import retired_key
 from lightning_grpo.cli_help import DataKeysParser, SectionHelp
 from lightning_grpo.collect.async_rollouts import unwrapped
 from lightning_grpo.completions import CompletionLog
-from lightning_grpo.config import ConfigError, GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
+from lightning_grpo.config import (
+    ConfigError,
+    GRPOConfig,
+    OptimConfig,
+    RolloutConfig,
+    ServerConfig,
+    VLLMConfig,
+)
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
 from lightning_grpo.data.sources import PromptDataError
@@ -53,14 +60,22 @@ from lightning_grpo.plot import main as plot_main
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.base import Served
 from lightning_grpo.run_check import check_run
-from lightning_grpo.run_folder import RunFolderInUseError, claim_versions, explicit_version, refuse_reused_version
+from lightning_grpo.run_folder import (
+    RunFolderInUseError,
+    claim_versions,
+    explicit_version,
+    refuse_reused_version,
+)
 from lightning_grpo.summary import RunSummary
 from lightning_grpo.tiny.spec import TinyPolicySpec
 
 TRAINER_DEFAULTS = {
     # Under manual optimization Lightning counts logging in batches = loop steps: log every one.
     "log_every_n_steps": 1,
-    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": "runs"},
+    },
     "max_steps": 20,
     "accelerator": "auto",
     "devices": 1,
@@ -83,13 +98,21 @@ DEBUG_ENV = "LIGHTNING_GRPO_DEBUG"
 """Set to 1 to get the full traceback of a config error instead of its short report."""
 LOAD_ERRORS = (ValueError, TypeError, OSError, ImportError, MisconfigurationException)
 """Raised while the config's classes are built: the config is wrong (a bug shows its traceback with DEBUG_ENV)."""
-RUN_ERRORS = (ConfigError, PromptDataError, DeterminismError, MisconfigurationException, RunFolderInUseError,
-              *USER_ERRORS)
+RUN_ERRORS = (
+    ConfigError,
+    PromptDataError,
+    DeterminismError,
+    MisconfigurationException,
+    RunFolderInUseError,
+    *USER_ERRORS,
+)
 """Config errors only the run can find (per-rank sizes need the DP size, data load at setup, Lightning's checks),
 and what a user causes mid-run (a reward function that raises, a damaged checkpoint: ``errors.py``)."""
 _PACKAGE = str(Path(__file__).parent)
-_UNION_NOISE = re.compile(r"Does not validate against any of the Union subtypes|^\s*Subtypes: |^\s*Errors:$|"
-                          r"Expected a <class 'NoneType'>|NestedArg")
+_UNION_NOISE = re.compile(
+    r"Does not validate against any of the Union subtypes|^\s*Subtypes: |^\s*Errors:$|"
+    r"Expected a <class 'NoneType'>|NestedArg"
+)
 """Lines of a jsonargparse parse error about the ``None`` alternative of an optional section (the model's)."""
 OPTIMIZER_REFUSED = (
     "Not accepted: the optimizer is AdamW from model.optim (--model.optim.lr, .weight_decay, .betas, .eps) and "
@@ -131,54 +154,88 @@ class GRPOCLI(LightningCLI):
         GRPOCLI(MyGRPOModule)  # `python train.py fit --config my.yaml`
     """
 
-    def __init__(self, model_class: type[LightningModule] = GRPOModule,
-                 datamodule_class: type[LightningDataModule] = PromptDataModule, *,
-                 subclass_mode_model: bool = True, subclass_mode_data: bool = True,
-                 auto_configure_optimizers: bool = False,
-                 seed_everything_default: bool | int = 0, trainer_defaults: dict | None = None,
-                 save_config_callback: type[SaveConfigCallback] | None = LoggedConfig,
-                 save_config_kwargs: dict | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        model_class: type[LightningModule] = GRPOModule,
+        datamodule_class: type[LightningDataModule] = PromptDataModule,
+        *,
+        subclass_mode_model: bool = True,
+        subclass_mode_data: bool = True,
+        auto_configure_optimizers: bool = False,
+        seed_everything_default: bool | int = 0,
+        trainer_defaults: dict | None = None,
+        save_config_callback: type[SaveConfigCallback] | None = LoggedConfig,
+        save_config_kwargs: dict | None = None,
+        **kwargs,
+    ) -> None:
         # In subclass mode the given classes are the defaults (a config without class_path builds them) and any
         # LightningModule / LightningDataModule may be named instead.
         self.default_classes = {"model": model_class, "data": datamodule_class}
-        self.experiment_dir: Path | None = None  # a W&B logger's <save_dir>/<name> (before_instantiate_classes)
+        # a W&B logger's <save_dir>/<name> (before_instantiate_classes)
+        self.experiment_dir: Path | None = None
         kwargs.setdefault("parser_class", DataKeysParser)
         quiet_litlogger_tip()
         super().__init__(
             LightningModule if subclass_mode_model else model_class,
             LightningDataModule if subclass_mode_data else datamodule_class,
-            subclass_mode_model=subclass_mode_model, subclass_mode_data=subclass_mode_data,
-            auto_configure_optimizers=auto_configure_optimizers, seed_everything_default=seed_everything_default,
-            trainer_defaults=TRAINER_DEFAULTS if trainer_defaults is None else trainer_defaults,
+            subclass_mode_model=subclass_mode_model,
+            subclass_mode_data=subclass_mode_data,
+            auto_configure_optimizers=auto_configure_optimizers,
+            seed_everything_default=seed_everything_default,
+            trainer_defaults=TRAINER_DEFAULTS
+            if trainer_defaults is None
+            else trainer_defaults,
             save_config_callback=save_config_callback,
             # --overwrite_run=true replaces a run's folder (run_folder.py refuses it otherwise): its config too.
-            save_config_kwargs={"overwrite": True} if save_config_kwargs is None else save_config_kwargs, **kwargs)
+            save_config_kwargs={"overwrite": True}
+            if save_config_kwargs is None
+            else save_config_kwargs,
+            **kwargs,
+        )
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         # test/predict would need test_step/predict_step: a GRPO run has neither
-        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+        return {
+            name: skip
+            for name, skip in LightningCLI.subcommands().items()
+            if name in ("fit", "validate")
+        }
 
     def init_parser(self, **kwargs) -> ArgumentParser:
-        set_parsing_settings(docstring_parse_attribute_docstrings=True)  # a field's docstring is its --help text
-        kwargs.setdefault("description", "GRPO for PyTorch Lightning. `fit --help`: the options; `fit --model.help`: "
-                                         "every model knob with its meaning.")
-        kwargs.setdefault("exit_on_error", False)  # errors come back to parse_arguments: reported in a few lines
+        # a field's docstring is its --help text
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+        kwargs.setdefault(
+            "description",
+            "GRPO for PyTorch Lightning. `fit --help`: the options; `fit --model.help`: "
+            "every model knob with its meaning.",
+        )
+        # errors come back to parse_arguments: reported in a few lines
+        kwargs.setdefault("exit_on_error", False)
         return super().init_parser(**kwargs)
 
     def _add_subcommands(self, parser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
-        for name in self._subcommand_parsers:  # `fit --help` lists data.* too, not only --data.help
+        # `fit --help` lists data.* too, not only --data.help
+        for name in self._subcommand_parsers:
             self._parser(name).appendix = (("data", self.default_classes["data"]),)
         # `lightning-grpo plot` is handled by main() before LightningCLI; listed so that --help names it.
-        parser._subcommands_action.add_subcommand("plot", plot_parser(ArgumentParser), help=PLOT_DESCRIPTION)
-        from lightning_grpo import show  # `show` too: lazily, it is a light module of its own
+        parser._subcommands_action.add_subcommand(
+            "plot", plot_parser(ArgumentParser), help=PLOT_DESCRIPTION
+        )
+        # `show` too: lazily, it is a light module of its own
+        from lightning_grpo import show
 
-        parser._subcommands_action.add_subcommand("show", show.build_parser(ArgumentParser), help=show.DESCRIPTION)
+        parser._subcommands_action.add_subcommand(
+            "show", show.build_parser(ArgumentParser), help=show.DESCRIPTION
+        )
         from lightning_grpo import certify_cli
 
-        parser._subcommands_action.add_subcommand("certify", certify_cli.build_parser(ArgumentParser),
-                                                  help=certify_cli.DESCRIPTION)
+        parser._subcommands_action.add_subcommand(
+            "certify",
+            certify_cli.build_parser(ArgumentParser),
+            help=certify_cli.DESCRIPTION,
+        )
 
     def add_arguments_to_parser(self, parser) -> None:
         # Complete, atomic checkpoints once per loop step: `--checkpoint.every_n_loop_steps` (docs/checkpointing.md).
@@ -187,32 +244,60 @@ class GRPOCLI(LightningCLI):
         # warning when the learning signal is gone (`--alarm.*`).
         parser.add_lightning_class_args(CompletionLog, "completions")
         parser.add_lightning_class_args(SignalAlarm, "alarm")
-        parser.add_argument("--overwrite_run", type=bool, default=False,
-                            help="Let a new fit replace the run in the folder an explicit "
-                                 "trainer.logger.init_args.version names (refused otherwise).")
+        parser.add_argument(
+            "--overwrite_run",
+            type=bool,
+            default=False,
+            help="Let a new fit replace the run in the folder an explicit "
+            "trainer.logger.init_args.version names (refused otherwise).",
+        )
         modes = {"model": self.subclass_mode_model, "data": self.subclass_mode_data}
-        for key, cls in self.default_classes.items():  # a config without class_path builds the CLI's default class
+        # a config without class_path builds the CLI's default class
+        for key, cls in self.default_classes.items():
             if modes[key]:
-                parser.set_defaults({key: {"class_path": f"{cls.__module__}.{cls.__qualname__}"}})
-        group = parser.add_argument_group("The model's sections, each field with its description")
+                parser.set_defaults(
+                    {key: {"class_path": f"{cls.__module__}.{cls.__qualname__}"}}
+                )
+        group = parser.add_argument_group(
+            "The model's sections, each field with its description"
+        )
         for key, section in SECTIONS.items():
             group.add_argument(f"--{key}.help", action=SectionHelp, section=section)
-        if not self.auto_configure_optimizers:  # accepted in every form a user may try, then refused with the fix
+        # accepted in every form a user may try, then refused with the fix
+        if not self.auto_configure_optimizers:
             common = {"required": False, "instantiate": False, "fail_untyped": False}
-            parser.add_subclass_arguments(Optimizer, "optimizer", skip={"params"}, help=OPTIMIZER_REFUSED, **common)
-            parser.add_subclass_arguments(LRSchedulerTypeTuple, "lr_scheduler", skip={"optimizer"},
-                                          help=OPTIMIZER_REFUSED, **common)
+            parser.add_subclass_arguments(
+                Optimizer,
+                "optimizer",
+                skip={"params"},
+                help=OPTIMIZER_REFUSED,
+                **common,
+            )
+            parser.add_subclass_arguments(
+                LRSchedulerTypeTuple,
+                "lr_scheduler",
+                skip={"optimizer"},
+                help=OPTIMIZER_REFUSED,
+                **common,
+            )
 
     def parse_arguments(self, parser, args) -> None:
-        given, args = args, self._default_help_class(sys.argv[1:] if args is None else args)
+        given, args = (
+            args,
+            self._default_help_class(sys.argv[1:] if args is None else args),
+        )
         if given is None and args == sys.argv[1:]:
-            args = None  # LightningCLI warns ("args parameter is intended ...") when args and sys.argv both come
+            # LightningCLI warns ("args parameter is intended ...") when args and sys.argv both come
+            args = None
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as err:
-            if not self.auto_configure_optimizers and re.search(r'key "(optimizer|lr_scheduler)"', str(err)):
+            if not self.auto_configure_optimizers and re.search(
+                r'key "(optimizer|lr_scheduler)"', str(err)
+            ):
                 config_error(f"--optimizer/--lr_scheduler: {OPTIMIZER_REFUSED}")
-            if (retired := retired_key(str(err))) is not None:  # a removed field: say what replaced it
+            # a removed field: say what replaced it
+            if (retired := retired_key(str(err))) is not None:
                 config_error(retired)
             config_error(err)
 
@@ -224,15 +309,19 @@ class GRPOCLI(LightningCLI):
         try:
             if ckpt_path not in (None, "last"):
                 if rank_zero_only.rank != 0 and not Path(ckpt_path).exists():
-                    return  # rank 0's file, unseen here: every rank stops at setup, naming it (checkpoint/shared.py)
+                    # rank 0's file, unseen here: every rank stops at setup, naming it (checkpoint/shared.py)
+                    return
                 check_ckpt_file(ckpt_path)
             super()._parse_ckpt_path()
         except RUN_ERRORS as err:
             config_error(err)
-        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:  # a zip archive, damaged inside
+        # a zip archive, damaged inside
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            config_error(f"--ckpt_path={ckpt_path}: cannot be read as a checkpoint ({type(err).__name__}: {first}); "
-                         "the file is damaged. Resume from an earlier one (--ckpt_path=last: the newest intact one)")
+            config_error(
+                f"--ckpt_path={ckpt_path}: cannot be read as a checkpoint ({type(err).__name__}: {first}); "
+                "the file is damaged. Resume from an earlier one (--ckpt_path=last: the newest intact one)"
+            )
 
     def _default_help_class(self, args):
         """``--model.help`` / ``--data.help`` without a class describe the default one, not the LightningModule base."""
@@ -241,8 +330,13 @@ class GRPOCLI(LightningCLI):
         args = list(args)
         for key, cls in self.default_classes.items():
             flag = f"--{key}.help"
-            if flag in args and (args.index(flag) + 1 == len(args) or args[args.index(flag) + 1].startswith("-")):
-                args.insert(args.index(flag) + 1, f"{cls.__module__}.{cls.__qualname__}")
+            if flag in args and (
+                args.index(flag) + 1 == len(args)
+                or args[args.index(flag) + 1].startswith("-")
+            ):
+                args.insert(
+                    args.index(flag) + 1, f"{cls.__module__}.{cls.__qualname__}"
+                )
         return args
 
     def before_instantiate_classes(self) -> None:
@@ -251,13 +345,23 @@ class GRPOCLI(LightningCLI):
             for key in ("optimizer", "lr_scheduler"):
                 if config.get(key) is not None:
                     config_error(f"--{key}: {OPTIMIZER_REFUSED}")
-        if self.subcommand and (problems := check_launch(config.get("trainer.num_nodes"), config.get("trainer.devices"),
-                                                         os.environ)):
-            config_error("\n".join(problems))  # before the Trainer: Lightning's own check names no flag
+        if self.subcommand and (
+            problems := check_launch(
+                config.get("trainer.num_nodes"),
+                config.get("trainer.devices"),
+                os.environ,
+            )
+        ):
+            # before the Trainer: Lightning's own check names no flag
+            config_error("\n".join(problems))
         if self.subcommand and config.get("trainer.enable_checkpointing") is False:
-            self._parser(self.subcommand).callback_keys.remove("checkpoint")  # Lightning refuses a Checkpoint then
-        if self.subcommand:  # a W&B run's files get a version folder of their own (two sweep trials: two folders)
-            self.experiment_dir = run_folder.version_wandb_logger(config.get("trainer.logger"))
+            # Lightning refuses a Checkpoint then
+            self._parser(self.subcommand).callback_keys.remove("checkpoint")
+        # a W&B run's files get a version folder of their own (two sweep trials: two folders)
+        if self.subcommand:
+            self.experiment_dir = run_folder.version_wandb_logger(
+                config.get("trainer.logger")
+            )
 
     def instantiate_classes(self) -> None:
         try:
@@ -271,19 +375,33 @@ class GRPOCLI(LightningCLI):
         (``GRPOModule.__init__`` ran those that need no world size; ``setup`` runs them again on every rank)."""
         if not isinstance(self.model, GRPOModule):
             return  # DPOModule and other modules have no rl / rollout sections
-        objective = self.config[self.subcommand].get("model.init_args.objective") if self.subcommand else None
+        objective = (
+            self.config[self.subcommand].get("model.init_args.objective")
+            if self.subcommand
+            else None
+        )
         named = objective if isinstance(objective, str) else None
-        check_run(self.model.policy_cfg, self.model.rl, self.model.rollout_cfg, self.model.opd_cfg, named,
-                  dp_size=self.trainer.world_size)
+        check_run(
+            self.model.policy_cfg,
+            self.model.rl,
+            self.model.rollout_cfg,
+            self.model.opd_cfg,
+            named,
+            dp_size=self.trainer.world_size,
+        )
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
         except Exception as err:
-            if isinstance(err, RunFolderInUseError):  # that folder is another run's: leave it untouched
+            # that folder is another run's: leave it untouched
+            if isinstance(err, RunFolderInUseError):
                 raise
-            if (reported := logged_error(getattr(self, "trainer", None), err)) is not err:
-                raise reported from err  # a full disk: a RunWriteError, said in a few lines
+            if (
+                reported := logged_error(getattr(self, "trainer", None), err)
+            ) is not err:
+                # a full disk: a RunWriteError, said in a few lines
+                raise reported from err
             raise
 
     def before_validate(self) -> None:
@@ -295,28 +413,38 @@ class GRPOCLI(LightningCLI):
     def before_fit(self) -> None:
         self._add_summary()
         callbacks = self.trainer.callbacks
-        if isinstance(self.model, GRPOModule) and not any(isinstance(cb, HandoffCallback) for cb in callbacks):
+        if isinstance(self.model, GRPOModule) and not any(
+            isinstance(cb, HandoffCallback) for cb in callbacks
+        ):
             # The colocated hand-off (engine sleep/wake, trainer offload, weight sync once per collected batch).
             # Without one the module would attach a sync-only publisher. Configure it under trainer.callbacks.
             self.trainer.callbacks.append(HandoffCallback())
         # Checkpoints last (Lightning's order at init): a save sees every other callback's state of this loop step.
         self.trainer.callbacks.sort(key=lambda cb: isinstance(cb, Checkpoint))
         config = self.config_init[self.subcommand]
-        if self.trainer.is_global_zero:  # before anything reads or writes the run folder (two runs at once)
+        # before anything reads or writes the run folder (two runs at once)
+        if self.trainer.is_global_zero:
             claim_versions(self.trainer.loggers)
         # "last" -> the newest complete one (a W&B run's: under every version of its experiment, on every rank)
         roots = [self.experiment_dir] if self.experiment_dir else []
-        config["ckpt_path"] = resolve_ckpt_path(config.get("ckpt_path"), self.trainer, roots)
+        config["ckpt_path"] = resolve_ckpt_path(
+            config.get("ckpt_path"), self.trainer, roots
+        )
         # before anything is written: a new fit never lands on a run folder that already holds a run (run_folder.py)
-        refuse_reused_version(self.trainer.loggers, explicit_version(self.config[self.subcommand].get("trainer.logger")),
-                              resuming=config["ckpt_path"] is not None, overwrite=config.get("overwrite_run", False))
+        refuse_reused_version(
+            self.trainer.loggers,
+            explicit_version(self.config[self.subcommand].get("trainer.logger")),
+            resuming=config["ckpt_path"] is not None,
+            overwrite=config.get("overwrite_run", False),
+        )
 
     def after_fit(self) -> None:
         # The run is over: stop the `vllm serve` children it launched (and their SIGTERM handler) now, not at
         # interpreter exit: a CLI called from Python (a notebook, a test suite) would keep them for the whole process.
         # In-process engines stay as before (they go with the process; closing one mid-process is the caller's call).
         engine = self.model.engine if isinstance(self.model, GRPOModule) else None
-        if engine is not None and isinstance(unwrapped(engine), Served):  # AsyncRollouts wraps it: both close
+        # AsyncRollouts wraps it: both close
+        if engine is not None and isinstance(unwrapped(engine), Served):
             engine.close()
 
     def _add_summary(self) -> None:
@@ -326,28 +454,57 @@ class GRPOCLI(LightningCLI):
 
 def config_error(err: BaseException | str) -> NoReturn:
     """Report a config error in a few lines on stderr and exit 2 (``LIGHTNING_GRPO_DEBUG=1``: raise it instead)."""
-    if isinstance(err, BaseException) and os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+    if isinstance(err, BaseException) and os.environ.get(DEBUG_ENV, "") not in (
+        "",
+        "0",
+    ):
         raise err
-    message = err if isinstance(err, str) else str(err) if isinstance(err, RunWriteError) else _innermost_message(err)
-    logged = [n for n in getattr(err, "__notes__", ()) if n.startswith("full traceback: ")]
-    where = f"{logged[0]} or {DEBUG_ENV}=1" if logged else f"full traceback: {DEBUG_ENV}=1"
-    sys.stderr.write(f"lightning-grpo: error: {message.strip()}\n"
-                     f"  (all options: lightning-grpo fit --help; {where})\n")
+    message = (
+        err
+        if isinstance(err, str)
+        else str(err)
+        if isinstance(err, RunWriteError)
+        else _innermost_message(err)
+    )
+    logged = [
+        n for n in getattr(err, "__notes__", ()) if n.startswith("full traceback: ")
+    ]
+    where = (
+        f"{logged[0]} or {DEBUG_ENV}=1" if logged else f"full traceback: {DEBUG_ENV}=1"
+    )
+    sys.stderr.write(
+        f"lightning-grpo: error: {message.strip()}\n"
+        f"  (all options: lightning-grpo fit --help; {where})\n"
+    )
     raise SystemExit(2)
 
 
 def _innermost_message(err: BaseException) -> str:
     """The message of the error our code raised: jsonargparse re-raises a class's own error inside its own."""
-    if isinstance(err, argparse.ArgumentError):  # jsonargparse's parse errors name the key and what was expected
-        return "\n".join(line for line in str(err).splitlines() if not _UNION_NOISE.search(line))
+    # jsonargparse's parse errors name the key and what was expected
+    if isinstance(err, argparse.ArgumentError):
+        return "\n".join(
+            line for line in str(err).splitlines() if not _UNION_NOISE.search(line)
+        )
     chain = [err]
     # `raise ... from None` hides the context on purpose: the message raised already says all of it
-    while (cause := chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else chain[-1].__context__)) \
-            is not None and cause not in chain:
+    while (
+        cause := chain[-1].__cause__
+        or (None if chain[-1].__suppress_context__ else chain[-1].__context__)
+    ) is not None and cause not in chain:
         chain.append(cause)
-    ours = [e for e in chain if e.__traceback__ and _PACKAGE in traceback.extract_tb(e.__traceback__)[-1].filename]
+    ours = [
+        e
+        for e in chain
+        if e.__traceback__
+        and _PACKAGE in traceback.extract_tb(e.__traceback__)[-1].filename
+    ]
     origin = ours[-1] if ours else err
-    return str(origin) if isinstance(origin, ValueError) else f"{type(origin).__name__}: {origin}"
+    return (
+        str(origin)
+        if isinstance(origin, ValueError)
+        else f"{type(origin).__name__}: {origin}"
+    )
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -372,19 +529,23 @@ def main(args: list[str] | None = None) -> None:
     if argv and argv[0] == "plot":
         plot_main(argv[1:])
         return
-    if argv and argv[0] == "show":  # before LightningCLI, and without its imports: answers at once
+    # before LightningCLI, and without its imports: answers at once
+    if argv and argv[0] == "show":
         from lightning_grpo.show import main as show_main
 
         show_main(argv[1:])
         return
-    if argv and argv[0] == "certify":  # imported here: the verb loads a policy and perhaps vLLM
+    # imported here: the verb loads a policy and perhaps vLLM
+    if argv and argv[0] == "certify":
         from lightning_grpo.certify_cli import main as certify_main
 
         sys.exit(certify_main(argv[1:]))
-    if os.getcwd() not in sys.path:  # `--model.class_path my_pkg.MyModule` from the working folder, as `python -m`
+    # `--model.class_path my_pkg.MyModule` from the working folder, as `python -m`
+    if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
-        GRPOCLI(args=args)  # None: LightningCLI reads sys.argv itself (passing both warns)
+        # None: LightningCLI reads sys.argv itself (passing both warns)
+        GRPOCLI(args=args)
     except RUN_ERRORS as err:
         config_error(err)
 

@@ -23,8 +23,13 @@ class SectionHelp(argparse.Action):
 
     def __init__(self, option_strings, dest, section: type, **kwargs) -> None:
         self.section = section
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help=f"Show the fields of {section.__name__} with their descriptions and exit.")
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            default=argparse.SUPPRESS,
+            help=f"Show the fields of {section.__name__} with their descriptions and exit.",
+        )
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         key = option_string.removeprefix("--").removesuffix(".help")
@@ -41,14 +46,19 @@ class DataKeysParser(LightningArgumentParser):
 
     def parse_args(self, args=None, namespace=None, **kwargs):
         config = super().parse_args(args, namespace, **kwargs)
-        restore_nulls(config, explicit_nulls(sys.argv[1:] if args is None else list(args)))
+        restore_nulls(
+            config, explicit_nulls(sys.argv[1:] if args is None else list(args))
+        )
         return config
 
     def format_help(self) -> str:
         text = super().format_help()
-        for key, cls in self.appendix:  # built on demand: a run that asks no help pays nothing
+        # built on demand: a run that asks no help pays nothing
+        for key, cls in self.appendix:
             keys = parser_of(cls, key, self.prog).format_help()
-            text += f"\n{key}.* keys of {cls.__name__} (the default --{key}.class_path):\n"
+            text += (
+                f"\n{key}.* keys of {cls.__name__} (the default --{key}.class_path):\n"
+            )
             text += keys.split("\n\n", 1)[-1]  # without its usage line
         return text
 
@@ -69,8 +79,16 @@ def fresh_fit_help() -> str:
     lists the callback classes imported so far as known subclasses, so an interpreter that imported more (a test
     session) prints more. ``__main__.fit_help`` prints this text (``tools/write_fit_help.py`` records it)."""
     env = {**os.environ, "COLUMNS": "80"}
-    done = subprocess.run([sys.executable, "-c", FIT_HELP_PROBE], capture_output=True, text=True, env=env,
-                          check=False, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", FIT_HELP_PROBE],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=600,
+    )
     if done.returncode != 0:
-        raise RuntimeError(f"fit --help exited with {done.returncode}: {done.stderr[-2000:]}")
+        raise RuntimeError(
+            f"fit --help exited with {done.returncode}: {done.stderr[-2000:]}"
+        )
     return done.stdout

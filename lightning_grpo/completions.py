@@ -35,7 +35,17 @@ from lightning_grpo.show import FILE, format_sample
 
 __all__ = ["COLUMNS", "EPISODE_COLUMNS", "FILE", "CompletionLog", "format_sample"]
 
-COLUMNS = ("step", "prompt_id", "prompt", "completion", "reward", "rewards", "advantage", "finish_reason", "trained")
+COLUMNS = (
+    "step",
+    "prompt_id",
+    "prompt",
+    "completion",
+    "reward",
+    "rewards",
+    "advantage",
+    "finish_reason",
+    "trained",
+)
 EPISODE_COLUMNS = (*COLUMNS, "turns")
 """With ``model.env``: each row also holds its turns (text, tool calls with arguments and results, token counts)."""
 JSON_COLUMNS = ("rewards", "turns")
@@ -53,21 +63,40 @@ class CompletionLog(Callback):
         Trainer(callbacks=[CompletionLog(samples_per_step=4, log_completions_every=10)])
     """
 
-    def __init__(self, samples_per_step: int = 4, log_completions_every: int = 10) -> None:
+    def __init__(
+        self, samples_per_step: int = 4, log_completions_every: int = 10
+    ) -> None:
         if samples_per_step < 0 or log_completions_every < 0:
-            raise ValueError(f"CompletionLog(samples_per_step={samples_per_step}, log_completions_every="
-                             f"{log_completions_every}): both must be >= 0 (0 = off)")
-        self.samples_per_step, self.log_completions_every = samples_per_step, log_completions_every
+            raise ValueError(
+                f"CompletionLog(samples_per_step={samples_per_step}, log_completions_every="
+                f"{log_completions_every}): both must be >= 0 (0 = off)"
+            )
+        self.samples_per_step, self.log_completions_every = (
+            samples_per_step,
+            log_completions_every,
+        )
         self._path: Path | None = None
-        self._failed: OSError | None = None  # a write that failed, raised at the next hook (see _append)
+        # a write that failed, raised at the next hook (see _append)
+        self._failed: OSError | None = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         folder = trainer.log_dir  # on every rank: a broadcast under DDP
-        self._path = Path(folder) / FILE if folder is not None and trainer.is_global_zero else None
+        self._path = (
+            Path(folder) / FILE
+            if folder is not None and trainer.is_global_zero
+            else None
+        )
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs,
+        batch,
+        batch_idx: int,
+    ) -> None:
         rows: StepRows | None = getattr(pl_module, "last_rows", None)
         if not trainer.is_global_zero or rows is None or self.samples_per_step == 0:
             return
@@ -76,13 +105,20 @@ class CompletionLog(Callback):
             self._append(samples)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
-                columns = EPISODE_COLUMNS if any("turns" in s for s in samples) else COLUMNS
-                data = [[json.dumps(s.get(c)) if c in JSON_COLUMNS else s[c] for c in columns] for s in samples]
+                columns = (
+                    EPISODE_COLUMNS if any("turns" in s for s in samples) else COLUMNS
+                )
+                data = [
+                    [
+                        json.dumps(s.get(c)) if c in JSON_COLUMNS else s[c]
+                        for c in columns
+                    ]
+                    for s in samples
+                ]
                 logger.log_table("completions", columns=list(columns), data=data)
         every = self.log_completions_every
         if every and samples and rows.step % every == 0:
             _print(trainer, format_sample(samples[0]))
-
 
     def _append(self, samples: list[dict]) -> None:
         """Append to completions.jsonl; a failed write (a full disk) is raised once this loop step's row is logged."""
@@ -91,13 +127,16 @@ class CompletionLog(Callback):
             with self._path.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
         except OSError as err:
-            err.filename = err.filename or str(self._path)  # a failed write() names no file
+            # a failed write() names no file
+            err.filename = err.filename or str(self._path)
             self._failed = err
 
     # The first hooks after Lightning logged the loop step's metrics row: the run stops there, so the emergency
     # checkpoint of this boundary (GRPOCheckpoint.on_exception) never exists without its row.
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int
+    ) -> None:
         self._raise_failed()
 
     @override

@@ -18,9 +18,19 @@ from lightning_grpo.rollout.rollout_config import RolloutConfig  # importable fr
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_config import VLLMConfig
 
-__all__ = ["LOSS_FORMS", "LOSS_TYPES", "RATIO_LEVELS", "CertificateConfig", "ConfigError", "GRPOConfig", "OptimConfig",
-           "RankSizes",
-           "RolloutConfig", "ServerConfig", "VLLMConfig"]
+__all__ = [
+    "LOSS_FORMS",
+    "LOSS_TYPES",
+    "RATIO_LEVELS",
+    "CertificateConfig",
+    "ConfigError",
+    "GRPOConfig",
+    "OptimConfig",
+    "RankSizes",
+    "RolloutConfig",
+    "ServerConfig",
+    "VLLMConfig",
+]
 
 
 @dataclass(frozen=True)
@@ -40,11 +50,11 @@ LOSS_FORMS = ("ppo_clip", "cispo")
 """``rl.loss``: the clipped surrogate, or CISPO's truncated importance weight on a REINFORCE term."""
 PEER_LOSS_NAMES = {
     "bnpo": "TRL's bnpo divides by each micro-batch's own token count, so its step changes with the chunking; here "
-            "chunking is exact: use 'dapo' (bnpo's step at one chunk per step on one rank)",
+    "chunking is exact: use 'dapo' (bnpo's step at one chunk per step on one rank)",
     "token-mean": "verl's token-mean is 'dapo' here",
     "seq-mean-token-mean": "verl's seq-mean-token-mean is 'grpo' here",
     "seq-mean-token-sum-norm": "verl's seq-mean-token-sum-norm is 'dr_grpo' here (loss_scale_factor = "
-                               "rollout.max_new_tokens; dr_grpo also divides by the number of sequences)",
+    "rollout.max_new_tokens; dr_grpo also divides by the number of sequences)",
 }
 """Peer names that are not ``rl.loss_type`` values, and what to set instead (docs/objectives.md)."""
 
@@ -66,8 +76,13 @@ PI_OLD_DERIVED = (
 )
 
 
-@retire("rl", "rl config", grad_accum=GRAD_ACCUM_RETIRED, use_rollout_logprobs_for_loss=BYPASS_RENAMED,
-        needs_cached_old_logprobs=PI_OLD_DERIVED)
+@retire(
+    "rl",
+    "rl config",
+    grad_accum=GRAD_ACCUM_RETIRED,
+    use_rollout_logprobs_for_loss=BYPASS_RENAMED,
+    needs_cached_old_logprobs=PI_OLD_DERIVED,
+)
 @dataclass
 class GRPOConfig:
     """The ``rl`` section: how a collected batch is sized, split and optimized."""
@@ -215,7 +230,9 @@ class GRPOConfig:
         """Sizes of one rank's share; raises ConfigError if they do not divide by ``dp_size``."""
         self.validate(dp_size)
         return RankSizes(
-            self.batch_per_replica // dp_size, self.mini_batch // dp_size, self.micro_batch // dp_size
+            self.batch_per_replica // dp_size,
+            self.mini_batch // dp_size,
+            self.micro_batch // dp_size,
         )
 
     # -- validation ----------------------------------------------------------------------------------------------
@@ -225,7 +242,12 @@ class GRPOConfig:
 
     def problems(self, dp_size: int = 1) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line; the per-rank rules once the rest hold."""
-        p = self._size_problems() + self._loss_problems() + self._family_problems() + self._pi_old_problems()
+        p = (
+            self._size_problems()
+            + self._loss_problems()
+            + self._family_problems()
+            + self._pi_old_problems()
+        )
         p += self._shaping_problems()
         if not p and dp_size > 1:
             p += self._rank_problems(dp_size)
@@ -239,55 +261,91 @@ class GRPOConfig:
         micro = self.micro_batch_per_replica
         g = self.group_size
         if not is_int(g) or g < 2:
-            p.append(f"group_size={g}: must be an integer >= 2 (a group of one has no relative advantage)")
+            p.append(
+                f"group_size={g}: must be an integer >= 2 (a group of one has no relative advantage)"
+            )
         if not is_int(b) or b <= 0:
             p.append(f"batch_per_replica={b}: must be a positive integer")
         elif is_int(g) and g >= 2 and b % g:
-            p.append(f"batch_per_replica={b}: must be a multiple of group_size={g}; try {max(g, b - b % g)}")
+            p.append(
+                f"batch_per_replica={b}: must be a multiple of group_size={g}; try {max(g, b - b % g)}"
+            )
         if not is_int(mini) or mini < 0:
             p.append(f"mini_batch_per_replica={mini}: must be >= 0 (0 = whole batch)")
         elif is_int(b) and b > 0 and mini > b:
-            p.append(f"mini_batch_per_replica={mini}: must not exceed batch_per_replica={b}")
+            p.append(
+                f"mini_batch_per_replica={mini}: must not exceed batch_per_replica={b}"
+            )
         elif is_int(b) and b > 0 and mini and b % mini:
-            p.append(f"mini_batch_per_replica={mini} must divide batch_per_replica={b} (a ragged step changes its token mean)")
+            p.append(
+                f"mini_batch_per_replica={mini} must divide batch_per_replica={b} (a ragged step changes its token mean)"
+            )
         if not is_int(micro) or micro < 0:
-            p.append(f"micro_batch_per_replica={micro}: must be >= 0 (0 = one chunk per step)")
+            p.append(
+                f"micro_batch_per_replica={micro}: must be >= 0 (0 = one chunk per step)"
+            )
         elif not p and micro > self.mini_batch:
-            p.append(f"micro_batch_per_replica={micro}: must not exceed the mini-batch ({self.mini_batch})")
+            p.append(
+                f"micro_batch_per_replica={micro}: must not exceed the mini-batch ({self.mini_batch})"
+            )
         elif not p and micro and self.mini_batch % micro:
-            p.append(f"micro_batch_per_replica={micro} must divide the mini-batch ({self.mini_batch}) exactly")
+            p.append(
+                f"micro_batch_per_replica={micro} must divide the mini-batch ({self.mini_batch}) exactly"
+            )
         for name in ("max_tokens_per_micro", "max_tokens_per_ahead_micro"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
-                p.append(f"{name}={value}: must be an integer >= 0 (tokens per chunk; 0 = off)")
+                p.append(
+                    f"{name}={value}: must be an integer >= 0 (tokens per chunk; 0 = off)"
+                )
         if self.max_tokens_per_micro and self.micro_batch_per_replica:
-            p.append(f"max_tokens_per_micro={self.max_tokens_per_micro} with micro_batch_per_replica="
-                     f"{self.micro_batch_per_replica}: two ways to cut a mini-batch into chunks; set one, the other 0")
+            p.append(
+                f"max_tokens_per_micro={self.max_tokens_per_micro} with micro_batch_per_replica="
+                f"{self.micro_batch_per_replica}: two ways to cut a mini-batch into chunks; set one, the other 0"
+            )
         if not is_int(self.mu_iterations) or self.mu_iterations < 1:
-            p.append(f"mu_iterations={self.mu_iterations}: must be an integer >= 1 (passes over each collected batch)")
+            p.append(
+                f"mu_iterations={self.mu_iterations}: must be an integer >= 1 (passes over each collected batch)"
+            )
         return p
 
     def _loss_problems(self) -> list[str]:
         """The clip range, KL weight, advantage scaling, gradient clip and the skip limit."""
         p: list[str] = []
-        if self.loss == "cispo":  # CISPO truncates a weight: a lower bound of 0 (epsilon 1.0) is no bound (MiniMax-M1)
+        # CISPO truncates a weight: a lower bound of 0 (epsilon 1.0) is no bound (MiniMax-M1)
+        if self.loss == "cispo":
             if not is_finite(self.epsilon) or not 0 < self.epsilon <= 1:
-                p.append(f"epsilon={self.epsilon}: with loss='cispo' must be in (0, 1] (1.0 = no lower bound)")
+                p.append(
+                    f"epsilon={self.epsilon}: with loss='cispo' must be in (0, 1] (1.0 = no lower bound)"
+                )
         elif not is_finite(self.epsilon) or not 0 < self.epsilon < 1:
-            p.append(f"epsilon={self.epsilon}: must be in (0, 1) so the clip range 1 - epsilon stays positive")
-        if self.epsilon_high is not None and (not is_finite(self.epsilon_high) or self.epsilon_high <= 0):
-            p.append(f"epsilon_high={self.epsilon_high}: must be > 0 (or null for symmetric clipping)")
-        for name, zero in (("beta", "no KL, no reference model"), ("max_grad_norm", "no clipping"),
-                           ("logits_keep_mb", "always recompute")):
+            p.append(
+                f"epsilon={self.epsilon}: must be in (0, 1) so the clip range 1 - epsilon stays positive"
+            )
+        if self.epsilon_high is not None and (
+            not is_finite(self.epsilon_high) or self.epsilon_high <= 0
+        ):
+            p.append(
+                f"epsilon_high={self.epsilon_high}: must be > 0 (or null for symmetric clipping)"
+            )
+        for name, zero in (
+            ("beta", "no KL, no reference model"),
+            ("max_grad_norm", "no clipping"),
+            ("logits_keep_mb", "always recompute"),
+        ):
             value = getattr(self, name)
             if not is_finite(value) or value < 0:
                 p.append(f"{name}={value}: must be a finite number >= 0 (0 = {zero})")
         if self.scale_rewards not in ("group", "batch", "none"):
-            p.append(f"scale_rewards={self.scale_rewards!r}: must be one of 'group', 'batch', 'none'")
+            p.append(
+                f"scale_rewards={self.scale_rewards!r}: must be one of 'group', 'batch', 'none'"
+            )
         skips = self.max_consecutive_skips
         if skips is not None and (not is_int(skips) or skips < 0):
-            p.append(f"max_consecutive_skips={skips!r}: must be an integer >= 0 "
-                     "(0 = stop at the first skipped step) or null (never stop)")
+            p.append(
+                f"max_consecutive_skips={skips!r}: must be an integer >= 0 "
+                "(0 = stop at the first skipped step) or null (never stop)"
+            )
         return p
 
     def _family_problems(self) -> list[str]:
@@ -295,20 +353,33 @@ class GRPOConfig:
         p: list[str] = []
         if self.loss_type not in LOSS_TYPES:
             hint = PEER_LOSS_NAMES.get(self.loss_type, "the divisor of the step's loss")
-            p.append(f"loss_type={self.loss_type!r}: must be one of {', '.join(map(repr, LOSS_TYPES))}; {hint}")
+            p.append(
+                f"loss_type={self.loss_type!r}: must be one of {', '.join(map(repr, LOSS_TYPES))}; {hint}"
+            )
         if self.ratio_level not in RATIO_LEVELS:
-            p.append(f"ratio_level={self.ratio_level!r}: must be 'token' or 'sequence' (GSPO)")
+            p.append(
+                f"ratio_level={self.ratio_level!r}: must be 'token' or 'sequence' (GSPO)"
+            )
         if self.loss not in LOSS_FORMS:
             p.append(f"loss={self.loss!r}: must be 'ppo_clip' or 'cispo'")
         elif self.loss == "cispo" and self.ratio_level == "sequence":
-            p.append("ratio_level='sequence' with loss='cispo': CISPO weighs each token's gradient by that token's own "
-                     "truncated ratio (MiniMax-M1); a sequence ratio has no published CISPO form. Set "
-                     "ratio_level='token', or loss='ppo_clip' for GSPO")
+            p.append(
+                "ratio_level='sequence' with loss='cispo': CISPO weighs each token's gradient by that token's own "
+                "truncated ratio (MiniMax-M1); a sequence ratio has no published CISPO form. Set "
+                "ratio_level='token', or loss='ppo_clip' for GSPO"
+            )
         if not is_finite(self.entropy_coef) or self.entropy_coef < 0:
-            p.append(f"entropy_coef={self.entropy_coef}: must be a finite number >= 0 (0 = no entropy bonus)")
-        if not is_finite(self.top_entropy_quantile) or not 0 < self.top_entropy_quantile <= 1:
-            p.append(f"top_entropy_quantile={self.top_entropy_quantile}: must be in (0, 1] (the share of each "
-                     "sequence's tokens trained; 1.0 = all, the paper's 0.2 = the top 20% by entropy)")
+            p.append(
+                f"entropy_coef={self.entropy_coef}: must be a finite number >= 0 (0 = no entropy bonus)"
+            )
+        if (
+            not is_finite(self.top_entropy_quantile)
+            or not 0 < self.top_entropy_quantile <= 1
+        ):
+            p.append(
+                f"top_entropy_quantile={self.top_entropy_quantile}: must be in (0, 1] (the share of each "
+                "sequence's tokens trained; 1.0 = all, the paper's 0.2 = the top 20% by entropy)"
+            )
         return p
 
     def _pi_old_problems(self) -> list[str]:
@@ -317,11 +388,21 @@ class GRPOConfig:
         if not isinstance(self.freeze_pi_old, bool):
             p.append(f"freeze_pi_old={self.freeze_pi_old!r}: must be true or false")
         if self.routing_replay not in ("off", "ahead", "rollout"):
-            p.append(f"routing_replay={self.routing_replay!r}: must be one of 'off', 'ahead', 'rollout'")
-        elif self.routing_replay == "ahead" and (self.pi_old_is_sampler or not self.freeze_pi_old):
-            knob = "rollout_correction.mode='bypass'" if self.pi_old_is_sampler else "freeze_pi_old=false"
-            p.append(f"routing_replay='ahead': it records routing in the ahead pass, which {knob} turns off; "
-                     "use routing_replay='rollout' (routing from the engine) or 'off'")
+            p.append(
+                f"routing_replay={self.routing_replay!r}: must be one of 'off', 'ahead', 'rollout'"
+            )
+        elif self.routing_replay == "ahead" and (
+            self.pi_old_is_sampler or not self.freeze_pi_old
+        ):
+            knob = (
+                "rollout_correction.mode='bypass'"
+                if self.pi_old_is_sampler
+                else "freeze_pi_old=false"
+            )
+            p.append(
+                f"routing_replay='ahead': it records routing in the ahead pass, which {knob} turns off; "
+                "use routing_replay='rollout' (routing from the engine) or 'off'"
+            )
         return p
 
     def _shaping_problems(self) -> list[str]:
@@ -333,11 +414,17 @@ class GRPOConfig:
             if not isinstance(getattr(self, name), bool):
                 p.append(f"{name}={getattr(self, name)!r}: must be true or false")
         if not is_int(self.max_refill_rounds) or self.max_refill_rounds < 0:
-            p.append(f"max_refill_rounds={self.max_refill_rounds!r}: must be an integer >= 0 (0 = filter, never refill)")
+            p.append(
+                f"max_refill_rounds={self.max_refill_rounds!r}: must be an integer >= 0 (0 = filter, never refill)"
+            )
         if not is_int(self.overlong_buffer) or self.overlong_buffer < 0:
-            p.append(f"overlong_buffer={self.overlong_buffer!r}: must be an integer >= 0 (tokens; 0 = off)")
+            p.append(
+                f"overlong_buffer={self.overlong_buffer!r}: must be an integer >= 0 (tokens; 0 = off)"
+            )
         if not is_finite(self.overlong_penalty) or self.overlong_penalty < 0:
-            p.append(f"overlong_penalty={self.overlong_penalty!r}: must be a finite number >= 0")
+            p.append(
+                f"overlong_penalty={self.overlong_penalty!r}: must be a finite number >= 0"
+            )
         return p
 
     def _rank_problems(self, dp: int) -> list[str]:
@@ -349,9 +436,13 @@ class GRPOConfig:
                 f"over DP size {dp} (groups never split across ranks)"
             )
         if self.mini_batch % dp:
-            p.append(f"mini_batch_per_replica={self.mini_batch}: must divide by DP size {dp}")
+            p.append(
+                f"mini_batch_per_replica={self.mini_batch}: must divide by DP size {dp}"
+            )
         if self.micro_batch % dp and not self.max_tokens_per_micro:
-            p.append(f"micro_batch_per_replica={self.micro_batch}: must divide by DP size {dp}")
+            p.append(
+                f"micro_batch_per_replica={self.micro_batch}: must divide by DP size {dp}"
+            )
         return p
 
 
@@ -394,7 +485,13 @@ class OptimConfig:
             p.append(f"warmup_steps={self.warmup_steps}: must be >= 0")
         if self.total_steps < 0:
             p.append(f"total_steps={self.total_steps}: must be >= 0")
-        elif self.total_steps and self.schedule != "constant" and self.warmup_steps >= self.total_steps:
-            p.append(f"warmup_steps={self.warmup_steps}: must be below total_steps={self.total_steps}, or the "
-                     f"{self.schedule} decay never starts")
+        elif (
+            self.total_steps
+            and self.schedule != "constant"
+            and self.warmup_steps >= self.total_steps
+        ):
+            p.append(
+                f"warmup_steps={self.warmup_steps}: must be below total_steps={self.total_steps}, or the "
+                f"{self.schedule} decay never starts"
+            )
         return p

@@ -78,7 +78,11 @@ class RolloutCorrection:
     @property
     def bounds(self) -> tuple[float, float]:
         """The band in force: ``band``, else the mode's default (no bound for the modes without one)."""
-        return self.band if self.band is not None else DEFAULT_BAND.get(self.mode, (0.0, math.inf))
+        return (
+            self.band
+            if self.band is not None
+            else DEFAULT_BAND.get(self.mode, (0.0, math.inf))
+        )
 
     def problems(self) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line."""
@@ -86,23 +90,48 @@ class RolloutCorrection:
         if self.mode not in MODES:
             return [f"mode={self.mode!r}: must be one of {', '.join(map(repr, MODES))}"]
         if self.level not in LEVELS:
-            p.append(f"level={self.level!r}: must be one of {', '.join(map(repr, LEVELS))}")
+            p.append(
+                f"level={self.level!r}: must be one of {', '.join(map(repr, LEVELS))}"
+            )
         elif self.level == "geometric" and self.mode in ("tis", "icepop"):
-            p.append(f"level='geometric' with mode={self.mode!r}: the geometric mean is a rejection band for "
-                     "mode='mask' (verl rollout_rs=geometric); use level='token' or 'sequence'")
+            p.append(
+                f"level='geometric' with mode={self.mode!r}: the geometric mean is a rejection band for "
+                "mode='mask' (verl rollout_rs=geometric); use level='token' or 'sequence'"
+            )
         elif self.level != "token" and self.mode in ("off", "bypass"):
-            p.append(f"level={self.level!r} with mode={self.mode!r}: no weight is computed; leave level='token'")
-        if self.threshold is not None and (not is_finite(self.threshold) or self.threshold <= 1):
-            p.append(f"threshold={self.threshold}: must be a finite number > 1 (TIS truncates rho at it; 2.0 is usual)")
-        elif self.threshold is not None and self.mode != "tis":  # it would be ignored without a word
-            p.append(f"threshold={self.threshold} with mode={self.mode!r}: only tis truncates at a threshold; "
-                     + ("set band=[low, high] instead" if self.mode in DEFAULT_BAND else "drop threshold"))
+            p.append(
+                f"level={self.level!r} with mode={self.mode!r}: no weight is computed; leave level='token'"
+            )
+        if self.threshold is not None and (
+            not is_finite(self.threshold) or self.threshold <= 1
+        ):
+            p.append(
+                f"threshold={self.threshold}: must be a finite number > 1 (TIS truncates rho at it; 2.0 is usual)"
+            )
+        # it would be ignored without a word
+        elif self.threshold is not None and self.mode != "tis":
+            p.append(
+                f"threshold={self.threshold} with mode={self.mode!r}: only tis truncates at a threshold; "
+                + (
+                    "set band=[low, high] instead"
+                    if self.mode in DEFAULT_BAND
+                    else "drop threshold"
+                )
+            )
         if self.band is not None:
-            low, high = (tuple(self.band) + (None, None))[:2] if len(self.band) == 2 else (None, None)
+            low, high = (
+                (tuple(self.band) + (None, None))[:2]
+                if len(self.band) == 2
+                else (None, None)
+            )
             if not (is_finite(low) and is_finite(high) and 0 <= low < 1 < high):
-                p.append(f"band={self.band!r}: must be [low, high] with 0 <= low < 1 < high (e.g. [0.5, 2.0])")
+                p.append(
+                    f"band={self.band!r}: must be [low, high] with 0 <= low < 1 < high (e.g. [0.5, 2.0])"
+                )
             elif self.mode not in ("mask", "icepop"):
-                p.append(f"band={self.band!r} with mode={self.mode!r}: only mask and icepop use a band")
+                p.append(
+                    f"band={self.band!r} with mode={self.mode!r}: only mask and icepop use a band"
+                )
         return p
 
 
@@ -118,7 +147,9 @@ class Correction:
     """Sums over this chunk's completion tokens (``CorrectedChunkStats`` turns them into means)."""
 
 
-def correct(cfg: RolloutCorrection, trainer: Tensor, rollout: Tensor, mask: Tensor) -> Correction:
+def correct(
+    cfg: RolloutCorrection, trainer: Tensor, rollout: Tensor, mask: Tensor
+) -> Correction:
     """The correction of one chunk from the trainer's pi_old and the sampler's logprobs (``[B, T-1]`` each)."""
     m = mask.to(trainer.dtype)
     log_rho = ((trainer - rollout) * m).clamp(-LOG_BOUND, LOG_BOUND)  # [B, T-1]
@@ -138,14 +169,28 @@ def correct(cfg: RolloutCorrection, trainer: Tensor, rollout: Tensor, mask: Tens
         keep = inside & mask
     elif cfg.mode == "icepop":
         weight = torch.where(inside, rho, torch.zeros_like(rho))
-    w = (weight if weight is not None else keep.to(m.dtype) if keep is not None else torch.ones_like(m)) * m
+    w = (
+        weight
+        if weight is not None
+        else keep.to(m.dtype)
+        if keep is not None
+        else torch.ones_like(m)
+    ) * m
     gap = (trainer - rollout) * m
     stats = {
-        "is_weight": w.sum(), "is_weight_sq": (w * w).sum(),
-        "is_weight_max": w.detach().masked_fill(~mask, float("-inf")).amax() if mask.numel() else m.sum() * 0,
-        "outside": (((rho > cfg.cap) if cfg.mode == "tis" else ~inside).to(m.dtype) * m).sum(),
-        "logprob_gap": gap.abs().sum(), "mult_prob_error": (torch.exp(gap.abs()) * m).sum(),
-        "trainer_logprob": (trainer * m).sum(), "rollout_logprob": (rollout * m).sum(), "sampled": m.sum(),
+        "is_weight": w.sum(),
+        "is_weight_sq": (w * w).sum(),
+        "is_weight_max": w.detach().masked_fill(~mask, float("-inf")).amax()
+        if mask.numel()
+        else m.sum() * 0,
+        "outside": (
+            ((rho > cfg.cap) if cfg.mode == "tis" else ~inside).to(m.dtype) * m
+        ).sum(),
+        "logprob_gap": gap.abs().sum(),
+        "mult_prob_error": (torch.exp(gap.abs()) * m).sum(),
+        "trainer_logprob": (trainer * m).sum(),
+        "rollout_logprob": (rollout * m).sum(),
+        "sampled": m.sum(),
     }
     return Correction(weight, keep, stats)
 
@@ -156,6 +201,10 @@ def derived_metrics(metrics: dict[str, float]) -> dict[str, float]:
         return {}
     mean = metrics["correction/is_weight_mean"]
     sq = metrics["correction/is_weight_sq_mean"]
-    return {"correction/ess": mean * mean / sq if sq > 0 else math.nan,
-            "correction/training_ppl": math.exp(-metrics["correction/trainer_logprob_mean"]),
-            "correction/rollout_ppl": math.exp(-metrics["correction/rollout_logprob_mean"])}
+    return {
+        "correction/ess": mean * mean / sq if sq > 0 else math.nan,
+        "correction/training_ppl": math.exp(
+            -metrics["correction/trainer_logprob_mean"]
+        ),
+        "correction/rollout_ppl": math.exp(-metrics["correction/rollout_logprob_mean"]),
+    }

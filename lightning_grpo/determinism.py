@@ -50,7 +50,9 @@ class CudaState:
     @classmethod
     def current(cls) -> CudaState:
         # Neither call initializes CUDA.
-        return cls(available=torch.cuda.is_available(), initialized=torch.cuda.is_initialized())
+        return cls(
+            available=torch.cuda.is_available(), initialized=torch.cuda.is_initialized()
+        )
 
 
 def cublas_problem(cuda: CudaState, env: Mapping[str, str]) -> str | None:
@@ -61,16 +63,26 @@ def cublas_problem(cuda: CudaState, env: Mapping[str, str]) -> str | None:
     if value in CUBLAS_VALUES:
         return None
     export = f"export {CUBLAS_ENV}={CUBLAS_VALUES[0]}"
-    found = "is unset" if value is None else f"is {value!r}, which cuBLAS does not treat as deterministic"
+    found = (
+        "is unset"
+        if value is None
+        else f"is {value!r}, which cuBLAS does not treat as deterministic"
+    )
     if cuda.initialized:
-        when = ("CUDA is already initialized in this process, so cuBLAS may have created its handles; setting the "
-                "variable now would not reach them")
+        when = (
+            "CUDA is already initialized in this process, so cuBLAS may have created its handles; setting the "
+            "variable now would not reach them"
+        )
     else:
-        when = ("setting it from inside the trainer would be too late for cuBLAS handles created by engine workers "
-                "(vLLM, Ray actors) and for any library that initialized CUDA first")
-    return (f"rl.deterministic=true needs {CUBLAS_ENV} from the launch environment, but it {found}: {when}. "
-            f"Fix: `{export}` (or {CUBLAS_VALUES[1]}) in the shell or job script before launching, e.g. "
-            f"`{export} && lightning-grpo fit --config ...`; or set rl.deterministic=false.")
+        when = (
+            "setting it from inside the trainer would be too late for cuBLAS handles created by engine workers "
+            "(vLLM, Ray actors) and for any library that initialized CUDA first"
+        )
+    return (
+        f"rl.deterministic=true needs {CUBLAS_ENV} from the launch environment, but it {found}: {when}. "
+        f"Fix: `{export}` (or {CUBLAS_VALUES[1]}) in the shell or job script before launching, e.g. "
+        f"`{export} && lightning-grpo fit --config ...`; or set rl.deterministic=false."
+    )
 
 
 @dataclass(frozen=True)
@@ -90,7 +102,9 @@ def run_seed(explicit: int | None, env: Mapping[str, str] | None = None) -> RunS
         if applied is not None and int(applied) != explicit:
             from lightning.pytorch.utilities import rank_zero_info
 
-            rank_zero_info(f"model.seed={explicit} overrides seed_everything={applied} for the module's random streams")
+            rank_zero_info(
+                f"model.seed={explicit} overrides seed_everything={applied} for the module's random streams"
+            )
         return RunSeed(int(explicit), "model.seed")
     if applied is not None:
         return RunSeed(int(applied), "seed_everything")
@@ -101,10 +115,13 @@ def seed_all(seed: int) -> None:
     """Seed python, numpy and torch (every CUDA device too) with one seed."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # also seeds every CUDA device (lazily if CUDA is not up yet)
+    # also seeds every CUDA device (lazily if CUDA is not up yet)
+    torch.manual_seed(seed)
 
 
-def enable_determinism(seed: int, cuda: CudaState | None = None, env: Mapping[str, str] | None = None) -> None:
+def enable_determinism(
+    seed: int, cuda: CudaState | None = None, env: Mapping[str, str] | None = None
+) -> None:
     """Seed everything and switch to deterministic kernels; raise ``DeterminismError`` if cuBLAS cannot comply.
 
     Process-global and not undone at the end of a fit (torch has no scoped form of these switches).
@@ -114,14 +131,17 @@ def enable_determinism(seed: int, cuda: CudaState | None = None, env: Mapping[st
         cuda: the CUDA state to decide on (default: this process's).
         env: the environment to read ``CUBLAS_WORKSPACE_CONFIG`` from (default: ``os.environ``).
     """
-    problem = cublas_problem(cuda or CudaState.current(), os.environ if env is None else env)
+    problem = cublas_problem(
+        cuda or CudaState.current(), os.environ if env is None else env
+    )
     if problem:
         raise DeterminismError(problem)
     seed_all(seed)
     # warn_only=False: an op without a deterministic kernel raises instead of quietly breaking reproducibility.
     torch.use_deterministic_algorithms(True, warn_only=False)
     torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False  # autotuning may pick a different algorithm run to run
+    # autotuning may pick a different algorithm run to run
+    torch.backends.cudnn.benchmark = False
     # Fused attention kernels: flash/mem-efficient backward use atomics; attention falls back to the math path.
     torch.backends.cuda.enable_flash_sdp(False)
     torch.backends.cuda.enable_mem_efficient_sdp(False)

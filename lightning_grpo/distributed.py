@@ -142,7 +142,9 @@ def data_parallel_mesh(strategy):
     return mesh["data_parallel"]
 
 
-def gradient_sync(enabled: bool, wrapper: nn.Module | None, policy: nn.Module) -> contextlib.AbstractContextManager:
+def gradient_sync(
+    enabled: bool, wrapper: nn.Module | None, policy: nn.Module
+) -> contextlib.AbstractContextManager:
     """Context for one backward: with ``enabled=False`` the strategy keeps the gradient local.
 
     ``wrapper`` is ``trainer.strategy.model`` (the DDP wrapper under DDP); ``policy`` is the
@@ -193,7 +195,9 @@ class DataParallelOps:
 
     def dp_all_reduce(self, t: Tensor, op: str) -> Tensor:
         """``op`` (sum, mean, max, min) of ``t`` over data-parallel ranks, on the host."""
-        return self.trainer.strategy.reduce(t.to(self.device, copy=True), reduce_op=op).cpu()
+        return self.trainer.strategy.reduce(
+            t.to(self.device, copy=True), reduce_op=op
+        ).cpu()
 
     def dp_group(self) -> DataParallelGroup:
         """The data-parallel ranks as the strategy set them up now (one process outside a Trainer)."""
@@ -204,7 +208,11 @@ class DataParallelOps:
     def dp_all_finite(self, loss: Tensor) -> bool:
         """Finite on every rank (one tiny all-reduce per chunk under DP): every rank poisons the same window."""
         finite = torch.isfinite(loss).to(torch.float32)
-        return bool(finite if self.dp_size() == 1 else self.trainer.strategy.reduce(finite, reduce_op="min"))
+        return bool(
+            finite
+            if self.dp_size() == 1
+            else self.trainer.strategy.reduce(finite, reduce_op="min")
+        )
 
     def dp_grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Non-final micro-steps skip the gradient sync (DDP ``no_sync``; FSDP2 ``set_requires_gradient_sync``)."""

@@ -23,7 +23,14 @@ from lightning_grpo.alarm import SignalAlarm
 from lightning_grpo.checkpoint import GRPOCheckpoint
 from lightning_grpo.cli import TRAINER_DEFAULTS
 from lightning_grpo.completions import CompletionLog
-from lightning_grpo.config import CertificateConfig, GRPOConfig, OptimConfig, RolloutConfig, ServerConfig, VLLMConfig
+from lightning_grpo.config import (
+    CertificateConfig,
+    GRPOConfig,
+    OptimConfig,
+    RolloutConfig,
+    ServerConfig,
+    VLLMConfig,
+)
 from lightning_grpo.correction import RolloutCorrection
 from lightning_grpo.data.preference_module import PreferenceDataModule
 from lightning_grpo.data.prompts import PromptDataModule
@@ -58,32 +65,62 @@ DATACLASS_SECTIONS = (
 CLASS_SECTIONS = (
     ("model", GRPOModule, "the module; its other arguments are the sections above"),
     ("data", PromptDataModule, "the prompt stream and the held-out validation prompts"),
-    ("model", DPOModule, "DPO (`model.class_path: lightning_grpo.DPOModule`): its sections are `model.policy`, "
-                         "`model.dpo` and `model.optim`"),
-    ("data", PreferenceDataModule, "preference pairs for DPO (`data.class_path: lightning_grpo.PreferenceDataModule`)"),
-    ("checkpoint", GRPOCheckpoint, "complete, atomic checkpoints per loop step (the CLI adds it)"),
-    ("completions", CompletionLog, "a few completions per loop step in `completions.jsonl`, W&B and the console"),
-    ("alarm", SignalAlarm, "a warning when the learning signal is gone (the CLI adds it)"),
-    ("trainer.callbacks", HandoffCallback, "the colocated hand-off; the CLI adds one unless the config lists it"),
-    ("trainer.callbacks", RunSummary, "the end-of-run report; the CLI adds one with these defaults"),
+    (
+        "model",
+        DPOModule,
+        "DPO (`model.class_path: lightning_grpo.DPOModule`): its sections are `model.policy`, "
+        "`model.dpo` and `model.optim`",
+    ),
+    (
+        "data",
+        PreferenceDataModule,
+        "preference pairs for DPO (`data.class_path: lightning_grpo.PreferenceDataModule`)",
+    ),
+    (
+        "checkpoint",
+        GRPOCheckpoint,
+        "complete, atomic checkpoints per loop step (the CLI adds it)",
+    ),
+    (
+        "completions",
+        CompletionLog,
+        "a few completions per loop step in `completions.jsonl`, W&B and the console",
+    ),
+    (
+        "alarm",
+        SignalAlarm,
+        "a warning when the learning signal is gone (the CLI adds it)",
+    ),
+    (
+        "trainer.callbacks",
+        HandoffCallback,
+        "the colocated hand-off; the CLI adds one unless the config lists it",
+    ),
+    (
+        "trainer.callbacks",
+        RunSummary,
+        "the end-of-run report; the CLI adds one with these defaults",
+    ),
 )
 """(key prefix, class, what it is): one table of ``__init__`` arguments each, described by the ``Args:`` section."""
-MODEL_CLASS_PATH = ("the module's class: GRPOModule or your subclass of it (`my_pkg.MyModule`, importable from the "
-                    "working folder); `--model.help my_pkg.MyModule` lists its arguments")
+MODEL_CLASS_PATH = (
+    "the module's class: GRPOModule or your subclass of it (`my_pkg.MyModule`, importable from the "
+    "working folder); `--model.help my_pkg.MyModule` lists its arguments"
+)
 TRAINER_NOTES = {
     "accelerator": "`auto`: the GPU when there is one; the quickstart pins `cpu`",
     "devices": "data-parallel replicas (one policy replica each: `batch_per_replica` is per replica)",
     "logger": "one row per loop step, x-axis `step` = loop step; `lightning-grpo plot <log dir>` draws the CSV; "
-              "`--trainer.logger=WandbLogger` for W&B (docs/wandb.md)",
+    "`--trainer.logger=WandbLogger` for W&B (docs/wandb.md)",
     "max_steps": "in **optimizer steps** (Lightning's `global_step` under manual optimization) = loop steps x mu_iterations x n_mini",
     "log_every_n_steps": "in training batches = **loop steps**; keep 1 (one row of metrics per collected batch)",
     "val_check_interval": "an integer counts training batches = **loop steps**: validate every N loop steps",
     "limit_train_batches": "with `max_epochs: 1` and `max_steps: -1`, a run of exactly N loop steps whatever n_mini "
-                           "is (the sweep config uses this); a decaying LR schedule then spans N x mu_iterations x "
-                           "n_mini steps",
+    "is (the sweep config uses this); a decaying LR schedule then spans N x mu_iterations x "
+    "n_mini steps",
     "precision": "`bf16-mixed`: fp32 master weights, bf16 autocast (GPUs; the fast mode on CPUs with AVX512-BF16/AMX); "
-                 "`16-mixed` steps through the GradScaler; `bf16-true`/`16-true` train half-precision weights and "
-                 "warn (docs/precision.md)",
+    "`16-mixed` steps through the GradScaler; `bf16-true`/`16-true` train half-precision weights and "
+    "warn (docs/precision.md)",
 }
 """Lightning Trainer keys whose unit changes meaning under GRPO's manual optimization."""
 
@@ -124,7 +161,9 @@ def generate() -> str:
         out += _class_section(prefix, cls, what, problems)
     out += _trainer_section()
     if problems:
-        raise UndocumentedKnob("knobs without a description:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise UndocumentedKnob(
+            "knobs without a description:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -133,42 +172,83 @@ def generate() -> str:
 
 def _dataclass_section(prefix: str, cls: type, problems: list[str]) -> list[str]:
     docs = field_docs(cls)
-    lines = [f"## `{prefix}` ({cls.__name__})", "", _one_line(inspect.getdoc(cls) or ""), ""]
+    lines = [
+        f"## `{prefix}` ({cls.__name__})",
+        "",
+        _one_line(inspect.getdoc(cls) or ""),
+        "",
+    ]
     if prefix.endswith("[i]"):
         lines += [f"A list: `{prefix[:-3]}: [{{name: ..., weight: ...}}, ...]`.", ""]
     lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for f in dataclasses.fields(cls):
         if f.name not in docs:
-            problems.append(f"{cls.__module__}.{cls.__name__}.{f.name}: add a docstring under the field")
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            problems.append(
+                f"{cls.__module__}.{cls.__name__}.{f.name}: add a docstring under the field"
+            )
+        default = (
+            f.default_factory()
+            if f.default_factory is not dataclasses.MISSING
+            else f.default
+        )
         lines.append(_row(f"{prefix}.{f.name}", f.type, default, docs.get(f.name, "")))
     derived = list(_derived(cls, problems))
     if derived:
-        lines += ["", "Derived (read-only, from the knobs above):", "", "| name | meaning |", "| --- | --- |"]
+        lines += [
+            "",
+            "Derived (read-only, from the knobs above):",
+            "",
+            "| name | meaning |",
+            "| --- | --- |",
+        ]
         lines += [f"| `{name}` | {_cell(doc)} |" for name, doc in derived]
     return lines + [""]
 
 
 def _class_section(prefix: str, cls: type, what: str, problems: list[str]) -> list[str]:
     described = args_docs(cls)
-    nested = {p.split(".")[-1].removesuffix("[i]") for p, _ in DATACLASS_SECTIONS if p.count(".") == 1}
+    nested = {
+        p.split(".")[-1].removesuffix("[i]")
+        for p, _ in DATACLASS_SECTIONS
+        if p.count(".") == 1
+    }
     callback = prefix == "trainer.callbacks"
-    title = f"`{prefix}`: `{cls.__module__}.{cls.__name__}`" if callback else f"`{prefix}` ({cls.__name__})"
+    title = (
+        f"`{prefix}`: `{cls.__module__}.{cls.__name__}`"
+        if callback
+        else f"`{prefix}` ({cls.__name__})"
+    )
     lines = [f"## {title}", "", f"{what[0].upper()}{what[1:]}.", ""]
     if callback:
-        lines += [f"In YAML: `trainer.callbacks: [{{class_path: {cls.__module__}.{cls.__name__}, init_args: {{...}}}}]`.",
-                  ""]
+        lines += [
+            f"In YAML: `trainer.callbacks: [{{class_path: {cls.__module__}.{cls.__name__}, init_args: {{...}}}}]`.",
+            "",
+        ]
     lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     if prefix == "model":
-        lines.append(_row("model.class_path", "str", f"{cls.__module__}.{cls.__name__}", MODEL_CLASS_PATH))
+        lines.append(
+            _row(
+                "model.class_path",
+                "str",
+                f"{cls.__module__}.{cls.__name__}",
+                MODEL_CLASS_PATH,
+            )
+        )
     for name, param in inspect.signature(cls.__init__).parameters.items():
-        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or (
-                prefix == "model" and name in nested):
+        if (
+            name == "self"
+            or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+            or (prefix == "model" and name in nested)
+        ):
             continue
         if name not in described:
-            problems.append(f"{cls.__module__}.{cls.__name__}({name}=...): add it to the class docstring's Args:")
+            problems.append(
+                f"{cls.__module__}.{cls.__name__}({name}=...): add it to the class docstring's Args:"
+            )
         key = f"init_args.{name}" if callback else f"{prefix}.{name}"
-        lines.append(_row(key, param.annotation, param.default, described.get(name, "")))
+        lines.append(
+            _row(key, param.annotation, param.default, described.get(name, ""))
+        )
     return lines + [""]
 
 
@@ -186,7 +266,9 @@ def _trainer_section() -> list[str]:
         default = TRAINER_DEFAULTS.get(key, "(Lightning's)")
         if isinstance(default, dict) and "class_path" in default:
             default = f"{default['class_path'].rsplit('.', 1)[-1]}({_args(default.get('init_args', {}))})"
-        lines.append(f"| `trainer.{key}` | `{_fmt(default)}` | {_cell(TRAINER_NOTES.get(key, ''))} |")
+        lines.append(
+            f"| `trainer.{key}` | `{_fmt(default)}` | {_cell(TRAINER_NOTES.get(key, ''))} |"
+        )
     return lines + [""]
 
 
@@ -198,8 +280,13 @@ def field_docs(cls: type) -> dict[str, str]:
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for node, after in itertools.pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = inspect.cleandoc(after.value.value)
     return docs
 
@@ -217,7 +304,11 @@ def args_docs(cls: type) -> dict[str, str]:
         depth = len(line) - len(line.lstrip())
         if line.strip() and depth <= indent:
             break  # the next section (Raises:, Example::)
-        entry = re.match(r"(\w+)(?: \([^)]*\))?: (.*)", line.strip()) if depth == indent + 4 else None
+        entry = (
+            re.match(r"(\w+)(?: \([^)]*\))?: (.*)", line.strip())
+            if depth == indent + 4
+            else None
+        )
         if entry:
             current = entry.group(1)
             docs[current] = entry.group(2)
@@ -230,11 +321,17 @@ def _derived(cls: type, problems: list[str]) -> Iterator[tuple[str, str]]:
     for name, member in inspect.getmembers(cls):
         if name.startswith("_"):
             continue
-        if isinstance(member, property) or (inspect.isfunction(member) and name not in ("validate", "problems")):
+        if isinstance(member, property) or (
+            inspect.isfunction(member) and name not in ("validate", "problems")
+        ):
             doc = inspect.getdoc(member)
             if not doc:
-                problems.append(f"{cls.__module__}.{cls.__name__}.{name}: add a docstring (derived value)")
-            label = name if isinstance(member, property) else f"{name}{_signature(member)}"
+                problems.append(
+                    f"{cls.__module__}.{cls.__name__}.{name}: add a docstring (derived value)"
+                )
+            label = (
+                name if isinstance(member, property) else f"{name}{_signature(member)}"
+            )
             yield label, doc or ""
 
 
@@ -242,7 +339,11 @@ def _derived(cls: type, problems: list[str]) -> Iterator[tuple[str, str]]:
 
 
 def _row(key: str, annotation: object, default: object, meaning: str) -> str:
-    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    kind = (
+        annotation
+        if isinstance(annotation, str)
+        else getattr(annotation, "__name__", str(annotation))
+    )
     shown = "(required)" if default is inspect.Parameter.empty else _fmt(default)
     return f"| `{key}` | `{_cell(kind)}` | `{_cell(shown)}` | {_cell(meaning)} |"
 

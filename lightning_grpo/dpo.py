@@ -24,7 +24,11 @@ from torch import Tensor, nn
 from lightning_grpo.base import UpdateModule
 from lightning_grpo.checks import is_finite, is_int, raise_problems
 from lightning_grpo.config import OptimConfig
-from lightning_grpo.data.preferences import PreferenceBatch, PreferencePair, encode_pairs
+from lightning_grpo.data.preferences import (
+    PreferenceBatch,
+    PreferencePair,
+    encode_pairs,
+)
 from lightning_grpo.distributed import root_call
 from lightning_grpo.logprobs import token_logprobs
 from lightning_grpo.metrics import roll_up
@@ -73,13 +77,19 @@ class DPOConfig:
         if not is_int(b) or b < 1:
             p.append(f"batch_size={b}: must be a positive integer")
         if not is_int(k) or k < 1:
-            p.append(f"grad_accum={k}: must be a positive integer (train calls per optimizer step)")
+            p.append(
+                f"grad_accum={k}: must be a positive integer (train calls per optimizer step)"
+            )
         elif is_int(b) and b >= 1 and b % k:
-            p.append(f"grad_accum={k} must divide batch_size={b} (a ragged chunk changes nothing here, but every "
-                     "rank must run the same number of train calls)")
+            p.append(
+                f"grad_accum={k} must divide batch_size={b} (a ragged chunk changes nothing here, but every "
+                "rank must run the same number of train calls)"
+            )
         elif is_int(b) and b >= 1 and dp_size > 1 and (b // k) % dp_size:
-            p.append(f"batch_size={b} / grad_accum={k} = {b // k} pairs per train call must split evenly over DP "
-                     f"size {dp_size}")
+            p.append(
+                f"batch_size={b} / grad_accum={k} = {b // k} pairs per train call must split evenly over DP "
+                f"size {dp_size}"
+            )
         if not is_finite(self.beta) or self.beta <= 0:
             p.append(f"beta={self.beta}: must be a finite number > 0")
         if self.loss_type not in ("sigmoid", "ipo"):
@@ -87,10 +97,16 @@ class DPOConfig:
         if not is_finite(self.label_smoothing) or not 0 <= self.label_smoothing < 0.5:
             p.append(f"label_smoothing={self.label_smoothing}: must be in [0, 0.5)")
         elif self.label_smoothing and self.loss_type != "sigmoid":
-            p.append(f"label_smoothing={self.label_smoothing}: applies to loss_type='sigmoid' only")
+            p.append(
+                f"label_smoothing={self.label_smoothing}: applies to loss_type='sigmoid' only"
+            )
         if not is_finite(self.max_grad_norm) or self.max_grad_norm < 0:
-            p.append(f"max_grad_norm={self.max_grad_norm}: must be a finite number >= 0 (0 = no clipping)")
-        if self.max_length is not None and (not is_int(self.max_length) or self.max_length < 2):
+            p.append(
+                f"max_grad_norm={self.max_grad_norm}: must be a finite number >= 0 (0 = no clipping)"
+            )
+        if self.max_length is not None and (
+            not is_int(self.max_length) or self.max_length < 2
+        ):
             p.append(f"max_length={self.max_length}: must be an integer >= 2 or null")
         return p
 
@@ -98,8 +114,6 @@ class DPOConfig:
         """Pairs of one optimizer step on each of ``dp_size`` data-parallel ranks (batch_size / dp_size)."""
         self.validate(dp_size)
         return self.batch_size // dp_size
-
-
 
 
 # The sections' defaults: instances, so `--help` and `--print_config` show every field (copied, never mutated).
@@ -125,11 +139,18 @@ class DPOModule(UpdateModule):
     plugin's step (unscale -> 1/sum -> clip -> step), the DP reductions and the module-owned checkpoint state.
     """
 
-    def __init__(self, policy: PolicyConfig = _POLICY, dpo: DPOConfig | None = None, optim: OptimConfig = _OPTIM,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self,
+        policy: PolicyConfig = _POLICY,
+        dpo: DPOConfig | None = None,
+        optim: OptimConfig = _OPTIM,
+        seed: int | None = None,
+    ) -> None:
         super().__init__(policy, optim, seed)
         self.dpo = copy.deepcopy(dpo or DPOConfig())
-        self.objective = DPOObjective(self.dpo.beta, self.dpo.loss_type, self.dpo.label_smoothing, self.dp_mean)
+        self.objective = DPOObjective(
+            self.dpo.beta, self.dpo.loss_type, self.dpo.label_smoothing, self.dp_mean
+        )
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def check_strategy(self) -> None:
@@ -141,11 +162,20 @@ class DPOModule(UpdateModule):
         if self.policy is None:
             policy, self.tokenizer = self.configure_policy()
             self.policy = policy.train()
-            self.ref = None if self.dpo.reference_free else copy.deepcopy(self.policy).requires_grad_(False)
+            self.ref = (
+                None
+                if self.dpo.reference_free
+                else copy.deepcopy(self.policy).requires_grad_(False)
+            )
             # One optimizer step of dpo.grad_accum train calls per batch; DPO has no pi_old (no ahead pass). Built for
             # one process: the ranks' reductions join with the optimizer (UpdateModule.on_train_start).
             split = Split(n_micro=self.dpo.grad_accum)
-            self.updater = Updater(self.policy, self.forward_chunk, split, max_grad_norm=self.dpo.max_grad_norm)
+            self.updater = Updater(
+                self.policy,
+                self.forward_chunk,
+                split,
+                max_grad_norm=self.dpo.max_grad_norm,
+            )
 
     def training_step(self, pairs: Sequence[PreferencePair], batch_idx: int) -> None:
         # 1. tokenize this rank's pairs; 2. reference pass; 3. grad_accum train calls, one optimizer step
@@ -160,23 +190,32 @@ class DPOModule(UpdateModule):
         batch = self.with_reference(self.encode(pairs))
         with torch.no_grad(), eval_mode(self.policy):
             chosen, rejected = self.answer_logprobs(self.policy, batch.to(self.device))
-        _, _, stats = self.objective(chosen, rejected, *self._reference_of(batch, chosen))
-        metrics = {"val/accuracy": float((chosen > rejected).float().mean()),
-                   "val/reward_accuracy": float(stats.accuracy), "val/margin": float(stats.margin),
-                   "step": float(self.loop_step)}
+        _, _, stats = self.objective(
+            chosen, rejected, *self._reference_of(batch, chosen)
+        )
+        metrics = {
+            "val/accuracy": float((chosen > rejected).float().mean()),
+            "val/reward_accuracy": float(stats.accuracy),
+            "val/margin": float(stats.margin),
+            "step": float(self.loop_step),
+        }
         self.log_validation(metrics, weight=len(pairs))
 
     # -- the phases ---------------------------------------------------------------------------------------------------
     def encode(self, pairs: Sequence[PreferencePair]) -> PreferenceBatch:
         """Token ids of this rank's pairs (prompt, answer, EOS; answers cut at ``dpo.max_length``)."""
-        return encode_pairs(pairs, self.tokenizer, self.dpo.max_length or self.context_length())
+        return encode_pairs(
+            pairs, self.tokenizer, self.dpo.max_length or self.context_length()
+        )
 
     def update(self, batch: PreferenceBatch) -> LoopResult:
         """One optimizer step of ``grad_accum`` chunks over this rank's pairs, after the reference pass."""
         expected = self.dpo.pairs_per_rank(self.dp_size())
         if len(batch) != expected:
-            raise ValueError(f"preference batch has {len(batch)} pairs on this rank but dpo.batch_size / DP size is "
-                             f"{expected}; give the data module pairs_per_step = dpo.batch_size")
+            raise ValueError(
+                f"preference batch has {len(batch)} pairs on this rank but dpo.batch_size / DP size is "
+                f"{expected}; give the data module pairs_per_step = dpo.batch_size"
+            )
         return self.updater.update(self.with_reference(batch))
 
     def with_reference(self, batch: PreferenceBatch) -> PreferenceBatch:
@@ -187,19 +226,30 @@ class DPOModule(UpdateModule):
         parts = []
         with torch.no_grad(), eval_mode(self.ref):
             for mini, micro in plan.walk():
-                parts.append(self.answer_logprobs(self.ref, plan.chunk(batch, mini, micro).to(self.device)))
-        chosen, rejected = (torch.cat(side).to(batch.chosen_ids.device) for side in zip(*parts))
+                parts.append(
+                    self.answer_logprobs(
+                        self.ref, plan.chunk(batch, mini, micro).to(self.device)
+                    )
+                )
+        chosen, rejected = (
+            torch.cat(side).to(batch.chosen_ids.device) for side in zip(*parts)
+        )
         return replace(batch, ref_chosen=chosen, ref_rejected=rejected)
 
-    def forward_chunk(self, chunk: PreferenceBatch, old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, DPOStats]:
+    def forward_chunk(
+        self, chunk: PreferenceBatch, old_logprobs: Tensor | None
+    ) -> tuple[Tensor, Tensor, DPOStats]:
         """The DPO loss of one chunk of pairs (``old_logprobs`` is always None: DPO has no pi_old)."""
         chunk = chunk.to(self.device)
         chosen, rejected = self.answer_logprobs(self.policy, chunk)
         return self.objective(chosen, rejected, *self._reference_of(chunk, chosen))
 
-    def answer_logprobs(self, model: nn.Module, chunk: PreferenceBatch) -> tuple[Tensor, Tensor]:
+    def answer_logprobs(
+        self, model: nn.Module, chunk: PreferenceBatch
+    ) -> tuple[Tensor, Tensor]:
         """``[P]`` logprobs of the chosen and of the rejected answers (sums, or means with ``length_normalize``)."""
-        ids, attention, mask = chunk.sequences()  # [2P, T]: chosen rows, then rejected rows
+        # [2P, T]: chosen rows, then rejected rows
+        ids, attention, mask = chunk.sequences()
         lp = root_call(model, token_logprobs, model, ids, attention)  # [2P, T-1]
         m = mask[:, 1:].to(lp.dtype)
         seq = (lp * m).sum(-1)  # [2P]
@@ -207,7 +257,9 @@ class DPOModule(UpdateModule):
             seq = seq / m.sum(-1).clamp(min=1)
         return seq[: len(chunk)], seq[len(chunk) :]
 
-    def _reference_of(self, chunk: PreferenceBatch, like: Tensor) -> tuple[Tensor, Tensor]:
+    def _reference_of(
+        self, chunk: PreferenceBatch, like: Tensor
+    ) -> tuple[Tensor, Tensor]:
         if chunk.ref_chosen is None:  # reference-free: a uniform reference
             return torch.zeros_like(like), torch.zeros_like(like)
         return chunk.ref_chosen.to(like.device), chunk.ref_rejected.to(like.device)

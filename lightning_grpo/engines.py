@@ -61,7 +61,9 @@ class EngineParts:
         return lora.rank if lora is not None and lora.sync == "adapter" else None
 
 
-def build_engine(cfg: RolloutConfig, parts: EngineParts, will_sleep: bool = True) -> RolloutEngine:
+def build_engine(
+    cfg: RolloutConfig, parts: EngineParts, will_sleep: bool = True
+) -> RolloutEngine:
     """The engine ``cfg.engine`` names, bound to ``parts``' policy and tokenizer.
 
     ``will_sleep=False`` (nothing will put the engine to sleep: ``colocated_offload=false``, disaggregated, or
@@ -69,34 +71,57 @@ def build_engine(cfg: RolloutConfig, parts: EngineParts, will_sleep: bool = True
     ``vllm.enable_sleep_mode`` is set explicitly. ``cfg`` itself is never changed.
     """
     if cfg.engine == "replay":
-        need = f"rl.rollout_correction.mode={parts.rl.rollout_correction.mode!r}" if parts.sampler_logprobs else None
-        return ReplayEngine(cfg.replay_path, eos_token_id=parts.tokenizer.eos_token_id, need_logprobs=need)
+        need = (
+            f"rl.rollout_correction.mode={parts.rl.rollout_correction.mode!r}"
+            if parts.sampler_logprobs
+            else None
+        )
+        return ReplayEngine(
+            cfg.replay_path,
+            eos_token_id=parts.tokenizer.eos_token_id,
+            need_logprobs=need,
+        )
     if cfg.engine == "hf":
         return HFEngine(parts.policy, parts.tokenizer, vision=parts.vision)
     if cfg.engine == "vllm":
         return _vllm_engine(cfg, parts, will_sleep)
     if cfg.engine == "vllm_server":
         return _server_engine(cfg, parts)
-    raise ValueError(f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'vllm_server', 'replay'")
+    raise ValueError(
+        f"rollout.engine={cfg.engine!r}: must be one of 'hf', 'vllm', 'vllm_server', 'replay'"
+    )
 
 
-def _vllm_engine(cfg: RolloutConfig, parts: EngineParts, will_sleep: bool) -> RolloutEngine:
+def _vllm_engine(
+    cfg: RolloutConfig, parts: EngineParts, will_sleep: bool
+) -> RolloutEngine:
     """An in-process ``vllm.LLM`` on the policy's folder."""
     # Deferred: `import lightning_grpo.engines` (every GRPOModule does) never loads the vLLM engine module (and vLLM's
     # own imports) unless a vLLM engine is built.
     from lightning_grpo.rollout.vllm import VLLMEngine
 
     vllm = cfg.vllm or VLLMConfig()
-    if vllm.enable_sleep_mode is None and not will_sleep:  # an explicit choice is the user's
+    # an explicit choice is the user's
+    if vllm.enable_sleep_mode is None and not will_sleep:
         vllm = replace(vllm, enable_sleep_mode=False)
-    if vllm.distributed_executor_backend == "external_launcher" and parts.trainer is not None:
+    if (
+        vllm.distributed_executor_backend == "external_launcher"
+        and parts.trainer is not None
+    ):
         # vLLM's torchrun-style launcher reads RANK and LOCAL_RANK; Lightning's own launcher and SLURM set neither
         os.environ.setdefault("RANK", str(parts.trainer.global_rank))
         os.environ.setdefault("LOCAL_RANK", str(parts.trainer.local_rank))
     path = resolve_path(parts.policy_cfg)
-    check_vllm_can_load(path)  # a missing package named in 3 lines, not a pydantic error from inside LLM()
-    return VLLMEngine(str(path), vllm, sampler_logprobs=parts.sampler_logprobs, lora_rank=parts.lora_rank,
-                      load_images=load_images, vocabulary_logprobs=cfg.certificate is not None)
+    # a missing package named in 3 lines, not a pydantic error from inside LLM()
+    check_vllm_can_load(path)
+    return VLLMEngine(
+        str(path),
+        vllm,
+        sampler_logprobs=parts.sampler_logprobs,
+        lora_rank=parts.lora_rank,
+        load_images=load_images,
+        vocabulary_logprobs=cfg.certificate is not None,
+    )
 
 
 def _server_engine(cfg: RolloutConfig, parts: EngineParts) -> RolloutEngine:
@@ -108,18 +133,29 @@ def _server_engine(cfg: RolloutConfig, parts: EngineParts) -> RolloutEngine:
     trainer = parts.trainer
     if trainer is None:
         ranks = Ranks.current(placement=server.placement)
-    else:  # the node figures come from the launcher (Lightning reads torchrun's and SLURM's variables)
-        ranks = Ranks.current(trainer.node_rank, trainer.local_rank, trainer.num_devices, server.placement)
+    # the node figures come from the launcher (Lightning reads torchrun's and SLURM's variables)
+    else:
+        ranks = Ranks.current(
+            trainer.node_rank, trainer.local_rank, trainer.num_devices, server.placement
+        )
     # The rules across sections (restarts with several ranks, an adapter over HTTP) ran in run_check.
     if server.url is None and server.launch:  # the child runs this Python's vLLM
         check_vllm_can_load(resolve_path(parts.policy_cfg), "vllm_server")
 
-    def republish() -> None:  # what the hand-off pushes once per collected batch, for a restarted server
-        adapter_sync.publish_policy(parts.policy, engine, int(cfg.sync_bucket_mb * (1 << 20)))
+    # what the hand-off pushes once per collected batch, for a restarted server
+    def republish() -> None:
+        adapter_sync.publish_policy(
+            parts.policy, engine, int(cfg.sync_bucket_mb * (1 << 20))
+        )
 
-    engine = VLLMServerEngine(str(resolve_path(parts.policy_cfg)), server,
-                              reference=functools.partial(sequence_logprobs, parts.policy),
-                              decode=functools.partial(parts.tokenizer.decode, skip_special_tokens=True),
-                              sampler_logprobs=parts.sampler_logprobs, ranks=ranks, republish=republish,
-                              lora_rank=parts.lora_rank)
+    engine = VLLMServerEngine(
+        str(resolve_path(parts.policy_cfg)),
+        server,
+        reference=functools.partial(sequence_logprobs, parts.policy),
+        decode=functools.partial(parts.tokenizer.decode, skip_special_tokens=True),
+        sampler_logprobs=parts.sampler_logprobs,
+        ranks=ranks,
+        republish=republish,
+        lora_rank=parts.lora_rank,
+    )
     return engine

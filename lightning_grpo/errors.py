@@ -40,7 +40,9 @@ from lightning_grpo.rollout.server.process import ServerError
 from lightning_grpo.rollout.vllm_loadable import EngineCannotLoadError
 from lightning_grpo.update.loop import NonFiniteRunError
 
-WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+WRITE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+)
 """An ``OSError`` with one of these while writing is the disk's, not a bug (EFBIG: ``ulimit -f``)."""
 
 
@@ -53,11 +55,24 @@ class RunWriteError(OSError):
         return self.strerror  # the message names the errno already
 
 
-USER_ERRORS = (RewardError, CheckpointPathError, DamagedCheckpointError, PolicyNotFoundError, NonFiniteRunError,
-               NonFiniteParametersError, FolderInUseError, ResumeMismatchError, EngineCannotLoadError, RunWriteError,
-               EnvProtocolError, ConsistencyError,
-               ServerError, StaleEngineError, CheckpointNotSharedError,
-               BadImageError)
+USER_ERRORS = (
+    RewardError,
+    CheckpointPathError,
+    DamagedCheckpointError,
+    PolicyNotFoundError,
+    NonFiniteRunError,
+    NonFiniteParametersError,
+    FolderInUseError,
+    ResumeMismatchError,
+    EngineCannotLoadError,
+    RunWriteError,
+    EnvProtocolError,
+    ConsistencyError,
+    ServerError,
+    StaleEngineError,
+    CheckpointNotSharedError,
+    BadImageError,
+)
 """Raised mid-run for something the user can fix; their messages say what and how."""
 ERROR_LOG = "error.log"
 
@@ -71,18 +86,35 @@ def write_failed(err: BaseException, trainer: Trainer | None) -> RunWriteError |
     cause = _write_cause(err)
     if cause is None or trainer is None:
         return None
-    folder = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
-    what = cause.filename or f"a file of the run folder {folder or trainer.default_root_dir}"
-    saver = next((cb for cb in trainer.callbacks if isinstance(cb, GRPOCheckpoint)), None)
-    newest = find_last_checkpoint([saver.dirpath], saver.lineage) if saver and saver.dirpath else None
+    folder = (
+        getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+    )
+    what = (
+        cause.filename
+        or f"a file of the run folder {folder or trainer.default_root_dir}"
+    )
+    saver = next(
+        (cb for cb in trainer.callbacks if isinstance(cb, GRPOCheckpoint)), None
+    )
+    newest = (
+        find_last_checkpoint([saver.dirpath], saver.lineage)
+        if saver and saver.dirpath
+        else None
+    )
     step = getattr(trainer.lightning_module, "loop_step", None)
     at = f" after loop step {step}" if isinstance(step, int) else ""
-    saved = (f"its newest checkpoint: {newest}" if newest is not None else
-             "it has no checkpoint (trainer.enable_checkpointing=true keeps the batch boundaries)")
-    return RunWriteError(cause.errno, f"could not write {what}: [Errno {cause.errno}] {cause.strerror}\n"
-                         f"  the run stopped{at}; {saved}\n"
-                         "  free space (or move the run: trainer.logger.init_args.save_dir), then resume with "
-                         "--ckpt_path=last")
+    saved = (
+        f"its newest checkpoint: {newest}"
+        if newest is not None
+        else "it has no checkpoint (trainer.enable_checkpointing=true keeps the batch boundaries)"
+    )
+    return RunWriteError(
+        cause.errno,
+        f"could not write {what}: [Errno {cause.errno}] {cause.strerror}\n"
+        f"  the run stopped{at}; {saved}\n"
+        "  free space (or move the run: trainer.logger.init_args.save_dir), then resume with "
+        "--ckpt_path=last",
+    )
 
 
 def _write_cause(err: BaseException) -> OSError | None:
@@ -123,6 +155,7 @@ def write_error_log(trainer: Trainer | None, err: BaseException) -> Path | None:
     try:
         with path.open("a", encoding="utf-8") as f:
             f.write("".join(traceback.format_exception(err)))
-    except OSError:  # a full disk: the error being reported must not be replaced by this one
+    # a full disk: the error being reported must not be replaced by this one
+    except OSError:
         return None
     return path

@@ -32,7 +32,13 @@ from typing_extensions import override
 
 from lightning_grpo import lora
 from lightning_grpo.offload import OffloadBackend, TrainerOffload, trainer_offload
-from lightning_grpo.publisher import NoPublisher, WeightPublisher, find_publisher, generates_with, needs_publisher
+from lightning_grpo.publisher import (
+    NoPublisher,
+    WeightPublisher,
+    find_publisher,
+    generates_with,
+    needs_publisher,
+)
 from lightning_grpo.rollout import adapter_sync
 from lightning_grpo.rollout.base import DeclaresWeights, DrawsAhead, RolloutEngine
 from lightning_grpo.rollout.sleep import sleep_level_problem
@@ -50,7 +56,16 @@ WAKE_WEIGHTS = "engine.wake_up(weights)"
 WEIGHT_SYNC = "weight_sync"
 TRAINER_OFFLOAD = "trainer.offload"
 WAKE_KV_CACHE = "engine.wake_up(kv_cache)"
-CYCLE = (GENERATE, ENGINE_SLEEP, TRAINER_ONLOAD, TRAIN, WAKE_WEIGHTS, WEIGHT_SYNC, TRAINER_OFFLOAD, WAKE_KV_CACHE)
+CYCLE = (
+    GENERATE,
+    ENGINE_SLEEP,
+    TRAINER_ONLOAD,
+    TRAIN,
+    WAKE_WEIGHTS,
+    WEIGHT_SYNC,
+    TRAINER_OFFLOAD,
+    WAKE_KV_CACHE,
+)
 """One loop step's events, in order, with colocated offload on."""
 NO_SYNC = SyncStats(n_buckets=0, n_tensors=0, bytes=0, seconds=0.0)
 
@@ -100,18 +115,30 @@ class HandoffCallback(Callback):
         trainer.callbacks[0].events[:5]  # ['engine.sleep', 'engine.wake_up(weights)', 'weight_sync', ...]
     """
 
-    def __init__(self, placement: Literal["colocated", "disaggregated"] = "colocated", colocated_offload: bool = True,
-                 sleep_level: Literal[1, 2] = 1, offload_backend: OffloadBackend = "auto",
-                 sync_bucket_mb: float | None = None, profile: bool | None = None) -> None:
+    def __init__(
+        self,
+        placement: Literal["colocated", "disaggregated"] = "colocated",
+        colocated_offload: bool = True,
+        sleep_level: Literal[1, 2] = 1,
+        offload_backend: OffloadBackend = "auto",
+        sync_bucket_mb: float | None = None,
+        profile: bool | None = None,
+    ) -> None:
         problems = []
         if placement not in ("colocated", "disaggregated"):
-            problems.append(f"placement={placement!r}: must be 'colocated' or 'disaggregated'")
+            problems.append(
+                f"placement={placement!r}: must be 'colocated' or 'disaggregated'"
+            )
         if problem := sleep_level_problem(sleep_level, "sleep_level"):
             problems.append(problem)
         if offload_backend not in ("auto", "torch_memory_saver", "host"):
-            problems.append(f"offload_backend={offload_backend!r}: must be 'auto', 'torch_memory_saver' or 'host'")
+            problems.append(
+                f"offload_backend={offload_backend!r}: must be 'auto', 'torch_memory_saver' or 'host'"
+            )
         if sync_bucket_mb is not None and not sync_bucket_mb > 0:
-            problems.append(f"sync_bucket_mb={sync_bucket_mb!r}: must be > 0 (or None: the module's rollout config)")
+            problems.append(
+                f"sync_bucket_mb={sync_bucket_mb!r}: must be > 0 (or None: the module's rollout config)"
+            )
         if problems:
             raise ValueError("HandoffCallback(" + "; ".join(problems) + ")")
         self.placement = placement
@@ -124,18 +151,22 @@ class HandoffCallback(Callback):
         self._phase = Phase.IDLE
         self._events: list[str] = []
         self._stale = True  # the engine does not hold the trainer's current policy
-        self._discarded = False  # a level-2 sleep dropped the engine's weights since the last full sync
+        # a level-2 sleep dropped the engine's weights since the last full sync
+        self._discarded = False
         self._engine: RolloutEngine | None = None
         self._policy: nn.Module | None = None
         self._bucket_bytes = 0
         self._loop_step = 0  # of the last update, for the profile record
-        self._offload: TrainerOffload | None = None  # chosen at first use: the optimizers exist by then
-        self._timer = StepTimer()  # the module's, from on_engine_ready: each action is a phase of the loop step
+        # chosen at first use: the optimizers exist by then
+        self._offload: TrainerOffload | None = None
+        # the module's, from on_engine_ready: each action is a phase of the loop step
+        self._timer = StepTimer()
         self._state_dict_hook: Any = None
         self._failure: BaseException | None = None
         self.last_sync: SyncStats | None = None
         """What the last weight sync moved (``NO_SYNC`` when the engine is the policy)."""
-        self._step_sync: SyncStats | None = None  # this loop step's sync, for the profile record
+        # this loop step's sync, for the profile record
+        self._step_sync: SyncStats | None = None
         self._step_bytes = {"offloaded": 0, "onloaded": 0}
 
     # -- read-only views -------------------------------------------------------------------------------------------
@@ -159,12 +190,19 @@ class HandoffCallback(Callback):
         """Whether the engine sleeps between generations (else the module builds a vLLM engine without sleep mode)."""
         return self.handoff
 
-    def on_engine_ready(self, trainer: Trainer, engine: RolloutEngine, policy: nn.Module,
-                        sync_bucket_mb: float, timer: StepTimer | None = None) -> None:
+    def on_engine_ready(
+        self,
+        trainer: Trainer,
+        engine: RolloutEngine,
+        policy: nn.Module,
+        sync_bucket_mb: float,
+        timer: StepTimer | None = None,
+    ) -> None:
         """The module built its engine (``on_fit_start``, before Lightning restores optimizer state onto the device):
         enter the batch boundary, so the engine sleeps first and the first hand-off publishes the (restored) policy.
         ``timer``: the module's step timer (the publication is its phase ``sync``)."""
-        if isinstance(engine, DrawsAhead):  # GRPOModule refuses it at setup; an engine built by hand comes here
+        # GRPOModule refuses it at setup; an engine built by hand comes here
+        if isinstance(engine, DrawsAhead):
             check_async_handoff(engine.max_off_policy_steps, self.handoff)
         self._engine = engine
         self._policy = policy
@@ -198,30 +236,44 @@ class HandoffCallback(Callback):
             )
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._require(Phase.BOUNDARY, Phase.GENERATE, hook="on_train_batch_start")
         self._publish(trainer)
         self._events.append(GENERATE)
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         self._write_profile(trainer)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._phase is Phase.BOUNDARY:
-            self._publish(trainer)  # validation samples from the engine: it must hold the current policy
+            # validation samples from the engine: it must hold the current policy
+            self._publish(trainer)
 
     @override
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
         self._failure = exception
         self._cleanup(exception)
 
     @override
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def teardown(
+        self, trainer: Trainer, pl_module: LightningModule, stage: str
+    ) -> None:
         if self._phase in (Phase.PUBLISH, Phase.GENERATE, Phase.TRAIN):
-            self._cleanup(self._failure)  # a model handed back after fit is resident; the engine stays asleep
+            # a model handed back after fit is resident; the engine stays asleep
+            self._cleanup(self._failure)
         if self._state_dict_hook is not None:
             self._state_dict_hook.remove()
             self._state_dict_hook = None
@@ -238,7 +290,9 @@ class HandoffCallback(Callback):
         # Lightning reads the module's state_dict first thing in a save, before any callback hook runs: this pre-hook
         # is the checkpoint window (engine asleep, trainer resident) whatever point of the step the save comes from.
         trained = trainer.lightning_module
-        self._state_dict_hook = trained.register_state_dict_pre_hook(self._checkpoint_window)
+        self._state_dict_hook = trained.register_state_dict_pre_hook(
+            self._checkpoint_window
+        )
         self._events = []
         self._offload = None
         self._stale = True
@@ -261,7 +315,9 @@ class HandoffCallback(Callback):
                 self._stale = self._discarded = False
             if self.handoff:
                 with self._event(TRAINER_OFFLOAD):
-                    self._step_bytes["offloaded"] += self._trainer_offload(trainer).offload()
+                    self._step_bytes["offloaded"] += self._trainer_offload(
+                        trainer
+                    ).offload()
                 with self._event(WAKE_KV_CACHE):
                     self._engine.wake_up(["kv_cache"])
         self._phase = Phase.GENERATE
@@ -269,21 +325,35 @@ class HandoffCallback(Callback):
     def _sync(self) -> SyncStats:
         """Push every parameter and persistent buffer to the engine, once per collected batch."""
         if self.engine_is_policy:
-            return NO_SYNC  # HFEngine generates with this very module: its weights are already the policy's
+            # HFEngine generates with this very module: its weights are already the policy's
+            return NO_SYNC
         pushed: list[str] = []
         # LoRA: the adapter alone (an engine with LoRA), else merged weights
         record = functools.partial(_recorded, names=pushed)
-        stats = adapter_sync.publish_policy(self._policy, self._engine, self._bucket_bytes, with_base=self._discarded,
-                                            record=record)
+        stats = adapter_sync.publish_policy(
+            self._policy,
+            self._engine,
+            self._bucket_bytes,
+            with_base=self._discarded,
+            record=record,
+        )
         if self._discarded:
             self._check_complete(pushed)
         return stats
 
     def _check_complete(self, pushed: list[str]) -> None:
         """After a level-2 sleep every tensor the engine holds was discarded: the sync must have rewritten each."""
-        names = self._engine.weight_names() if isinstance(self._engine, DeclaresWeights) else None
+        names = (
+            self._engine.weight_names()
+            if isinstance(self._engine, DeclaresWeights)
+            else None
+        )
         # An engine that cannot say what it holds is checked against the policy's own tensors.
-        own = adapter_sync.engine_weights(self._policy, merged=False) if lora.is_lora(self._policy) else named_weights(self._policy)
+        own = (
+            adapter_sync.engine_weights(self._policy, merged=False)
+            if lora.is_lora(self._policy)
+            else named_weights(self._policy)
+        )
         expected = set(names) if names else {name for name, _ in own}
         missing = sorted(expected - set(pushed))
         if missing:
@@ -308,20 +378,24 @@ class HandoffCallback(Callback):
     def _checkpoint_window(self, *hook_args: Any) -> None:
         """A save is reading the module: make sure the trainer is resident and the engine asleep (a state_dict
         pre-hook: ``hook_args`` are the module, prefix and keep_vars, unread)."""
-        if self._phase in (Phase.GENERATE, Phase.PUBLISH):  # a validation or emergency save after publication
+        # a validation or emergency save after publication
+        if self._phase in (Phase.GENERATE, Phase.PUBLISH):
             self._sleep_engine()
             self._onload_trainer()
-            self._phase = Phase.BOUNDARY  # level 1: weights come back on wake; level 2: _discarded forces a sync
+            # level 1: weights come back on wake; level 2: _discarded forces a sync
+            self._phase = Phase.BOUNDARY
 
     def _cleanup(self, exception: BaseException | None) -> None:
         """Engine asleep, trainer resident. While ``exception`` is in flight, a cleanup failure never replaces it."""
         try:
             if self._engine is not None:
-                self._sleep_engine()  # idempotent; re-releases weights after a weights-only wake
+                # idempotent; re-releases weights after a weights-only wake
+                self._sleep_engine()
                 self._onload_trainer()
             self._phase = Phase.BOUNDARY
         except Exception as err:
-            self._phase = Phase.IDLE  # state unknown: the machine stops managing anything
+            # state unknown: the machine stops managing anything
+            self._phase = Phase.IDLE
             if exception is None:
                 raise
             log.error("hand-off cleanup failed while handling %r: %r", exception, err)
@@ -346,11 +420,15 @@ class HandoffCallback(Callback):
     def _trainer_offload(self, trainer: Trainer) -> TrainerOffload:
         if self._offload is None:
             backend = self.offload_backend
-            self._offload = trainer_offload(backend, trainer, self._policy, self.engine_is_policy)
+            self._offload = trainer_offload(
+                backend, trainer, self._policy, self.engine_is_policy
+            )
         return self._offload
 
     def _profile_records(self, trainer: Trainer) -> ProfileRecords | None:
-        wanted = profiling_requested() if self._profile_flag is None else self._profile_flag
+        wanted = (
+            profiling_requested() if self._profile_flag is None else self._profile_flag
+        )
         if not trainer.strategy.broadcast(wanted):
             return None
         rank = trainer.global_rank
@@ -368,19 +446,30 @@ class HandoffCallback(Callback):
         if records is None:
             return
         backend = self._offload.kind if self._offload else None
-        records.write(loop_step=self._loop_step, global_step=trainer.global_step, placement=self.placement,
-                      handoff=self.handoff, sleep_level=self.sleep_level, offload_backend=backend,
-                      engine_is_policy=self.engine_is_policy, sync=None if sync is None else asdict(sync),
-                      offload_bytes=moved)
+        records.write(
+            loop_step=self._loop_step,
+            global_step=trainer.global_step,
+            placement=self.placement,
+            handoff=self.handoff,
+            sleep_level=self.sleep_level,
+            offload_backend=backend,
+            engine_is_policy=self.engine_is_policy,
+            sync=None if sync is None else asdict(sync),
+            offload_bytes=moved,
+        )
 
 
-def _recorded(named: Iterable[tuple[str, Tensor]], names: list[str]) -> Iterator[tuple[str, Tensor]]:
+def _recorded(
+    named: Iterable[tuple[str, Tensor]], names: list[str]
+) -> Iterator[tuple[str, Tensor]]:
     for name, tensor in named:
         names.append(name)
         yield name, tensor
 
 
-def engine_publisher(trainer: Trainer, engine: RolloutEngine, policy: nn.Module) -> WeightPublisher:
+def engine_publisher(
+    trainer: Trainer, engine: RolloutEngine, policy: nn.Module
+) -> WeightPublisher:
     """The fit's publisher: the Trainer's own; else, for an engine with weights of its own, a hand-off attached
     here (a run never samples stale weights); else ``NoPublisher``."""
     from lightning.pytorch.callbacks import Checkpoint
@@ -388,13 +477,20 @@ def engine_publisher(trainer: Trainer, engine: RolloutEngine, policy: nn.Module)
     found = find_publisher(trainer.callbacks)
     if found is not None or not needs_publisher(engine, policy):
         return found or NoPublisher()
-    publisher = HandoffCallback(colocated_offload=False)  # the engine was built without sleep mode
+    # the engine was built without sleep mode
+    publisher = HandoffCallback(colocated_offload=False)
     callbacks = trainer.callbacks
-    at = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
-    callbacks.insert(at, publisher)  # before checkpoint callbacks, as Lightning orders them
+    at = next(
+        (i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)),
+        len(callbacks),
+    )
+    # before checkpoint callbacks, as Lightning orders them
+    callbacks.insert(at, publisher)
     if trainer.is_global_zero:
-        log.warning("%s holds weights of its own and no callback publishes them: attached "
-                    "HandoffCallback(colocated_offload=False) to sync them once per loop step. Pass "
-                    "HandoffCallback() in Trainer(callbacks=...) for the colocated sleep/wake hand-off.",
-                    type(engine).__name__)
+        log.warning(
+            "%s holds weights of its own and no callback publishes them: attached "
+            "HandoffCallback(colocated_offload=False) to sync them once per loop step. Pass "
+            "HandoffCallback() in Trainer(callbacks=...) for the colocated sleep/wake hand-off.",
+            type(engine).__name__,
+        )
     return publisher

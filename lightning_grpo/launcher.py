@@ -32,15 +32,22 @@ def launched_world(env: Mapping[str, str]) -> LaunchedWorld | None:
         world = int(env["WORLD_SIZE"])
         per_node = int(env.get("LOCAL_WORLD_SIZE", world))
         return LaunchedWorld("torchrun", world // max(per_node, 1), per_node)
-    if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+    if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in (
+        "bash",
+        "interactive",
+    ):
         tasks = int(env["SLURM_NTASKS"])
         nodes = int(env.get("SLURM_NNODES", 1))
-        per_node = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or tasks // max(nodes, 1))
+        per_node = int(
+            env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or tasks // max(nodes, 1)
+        )
         return LaunchedWorld("srun", nodes, per_node)
     return None
 
 
-def check_launch(num_nodes: object, devices: object, env: Mapping[str, str]) -> list[str]:
+def check_launch(
+    num_nodes: object, devices: object, env: Mapping[str, str]
+) -> list[str]:
     """``trainer.num_nodes`` / ``trainer.devices`` against the launcher's world, as problem lines (none = fine).
 
     ``devices`` that is not a count (``auto``, a list of ids) is left to Lightning.
@@ -51,10 +58,15 @@ def check_launch(num_nodes: object, devices: object, env: Mapping[str, str]) -> 
     per_node = int(devices) if _is_count(devices) else None
     if int(num_nodes) == world.nodes and per_node in (None, world.per_node):
         return []
-    flags = {"torchrun": "--nnodes / --nproc-per-node", "srun": "--nodes / --ntasks-per-node"}[world.launcher]
-    return [f"trainer.num_nodes={num_nodes} x trainer.devices={devices}: {world.launcher} started "
-            f"{world.nodes} node(s) x {world.per_node} rank(s) ({flags}), so the ranks would wait for peers that "
-            f"never come. Set --trainer.num_nodes={world.nodes} --trainer.devices={world.per_node}"]
+    flags = {
+        "torchrun": "--nnodes / --nproc-per-node",
+        "srun": "--nodes / --ntasks-per-node",
+    }[world.launcher]
+    return [
+        f"trainer.num_nodes={num_nodes} x trainer.devices={devices}: {world.launcher} started "
+        f"{world.nodes} node(s) x {world.per_node} rank(s) ({flags}), so the ranks would wait for peers that "
+        f"never come. Set --trainer.num_nodes={world.nodes} --trainer.devices={world.per_node}"
+    ]
 
 
 def _is_count(value: object) -> bool:

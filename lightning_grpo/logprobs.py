@@ -44,8 +44,13 @@ KEEP_BYTES = 256 << 20
 The module passes ``rl.logits_keep_mb``."""
 
 # Config fields of models that change the logits after the LM head (Gemma 2/3, Cohere, Granite, Falcon-H1, ...).
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
-                     "output_multiplier_scale")
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "lm_head_multiplier",
+    "output_multiplier_scale",
+)
 
 
 def token_logprobs(
@@ -91,70 +96,127 @@ def token_logprobs(
     extra = model_inputs or {}
     head = _linear_head(model)
     if packed and (head is None or extra):
-        raise PackingError(f"{type(model).__name__}: a packed forward needs a text-only model scored through the fused "
-                           "head (no images, no logit transform after the head); set rl.packed=false")
+        raise PackingError(
+            f"{type(model).__name__}: a packed forward needs a text-only model scored through the fused "
+            "head (no images, no logit transform after the head); set rl.packed=false"
+        )
     if head is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits[:, :-1][positions]  # [N,V]
+        # [N,V]
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, **extra
+        ).logits[:, :-1][positions]
         picked = _plain_logprobs(logits, targets[positions], temperature)
         if entropy is None:
             return _scatter(picked, positions)
         ent = _plain_entropy(logits, temperature)
-        return _scatter(picked, positions), _scatter(ent if entropy == "grad" else ent.detach(), positions)
-    h = _scored_hidden(model, input_ids, attention_mask, positions, extra, packed)  # [N, H]
-    picked = head_logprobs(h, head.weight, head.bias, targets[positions], temperature=temperature,
-                           chunk_bytes=chunk_bytes, keep_bytes=keep_bytes, entropy=entropy)
+        return _scatter(picked, positions), _scatter(
+            ent if entropy == "grad" else ent.detach(), positions
+        )
+    # [N, H]
+    h = _scored_hidden(model, input_ids, attention_mask, positions, extra, packed)
+    picked = head_logprobs(
+        h,
+        head.weight,
+        head.bias,
+        targets[positions],
+        temperature=temperature,
+        chunk_bytes=chunk_bytes,
+        keep_bytes=keep_bytes,
+        entropy=entropy,
+    )
     if entropy is None:
         return _scatter(picked, positions)
     return _scatter(picked[0], positions), _scatter(picked[1], positions)
 
 
-def _scored_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, positions: Tensor, extra: dict,
-                   packed: bool) -> Tensor:
+def _scored_hidden(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    positions: Tensor,
+    extra: dict,
+    packed: bool,
+) -> Tensor:
     """``[N, H]`` the decoder's last hidden states at the scored positions, in ``[B, T-1]`` row-major order."""
     if packed:
         rows = pack(input_ids, attention_mask)
         with packed_attention(model):
-            hidden = model.get_decoder()(**rows.model_kwargs()).last_hidden_state  # [1, R, H]: real tokens only
+            # [1, R, H]: real tokens only
+            hidden = model.get_decoder()(**rows.model_kwargs()).last_hidden_state
         return rows.gather(hidden, positions)
     decoder = _vision_language_base(model) if extra else model.get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state  # [B, T, H]
+    # [B, T, H]
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, **extra
+    ).last_hidden_state
     return hidden[:, :-1][positions]  # only the scored positions meet the head
 
 
-def head_logprobs(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, temperature: float = 1.0,
-                  chunk_bytes: int = CHUNK_BYTES, keep_bytes: int = KEEP_BYTES,
-                  entropy: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
+def head_logprobs(
+    h: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_bytes: int = CHUNK_BYTES,
+    keep_bytes: int = KEEP_BYTES,
+    entropy: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``log_softmax((h @ weight.T + bias) / temperature)[n, targets[n]]``: ``[N]``, chunked, fused backward.
 
     Under autocast the head matmuls run in the autocast dtype (as ``nn.Linear`` would), the softmax in float32.
     ``entropy`` (None, ``"value"`` or ``"grad"``): also return the softmax's entropy ``[N]`` (see ``token_logprobs``).
     """
     plan = _Plan.of(h, weight, chunk_bytes, keep_bytes)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (h, weight, bias)
+    )
     if needs_grad:
-        out = _FusedHeadLogprobs.apply(h, weight, bias, targets, temperature, plan, entropy == "value")
-        if entropy == "grad":  # the fused backward has no entropy term: autograd through a checkpointed head pass
+        out = _FusedHeadLogprobs.apply(
+            h, weight, bias, targets, temperature, plan, entropy == "value"
+        )
+        # the fused backward has no entropy term: autograd through a checkpointed head pass
+        if entropy == "grad":
             return out, _entropy_with_grad(h, weight, bias, temperature, plan)
         return out
     with torch.no_grad():  # scoring only (ahead pass, reference model): nothing to keep
         w_c, b_c = _cast(weight, bias, plan)
-        parts = [_chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan, entropy is not None)
-                 for s, e in plan.bounds]
+        parts = [
+            _chunk_forward(
+                h[s:e], w_c, b_c, targets[s:e], temperature, plan, entropy is not None
+            )
+            for s, e in plan.bounds
+        ]
         empty = h.new_zeros(0, dtype=plan.out_dtype)
         lp = torch.cat([p[0] for p in parts]) if parts else empty
-        return lp if entropy is None else (lp, torch.cat([p[4] for p in parts]) if parts else empty)
+        return (
+            lp
+            if entropy is None
+            else (lp, torch.cat([p[4] for p in parts]) if parts else empty)
+        )
 
 
 class _Plan:
     """Chunk bounds, which chunks keep their logits, and the dtypes, fixed once per call."""
 
-    def __init__(self, n: int, chunk: int, keep_chunks: int, compute_dtype: torch.dtype, device_type: str) -> None:
+    def __init__(
+        self,
+        n: int,
+        chunk: int,
+        keep_chunks: int,
+        compute_dtype: torch.dtype,
+        device_type: str,
+    ) -> None:
         self.bounds = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
         # The last chunks are kept: forward computes the recomputed ones first (one transient buffer), backward
         # walks back and frees the kept ones before it recomputes, so the peak is max(kept, one chunk), not both.
         self.first_kept = max(len(self.bounds) - keep_chunks, 0)
-        self.compute_dtype = compute_dtype  # the head matmul's dtype (the autocast dtype under autocast)
-        self.out_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        # the head matmul's dtype (the autocast dtype under autocast)
+        self.compute_dtype = compute_dtype
+        self.out_dtype = (
+            torch.float64 if compute_dtype == torch.float64 else torch.float32
+        )
         self.device_type = device_type
 
     @classmethod
@@ -162,7 +224,8 @@ class _Plan:
         vocab = weight.shape[0]
         device_type = h.device.type
         compute = weight.dtype
-        if torch.is_autocast_enabled(device_type) and weight.dtype == torch.float32:  # what autocast would cast
+        # what autocast would cast
+        if torch.is_autocast_enabled(device_type) and weight.dtype == torch.float32:
             compute = torch.get_autocast_dtype(device_type)
         row_bytes = vocab * (8 if compute == torch.float64 else 4)
         chunk = max(1, chunk_bytes // row_bytes)
@@ -171,17 +234,22 @@ class _Plan:
         return cls(h.shape[0], chunk, keep_chunks, compute, device_type)
 
 
-def _cast(weight: Tensor, bias: Tensor | None, plan: _Plan) -> tuple[Tensor, Tensor | None]:
+def _cast(
+    weight: Tensor, bias: Tensor | None, plan: _Plan
+) -> tuple[Tensor, Tensor | None]:
     """The head's weight and bias in its compute dtype, once per pass (no copy without autocast)."""
     dt = plan.compute_dtype
     return weight.to(dt), None if bias is None else bias.to(dt)
 
 
-def _chunk_logits(h: Tensor, w_c: Tensor, b_c: Tensor | None, temperature: float, plan: _Plan) -> Tensor:
+def _chunk_logits(
+    h: Tensor, w_c: Tensor, b_c: Tensor | None, temperature: float, plan: _Plan
+) -> Tensor:
     """``(h @ W.T + b) / T`` as a fresh float32 (or float64) buffer; forward and backward share this exact code."""
     with torch.autocast(plan.device_type, enabled=False):
         logits = F.linear(h.to(plan.compute_dtype), w_c, b_c)  # [C, V]
-    logits = logits.to(plan.out_dtype)  # a copy for half types: the softmax runs in float32
+    # a copy for half types: the softmax runs in float32
+    logits = logits.to(plan.out_dtype)
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
@@ -193,11 +261,13 @@ def _chunk_forward(h, w_c, b_c, targets, temperature, plan, entropy: bool = Fals
     picked = logits.gather(1, targets[:, None])[:, 0]
     top = logits.amax(dim=-1, keepdim=True)  # [C, 1]
     shifted = logits.sub_(top)
-    dots = _exp_dots(shifted) if entropy else None  # before the exponential below overwrites x
+    # before the exponential below overwrites x
+    dots = _exp_dots(shifted) if entropy else None
     unnormalized = shifted.exp_()  # in place: the logits are not needed again
     total = unnormalized.sum(dim=-1)
     lse = top[:, 0] + total.log()
-    ent = None if dots is None else total.log() - dots / total  # H = log Z - sum(exp(x) x) / Z
+    # H = log Z - sum(exp(x) x) / Z
+    ent = None if dots is None else total.log() - dots / total
     return picked - lse, lse, unnormalized, total, ent
 
 
@@ -211,21 +281,31 @@ def _exp_dots(x: Tensor, block_bytes: int = 1 << 20) -> Tensor:
     # a slow bf16 batched dot), which cost a third of a bf16 update and rounded the entropy to bf16.
     with torch.autocast(x.device.type, enabled=False):
         for s in range(0, x.shape[0], rows):
-            xb = x[s:s + rows]
-            out[s:s + rows] = torch.bmm(xb.exp()[:, None, :], xb[:, :, None])[:, 0, 0]  # batched dot, no temporary
+            xb = x[s : s + rows]
+            # batched dot, no temporary
+            out[s : s + rows] = torch.bmm(xb.exp()[:, None, :], xb[:, :, None])[:, 0, 0]
     return out
 
 
-def _entropy_with_grad(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, plan: _Plan) -> Tensor:
+def _entropy_with_grad(
+    h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, plan: _Plan
+) -> Tensor:
     """``[N]`` entropy through autograd, per chunk under activation checkpointing: one chunk's logits alive at a time
     (forward keeps none, backward recomputes each). Costs a second head pass; only an entropy bonus asks for it."""
-    w_c, b_c = _cast(weight, bias, plan)  # differentiable casts (no copy without autocast)
-    parts = [checkpoint(_chunk_entropy, h[s:e], w_c, b_c, temperature, plan, use_reentrant=False)
-             for s, e in plan.bounds]
+    # differentiable casts (no copy without autocast)
+    w_c, b_c = _cast(weight, bias, plan)
+    parts = [
+        checkpoint(
+            _chunk_entropy, h[s:e], w_c, b_c, temperature, plan, use_reentrant=False
+        )
+        for s, e in plan.bounds
+    ]
     return torch.cat(parts) if parts else h.new_zeros(0, dtype=plan.out_dtype)
 
 
-def _chunk_entropy(h: Tensor, w_c: Tensor, b_c: Tensor | None, temperature: float, plan: _Plan) -> Tensor:
+def _chunk_entropy(
+    h: Tensor, w_c: Tensor, b_c: Tensor | None, temperature: float, plan: _Plan
+) -> Tensor:
     logp = _chunk_logits(h, w_c, b_c, temperature, plan).log_softmax(-1)  # [C, V]
     return -(logp.exp() * logp).sum(-1)
 
@@ -241,13 +321,17 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         ents = []
         w_c, b_c = _cast(weight, bias, plan)
         for i, (s, e) in enumerate(plan.bounds):
-            lp, lse, unnormalized, total, ent = _chunk_forward(h[s:e], w_c, b_c, targets[s:e], temperature, plan,
-                                                               entropy)
+            lp, lse, unnormalized, total, ent = _chunk_forward(
+                h[s:e], w_c, b_c, targets[s:e], temperature, plan, entropy
+            )
             out.append(lp)
             lses.append(lse)
             ents.append(ent)
-            kept.append((unnormalized, total) if i >= plan.first_kept else None)  # the rest: recomputed in backward
-        ctx.save_for_backward(h, weight, bias, targets, torch.cat(lses) if lses else h.new_zeros(0))
+            # the rest: recomputed in backward
+            kept.append((unnormalized, total) if i >= plan.first_kept else None)
+        ctx.save_for_backward(
+            h, weight, bias, targets, torch.cat(lses) if lses else h.new_zeros(0)
+        )
         ctx.temperature = temperature
         ctx.plan = plan
         ctx.kept = kept
@@ -255,7 +339,8 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         if not entropy:
             return lp
         ent = torch.cat(ents) if ents else h.new_zeros(0, dtype=plan.out_dtype)
-        ctx.mark_non_differentiable(ent)  # a logged figure; the bonus takes the autograd path (_entropy_with_grad)
+        # a logged figure; the bonus takes the autograd path (_entropy_with_grad)
+        ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
@@ -269,20 +354,35 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         w_c, b_c = _cast(weight, bias, plan)
         grad_h = torch.empty_like(h) if need_h else None
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-        for i in reversed(range(len(plan.bounds))):  # kept chunks first: each is freed before any recompute
+        grad_w = (
+            torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            if need_w
+            else None
+        )
+        grad_b = (
+            torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
+            if need_b
+            else None
+        )
+        # kept chunks first: each is freed before any recompute
+        for i in reversed(range(len(plan.bounds))):
             s, e = plan.bounds[i]
-            g = grad_out[s:e].to(plan.out_dtype) / temperature  # [C]: d logits_raw = (onehot - p) * g / T
-            if ctx.kept[i] is not None:  # softmax = exp(logits - max) / its row sum, kept from forward
+            # [C]: d logits_raw = (onehot - p) * g / T
+            g = grad_out[s:e].to(plan.out_dtype) / temperature
+            # softmax = exp(logits - max) / its row sum, kept from forward
+            if ctx.kept[i] is not None:
                 d, total = ctx.kept[i]
-                ctx.kept[i] = None  # consumed in place below; a second backward (retain_graph) recomputes it
+                # consumed in place below; a second backward (retain_graph) recomputes it
+                ctx.kept[i] = None
                 d.mul_((-g / total)[:, None])  # -p * g
             else:
                 d = _chunk_logits(h[s:e], w_c, b_c, temperature, plan)
-                d.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])  # -p * g, from the saved logsumexp
+                # -p * g, from the saved logsumexp
+                d.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])
             d.scatter_add_(1, targets[s:e, None], g[:, None])  # + onehot * g
-            _backward_matmuls(d, h[s:e], w_c, grad_h[s:e] if grad_h is not None else None, grad_w, dt)
+            _backward_matmuls(
+                d, h[s:e], w_c, grad_h[s:e] if grad_h is not None else None, grad_w, dt
+            )
             if grad_b is not None:
                 grad_b += d.sum(0).to(acc)
             del d  # before the next chunk allocates its own
@@ -291,8 +391,14 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
-def _backward_matmuls(d: Tensor, h: Tensor, w_c: Tensor, grad_h: Tensor | None, grad_w: Tensor | None,
-                      dt: torch.dtype) -> None:
+def _backward_matmuls(
+    d: Tensor,
+    h: Tensor,
+    w_c: Tensor,
+    grad_h: Tensor | None,
+    grad_w: Tensor | None,
+    dt: torch.dtype,
+) -> None:
     """``grad_h = d @ W`` ([C, H]) and ``grad_w += d.T @ h`` ([V, H]), into their buffers when the dtypes allow."""
     d_c = d.to(dt)  # the head's compute dtype (bf16 under autocast); a no-op otherwise
     if grad_h is not None:
@@ -302,14 +408,17 @@ def _backward_matmuls(d: Tensor, h: Tensor, w_c: Tensor, grad_h: Tensor | None, 
             grad_h.copy_(d_c @ w_c)
     if grad_w is not None:
         if grad_w.dtype == dt:
-            grad_w.addmm_(d_c.T, h.to(dt))  # accumulated in place: no [V, H] temporary per chunk
+            # accumulated in place: no [V, H] temporary per chunk
+            grad_w.addmm_(d_c.T, h.to(dt))
         else:
-            grad_w += (d_c.T @ h.to(dt)).to(grad_w.dtype)  # bf16 products, float32 accumulation
+            # bf16 products, float32 accumulation
+            grad_w += (d_c.T @ h.to(dt)).to(grad_w.dtype)
 
 
 def _plain_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
     if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # logsumexp in half precision loses the ratio's precision
+        # logsumexp in half precision loses the ratio's precision
+        logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
@@ -351,6 +460,9 @@ def _linear_head(model: nn.Module) -> nn.Module | None:
     if not isinstance(head, nn.Linear) or model.get_decoder() is None:
         return None
     config = getattr(model, "config", None)
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
-        return None  # the model changes its logits after the head: score through its own forward
+    if any(
+        getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS
+    ):
+        # the model changes its logits after the head: score through its own forward
+        return None
     return head

@@ -66,12 +66,16 @@ class LoraConfig:
         if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             p.append(f"dropout={self.dropout!r}: must be in [0, 1)")
         if not self.target_modules:
-            p.append(f"target_modules={self.target_modules!r}: name at least one module (or 'all-linear')")
+            p.append(
+                f"target_modules={self.target_modules!r}: name at least one module (or 'all-linear')"
+            )
         elif isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
             try:
                 re.compile(self.target_modules)
             except re.error as err:
-                p.append(f"target_modules={self.target_modules!r}: not a valid regex ({err}); give a list of names")
+                p.append(
+                    f"target_modules={self.target_modules!r}: not a valid regex ({err}); give a list of names"
+                )
         if self.sync not in ("adapter", "merge"):
             p.append(f"sync={self.sync!r}: must be 'adapter' or 'merge'")
         return p
@@ -94,10 +98,20 @@ def to_peft(cfg: LoraConfig):
     """The equivalent ``peft.LoraConfig``."""
     import peft
 
-    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
-    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                           modules_to_save=list(cfg.modules_to_save) if cfg.modules_to_save else None,
-                           bias="none", task_type="CAUSAL_LM")
+    targets = (
+        cfg.target_modules
+        if isinstance(cfg.target_modules, str)
+        else list(cfg.target_modules)
+    )
+    return peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        modules_to_save=list(cfg.modules_to_save) if cfg.modules_to_save else None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
@@ -110,14 +124,18 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
 
     check_targets(model, cfg)
     device = getattr(model, "device", torch.device("cpu"))
-    devices = [device.index or 0] if device.type == "cuda" else []  # fork only the RNG the init may draw from
+    # fork only the RNG the init may draw from
+    devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         wrapped = peft.get_peft_model(model, to_peft(cfg), adapter_name=ADAPTER_NAME)
-    if not isinstance(cfg.target_modules, str):  # peft matched some entry; check_targets made sure all did
+    # peft matched some entry; check_targets made sure all did
+    if not isinstance(cfg.target_modules, str):
         return wrapped
     if not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in wrapped.modules()):
-        raise ValueError(f"policy.lora.target_modules={cfg.target_modules!r} wrapped no module")
+        raise ValueError(
+            f"policy.lora.target_modules={cfg.target_modules!r} wrapped no module"
+        )
     return wrapped
 
 
@@ -128,10 +146,18 @@ def check_targets(model: nn.Module, cfg: LoraConfig) -> None:
     targets = cfg.target_modules
     if isinstance(targets, str) and targets != ALL_LINEAR:
         if not any(re.fullmatch(targets, n) for n in names):
-            problems.append(f"target_modules={targets!r} (a regex, matched against full module names)")
+            problems.append(
+                f"target_modules={targets!r} (a regex, matched against full module names)"
+            )
     elif not isinstance(targets, str):
-        problems += [f"target_modules entry {t!r}" for t in targets if not _matches(t, names)]
-    problems += [f"modules_to_save entry {m!r}" for m in cfg.modules_to_save or [] if not _matches(m, names)]
+        problems += [
+            f"target_modules entry {t!r}" for t in targets if not _matches(t, names)
+        ]
+    problems += [
+        f"modules_to_save entry {m!r}"
+        for m in cfg.modules_to_save or []
+        if not _matches(m, names)
+    ]
     tied = _tied_embedding_names(model)
     for entry in cfg.modules_to_save or []:
         if any(n == entry or n.endswith("." + entry) for n in tied):
@@ -166,7 +192,13 @@ def adaptable_names(model: nn.Module) -> list[str]:
     from transformers.pytorch_utils import Conv1D
 
     kinds = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, Conv1D)
-    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, kinds)})
+    return sorted(
+        {
+            n.rsplit(".", 1)[-1]
+            for n, m in model.named_modules()
+            if n and isinstance(m, kinds)
+        }
+    )
 
 
 def check_strategy(cfg: LoraConfig | None, strategy) -> None:
@@ -174,14 +206,20 @@ def check_strategy(cfg: LoraConfig | None, strategy) -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     if cfg is not None and isinstance(strategy, ModelParallelStrategy):
-        raise ValueError("policy.lora under ModelParallelStrategy (FSDP2) is not supported yet: adapter sync and "
-                         "adapter checkpoints read whole tensors. Use DDP (--trainer.strategy=ddp): the frozen "
-                         "base needs no optimizer state, so LoRA usually fits without sharding")
+        raise ValueError(
+            "policy.lora under ModelParallelStrategy (FSDP2) is not supported yet: adapter sync and "
+            "adapter checkpoints read whole tensors. Use DDP (--trainer.strategy=ddp): the frozen "
+            "base needs no optimizer state, so LoRA usually fits without sharding"
+        )
 
 
 def is_lora(model: nn.Module | None) -> bool:
     """The policy carries a peft adapter."""
-    return model is not None and hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+    return (
+        model is not None
+        and hasattr(model, "peft_config")
+        and hasattr(model, "disable_adapter")
+    )
 
 
 @contextlib.contextmanager
@@ -194,11 +232,15 @@ def reference_mode(model: nn.Module) -> Iterator[None]:
 def fingerprint(model: nn.Module) -> BaseFingerprint:
     """Of every state-dict tensor that does not train (the base, tied aliases and buffers included); computed once,
     when the policy is built."""
-    frozen = {n: t for n, t in model.state_dict(keep_vars=True).items() if not t.requires_grad}
+    frozen = {
+        n: t for n, t in model.state_dict(keep_vars=True).items() if not t.requires_grad
+    }
     unique = list({id(t): t for t in frozen.values()}.values())
     with torch.no_grad():
         checksum = sum(float(t.detach().double().sum()) for t in unique)
-    return BaseFingerprint(len(unique), sum(t.numel() for t in unique), checksum, sorted(frozen))
+    return BaseFingerprint(
+        len(unique), sum(t.numel() for t in unique), checksum, sorted(frozen)
+    )
 
 
 # -- views of the weights ----------------------------------------------------------------------------------------------
@@ -213,15 +255,24 @@ def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
 def adapter_config_json(model: nn.Module) -> str:
     """``adapter_config.json`` of the policy's adapter (what ``PeftModel.from_pretrained`` reads)."""
     cfg = model.peft_config[ADAPTER_NAME].to_dict()
-    return json.dumps(cfg, indent=2, sort_keys=True, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
+    return json.dumps(
+        cfg,
+        indent=2,
+        sort_keys=True,
+        default=lambda v: sorted(v) if isinstance(v, set) else str(v),
+    )
 
 
 def save_adapter(model: nn.Module, folder: str | os.PathLike) -> Path:
     """Write the adapter in peft's format into ``folder`` (replaced whole: written beside it, then renamed)."""
-    return write_adapter_folder(adapter_state_dict(model), adapter_config_json(model), folder)
+    return write_adapter_folder(
+        adapter_state_dict(model), adapter_config_json(model), folder
+    )
 
 
-def write_adapter_folder(state: dict[str, Tensor], config_json: str, folder: str | os.PathLike) -> Path:
+def write_adapter_folder(
+    state: dict[str, Tensor], config_json: str, folder: str | os.PathLike
+) -> Path:
     """``adapter_model.safetensors`` + ``adapter_config.json`` into ``folder``, atomically (temp folder + rename)."""
     from safetensors.torch import save_file
 
@@ -240,12 +291,24 @@ def write_adapter_folder(state: dict[str, Tensor], config_json: str, folder: str
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """Trainable and total parameter counts."""
     params = list(model.parameters())
-    return {"trainable": sum(p.numel() for p in params if p.requires_grad), "total": sum(p.numel() for p in params)}
+    return {
+        "trainable": sum(p.numel() for p in params if p.requires_grad),
+        "total": sum(p.numel() for p in params),
+    }
 
 
 def adapter_names(model: nn.Module) -> dict[str, str]:
     """Parameter name -> its key in peft's ``adapter_model.safetensors`` (matched by storage: no name rules)."""
     from peft import get_peft_model_state_dict
 
-    saved = {t.data_ptr(): key for key, t in get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME).items()}
-    return {n: saved[p.data_ptr()] for n, p in model.named_parameters() if p.data_ptr() in saved}
+    saved = {
+        t.data_ptr(): key
+        for key, t in get_peft_model_state_dict(
+            model, adapter_name=ADAPTER_NAME
+        ).items()
+    }
+    return {
+        n: saved[p.data_ptr()]
+        for n, p in model.named_parameters()
+        if p.data_ptr() in saved
+    }

@@ -27,7 +27,9 @@ from lightning_grpo.timing import AHEAD, PHASES, PREFIX, UPDATE
 from lightning_grpo.update.loop import LoopResult
 
 
-def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None) -> dict[str, float]:
+def roll_up(
+    result: LoopResult, prefix: str = "grpo", stats: type | None = None
+) -> dict[str, float]:
     """Metrics of one collected batch from the chunks that stepped and each window's outcome (always every name).
 
     Each chunk's figures roll up as its stats class says (``REDUCE``: field -> metric name and ``sum``, ``max``
@@ -38,20 +40,28 @@ def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None)
     """
     stats = type(result.chunks[0]) if result.chunks else stats
     table_names = getattr(stats, "REDUCE", {}).values()
-    out: dict[str, float] = {metric: 0.0 if how == "sum" else math.nan for metric, how in table_names}
-    out |= {f"{prefix}/{name}": math.nan for name in ("grad_norm", "grad_norm_max", "lr", "lr_max")}
+    out: dict[str, float] = {
+        metric: 0.0 if how == "sum" else math.nan for metric, how in table_names
+    }
+    out |= {
+        f"{prefix}/{name}": math.nan
+        for name in ("grad_norm", "grad_norm_max", "lr", "lr_max")
+    }
     if result.chunks:
         reduce = type(result.chunks[0]).REDUCE
         names = tuple(reduce)
         # [K, F] on the host in one transfer (one CPU-GPU sync per collected batch).
-        table = torch.stack([torch.stack([_stat(c, f) for f in names]) for c in result.chunks])
+        table = torch.stack(
+            [torch.stack([_stat(c, f) for f in names]) for c in result.chunks]
+        )
         col = dict(zip(names, table.unbind(-1)))
         for name, (metric, how) in reduce.items():
             if how == "sum":
                 out[metric] = float(col[name].sum())
             elif how == "max":
                 out[metric] = float(col[name].max())
-            else:  # a mean weighted by another field: telescopes to the unchunked batch's figure
+            # a mean weighted by another field: telescopes to the unchunked batch's figure
+            else:
                 out[metric] = _ratio((col[name] * col[how]).sum(), col[how].sum())
         out.update(_per_epoch(result, col))
     stepped = [s for s in result.steps if not s.skipped]
@@ -71,19 +81,27 @@ def roll_up(result: LoopResult, prefix: str = "grpo", stats: type | None = None)
 
 def _stat(chunk, name: str) -> torch.Tensor:
     value = getattr(chunk, name)
-    return torch.zeros((), dtype=torch.float64) if value is None else value.double().cpu()
+    return (
+        torch.zeros((), dtype=torch.float64) if value is None else value.double().cpu()
+    )
 
 
 def _per_epoch(result: LoopResult, col: dict[str, torch.Tensor]) -> dict[str, float]:
     """At ``mu_iterations > 1``: clip fraction and KL to pi_old of each inner epoch (token-weighted), 1-based."""
     epochs = torch.tensor(result.chunk_epochs, dtype=torch.long)
-    if not {"tokens", "clip_frac", "kl_old"} <= col.keys() or not len(epochs) or int(epochs.max()) == 0:
+    if (
+        not {"tokens", "clip_frac", "kl_old"} <= col.keys()
+        or not len(epochs)
+        or int(epochs.max()) == 0
+    ):
         return {}
     out = {}
     for e in range(int(epochs.max()) + 1):
         tokens = col["tokens"][epochs == e]
         for name in ("clip_frac", "kl_old"):
-            out[f"grpo/epoch{e + 1}/{name}"] = _ratio((col[name][epochs == e] * tokens).sum(), tokens.sum())
+            out[f"grpo/epoch{e + 1}/{name}"] = _ratio(
+                (col[name][epochs == e] * tokens).sum(), tokens.sum()
+            )
     return out
 
 
@@ -91,11 +109,16 @@ def plan_metrics(plan) -> dict[str, float]:
     """How the last collected batch was cut (this rank, one epoch): real chunks, DP fillers, rows over the budget."""
     if plan is None:
         return {}
-    return {"grpo/chunks": float(plan.real_chunks), "grpo/empty_chunks": float(plan.empty_chunks),
-            "grpo/oversized_rows": float(plan.oversized)}
+    return {
+        "grpo/chunks": float(plan.real_chunks),
+        "grpo/empty_chunks": float(plan.empty_chunks),
+        "grpo/oversized_rows": float(plan.oversized),
+    }
 
 
-def update_metrics(result: LoopResult, plan, stats: type | None = None) -> dict[str, float]:
+def update_metrics(
+    result: LoopResult, plan, stats: type | None = None
+) -> dict[str, float]:
     """One update's roll-up and how its batch was cut."""
     return {**roll_up(result, stats=stats), **plan_metrics(plan)}
 
@@ -109,8 +132,14 @@ def time_metrics(columns: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def loop_step_row(metrics: dict[str, float], counters: dict[str, float], timer_columns: dict[str, float],
-                  all_reduce: AllReduce, world_size: int, rows: int) -> dict[str, float]:
+def loop_step_row(
+    metrics: dict[str, float],
+    counters: dict[str, float],
+    timer_columns: dict[str, float],
+    all_reduce: AllReduce,
+    world_size: int,
+    rows: int,
+) -> dict[str, float]:
     """One loop step's row for the whole job, GRPO's and DPO's alike: ``metrics`` (the roll-up and what the module
     adds), the ``counters`` (``step``, ``loop_step``, ``global_step``) and the step timer's ``time/*`` columns, one
     figure per metric (``job_metrics``; ``rows``: trajectories or pairs per rank)."""
@@ -118,7 +147,9 @@ def loop_step_row(metrics: dict[str, float], counters: dict[str, float], timer_c
     return job_metrics(row, all_reduce, world_size, rows)
 
 
-def job_metrics(metrics: dict[str, float], all_reduce: AllReduce, world_size: int, rows: int) -> dict[str, float]:
+def job_metrics(
+    metrics: dict[str, float], all_reduce: AllReduce, world_size: int, rows: int
+) -> dict[str, float]:
     """One figure per metric for the whole job (``combine_ranks`` when several ranks; reductions:
     docs/distributed.md), and the ratios of its means (``correction/ess``, ``*_ppl``)."""
     if world_size > 1:
@@ -126,7 +157,9 @@ def job_metrics(metrics: dict[str, float], all_reduce: AllReduce, world_size: in
     return metrics | derived_metrics(metrics)
 
 
-def length_metrics(lengths: torch.Tensor, finish_reasons: list[str]) -> dict[str, float]:
+def length_metrics(
+    lengths: torch.Tensor, finish_reasons: list[str]
+) -> dict[str, float]:
     """Length figures of this rank's completions (TRL's ``completions/*``): ``lengths`` ``[B]`` completion tokens,
     ``finish_reasons`` ``"stop"`` (EOS or a stop string) or ``"length"`` (cut at ``rollout.max_new_tokens``).
 
@@ -134,15 +167,20 @@ def length_metrics(lengths: torch.Tensor, finish_reasons: list[str]) -> dict[str
     """
     stopped = torch.tensor([r == "stop" for r in finish_reasons], dtype=torch.bool)
     lengths = lengths.double()
-    return {"completion/len_mean": float(lengths.mean()), "completion/len_min": float(lengths.min()),
-            "completion/len_max": float(lengths.max()), "completion/stop_frac": float(stopped.double().mean()),
-            "completion/clipped_frac": float((~stopped).double().mean()),
-            "completion/terminated_len_mean": float(lengths[stopped].mean()) if stopped.any() else math.nan}
+    return {
+        "completion/len_mean": float(lengths.mean()),
+        "completion/len_min": float(lengths.min()),
+        "completion/len_max": float(lengths.max()),
+        "completion/stop_frac": float(stopped.double().mean()),
+        "completion/clipped_frac": float((~stopped).double().mean()),
+        "completion/terminated_len_mean": float(lengths[stopped].mean())
+        if stopped.any()
+        else math.nan,
+    }
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
     return float(num / den) if float(den) > 0 else 0.0
-
 
 
 # -- across data-parallel ranks ------------------------------------------------------------------------------------
@@ -150,29 +188,87 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
 # Unlisted names (reward/<name>, rates, shares) are means over ranks, exact because every rank holds the same
 # number of trajectories and groups. grpo/loss is one of them: rank r reports S_r / N_bar (its loss sum over the
 # DP-mean divisor N_bar), so the mean over ranks is sum(S_r) / sum(N_r), the whole batch's token mean.
-RANK_SUM = frozenset({"grpo/tokens", "correction/tokens", "grpo/n", "grpo/seqs", "grpo/chunks", "grpo/empty_chunks",
-                      "grpo/oversized_rows", "dpo/pairs", "data/dynamic_groups_dropped", "data/dynamic_prompts_drawn",
-                      "data/dynamic_batch_short", "completion/truncated_masked"})
+RANK_SUM = frozenset(
+    {
+        "grpo/tokens",
+        "correction/tokens",
+        "grpo/n",
+        "grpo/seqs",
+        "grpo/chunks",
+        "grpo/empty_chunks",
+        "grpo/oversized_rows",
+        "dpo/pairs",
+        "data/dynamic_groups_dropped",
+        "data/dynamic_prompts_drawn",
+        "data/dynamic_batch_short",
+        "completion/truncated_masked",
+    }
+)
 """Counts of this rank's share: summed, they count the whole collected batch."""
-RANK_TOKEN_WEIGHTED = frozenset({"grpo/clip_frac", "grpo/clip_frac_low", "grpo/clip_frac_high", "grpo/ratio_mean",
-                                 "grpo/kl", "grpo/kl_old", "grpo/entropy", "opd/kl", "opd/teacher_logprob"})
+RANK_TOKEN_WEIGHTED = frozenset(
+    {
+        "grpo/clip_frac",
+        "grpo/clip_frac_low",
+        "grpo/clip_frac_high",
+        "grpo/ratio_mean",
+        "grpo/kl",
+        "grpo/kl_old",
+        "grpo/entropy",
+        "opd/kl",
+        "opd/teacher_logprob",
+    }
+)
 """Per-token figures of this rank's tokens: weighted by ``grpo/tokens`` (ranks hold unequal token counts)."""
-RANK_SAMPLED_WEIGHTED = frozenset({f"correction/{name}" for name in (
-    "is_weight_mean", "is_weight_sq_mean", "outside_frac", "logprob_gap_mean", "token_mult_prob_error",
-    "trainer_logprob_mean", "rollout_logprob_mean")})
+RANK_SAMPLED_WEIGHTED = frozenset(
+    {
+        f"correction/{name}"
+        for name in (
+            "is_weight_mean",
+            "is_weight_sq_mean",
+            "outside_frac",
+            "logprob_gap_mean",
+            "token_mult_prob_error",
+            "trainer_logprob_mean",
+            "rollout_logprob_mean",
+        )
+    }
+)
 """Rollout-correction means over this rank's sampled tokens (rejected ones too): weighted by ``correction/tokens``."""
-RANK_MAX = frozenset({"grpo/ratio_max", "correction/is_weight_max", "reward/max", "completion/len_max",
-                      "rollout/staleness_worst", "rollout/version_span", "mismatch/kl_max",
-                      "mismatch/logprob_diff_max", "mismatch/seconds",
-                      *(PREFIX + phase for phase in PHASES)})
+RANK_MAX = frozenset(
+    {
+        "grpo/ratio_max",
+        "correction/is_weight_max",
+        "reward/max",
+        "completion/len_max",
+        "rollout/staleness_worst",
+        "rollout/version_span",
+        "mismatch/kl_max",
+        "mismatch/logprob_diff_max",
+        "mismatch/seconds",
+        *(PREFIX + phase for phase in PHASES),
+    }
+)
 RANK_MIN = frozenset({"reward/min", "completion/len_min"})
 RANK_WEIGHTED = {"completion/terminated_len_mean": "completion/stop_frac"}
 """Means over a subset of each rank's rows, weighted by the subset's share (ranks hold equal row counts)."""
-RANK_SAME = frozenset({"step", "loop_step", "global_step", "data/dynamic_refill_rounds"} | {
-    f"{prefix}/{name}" for prefix in ("grpo", "dpo") for name in (
-        "denom", "grad_norm", "grad_norm_max", "lr", "lr_max", "optimizer_steps", "skipped_windows",
-        "consecutive_skips", "discarded_chunks")
-})
+RANK_SAME = frozenset(
+    {"step", "loop_step", "global_step", "data/dynamic_refill_rounds"}
+    | {
+        f"{prefix}/{name}"
+        for prefix in ("grpo", "dpo")
+        for name in (
+            "denom",
+            "grad_norm",
+            "grad_norm_max",
+            "lr",
+            "lr_max",
+            "optimizer_steps",
+            "skipped_windows",
+            "consecutive_skips",
+            "discarded_chunks",
+        )
+    }
+)
 """Equal on every rank by construction (the divisor is already a DP mean, the norm is taken after the gradient
 sync, skip decisions are collective); reduced with max, so a disagreement could only show the worse value."""
 RANK_POOLED_STD = frozenset({"reward/std"})
@@ -186,17 +282,26 @@ def rank_reduction(name: str) -> str:
     """How metric ``name`` combines over ranks: sum, token, sampled, weighted, max, min, same, std or mean."""
     if name in RANK_WEIGHTED:
         return "weighted"
-    if name.startswith("grpo/epoch"):  # per inner epoch: each epoch trains the same rows, so the rank's tokens weigh
+    # per inner epoch: each epoch trains the same rows, so the rank's tokens weigh
+    if name.startswith("grpo/epoch"):
         return "token"
-    for kind, names in (("sum", RANK_SUM), ("token", RANK_TOKEN_WEIGHTED), ("sampled", RANK_SAMPLED_WEIGHTED),
-                        ("max", RANK_MAX), ("min", RANK_MIN),
-                        ("same", RANK_SAME), ("std", RANK_POOLED_STD)):
+    for kind, names in (
+        ("sum", RANK_SUM),
+        ("token", RANK_TOKEN_WEIGHTED),
+        ("sampled", RANK_SAMPLED_WEIGHTED),
+        ("max", RANK_MAX),
+        ("min", RANK_MIN),
+        ("same", RANK_SAME),
+        ("std", RANK_POOLED_STD),
+    ):
         if name in names:
             return kind
     return "mean"
 
 
-def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: int, rows: int) -> dict[str, float]:
+def combine_ranks(
+    metrics: dict[str, float], all_reduce: AllReduce, world_size: int, rows: int
+) -> dict[str, float]:
     """One figure per metric for the whole job from this rank's figures; every rank returns the same dict.
 
     Three small all-reduces per loop step (a check that every rank has the same names, then one float64
@@ -211,34 +316,52 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
     names = sorted(metrics)
     key = float(zlib.crc32("\n".join(names).encode()))
     check = all_reduce(torch.tensor([key, -key], dtype=torch.float64), "max")
-    if float(check[0]) != -float(check[1]):  # max == min: every rank logged the same names
-        raise RuntimeError(f"combine_ranks: data-parallel ranks logged different metric names; this rank: {names}")
+    # max == min: every rank logged the same names
+    if float(check[0]) != -float(check[1]):
+        raise RuntimeError(
+            f"combine_ranks: data-parallel ranks logged different metric names; this rank: {names}"
+        )
     kind = {n: rank_reduction(n) for n in names}
-    if "correction/tokens" in kind and "grpo/entropy" in kind:  # over every completion token, rejected ones too
+    # over every completion token, rejected ones too
+    if "correction/tokens" in kind and "grpo/entropy" in kind:
         kind["grpo/entropy"] = "sampled"
-    weight = {"token": "grpo/tokens", "sampled": "correction/tokens"}  # the count each weighted mean is over
-    summed = [n for n in names if kind[n] in ("sum", "token", "sampled", "weighted", "std", "mean")]
+    # the count each weighted mean is over
+    weight = {"token": "grpo/tokens", "sampled": "correction/tokens"}
+    summed = [
+        n
+        for n in names
+        if kind[n] in ("sum", "token", "sampled", "weighted", "std", "mean")
+    ]
     maxed = [n for n in names if kind[n] in ("max", "min", "same")]
     local = {n: metrics[n] for n in names}
     for n in names:
         if kind[n] in weight:
-            local[n] = metrics[n] * metrics.get(weight[kind[n]], 0.0)  # this rank's sum over its tokens
+            # this rank's sum over its tokens
+            local[n] = metrics[n] * metrics.get(weight[kind[n]], 0.0)
         elif kind[n] == "std":  # this rank's sum of squared rewards
-            local[n] = (rows - 1) * metrics[n] ** 2 + rows * metrics.get("reward/mean", 0.0) ** 2
+            local[n] = (rows - 1) * metrics[n] ** 2 + rows * metrics.get(
+                "reward/mean", 0.0
+            ) ** 2
         elif kind[n] == "min":
             local[n] = -metrics[n]
-        elif kind[n] == "weighted":  # a rank with none of the subset (NaN mean) adds nothing
+        # a rank with none of the subset (NaN mean) adds nothing
+        elif kind[n] == "weighted":
             share = metrics.get(RANK_WEIGHTED[n], 0.0)
             local[n] = metrics[n] * share if share > 0 else 0.0
     out = dict(zip(summed, _reduced(all_reduce, [local[n] for n in summed], "sum")))
     out.update(zip(maxed, _reduced(all_reduce, [local[n] for n in maxed], "max")))
-    shares = {n: out.get(RANK_WEIGHTED[n], 0.0) for n in names if kind[n] == "weighted"}  # summed, before the means
+    # summed, before the means
+    shares = {n: out.get(RANK_WEIGHTED[n], 0.0) for n in names if kind[n] == "weighted"}
     for n in names:
         if kind[n] == "mean":
             out[n] /= world_size
         elif kind[n] in weight:
             all_tokens = out.get(weight[kind[n]], 0.0)
-            out[n] = out[n] / all_tokens if all_tokens > 0 else (math.nan if math.isnan(out[n]) else 0.0)
+            out[n] = (
+                out[n] / all_tokens
+                if all_tokens > 0
+                else (math.nan if math.isnan(out[n]) else 0.0)
+            )
         elif kind[n] == "min":
             out[n] = -out[n]
         elif kind[n] == "weighted":
@@ -246,9 +369,17 @@ def combine_ranks(metrics: dict[str, float], all_reduce: AllReduce, world_size: 
     for n in (n for n in names if kind[n] == "std"):
         count = rows * world_size
         mean = out.get("reward/mean", 0.0)
-        out[n] = math.sqrt(max(out[n] - count * mean * mean, 0.0) / (count - 1)) if count > 1 else 0.0
+        out[n] = (
+            math.sqrt(max(out[n] - count * mean * mean, 0.0) / (count - 1))
+            if count > 1
+            else 0.0
+        )
     return out
 
 
 def _reduced(all_reduce: AllReduce, values: list[float], op: str) -> list[float]:
-    return all_reduce(torch.tensor(values, dtype=torch.float64), op).tolist() if values else []
+    return (
+        all_reduce(torch.tensor(values, dtype=torch.float64), op).tolist()
+        if values
+        else []
+    )

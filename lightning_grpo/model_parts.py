@@ -42,7 +42,9 @@ class Trainable:
         return self.lora_base is not None
 
 
-def trainable(model: nn.Module, lora_cfg: lora.LoraConfig | None, seed: int) -> Trainable:
+def trainable(
+    model: nn.Module, lora_cfg: lora.LoraConfig | None, seed: int
+) -> Trainable:
     """``model`` ready to train: under ``lora_cfg`` peft freezes the base, and only the adapter trains."""
     if lora_cfg is None:
         return Trainable(model.train(), None)
@@ -63,9 +65,16 @@ class ScoringParts:
     """Per-chunk logprobs of the policy and of the reference."""
 
 
-def scoring_parts(policy: nn.Module, tokenizer, vision: VisionProcessor | None, objective: Objective,
-                  rl: GRPOConfig, temperature: float, has_adapter: bool,
-                  dp_mean: Callable[[Tensor], Tensor]) -> ScoringParts:
+def scoring_parts(
+    policy: nn.Module,
+    tokenizer,
+    vision: VisionProcessor | None,
+    objective: Objective,
+    rl: GRPOConfig,
+    temperature: float,
+    has_adapter: bool,
+    dp_mean: Callable[[Tensor], Tensor],
+) -> ScoringParts:
     """The reference, the objective's models, routing replay and the scorer of a trainable ``policy``.
 
     Args:
@@ -88,10 +97,19 @@ def scoring_parts(policy: nn.Module, tokenizer, vision: VisionProcessor | None, 
     return ScoringParts(ref, routing, scorer)
 
 
-def build_updater(policy: nn.Module, forward_chunk: ForwardChunk, scorer: ChunkScorer,
-                  routing: RoutingReplay | None, objective: Objective, rl: GRPOConfig, *,
-                  recorders: list[Recorder], dp_sum: Callable[[Tensor], Tensor], seed: int,
-                  timer: StepTimer) -> Updater:
+def build_updater(
+    policy: nn.Module,
+    forward_chunk: ForwardChunk,
+    scorer: ChunkScorer,
+    routing: RoutingReplay | None,
+    objective: Objective,
+    rl: GRPOConfig,
+    *,
+    recorders: list[Recorder],
+    dp_sum: Callable[[Tensor], Tensor],
+    seed: int,
+    timer: StepTimer,
+) -> Updater:
     """The update of one collected batch: split by ``rl``, ``forward_chunk`` on each chunk, the ahead pass (frozen
     pi_old from ``scorer``, the one-shot probe, MoE routes, ``recorders``) when ``plan.batch_needs`` asks for it.
 
@@ -99,15 +117,21 @@ def build_updater(policy: nn.Module, forward_chunk: ForwardChunk, scorer: ChunkS
     split and reductions replace it when the optimizer joins (``Updater.attach``), once the strategy is known.
     """
     split = Split.of(rl, 1, scorer.packed)
-    hooks = [routing] if routing is not None else []  # per-chunk hooks (update/records.py)
-    ahead = AheadPass(policy, scorer.pi_old, dp_sum=dp_sum, hooks=hooks, recorders=recorders)
+    # per-chunk hooks (update/records.py)
+    hooks = [routing] if routing is not None else []
+    ahead = AheadPass(
+        policy, scorer.pi_old, dp_sum=dp_sum, hooks=hooks, recorders=recorders
+    )
     needs = batch_needs(rl, objective, hooks, bool(recorders))
-    return Updater(policy, forward_chunk,
-                   split=split,
-                   needs=needs,
-                   ahead=ahead,
-                   hooks=hooks,
-                   seed=seed,
-                   max_grad_norm=rl.max_grad_norm,
-                   max_consecutive_skips=rl.max_consecutive_skips,
-                   timer=timer)
+    return Updater(
+        policy,
+        forward_chunk,
+        split=split,
+        needs=needs,
+        ahead=ahead,
+        hooks=hooks,
+        seed=seed,
+        max_grad_norm=rl.max_grad_norm,
+        max_consecutive_skips=rl.max_consecutive_skips,
+        timer=timer,
+    )

@@ -80,15 +80,23 @@ class HostOffload:
 
     kind = "host"
 
-    def __init__(self, modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                 device: torch.device | str, host: torch.device | str = "cpu", pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        device: torch.device | str,
+        host: torch.device | str = "cpu",
+        pin_memory: bool | None = None,
+    ) -> None:
         self.modules = list(modules)
         self.optimizers = list(optimizers)
         self.device = torch.device(device)
         self.host = torch.device(host)
         self.pin_memory = pinning_available() if pin_memory is None else pin_memory
         if self.pin_memory and not pinning_available():
-            raise ValueError(f"HostOffload(pin_memory=True): this torch build ({torch.__version__}) cannot pin memory")
+            raise ValueError(
+                f"HostOffload(pin_memory=True): this torch build ({torch.__version__}) cannot pin memory"
+            )
         self.resident = True
 
     def offload(self) -> int:
@@ -118,7 +126,8 @@ class HostOffload:
         return out
 
     def _move(self, fn: Callable[[Tensor], Tensor]) -> int:
-        done: set[int] = set()  # tied parameters are visited once per owner module: move each storage once
+        # tied parameters are visited once per owner module: move each storage once
+        done: set[int] = set()
         moved = 0
 
         def once(t: Tensor) -> Tensor:
@@ -127,16 +136,20 @@ class HostOffload:
                 return t
             out = fn(t)
             done.add(out.data_ptr())
-            if out is not t:  # on a CPU trainer, the way back is the identity: nothing moved
+            # on a CPU trainer, the way back is the identity: nothing moved
+            if out is not t:
                 moved += t.numel() * t.element_size()
             return out
 
         for module in self.modules:
-            module._apply(once)  # Module.to's own path: param.data swapped in place, grads and buffers included
+            # Module.to's own path: param.data swapped in place, grads and buffers included
+            module._apply(once)
         for optimizer in self.optimizers:
             for state in optimizer.state.values():
                 for key, value in state.items():
-                    if isinstance(value, Tensor) and not _is_host_scalar_step(key, value, self.device):
+                    if isinstance(value, Tensor) and not _is_host_scalar_step(
+                        key, value, self.device
+                    ):
                         state[key] = once(value)
         return moved
 
@@ -155,8 +168,12 @@ class TorchMemorySaverOffload:
 
     kind = "torch_memory_saver"
 
-    def __init__(self, modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                 device: torch.device | str) -> None:
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        device: torch.device | str,
+    ) -> None:
         from torch_memory_saver import torch_memory_saver
 
         self._tms = torch_memory_saver
@@ -171,7 +188,8 @@ class TorchMemorySaverOffload:
             moved = self._host.offload()
         else:
             for module in self._host.modules:
-                module.zero_grad(set_to_none=True)  # outside the region (autograd threads); stale after the step
+                # outside the region (autograd threads); stale after the step
+                module.zero_grad(set_to_none=True)
             _synchronize(self._host.device)
             self._tms.pause(TMS_TAG)
             moved = self._bytes()
@@ -194,10 +212,18 @@ class TorchMemorySaverOffload:
         return moved
 
     def _bytes(self) -> int:
-        n = sum(t.numel() * t.element_size() for m in self._host.modules for t in m.parameters())
+        n = sum(
+            t.numel() * t.element_size()
+            for m in self._host.modules
+            for t in m.parameters()
+        )
         for opt in self._host.optimizers:
-            n += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                     if isinstance(v, Tensor))
+            n += sum(
+                v.numel() * v.element_size()
+                for s in opt.state.values()
+                for v in s.values()
+                if isinstance(v, Tensor)
+            )
         return n
 
 
@@ -216,11 +242,15 @@ def memory_saver_usable() -> tuple[bool, str]:
     try:
         import torch_memory_saver
     except ImportError:
-        return False, "torch_memory_saver is not installed (pip install torch_memory_saver)"
+        return (
+            False,
+            "torch_memory_saver is not installed (pip install torch_memory_saver)",
+        )
     tms = torch_memory_saver.torch_memory_saver
     try:
         if "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
-            tms.hook_mode = "torch"  # in-process pluggable allocator; 'preload' needs LD_PRELOAD at launch
+            # in-process pluggable allocator; 'preload' needs LD_PRELOAD at launch
+            tms.hook_mode = "torch"
     except (AssertionError, AttributeError):
         pass  # already initialized (by us or by the engine): keep its mode
     probe_tag = TMS_TAG + ".probe"
@@ -234,19 +264,31 @@ def memory_saver_usable() -> tuple[bool, str]:
         tms.resume(probe_tag)
         intact = bool((x == 7.0).all())
         del x
-    except Exception as err:  # noqa: BLE001 - a broken install or driver mismatch: fall back, say why
+    # noqa: BLE001 - a broken install or driver mismatch: fall back, say why
+    except Exception as err:
         return False, f"torch_memory_saver failed its probe: {err!r}"
     if freed < (32 << 20) or not intact:
-        return False, f"torch_memory_saver probe freed {freed} bytes of 64 MiB (intact={intact})"
+        return (
+            False,
+            f"torch_memory_saver probe freed {freed} bytes of 64 MiB (intact={intact})",
+        )
     return True, ""
 
 
-def select_offload(backend: OffloadBackend, modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                   device: torch.device, tms_ok: bool, why_not: str = "") -> TrainerOffload:
+def select_offload(
+    backend: OffloadBackend,
+    modules: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    device: torch.device,
+    tms_ok: bool,
+    why_not: str = "",
+) -> TrainerOffload:
     """The backend ``backend`` names. auto: torch_memory_saver if usable, else host copies; nothing on CPU."""
     if backend == "torch_memory_saver":
         if not tms_ok:
-            raise ValueError(f"HandoffCallback(offload_backend='torch_memory_saver'): not usable here: {why_not}")
+            raise ValueError(
+                f"HandoffCallback(offload_backend='torch_memory_saver'): not usable here: {why_not}"
+            )
         return TorchMemorySaverOffload(modules, optimizers, device)
     if backend == "host":
         return HostOffload(modules, optimizers, device)
@@ -254,21 +296,29 @@ def select_offload(backend: OffloadBackend, modules: Sequence[nn.Module], optimi
         return NoOffload()
     if tms_ok:
         return TorchMemorySaverOffload(modules, optimizers, device)
-    log.info("trainer offload: host copies (%s)", why_not or "torch_memory_saver not usable")
+    log.info(
+        "trainer offload: host copies (%s)", why_not or "torch_memory_saver not usable"
+    )
     return HostOffload(modules, optimizers, device)
 
 
-def trainer_offload(backend: OffloadBackend, trainer, policy: nn.Module, engine_is_policy: bool) -> TrainerOffload:
+def trainer_offload(
+    backend: OffloadBackend, trainer, policy: nn.Module, engine_is_policy: bool
+) -> TrainerOffload:
     """The offload of every tensor ``trainer`` holds (policy, reference, the optimizers' state), the same backend on
     every rank. When the engine generates with ``policy`` itself, its parameters stay and the rest moves."""
     trained = trainer.lightning_module
     device = trained.device
-    usable, why_not = memory_saver_usable() if device.type == "cuda" else (False, "not on CUDA")
+    usable, why_not = (
+        memory_saver_usable() if device.type == "cuda" else (False, "not on CUDA")
+    )
     usable = trainer.strategy.reduce_boolean_decision(usable, all=True)
     optimizers = trainer.optimizers
     if engine_is_policy:
         modules = [m for m in trained.children() if not _shares_parameters(m, policy)]
-        return select_offload(backend, modules, optimizers, device, False, "engine is policy")
+        return select_offload(
+            backend, modules, optimizers, device, False, "engine is policy"
+        )
     return select_offload(backend, [trained], optimizers, device, usable, why_not)
 
 
@@ -279,7 +329,12 @@ def _shares_parameters(module: nn.Module, other: nn.Module) -> bool:
 
 def _is_host_scalar_step(key: str, value: Tensor, device: torch.device) -> bool:
     """Adam's ``step`` counter lives on the host unless ``capturable``/fused; leave host scalars where they are."""
-    return key == "step" and value.device.type == "cpu" and value.dim() == 0 and device.type != "cpu"
+    return (
+        key == "step"
+        and value.device.type == "cpu"
+        and value.dim() == 0
+        and device.type != "cpu"
+    )
 
 
 def _synchronize(device: torch.device) -> None:

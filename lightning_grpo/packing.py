@@ -36,7 +36,12 @@ ATTENTION = "lightning_grpo_rows"
 EXACT_ATTENTION = ("sdpa", "eager")
 """Attention implementations whose padded forward the per-row SDPA reproduces (plain causal softmax attention)."""
 # Config fields that make attention something other than plain causal softmax attention over the whole row.
-_ATTENTION_CHANGES = ("attn_logit_softcapping", "sliding_window", "attention_chunk_size", "layer_types")
+_ATTENTION_CHANGES = (
+    "attn_logit_softcapping",
+    "sliding_window",
+    "attention_chunk_size",
+    "layer_types",
+)
 
 
 class PackingError(ValueError):
@@ -69,17 +74,26 @@ class Packed:
     def model_kwargs(self) -> dict:
         """The forward's keyword arguments: no attention mask (the boundaries are the mask), per-row positions, and
         the boundaries under transformers' varlen names (the model passes them to its attention function)."""
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
-                "cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
-                "max_length_q": self.max_length, "max_length_k": self.max_length}
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "attention_mask": None,
+            "cu_seq_lens_q": self.cu_seq_lens,
+            "cu_seq_lens_k": self.cu_seq_lens,
+            "max_length_q": self.max_length,
+            "max_length_k": self.max_length,
+        }
 
     def gather(self, hidden: Tensor, positions: Tensor) -> Tensor:
         """``[N, H]`` packed hidden states ``[1, R, H]`` at the padded layout's scored positions ``[B, T']`` (True at
         ``(b, t)`` picks row ``b``'s token ``t``), in the padded layout's row-major order."""
         width = positions.shape[1]
         steps = torch.arange(width, device=positions.device)
-        if (positions & (steps[None, :] >= self.lengths[:, None])).any():  # would read the next row's tokens
-            raise PackingError("a scored position lies in a row's padding: packing cannot place it")
+        # would read the next row's tokens
+        if (positions & (steps[None, :] >= self.lengths[:, None])).any():
+            raise PackingError(
+                "a scored position lies in a row's padding: packing cannot place it"
+            )
         index = self.offsets[:, None] + steps  # [B, T']
         return hidden[0, index[positions]]
 
@@ -89,18 +103,35 @@ def pack(input_ids: Tensor, attention_mask: Tensor) -> Packed:
     real = attention_mask.bool()
     lengths = real.sum(-1)  # [B]
     width = input_ids.shape[1]
-    prefix = torch.arange(width, device=real.device)[None, :] < lengths[:, None]  # [B, T]
+    # [B, T]
+    prefix = torch.arange(width, device=real.device)[None, :] < lengths[:, None]
     if not torch.equal(prefix, real):
-        raise PackingError("packing needs right-padded rows (real tokens from position 0, padding after); this chunk's "
-                           "attention mask has padding before a real token")
+        raise PackingError(
+            "packing needs right-padded rows (real tokens from position 0, padding after); this chunk's "
+            "attention mask has padding before a real token"
+        )
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=real.device)
     cu[1:] = lengths.cumsum(0)
     positions = torch.arange(width, device=real.device).expand_as(real)[real]  # [R]
-    return Packed(input_ids[real][None], positions[None], cu, cu[:-1].long(), int(lengths.max()) if len(lengths) else 0)
+    return Packed(
+        input_ids[real][None],
+        positions[None],
+        cu,
+        cu[:-1].long(),
+        int(lengths.max()) if len(lengths) else 0,
+    )
 
 
-def _row_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                   dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+def _row_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """Causal attention within each packed row: ``[1, heads, R, D]`` in, ``[1, R, heads, D]`` out (transformers'
     attention-function contract). One SDPA call per row (``is_causal``, no mask): ``sum(len^2)`` scores, not ``R^2``.
     The boundaries come as Python ints from ``cu_seq_lens_q`` (one host copy per layer; a GPU varlen kernel would
@@ -109,12 +140,25 @@ def _row_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
 
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
-        raise PackingError(f"{ATTENTION} attention called without packed row boundaries (cu_seq_lens_q) on a "
-                           f"[{query.shape[0]}, ...] batch: it would attend across rows")
+        raise PackingError(
+            f"{ATTENTION} attention called without packed row boundaries (cu_seq_lens_q) on a "
+            f"[{query.shape[0]}, ...] batch: it would attend across rows"
+        )
     bounds = cu.tolist()
-    rows = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
-                                   scaling=scaling, is_causal=True)[0]
-            for s, e in pairwise(bounds) if e > s]
+    rows = [
+        sdpa_attention_forward(
+            module,
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+        )[0]
+        for s, e in pairwise(bounds)
+        if e > s
+    ]
     return torch.cat(rows, dim=1), None
 
 
@@ -131,7 +175,9 @@ def packed_attention(model: nn.Module) -> Iterator[None]:
     """Run the model's attention as ``_row_attention`` inside the block, its own implementation again after."""
     config = getattr(model, "config", None)
     if config is None:
-        raise PackingError(f"{type(model).__name__} has no transformers config: its attention cannot be switched")
+        raise PackingError(
+            f"{type(model).__name__} has no transformers config: its attention cannot be switched"
+        )
     register_attention()
     before = config._attn_implementation
     config._attn_implementation = ATTENTION
@@ -150,8 +196,10 @@ def packing_problem(model: nn.Module) -> str | None:
         return f"{type(model).__name__} is not a transformers causal LM"
     implementation = config._attn_implementation
     if implementation not in EXACT_ATTENTION:
-        return (f"attention implementation {implementation!r} cannot be checked to honour packed row boundaries "
-                f"(packing reproduces {' or '.join(EXACT_ATTENTION)})")
+        return (
+            f"attention implementation {implementation!r} cannot be checked to honour packed row boundaries "
+            f"(packing reproduces {' or '.join(EXACT_ATTENTION)})"
+        )
     if getattr(config, "sub_configs", None):
         return f"{config.model_type} has sub-models (a vision-language policy): its image features follow the padding"
     changed = [name for name in _ATTENTION_CHANGES if _active(config, name)]
@@ -162,7 +210,8 @@ def packing_problem(model: nn.Module) -> str | None:
 
 def _active(config, name: str) -> bool:
     value = getattr(config, name, None)
-    if name == "sliding_window":  # Qwen2 keeps a window size but only applies it with use_sliding_window
+    # Qwen2 keeps a window size but only applies it with use_sliding_window
+    if name == "sliding_window":
         return value is not None and getattr(config, "use_sliding_window", True)
     if name == "layer_types":
         return value is not None and any(t != "full_attention" for t in value)
@@ -187,19 +236,32 @@ class Packing:
         return self.setting is True or device_type == "cpu"
 
     @classmethod
-    def resolve(cls, setting: bool | str, model: nn.Module, vision: bool = False, routing: bool = False,
-                linear_head: bool = True) -> Packing:
+    def resolve(
+        cls,
+        setting: bool | str,
+        model: nn.Module,
+        vision: bool = False,
+        routing: bool = False,
+        linear_head: bool = True,
+    ) -> Packing:
         """The policy's packing: ``True`` with a problem raises ``PackingError`` naming it; ``"auto"`` with one falls
         back to padded chunks with a one-line warning naming it."""
         if setting is False:
             return cls(False)
-        problem = ("a vision-language policy (its image features are placed by the padded layout)" if vision else
-                   "MoE routing replay (routes are recorded per padded token)" if routing else
-                   "the model transforms its logits after the LM head (scored from full logits)" if not linear_head
-                   else packing_problem(model))
+        problem = (
+            "a vision-language policy (its image features are placed by the padded layout)"
+            if vision
+            else "MoE routing replay (routes are recorded per padded token)"
+            if routing
+            else "the model transforms its logits after the LM head (scored from full logits)"
+            if not linear_head
+            else packing_problem(model)
+        )
         if problem is not None and setting is True:
-            raise PackingError(f"rl.packed=true: cannot pack this policy exactly: {problem}. Set rl.packed=false "
-                               "(or auto: padded chunks)")
+            raise PackingError(
+                f"rl.packed=true: cannot pack this policy exactly: {problem}. Set rl.packed=false "
+                "(or auto: padded chunks)"
+            )
         if problem is not None:
             log.warning("rl.packed=auto: padded chunks: %s", problem)
         return cls(setting, problem)

@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-Series = tuple[list[float], list[float]]  # (loop steps, values) of the rows that logged the metric
+# (loop steps, values) of the rows that logged the metric
+Series = tuple[list[float], list[float]]
 
 
 def _moved(series: Series) -> bool:
@@ -33,7 +34,9 @@ def _moved(series: Series) -> bool:
 def _can_clip(series: dict[str, Series]) -> bool:
     """The clip fraction is exactly 0 while pi_old is the policy itself (one optimizer step per loop step, no sampler
     pi_old): drawn when a loop step took several optimizer steps, or a clip was seen."""
-    return _moved(series["grpo/clip_frac"]) or any(v > 1 for v in series.get("grpo/optimizer_steps", ([], []))[1])
+    return _moved(series["grpo/clip_frac"]) or any(
+        v > 1 for v in series.get("grpo/optimizer_steps", ([], []))[1]
+    )
 
 
 REPLACED_BY = {"dpo/accuracy": "val/accuracy"}
@@ -62,21 +65,34 @@ PANELS = (
     Panel("grpo/loss", "loss"),
     Panel("dpo/loss", "DPO loss"),
     Panel("val/accuracy", "held-out accuracy (the policy prefers the chosen answer)"),
-    Panel("dpo/accuracy", "accuracy (chosen ranked first)", when=functools.partial(_not_replaced, "dpo/accuracy")),
+    Panel(
+        "dpo/accuracy",
+        "accuracy (chosen ranked first)",
+        when=functools.partial(_not_replaced, "dpo/accuracy"),
+    ),
     Panel("dpo/margin", "implicit reward margin (chosen - rejected)", ("val/margin",)),
-    Panel("grpo/kl", "KL to the reference (nats/token)", when=lambda s: _moved(s["grpo/kl"])),
+    Panel(
+        "grpo/kl",
+        "KL to the reference (nats/token)",
+        when=lambda s: _moved(s["grpo/kl"]),
+    ),
     Panel("opd/kl", "reverse KL to the teacher (nats/token)"),
     Panel("grpo/clip_frac", "clip fraction (share of tokens)", when=_can_clip),
     Panel("completion/len_mean", "completion length (tokens)"),
-    Panel("tools/call_frequency", "tools (per episode)", ("tools/failure_frequency", "episode/turns_mean",
-                                                           "val/tools/call_frequency")),
+    Panel(
+        "tools/call_frequency",
+        "tools (per episode)",
+        ("tools/failure_frequency", "episode/turns_mean", "val/tools/call_frequency"),
+    ),
 )
 """Every panel a run may get, in drawing order (left to right, top to bottom); a run gets those it logged."""
 SMOOTHED = "{metric} (mean of last {window})"
 """Label of the trailing mean drawn beside the first panel's raw curve (the summary's first/last figures)."""
 PNG_NAME = "curves.png"
-DESCRIPTION = "Draw reward, loss, KL, clip fraction, completion length and tool use (DPO: loss, accuracy, margin) " \
-              "of a CSVLogger run into one PNG."
+DESCRIPTION = (
+    "Draw reward, loss, KL, clip fraction, completion length and tool use (DPO: loss, accuracy, margin) "
+    "of a CSVLogger run into one PNG."
+)
 FIT_COLUMN = "loop_step"
 """Logged by every training row (GRPO, OPD, DPO): a metrics.csv without it holds no fit (a ``validate`` run)."""
 
@@ -101,7 +117,11 @@ def find_metrics(path: str | Path) -> Path:
         return path
     if (path / "metrics.csv").is_file():
         return path / "metrics.csv"
-    found = sorted(path.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime) if path.is_dir() else []
+    found = (
+        sorted(path.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
+        if path.is_dir()
+        else []
+    )
     if not found:
         raise PlotError(
             f"no metrics.csv at or under {str(path)!r}: give a CSVLogger log dir (e.g. runs/quickstart/version_0); "
@@ -121,7 +141,9 @@ def read_series(csv_path: str | Path) -> dict[str, Series]:
     with open(csv_path, newline="") as f:
         rows = list(csv.DictReader(f))
     if rows and "step" not in rows[0]:
-        raise PlotError(f"{csv_path}: no 'step' column; is it a Lightning CSVLogger metrics.csv?")
+        raise PlotError(
+            f"{csv_path}: no 'step' column; is it a Lightning CSVLogger metrics.csv?"
+        )
     return series_of(rows)
 
 
@@ -146,7 +168,7 @@ def smoothed(values: Sequence[float], window: int) -> list[float]:
     its value at index ``window - 1`` the mean of the first ``window``."""
     out = []
     for i in range(len(values)):
-        part = values[max(i + 1 - window, 0): i + 1]
+        part = values[max(i + 1 - window, 0) : i + 1]
         out.append(sum(part) / len(part))
     return out
 
@@ -156,7 +178,9 @@ def panels_of(series: dict[str, Series]) -> list[Panel]:
     return [p for p in PANELS if p.metric in series and p.when(series)]
 
 
-def plot_curves(csv_path: str | Path, output: str | Path | None = None, window: int = 5) -> Curves:
+def plot_curves(
+    csv_path: str | Path, output: str | Path | None = None, window: int = 5
+) -> Curves:
     """Draw the panels of ``csv_path`` into a PNG (default: ``curves.png`` beside it).
 
     Args:
@@ -180,10 +204,16 @@ def plot_curves(csv_path: str | Path, output: str | Path | None = None, window: 
     lines: dict[str, Series] = {}
     for i, (ax, panel) in enumerate(zip(axes, panels)):
         lines |= _panel(ax, series, panel, window if i == 0 else 0)
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_axis_off()
     if not panels:
-        axes[0].text(0.5, 0.5, "no training rows logged (a validate run?)", ha="center", va="center")
+        axes[0].text(
+            0.5,
+            0.5,
+            "no training rows logged (a validate run?)",
+            ha="center",
+            va="center",
+        )
     steps = len(series.get(FIT_COLUMN, ([], []))[0])
     fig.suptitle(f"{csv_path.parent}  ({steps} loop steps)")
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +221,9 @@ def plot_curves(csv_path: str | Path, output: str | Path | None = None, window: 
     return Curves(output, fig, lines)
 
 
-def _panel(ax, series: dict[str, Series], panel: Panel, window: int) -> dict[str, Series]:
+def _panel(
+    ax, series: dict[str, Series], panel: Panel, window: int
+) -> dict[str, Series]:
     """Draw one panel (with the trailing mean when ``window`` > 1); the data of each line drawn, by label."""
     from matplotlib.ticker import MaxNLocator
 
@@ -201,7 +233,13 @@ def _panel(ax, series: dict[str, Series], panel: Panel, window: int) -> dict[str
     ax.grid(alpha=0.3)
     xs, ys = series[panel.metric]
     drawn = {panel.metric: (xs, ys)}
-    ax.plot(xs, ys, label=panel.metric, marker="." if len(xs) < 50 else None, alpha=0.5 if window > 1 else 1.0)
+    ax.plot(
+        xs,
+        ys,
+        label=panel.metric,
+        marker="." if len(xs) < 50 else None,
+        alpha=0.5 if window > 1 else 1.0,
+    )
     if window > 1:
         label = SMOOTHED.format(metric=panel.metric, window=window)
         drawn[label] = (xs, smoothed(ys, window))
@@ -217,7 +255,8 @@ def _panel(ax, series: dict[str, Series], panel: Panel, window: int) -> dict[str
 
 def _figure_class():
     try:
-        from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
+        # no pyplot: no global state, no display backend
+        from matplotlib.figure import Figure
     except ImportError as err:
         raise PlotError(
             "lightning-grpo plot needs matplotlib, an optional extra: pip install 'lightning-grpo[plot]' "
@@ -236,11 +275,18 @@ def _number(raw: str | None) -> float | None:
     return value if not math.isinf(value) else None
 
 
-def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+def build_parser(
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+) -> argparse.ArgumentParser:
     """The ``plot`` arguments (``parser_class``: the CLI lists ``plot`` among its subcommands with a jsonargparse one)."""
     parser = parser_class(prog="lightning-grpo plot", description=DESCRIPTION)
-    parser.add_argument("log_dir", help="a CSVLogger run folder (or its metrics.csv, or a folder of runs: the newest fit)")
-    parser.add_argument("-o", "--output", help=f"PNG to write (default: {PNG_NAME} beside metrics.csv)")
+    parser.add_argument(
+        "log_dir",
+        help="a CSVLogger run folder (or its metrics.csv, or a folder of runs: the newest fit)",
+    )
+    parser.add_argument(
+        "-o", "--output", help=f"PNG to write (default: {PNG_NAME} beside metrics.csv)"
+    )
     return parser
 
 

@@ -27,10 +27,16 @@ from lightning_grpo.checks import is_int, raise_problems
 from lightning_grpo.lora import LoraConfig
 from lightning_grpo.vision import VisionProcessor, freeze_vision_tower, is_vision_config
 
-if TYPE_CHECKING:  # only a tiny: path imports lightning_grpo.tiny; jsonargparse resolves the annotation from here
+# only a tiny: path imports lightning_grpo.tiny; jsonargparse resolves the annotation from here
+if TYPE_CHECKING:
     from lightning_grpo.tiny.spec import TinyPolicySpec
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 @dataclass
@@ -77,36 +83,53 @@ class PolicyConfig:
         """Every broken rule as a ``field=value: rule; fix`` line (the model itself is checked when it loads)."""
         p = []
         if not self.path:
-            p.append("policy.path='': give a Hugging Face Hub id, a model folder or 'tiny:<name>'")
+            p.append(
+                "policy.path='': give a Hugging Face Hub id, a model folder or 'tiny:<name>'"
+            )
         if self.path.startswith("tiny:") and self.tiny is None:
             p += unknown_tiny(self.path)
         if not is_int(self.warm_start_steps) or self.warm_start_steps < 0:
             p.append(f"policy.warm_start_steps={self.warm_start_steps}: must be >= 0")
-        if self.experts_implementation not in (None, "eager", "batched_mm", "grouped_mm"):
-            p.append(f"policy.experts_implementation={self.experts_implementation!r}: must be one of None, 'eager', "
-                     "'batched_mm', 'grouped_mm'")
+        if self.experts_implementation not in (
+            None,
+            "eager",
+            "batched_mm",
+            "grouped_mm",
+        ):
+            p.append(
+                f"policy.experts_implementation={self.experts_implementation!r}: must be one of None, 'eager', "
+                "'batched_mm', 'grouped_mm'"
+            )
         elif self.experts_implementation == "grouped_mm" and self.dtype == "float64":
-            p.append("policy.experts_implementation='grouped_mm' with policy.dtype='float64': torch's grouped_mm has "
-                     "no float64 kernel; use 'eager' or 'batched_mm' (or leave it unset)")
+            p.append(
+                "policy.experts_implementation='grouped_mm' with policy.dtype='float64': torch's grouped_mm has "
+                "no float64 kernel; use 'eager' or 'batched_mm' (or leave it unset)"
+            )
         return p
 
 
 def unknown_tiny(path: str) -> list[str]:
     """A ``tiny:`` name the package does not know, with no shape given: a typo would build the default shape."""
-    from lightning_grpo.tiny.spec import TINY_NAMES  # a dataclass module: no torch, no builder
+    # a dataclass module: no torch, no builder
+    from lightning_grpo.tiny.spec import TINY_NAMES
 
     if (path.removeprefix("tiny:") or "default") in TINY_NAMES:
         return []
-    return [f"policy.path={path!r}: not a known tiny policy ({', '.join(TINY_NAMES)}); a tiny: name labels a locally "
-            "built shape, so a new one needs its shape under policy.tiny (e.g. policy.tiny.hidden_size: 128). Or give "
-            "a model folder or a Hub id"]
+    return [
+        f"policy.path={path!r}: not a known tiny policy ({', '.join(TINY_NAMES)}); a tiny: name labels a locally "
+        "built shape, so a new one needs its shape under policy.tiny (e.g. policy.tiny.hidden_size: 128). Or give "
+        "a model folder or a Hub id"
+    ]
 
 
 def with_seed(cfg: PolicyConfig, seed: int) -> PolicyConfig:
     """``cfg`` with a ``tiny:`` policy's unset ``tiny.seed`` filled in: the policy a seeded run builds (and caches)."""
-    if not cfg.path.startswith("tiny:") or (cfg.tiny is not None and cfg.tiny.seed is not None):
+    if not cfg.path.startswith("tiny:") or (
+        cfg.tiny is not None and cfg.tiny.seed is not None
+    ):
         return cfg
-    from lightning_grpo.tiny.spec import TinyPolicySpec  # a tiny: path only (see resolve_path)
+    # a tiny: path only (see resolve_path)
+    from lightning_grpo.tiny.spec import TinyPolicySpec
 
     return replace(cfg, tiny=replace(cfg.tiny or TinyPolicySpec(), seed=seed))
 
@@ -128,8 +151,14 @@ def resolve_path(cfg: PolicyConfig) -> Path:
     # this module.
     from lightning_grpo.tiny.build import tiny_folder
 
-    spec = with_seed(cfg, 0).tiny  # unseeded outside a module: 0, the same cache entry as an explicit 0
-    return tiny_folder(cfg.path.split(":", 1)[1] or "default", spec, cfg.warm_start, cfg.warm_start_steps)
+    # unseeded outside a module: 0, the same cache entry as an explicit 0
+    spec = with_seed(cfg, 0).tiny
+    return tiny_folder(
+        cfg.path.split(":", 1)[1] or "default",
+        spec,
+        cfg.warm_start,
+        cfg.warm_start_steps,
+    )
 
 
 def check_model_folder(given: str, path: Path) -> Path:
@@ -142,16 +171,25 @@ def check_model_folder(given: str, path: Path) -> Path:
     except (OSError, ValueError):
         has_type = False
     missing = ([] if has_type else ["config.json with a model_type"]) + (
-        [] if any((path / f).is_file() for f in TOKENIZER_FILES) else [f"tokenizer file ({', '.join(TOKENIZER_FILES)})"])
+        []
+        if any((path / f).is_file() for f in TOKENIZER_FILES)
+        else [f"tokenizer file ({', '.join(TOKENIZER_FILES)})"]
+    )
     if missing:
         held = sorted(p.name for p in path.iterdir())[:8]
         raise PolicyNotFoundError(
             f"policy.path={given!r} is a folder but not a Hugging Face model: no {' and no '.join(missing)} (it "
-            f"holds {held or 'nothing'}). Give the folder save_pretrained wrote (config.json, weights, tokenizer files).")
+            f"holds {held or 'nothing'}). Give the folder save_pretrained wrote (config.json, weights, tokenizer files)."
+        )
     return path
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+)
 """Any one of them: a tokenizer transformers can load."""
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -165,7 +203,9 @@ class PolicyNotFoundError(FileNotFoundError):
     """``policy.path`` names no usable folder or Hub model; the message names it and the fix."""
 
 
-def hub_snapshot(repo_id: str, revision: str | None, trust_remote_code: bool = False) -> Path:
+def hub_snapshot(
+    repo_id: str, revision: str | None, trust_remote_code: bool = False
+) -> Path:
     """The local snapshot folder of Hub model ``repo_id`` (downloaded if online; from the Hub cache if offline).
 
     Resolved once per process, so the trainer, the tokenizer and the vLLM engine read the very same folder.
@@ -173,22 +213,32 @@ def hub_snapshot(repo_id: str, revision: str | None, trust_remote_code: bool = F
     key = (repo_id, revision, trust_remote_code)
     if key not in _SNAPSHOTS:
         from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+        from huggingface_hub.errors import (
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
 
         at = f"{repo_id!r} (revision {revision or 'main'})"
-        patterns = HUB_FILES + (["*.py"] if trust_remote_code else [])  # code only when it may run
+        # code only when it may run
+        patterns = HUB_FILES + (["*.py"] if trust_remote_code else [])
         try:
-            _SNAPSHOTS[key] = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+            _SNAPSHOTS[key] = Path(
+                snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+            )
         except LocalEntryNotFoundError:
             raise PolicyNotFoundError(
                 f"policy.path={repo_id!r}: not a local folder, and Hub model {at} is not in the Hub cache "
                 f"{constants.HF_HUB_CACHE} while offline (HF_HUB_OFFLINE=1 or no network). Fix: download it once "
                 f"where there is network (`hf download {repo_id}`) and point HF_HOME/HF_HUB_CACHE at that cache, "
                 "or set policy.path to a local model folder"
-            ) from None  # the whole story is above: huggingface_hub's chained error would only repeat it
+                # the whole story is above: huggingface_hub's chained error would only repeat it
+            ) from None
         except RevisionNotFoundError as err:
-            raise PolicyNotFoundError(f"policy.revision={revision!r}: Hub model {repo_id!r} has no such "
-                                      "revision; give a branch, tag or commit of it") from err
+            raise PolicyNotFoundError(
+                f"policy.revision={revision!r}: Hub model {repo_id!r} has no such "
+                "revision; give a branch, tag or commit of it"
+            ) from err
         except RepositoryNotFoundError as err:
             raise PolicyNotFoundError(
                 f"policy.path={repo_id!r}: no such model on the Hugging Face Hub (or it is gated/private: set "
@@ -201,7 +251,9 @@ def vision_config_of(folder: Path, trust_remote_code: bool = False) -> bool:
     """Whether the model in ``folder`` is a vision-language model (its config has a vision tower)."""
     from transformers import AutoConfig
 
-    return is_vision_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+    return is_vision_config(
+        AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    )
 
 
 def _model_class(folder: Path, trust_remote_code: bool = False):
@@ -209,7 +261,11 @@ def _model_class(folder: Path, trust_remote_code: bool = False):
     ``AutoModelForCausalLM``."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if vision_config_of(folder, trust_remote_code) else AutoModelForCausalLM
+    return (
+        AutoModelForImageTextToText
+        if vision_config_of(folder, trust_remote_code)
+        else AutoModelForCausalLM
+    )
 
 
 def load_vision(cfg: PolicyConfig, tokenizer, model: nn.Module):
@@ -249,13 +305,25 @@ def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
         tok.pad_token = tok.eos_token
     if cfg.chat_template is not None:
         template = Path(cfg.chat_template).expanduser()
-        is_file = cfg.chat_template.endswith(".jinja") or ("{" not in cfg.chat_template and template.is_file())
-        tok.chat_template = template.read_text(encoding="utf-8") if is_file else cfg.chat_template
-    extra = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
+        is_file = cfg.chat_template.endswith(".jinja") or (
+            "{" not in cfg.chat_template and template.is_file()
+        )
+        tok.chat_template = (
+            template.read_text(encoding="utf-8") if is_file else cfg.chat_template
+        )
+    extra = (
+        {}
+        if cfg.attn_implementation is None
+        else {"attn_implementation": cfg.attn_implementation}
+    )
     experts = experts_kernel(cfg)
     if experts is not None:
         extra["experts_implementation"] = experts
     model = _model_class(path, cfg.trust_remote_code).from_pretrained(
-        path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code, use_safetensors=None, **extra
+        path,
+        dtype=DTYPES[cfg.dtype],
+        trust_remote_code=cfg.trust_remote_code,
+        use_safetensors=None,
+        **extra,
     )
     return model, tok

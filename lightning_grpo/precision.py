@@ -37,7 +37,10 @@ NATIVE_FLAGS = {
     torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},
     torch.float16: {"avx512_fp16", "amx_fp16", "fphp", "asimdhp"},
 }
-MAC_FEATURES = {torch.bfloat16: "hw.optional.arm.FEAT_BF16", torch.float16: "hw.optional.arm.FEAT_FP16"}
+MAC_FEATURES = {
+    torch.bfloat16: "hw.optional.arm.FEAT_BF16",
+    torch.float16: "hw.optional.arm.FEAT_FP16",
+}
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:
@@ -53,14 +56,24 @@ def cpu_supports(dtype: torch.dtype) -> bool | None:
     """Whether this CPU computes ``dtype`` natively; None when it cannot be told (then nothing is claimed)."""
     if platform.system() == "Darwin":
         try:
-            out = subprocess.run(["sysctl", "-n", MAC_FEATURES[dtype]], capture_output=True, text=True, timeout=5,
-                                 check=False)
+            out = subprocess.run(
+                ["sysctl", "-n", MAC_FEATURES[dtype]],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=False,
+            )
             return out.stdout.strip() == "1" if out.returncode == 0 else None
         except (OSError, subprocess.SubprocessError):
             return None
     try:
         with open("/proc/cpuinfo") as f:
-            flags = {w for line in f if line.lower().startswith(("flags", "features")) for w in line.split(":")[1].split()}
+            flags = {
+                w
+                for line in f
+                if line.lower().startswith(("flags", "features"))
+                for w in line.split(":")[1].split()
+            }
     except OSError:
         return None
     return bool(flags & NATIVE_FLAGS[dtype]) if flags else None
@@ -84,7 +97,9 @@ def matmul_slowdown(dtype: torch.dtype, size: int = 256, repeats: int = 5) -> fl
     return best(True) / max(best(False), 1e-9)
 
 
-def check_precision(precision: str, policy: nn.Module, on_cpu: bool, scaler: object | None) -> None:
+def check_precision(
+    precision: str, policy: nn.Module, on_cpu: bool, scaler: object | None
+) -> None:
     """Refuse what cannot train, warn (once per fit) about what trains poorly. Called once the weights are final."""
     dtypes = {p.dtype for p in policy.parameters() if p.requires_grad}
     if scaler is not None and torch.float16 in dtypes:
@@ -131,7 +146,8 @@ class PluginStep:
         self.trainer = trainer
         self.policy = policy
         self.optimizer = optimizer
-        self._finish: Callable[[], float] | None = None  # set while a GradScaler step waits for the hook
+        # set while a GradScaler step waits for the hook
+        self._finish: Callable[[], float] | None = None
         self._norm = math.nan
 
     def __call__(self, finish: Callable[[], float]) -> float:
@@ -141,8 +157,10 @@ class PluginStep:
         self._norm = math.nan
         self.optimizer.step()
         if self._finish is not None:
-            raise RuntimeError(f"{type(self.trainer.precision_plugin).__name__}.optimizer_step did not call "
-                               "on_before_optimizer_step, so the deferred divisor and clipping were not applied")
+            raise RuntimeError(
+                f"{type(self.trainer.precision_plugin).__name__}.optimizer_step did not call "
+                "on_before_optimizer_step, so the deferred divisor and clipping were not applied"
+            )
         return self._norm
 
     def before_optimizer_step(self) -> None:
@@ -155,13 +173,22 @@ class PluginStep:
     def clip(self, max_norm: float, norm: Tensor) -> None:
         """Clip through the precision plugin (``LightningModule.clip_gradients``)."""
         plugin = self.trainer.precision_plugin
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is None and _optimizer_handles_unscaling(self.optimizer):
+        if (
+            isinstance(plugin, MixedPrecision)
+            and plugin.scaler is None
+            and _optimizer_handles_unscaling(self.optimizer)
+        ):
             # Lightning refuses to clip for a fused optimizer under any MixedPrecision, bf16 too, though without a
             # scaler nothing unscales inside the step (Lightning-AI/pytorch-lightning#21435): clipping here is exact.
-            torch.nn.utils.clip_grads_with_norm_([p for p in self.policy.parameters() if p.grad is not None],
-                                                 max_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(
+                [p for p in self.policy.parameters() if p.grad is not None],
+                max_norm,
+                norm,
+            )
         else:
-            self.trainer.lightning_module.clip_gradients(self.optimizer, max_norm, "norm")
+            self.trainer.lightning_module.clip_gradients(
+                self.optimizer, max_norm, "norm"
+            )
 
 
 def adamw_kernel(params, fused: bool | None, scaler) -> dict:
@@ -171,5 +198,8 @@ def adamw_kernel(params, fused: bool | None, scaler) -> dict:
     precision plugin refuses to clip for such an optimizer.
     """
     if fused is None:
-        fused = scaler is None and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return {"fused": True} if fused else {}  # {}: torch's default kernel (foreach on CUDA, a for-loop on CPU)
+        fused = scaler is None and all(
+            p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params
+        )
+    # {}: torch's default kernel (foreach on CUDA, a for-loop on CPU)
+    return {"fused": True} if fused else {}

@@ -76,8 +76,17 @@ class GRPOProgressBar(TQDMProgressBar):
         bar.refresh()
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        self.train_progress_bar.total = convert_inf(loop_steps_total(trainer, batch_idx + 1))
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs,
+        batch,
+        batch_idx: int,
+    ) -> None:
+        self.train_progress_bar.total = convert_inf(
+            loop_steps_total(trainer, batch_idx + 1)
+        )
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
@@ -100,26 +109,41 @@ class GRPORichProgressBar(RichProgressBar):
 
     @override
     def _get_train_description(self, current_epoch: int) -> str:
-        if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:  # unbounded: not "Epoch 0/-2"
+        # unbounded: not "Epoch 0/-2"
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
             return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
         return super()._get_train_description(current_epoch)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        if _done(trainer) and not self.is_disabled:  # resumed mid-epoch (no on_train_epoch_start): start there
+        # resumed mid-epoch (no on_train_epoch_start): start there
+        if _done(trainer) and not self.is_disabled:
             self._initialize_train_progress_bar_id()
             self._update(self.train_progress_bar_id, _done(trainer))
 
     @override
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_epoch_start(
+        self, trainer: Trainer, pl_module: LightningModule
+    ) -> None:
         super().on_train_epoch_start(trainer, pl_module)
-        self._update(self.train_progress_bar_id, _done(trainer))  # nonzero when resumed at an epoch's end
+        # nonzero when resumed at an epoch's end
+        self._update(self.train_progress_bar_id, _done(trainer))
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs,
+        batch,
+        batch_idx: int,
+    ) -> None:
         if self.progress is not None and self.train_progress_bar_id is not None:
-            self.progress.update(self.train_progress_bar_id, total=loop_steps_total(trainer, batch_idx + 1))
+            self.progress.update(
+                self.train_progress_bar_id,
+                total=loop_steps_total(trainer, batch_idx + 1),
+            )
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 

@@ -34,8 +34,14 @@ class WeightPublisher(Protocol):
         """Whether the engine is put to sleep between generations (False: build it without sleep mode)."""
         ...
 
-    def on_engine_ready(self, trainer: Trainer, engine: RolloutEngine, policy: nn.Module,
-                        sync_bucket_mb: float, timer: StepTimer | None = None) -> None: ...
+    def on_engine_ready(
+        self,
+        trainer: Trainer,
+        engine: RolloutEngine,
+        policy: nn.Module,
+        sync_bucket_mb: float,
+        timer: StepTimer | None = None,
+    ) -> None: ...
 
     def on_rollout_end(self, trainer: Trainer) -> None: ...
 
@@ -47,8 +53,14 @@ class NoPublisher:
 
     sleeps_engine = False
 
-    def on_engine_ready(self, trainer: Trainer, engine: RolloutEngine, policy: nn.Module,
-                        sync_bucket_mb: float, timer: StepTimer | None = None) -> None:
+    def on_engine_ready(
+        self,
+        trainer: Trainer,
+        engine: RolloutEngine,
+        policy: nn.Module,
+        sync_bucket_mb: float,
+        timer: StepTimer | None = None,
+    ) -> None:
         pass
 
     def on_rollout_end(self, trainer: Trainer) -> None:
@@ -75,8 +87,10 @@ def find_publisher(callbacks: Iterable[object]) -> WeightPublisher | None:
     found = [cb for cb in callbacks if isinstance(cb, WeightPublisher)]
     if len(found) > 1:
         names = ", ".join(type(cb).__name__ for cb in found)
-        raise ValueError(f"Trainer(callbacks=[...]) holds {len(found)} weight publishers ({names}): keep one "
-                         "HandoffCallback; each would sleep, wake and sync the same engine")
+        raise ValueError(
+            f"Trainer(callbacks=[...]) holds {len(found)} weight publishers ({names}): keep one "
+            "HandoffCallback; each would sleep, wake and sync the same engine"
+        )
     return found[0] if found else None
 
 

@@ -22,7 +22,14 @@ from pathlib import Path
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-RUN_FILES = ("metrics.csv", "config.yaml", "hparams.yaml", "checkpoints", "completions.jsonl", "curves.png")
+RUN_FILES = (
+    "metrics.csv",
+    "config.yaml",
+    "hparams.yaml",
+    "checkpoints",
+    "completions.jsonl",
+    "curves.png",
+)
 """What a run leaves in its folder."""
 
 
@@ -30,7 +37,9 @@ class RunFolderInUseError(ValueError):
     """A new fit was pointed at a run folder that already holds a run."""
 
 
-def refuse_reused_version(loggers, explicit_version: bool, resuming: bool, overwrite: bool) -> None:
+def refuse_reused_version(
+    loggers, explicit_version: bool, resuming: bool, overwrite: bool
+) -> None:
     """Raise ``RunFolderInUseError`` when a logger's explicitly chosen folder already holds a run.
 
     Args:
@@ -50,13 +59,17 @@ def refuse_reused_version(loggers, explicit_version: bool, resuming: bool, overw
             raise RunFolderInUseError(
                 f"trainer.logger version={logger.version!r}: {folder} already holds a run ({', '.join(held)}); a new "
                 "fit would overwrite it. Drop the version (a new version_N is made), choose another, resume that run "
-                "with --ckpt_path, or pass --overwrite_run=true to replace it")
+                "with --ckpt_path, or pass --overwrite_run=true to replace it"
+            )
 
 
 def explicit_version(logger_config) -> bool:
     """Whether the CLI's ``trainer.logger`` config (one logger or a list) sets ``init_args.version``."""
     configs = logger_config if isinstance(logger_config, list) else [logger_config]
-    return any(getattr(getattr(c, "init_args", None), "version", None) is not None for c in configs)
+    return any(
+        getattr(getattr(c, "init_args", None), "version", None) is not None
+        for c in configs
+    )
 
 
 VERSIONS_LOCK = ".versions.lock"
@@ -76,7 +89,8 @@ def claim_versions(loggers) -> None:
         root = Path(logger.root_dir)
         root.mkdir(parents=True, exist_ok=True)
         with _flocked(root / VERSIONS_LOCK):
-            Path(logger.log_dir).mkdir(parents=True, exist_ok=True)  # log_dir resolves the version (a fresh pick)
+            # log_dir resolves the version (a fresh pick)
+            Path(logger.log_dir).mkdir(parents=True, exist_ok=True)
 
 
 def claim_folder(root: str | os.PathLike) -> Path:
@@ -84,13 +98,19 @@ def claim_folder(root: str | os.PathLike) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     with _flocked(root / VERSIONS_LOCK):
-        taken = [int(p.name[8:]) for p in root.glob("version_*") if p.name[8:].isdigit() and p.is_dir()]
+        taken = [
+            int(p.name[8:])
+            for p in root.glob("version_*")
+            if p.name[8:].isdigit() and p.is_dir()
+        ]
         folder = root / f"version_{max(taken, default=-1) + 1}"
         folder.mkdir()
     return folder
 
 
-def version_wandb_logger(logger_config, first_process: bool | None = None) -> Path | None:
+def version_wandb_logger(
+    logger_config, first_process: bool | None = None
+) -> Path | None:
     """Point a ``WandbLogger`` config's ``save_dir`` at a new ``<save_dir>/<name>/version_N`` (in place); returns
     ``<save_dir>/<name>``, the folder of every version of the experiment, on every rank (None without a W&B logger):
     ``--ckpt_path last`` searches its versions' checkpoints.
@@ -106,7 +126,11 @@ def version_wandb_logger(logger_config, first_process: bool | None = None) -> Pa
             the launcher's environment: the Trainer does not exist yet).
     """
     first_process = rank_zero_only.rank == 0 if first_process is None else first_process
-    first = logger_config[0] if isinstance(logger_config, list) and logger_config else logger_config
+    first = (
+        logger_config[0]
+        if isinstance(logger_config, list) and logger_config
+        else logger_config
+    )
     init = getattr(first, "init_args", None)
     if init is None or not _is_wandb(getattr(first, "class_path", "")):
         return None
@@ -131,7 +155,8 @@ def _is_wandb(class_path: str) -> bool:
 def _flocked(path: Path):
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # blocks while another run picks its version (milliseconds)
+        # blocks while another run picks its version (milliseconds)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing drops the lock

@@ -35,18 +35,25 @@ def run_length(trainer, steps_per_loop_step: int) -> int | None:
     if trainer is None:
         return None
     by_steps = trainer.max_steps if trainer.max_steps > 0 else math.inf
-    loop_steps = trainer.estimated_stepping_batches  # batches = loop steps, capped at max_steps; inf or -1: endless
-    by_epochs = loop_steps * steps_per_loop_step if 0 < loop_steps < math.inf else math.inf
+    # batches = loop steps, capped at max_steps; inf or -1: endless
+    loop_steps = trainer.estimated_stepping_batches
+    by_epochs = (
+        loop_steps * steps_per_loop_step if 0 < loop_steps < math.inf else math.inf
+    )
     horizon = min(by_steps, by_epochs)
     return None if math.isinf(horizon) else int(horizon)
 
 
-def schedule_horizon(optim: OptimConfig, trainer, steps_per_loop_step: int) -> int | None:
+def schedule_horizon(
+    optim: OptimConfig, trainer, steps_per_loop_step: int
+) -> int | None:
     """Optimizer steps the schedule spans: ``optim.total_steps``, else the run's length (None: no countable end)."""
     return optim.total_steps or run_length(trainer, steps_per_loop_step)
 
 
-def check_horizon(optim: OptimConfig, horizon: int | None, run_steps: int | None = None) -> None:
+def check_horizon(
+    optim: OptimConfig, horizon: int | None, run_steps: int | None = None
+) -> None:
     """Refuse a decaying schedule with no horizon, or one it cannot cover (a ``ConfigError`` naming the fix)."""
     if optim.schedule not in DECAYING:
         return
@@ -57,9 +64,11 @@ def check_horizon(optim: OptimConfig, horizon: int | None, run_steps: int | None
             "trainer.max_steps, or trainer.max_epochs with trainer.limit_train_batches"
         )
     if run_steps is not None and optim.total_steps and run_steps > optim.total_steps:
-        raise ConfigError(f"optim.total_steps={optim.total_steps} is shorter than the run ({run_steps} optimizer "
-                          f"steps): the {optim.schedule} schedule would end early (cosine even rises again); set "
-                          "optim.total_steps >= the run's optimizer steps, or 0 to use the run's length")
+        raise ConfigError(
+            f"optim.total_steps={optim.total_steps} is shorter than the run ({run_steps} optimizer "
+            f"steps): the {optim.schedule} schedule would end early (cosine even rises again); set "
+            "optim.total_steps >= the run's optimizer steps, or 0 to use the run's length"
+        )
 
 
 def build_scheduler(optimizer, optim: OptimConfig, horizon: int | None) -> LambdaLR:
@@ -73,5 +82,11 @@ def build_scheduler(optimizer, optim: OptimConfig, horizon: int | None) -> Lambd
     if optim.schedule == "constant":
         return get_constant_schedule_with_warmup(optimizer, optim.warmup_steps)
     check_horizon(optim, horizon)
-    build = get_cosine_schedule_with_warmup if optim.schedule == "cosine" else get_linear_schedule_with_warmup
-    return build(optimizer, num_warmup_steps=optim.warmup_steps, num_training_steps=horizon)
+    build = (
+        get_cosine_schedule_with_warmup
+        if optim.schedule == "cosine"
+        else get_linear_schedule_with_warmup
+    )
+    return build(
+        optimizer, num_warmup_steps=optim.warmup_steps, num_training_steps=horizon
+    )

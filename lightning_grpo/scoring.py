@@ -39,8 +39,16 @@ class ChunkScorer:
         packing: whether chunks are scored padding-free (``rl.packed`` resolved for this policy; ``packing.py``).
     """
 
-    def __init__(self, policy: nn.Module, ref: nn.Module | None, vision: VisionProcessor | None, has_reference: bool,
-                 temperature: float, keep_bytes: int, packing: Packing = PADDED) -> None:
+    def __init__(
+        self,
+        policy: nn.Module,
+        ref: nn.Module | None,
+        vision: VisionProcessor | None,
+        has_reference: bool,
+        temperature: float,
+        keep_bytes: int,
+        packing: Packing = PADDED,
+    ) -> None:
         self.policy = policy
         self.ref = ref
         self.vision = vision
@@ -62,39 +70,62 @@ class ChunkScorer:
         """``[B, T-1]`` the policy's logprobs of ``chunk`` (the ahead pass's frozen pi_old)."""
         return self.logprobs(self.policy, chunk.to(self.device()))
 
-    def policy_view(self, chunk: RolloutBatch | None = None, vision: VisionInputs | None = None) -> PolicyView:
+    def policy_view(
+        self, chunk: RolloutBatch | None = None, vision: VisionInputs | None = None
+    ) -> PolicyView:
         """What an objective may ask of the policy (``objectives/base.py``). ``vision``: ``chunk``'s pixels,
         materialized once and shared by the policy and the reference (another chunk materializes its own)."""
         scores = _ChunkScores(self, chunk, vision)
         reference = scores.reference if self.has_reference else None
         call = functools.partial(root_call, self.policy)
-        return PolicyView(model=self.policy, temperature=self.temperature, logprobs=scores.logprobs,
-                          reference=reference, call=call, logprobs_and_entropy=scores.with_entropy)
+        return PolicyView(
+            model=self.policy,
+            temperature=self.temperature,
+            logprobs=scores.logprobs,
+            reference=reference,
+            call=call,
+            logprobs_and_entropy=scores.with_entropy,
+        )
 
-    def chunk_loss(self, objective: Objective, chunk: RolloutBatch, old_logprobs: Tensor | None,
-                   sampler_is_pi_old: bool) -> tuple[Tensor, Tensor, Stats]:
+    def chunk_loss(
+        self,
+        objective: Objective,
+        chunk: RolloutBatch,
+        old_logprobs: Tensor | None,
+        sampler_is_pi_old: bool,
+    ) -> tuple[Tensor, Tensor, Stats]:
         """The objective on one chunk: it asks the policy (and reference, teacher) for what it needs.
 
         ``sampler_is_pi_old``: ``rl.rollout_correction.mode=bypass`` (``plan.pi_old_source``): the sampler's logprobs
         stand in for a pi_old the ahead pass did not record."""
         chunk = chunk.to(self.device())
-        vision = self.materialize(chunk)  # this chunk's pixels only; freed once its backward has run
+        # this chunk's pixels only; freed once its backward has run
+        vision = self.materialize(chunk)
         if old_logprobs is None and sampler_is_pi_old:
             if chunk.rollout_logprobs is None:
-                raise ValueError("rl.rollout_correction.mode=bypass but the engine returned no sampler logprobs")
+                raise ValueError(
+                    "rl.rollout_correction.mode=bypass but the engine returned no sampler logprobs"
+                )
             old_logprobs = chunk.rollout_logprobs[:, 1:]
-        loss, denom, stats = objective.chunk_loss(chunk, self.policy_view(chunk, vision), old_logprobs)
-        if vision is None and self.vision is not None:  # no pixels: DDP still needs the vision side in the backward
+        loss, denom, stats = objective.chunk_loss(
+            chunk, self.policy_view(chunk, vision), old_logprobs
+        )
+        # no pixels: DDP still needs the vision side in the backward
+        if vision is None and self.vision is not None:
             loss = touch_vision(loss, self.policy)
         return loss, denom, stats
 
-    def token_figures(self, objective: ExplainsTokens, pad_id: int, rollouts: list[Rollout]) -> list[list[float]]:
+    def token_figures(
+        self, objective: ExplainsTokens, pad_id: int, rollouts: list[Rollout]
+    ) -> list[list[float]]:
         """Per row of ``rollouts``, ``objective``'s figure at each completion token the loss counts, with the policy
         as it is now (the completions log calls it for the few rows it shows, after the loop step's update)."""
         zeros = torch.zeros(len(rollouts))
         chunk = pack_rollouts(rollouts, zeros, zeros, pad_id).to(self.device())
         with torch.no_grad(), eval_mode(self.policy):
-            values = objective.token_figures(chunk, self.policy_view(chunk, self.materialize(chunk)))
+            values = objective.token_figures(
+                chunk, self.policy_view(chunk, self.materialize(chunk))
+            )
         mask = chunk.completion_mask[:, 1:]  # [B, T-1]
         return [values[i][mask[i]].tolist() for i in range(len(rollouts))]
 
@@ -103,11 +134,15 @@ class ChunkScorer:
         ``ExplainsTokens``), measured on demand (``token_figures``) for the rows a log shows."""
         if not isinstance(objective, ExplainsTokens):
             return rows
-        values = functools.partial(self.token_figures, objective, tokenizer.pad_token_id)
+        values = functools.partial(
+            self.token_figures, objective, tokenizer.pad_token_id
+        )
         figure = TokenFigure(objective.token_figure, values)
         return replace(rows, figure=figure, uses_advantages=objective.uses_advantages())
 
-    def reference_logprobs(self, chunk: RolloutBatch, vision: VisionInputs | None = None) -> Tensor:
+    def reference_logprobs(
+        self, chunk: RolloutBatch, vision: VisionInputs | None = None
+    ) -> Tensor:
         """``[B, T-1]`` logprobs of the frozen reference: the copy, or under LoRA the policy with its adapter off."""
         if self.ref is not None:
             with torch.no_grad(), eval_mode(self.ref):
@@ -115,29 +150,55 @@ class ChunkScorer:
         with torch.no_grad(), eval_mode(self.policy), lora.reference_mode(self.policy):
             return self.logprobs(self.policy, chunk, vision)
 
-    def logprobs(self, model: nn.Module, chunk: RolloutBatch, vision: VisionInputs | None = None,
-                 entropy: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def logprobs(
+        self,
+        model: nn.Module,
+        chunk: RolloutBatch,
+        vision: VisionInputs | None = None,
+        entropy: str | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """``[B, T-1]`` logprobs of the completion tokens at the sampling temperature, 0 at prompt and padding. A chunk
         with images is scored with ``vision`` (materialized here when not given). ``entropy`` (``"value"``/``"grad"``):
         also the policy's entropy there, ``(logprobs, entropy)`` (``logprobs.token_logprobs``)."""
         vision = vision if vision is not None else self.materialize(chunk)
-        extra = None if vision is None else {k: v.to(self.device()) for k, v in vision.as_kwargs().items()}
-        return root_call(model, token_logprobs, model, chunk.input_ids, chunk.attention_mask,
-                         positions=chunk.completion_mask[:, 1:], temperature=self.temperature,
-                         keep_bytes=self.keep_bytes, model_inputs=extra, entropy=entropy, packed=self.packed)
+        extra = (
+            None
+            if vision is None
+            else {k: v.to(self.device()) for k, v in vision.as_kwargs().items()}
+        )
+        return root_call(
+            model,
+            token_logprobs,
+            model,
+            chunk.input_ids,
+            chunk.attention_mask,
+            positions=chunk.completion_mask[:, 1:],
+            temperature=self.temperature,
+            keep_bytes=self.keep_bytes,
+            model_inputs=extra,
+            entropy=entropy,
+            packed=self.packed,
+        )
 
     def materialize(self, chunk: RolloutBatch) -> VisionInputs | None:
         """The pixels of ``chunk``'s rows (decoded and processed now), or None for a chunk without images."""
         if chunk.images is None or self.vision is None:
             return None
-        return self.vision.materialize(chunk.images, chunk.input_ids.cpu(), chunk.group_ids.tolist())
+        return self.vision.materialize(
+            chunk.images, chunk.input_ids.cpu(), chunk.group_ids.tolist()
+        )
 
 
 class _ChunkScores:
     """What a ``PolicyView`` scores with: ``chunk``'s pixels, materialized once, go with every score of that chunk
     (any other chunk materializes its own)."""
 
-    def __init__(self, scorer: ChunkScorer, chunk: RolloutBatch | None, vision: VisionInputs | None) -> None:
+    def __init__(
+        self,
+        scorer: ChunkScorer,
+        chunk: RolloutBatch | None,
+        vision: VisionInputs | None,
+    ) -> None:
         self.scorer = scorer
         self.chunk = chunk
         self.vision = vision
@@ -153,7 +214,9 @@ class _ChunkScores:
 
     def with_entropy(self, chunk: RolloutBatch, grad: bool) -> tuple[Tensor, Tensor]:
         entropy = "grad" if grad else "value"
-        return self.scorer.logprobs(self.scorer.policy, chunk, self.pixels(chunk), entropy)
+        return self.scorer.logprobs(
+            self.scorer.policy, chunk, self.pixels(chunk), entropy
+        )
 
 
 def frozen_copy(policy: nn.Module, needed: bool) -> nn.Module | None:
@@ -167,8 +230,15 @@ def frozen_copy(policy: nn.Module, needed: bool) -> nn.Module | None:
     return copy.deepcopy(policy).requires_grad_(False)
 
 
-def build_scorer(policy: nn.Module, ref: nn.Module | None, vision: VisionProcessor | None, objective: Objective,
-                 rl, temperature: float, routed: bool) -> ChunkScorer:
+def build_scorer(
+    policy: nn.Module,
+    ref: nn.Module | None,
+    vision: VisionProcessor | None,
+    objective: Objective,
+    rl,
+    temperature: float,
+    routed: bool,
+) -> ChunkScorer:
     """The scorer of a built policy, with ``rl.packed`` resolved for it (refused where packing is inexact).
 
     Args:

@@ -19,10 +19,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 FILE = "completions.jsonl"
-ROW_FIELDS = ("step", "prompt_id", "prompt", "completion", "reward", "rewards", "advantage", "finish_reason",
-              "trained", "turns")
+ROW_FIELDS = (
+    "step",
+    "prompt_id",
+    "prompt",
+    "completion",
+    "reward",
+    "rewards",
+    "advantage",
+    "finish_reason",
+    "trained",
+    "turns",
+)
 """The keys of a completions row; any other list of numbers in a row is a per-token figure (OPD's KL)."""
-DESCRIPTION = "Print the completions (whole episodes with model.env) of one loop step of a run."
+DESCRIPTION = (
+    "Print the completions (whole episodes with model.env) of one loop step of a run."
+)
 
 
 class ShowError(RuntimeError):
@@ -34,27 +46,39 @@ def format_sample(sample: dict) -> str:
     and completion; the rewards and what the objective trained on (the advantage, or a per-token figure)."""
     if "turns" in sample:
         return format_episode(sample)
-    return (f"[completion, loop step {sample['step']}] {sample['prompt']!r} -> {sample['completion']!r}"
-            f" ({sample['finish_reason']})\n  {_outcome(sample)}")
+    return (
+        f"[completion, loop step {sample['step']}] {sample['prompt']!r} -> {sample['completion']!r}"
+        f" ({sample['finish_reason']})\n  {_outcome(sample)}"
+    )
 
 
 def format_episode(sample: dict) -> str:
     """A multi-turn episode: its prompt as the model saw it (tool schemas included), then each turn's text, tool
     calls with their arguments and results, and which tokens trained (the model's) and which were context."""
-    lines = [f"[episode, loop step {sample['step']}, prompt {sample['prompt_id']}] {sample['finish_reason']}, "
-             f"{len(sample['turns'])} turn(s); {_outcome(sample)}", "prompt, as the model saw it:"]
+    lines = [
+        f"[episode, loop step {sample['step']}, prompt {sample['prompt_id']}] {sample['finish_reason']}, "
+        f"{len(sample['turns'])} turn(s); {_outcome(sample)}",
+        "prompt, as the model saw it:",
+    ]
     lines += [f"  | {line}" for line in sample["prompt"].splitlines()]
-    trained = "trained" if sample.get("trained", True) else "not trained: the row left the loss"
+    trained = (
+        "trained"
+        if sample.get("trained", True)
+        else "not trained: the row left the loss"
+    )
     for k, turn in enumerate(sample["turns"], 1):
         lines.append(f"turn {k} ({turn['tokens']} tokens, {trained}): {turn['text']!r}")
         lines += [f"  {_call(c)}" for c in turn["calls"]]
         if turn["context_tokens"]:
-            lines.append(f"  + {turn['context_tokens']} tokens of tool results (context, not trained)")
+            lines.append(
+                f"  + {turn['context_tokens']} tokens of tool results (context, not trained)"
+            )
     return "\n".join(lines)
 
 
 def _call(call: dict) -> str:
-    if call["arguments"] is None:  # a call the parser recognised but could not read: its error went back
+    # a call the parser recognised but could not read: its error went back
+    if call["arguments"] is None:
         return f"unreadable call -> {call['result']!r} (failed)"
     args = ", ".join(f"{k}={v!r}" for k, v in call["arguments"].items())
     if call["result"] is None:
@@ -69,10 +93,15 @@ def _outcome(sample: dict) -> str:
     out = f"reward {sample['reward']:.3f}{f' ({parts})' if parts else ''}"
     if sample.get("advantage") is not None:
         out += f", advantage {sample['advantage']:+.3f}"
-    for name, values in sample.items():  # a list of numbers beside the row's own fields: OPD's kl_to_teacher
+    # a list of numbers beside the row's own fields: OPD's kl_to_teacher
+    for name, values in sample.items():
         if name not in ROW_FIELDS and isinstance(values, list) and values:
-            shown = " ".join(f"{v:.3f}" for v in values[:16]) + (" ..." if len(values) > 16 else "")
-            out += f", {name} per token [{shown}] (mean {sum(values) / len(values):.3f})"
+            shown = " ".join(f"{v:.3f}" for v in values[:16]) + (
+                " ..." if len(values) > 16 else ""
+            )
+            out += (
+                f", {name} per token [{shown}] (mean {sum(values) / len(values):.3f})"
+            )
     return out
 
 
@@ -81,22 +110,40 @@ def find_completions(path: str | Path) -> Path:
     path = Path(path)
     if path.is_file():
         return path
-    found = sorted(path.rglob(FILE), key=lambda p: p.stat().st_mtime) if path.is_dir() else []
+    found = (
+        sorted(path.rglob(FILE), key=lambda p: p.stat().st_mtime)
+        if path.is_dir()
+        else []
+    )
     if not found:
-        raise ShowError(f"no {FILE} at or under {str(path)!r}: give a run folder (e.g. runs/quickstart/version_0); "
-                        "a fit writes it unless trainer callbacks drop CompletionLog or samples_per_step is 0")
+        raise ShowError(
+            f"no {FILE} at or under {str(path)!r}: give a run folder (e.g. runs/quickstart/version_0); "
+            "a fit writes it unless trainer callbacks drop CompletionLog or samples_per_step is 0"
+        )
     return found[-1]
 
 
 def rows_of_step(path: Path, step: int | None) -> list[dict]:
     """The rows of loop step ``step`` (None: the last step logged); a resumed run's repeated step: its last rows."""
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    steps = sorted({r["step"] for r in rows if isinstance(r.get("step"), int) and "completion" in r})
+    rows = [
+        json.loads(line)
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
+    steps = sorted(
+        {
+            r["step"]
+            for r in rows
+            if isinstance(r.get("step"), int) and "completion" in r
+        }
+    )
     if not steps:
         raise ShowError(f"{path}: no completion rows yet")
     want = steps[-1] if step is None else step
     if want not in steps:
-        raise ShowError(f"--step {step}: {path} holds loop steps {_span(steps)}; pick one of them")
+        raise ShowError(
+            f"--step {step}: {path} holds loop steps {_span(steps)}; pick one of them"
+        )
     return [r for r in rows if r.get("step") == want and "completion" in r]
 
 
@@ -104,12 +151,21 @@ def _span(steps: list[int]) -> str:
     return f"{steps[0]}..{steps[-1]}" if len(steps) > 2 else ", ".join(map(str, steps))
 
 
-def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+def build_parser(
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+) -> argparse.ArgumentParser:
     """The ``show`` arguments (``parser_class``: the CLI lists ``show`` among its subcommands, with a jsonargparse
     parser)."""
     parser = parser_class(prog="lightning-grpo show", description=DESCRIPTION)
-    parser.add_argument("run", help=f"a run folder (or its {FILE}, or a folder of runs: the newest)")
-    parser.add_argument("--step", type=int, default=None, help="the loop step (default: the last one logged)")
+    parser.add_argument(
+        "run", help=f"a run folder (or its {FILE}, or a folder of runs: the newest)"
+    )
+    parser.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="the loop step (default: the last one logged)",
+    )
     return parser
 
 

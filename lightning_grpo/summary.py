@@ -16,10 +16,21 @@ from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from lightning_grpo.checkpoint.signals import Preempted
-from lightning_grpo.plot import REPLACED_BY, PlotError, Series, plot_curves, series_of, smoothed
+from lightning_grpo.plot import (
+    REPLACED_BY,
+    PlotError,
+    Series,
+    plot_curves,
+    series_of,
+    smoothed,
+)
 from lightning_grpo.validation import is_measurement
 
-HEADLINES = {"reward/mean": "reward", "dpo/loss": "dpo/loss", "dpo/accuracy": "dpo/accuracy"}
+HEADLINES = {
+    "reward/mean": "reward",
+    "dpo/loss": "dpo/loss",
+    "dpo/accuracy": "dpo/accuracy",
+}
 """Training metrics reported first/last (trailing mean over ``window`` loop steps) when the run logs them: label."""
 VAL_HEADLINES = ("val/reward", "val/accuracy")
 """Validation metrics reported first/last (one value per validation, with its loop step) when logged."""
@@ -46,17 +57,23 @@ class RunSummary(Callback):
             raise ValueError(f"RunSummary(window={window}): must be >= 1")
         self.window = window
         self.plot = plot
-        self._rows: list[dict[str, float]] = []  # per loop step: its step and the HEADLINES it logged
-        self._val: list[dict[str, float]] = []  # per logged validation: its loop step and the VAL_HEADLINES
-        self._counts: dict[str, float] = {}  # THROUGHPUT counts of this fit (not of the run a resume continues)
+        # per loop step: its step and the HEADLINES it logged
+        self._rows: list[dict[str, float]] = []
+        # per logged validation: its loop step and the VAL_HEADLINES
+        self._val: list[dict[str, float]] = []
+        # THROUGHPUT counts of this fit (not of the run a resume continues)
+        self._counts: dict[str, float] = {}
         self._start = 0.0
         self._first_step = 0
-        self._earlier: list[dict] = []  # earlier fits of this run (a resume): their loop steps and log folder
-        self._log_dir: str | None = None  # this fit's log folder (where metrics.csv and curves.png are)
+        # earlier fits of this run (a resume): their loop steps and log folder
+        self._earlier: list[dict] = []
+        # this fit's log folder (where metrics.csv and curves.png are)
+        self._log_dir: str | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":  # a fresh fit starts empty; a resume loads its rows after this (load_state_dict)
+        # a fresh fit starts empty; a resume loads its rows after this (load_state_dict)
+        if stage == "fit":
             self._rows = []
             self._val = []
             self._earlier = []
@@ -65,36 +82,58 @@ class RunSummary(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start = time.perf_counter()
         self._counts = {}
-        self._first_step = int(getattr(pl_module, "loop_step", 0))  # UpdateModule's: a loaded checkpoint's
-        self._log_dir = getattr(trainer, "log_dir", None)  # on every rank: a broadcast under DDP
+        # UpdateModule's: a loaded checkpoint's
+        self._first_step = int(getattr(pl_module, "loop_step", 0))
+        # on every rank: a broadcast under DDP
+        self._log_dir = getattr(trainer, "log_dir", None)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not is_measurement(trainer):
             return
-        values = {k: float(v) for k, v in trainer.callback_metrics.items() if k in VAL_HEADLINES}
+        values = {
+            k: float(v)
+            for k, v in trainer.callback_metrics.items()
+            if k in VAL_HEADLINES
+        }
         step = float(getattr(pl_module, "loop_step", len(self._rows)))
-        if not values or (self._val and self._val[-1]["step"] == step):  # a loop step already measured counts once
+        # a loop step already measured counts once
+        if not values or (self._val and self._val[-1]["step"] == step):
             return
         self._val.append({"step": step, **values})
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs,
+        batch,
+        batch_idx: int,
+    ) -> None:
         metrics = getattr(pl_module, "last_metrics", {})
-        step = float(metrics.get("step", getattr(pl_module, "loop_step", len(self._rows) + 1)))
-        self._rows.append({"step": step, **{k: float(metrics[k]) for k in HEADLINES if k in metrics}})
+        step = float(
+            metrics.get("step", getattr(pl_module, "loop_step", len(self._rows) + 1))
+        )
+        self._rows.append(
+            {"step": step, **{k: float(metrics[k]) for k in HEADLINES if k in metrics}}
+        )
         for key in THROUGHPUT.keys() & metrics.keys():
             self._counts[key] = self._counts.get(key, 0.0) + float(metrics[key])
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        report = self.report(trainer)  # on every rank: trainer.log_dir is a broadcast under DDP
+        # on every rank: trainer.log_dir is a broadcast under DDP
+        report = self.report(trainer)
         if trainer.is_global_zero:
             print(report + self._curves(trainer), flush=True)
 
     @override
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, Preempted):  # a preempted run still says what it did and where it resumes from
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        # a preempted run still says what it did and where it resumes from
+        if isinstance(exception, Preempted):
             report = self.report(trainer)
             if trainer.is_global_zero:
                 print(f"{report}\n  stopped          {exception}", flush=True)
@@ -102,30 +141,44 @@ class RunSummary(Callback):
     def report(self, trainer: Trainer) -> str:
         seconds = time.perf_counter() - self._start
         series = series_of(self._rows + self._val)
-        rates = [f"{count / max(seconds, 1e-9):.0f} {THROUGHPUT[key]}" for key, count in self._counts.items()]
+        rates = [
+            f"{count / max(seconds, 1e-9):.0f} {THROUGHPUT[key]}"
+            for key, count in self._counts.items()
+        ]
         lines = [
             "",
             "lightning-grpo run summary",
             self._steps_line(trainer),
             *self._train_lines(series),
             *self._val_lines(series),
-            f"  wall time        {seconds:.1f} s" + (f", {', '.join(rates)} (all ranks)" if rates else ""),
+            f"  wall time        {seconds:.1f} s"
+            + (f", {', '.join(rates)} (all ranks)" if rates else ""),
             f"  logs             {trainer.log_dir}{self._where_steps_are()}",
         ]
         seed = getattr(trainer.lightning_module, "seed", None)
-        if seed is not None:  # the effective seed, and where it came from (model.seed or seed_everything)
-            lines.insert(2, f"  seed             {seed}  (from {getattr(trainer.lightning_module, 'seed_source', '?')})")
+        # the effective seed, and where it came from (model.seed or seed_everything)
+        if seed is not None:
+            lines.insert(
+                2,
+                f"  seed             {seed}  (from {getattr(trainer.lightning_module, 'seed_source', '?')})",
+            )
         return "\n".join(lines)
 
     def _steps_line(self, trainer: Trainer) -> str:
         last = int(self._rows[-1]["step"]) if self._rows else self._first_step
-        resumed = f"{last - self._first_step} in this fit, from loop step {self._first_step}; " if self._first_step else ""
+        resumed = (
+            f"{last - self._first_step} in this fit, from loop step {self._first_step}; "
+            if self._first_step
+            else ""
+        )
         return f"  loop steps       {last}  ({resumed}optimizer steps: {trainer.global_step})"
 
     def _train_lines(self, series: dict[str, Series]) -> list[str]:
         """First and last ``window``-step means of each headline metric, with the loop steps they cover."""
         lines = []
-        shown = [m for m in HEADLINES if m in series and REPLACED_BY.get(m) not in series]
+        shown = [
+            m for m in HEADLINES if m in series and REPLACED_BY.get(m) not in series
+        ]
         for metric in shown:
             xs, ys = series[metric]
             w = min(self.window, len(series[metric][1]))
@@ -134,8 +187,10 @@ class RunSummary(Callback):
             last = mean[-1]
             label = HEADLINES[metric]
             span = f"loop steps {xs[-w]:.0f}-{xs[-1]:.0f}, {last - first:+.3f}"
-            lines += [f"  {f'{label} first {w}':<16} {first:.3f}  (loop steps {xs[0]:.0f}-{xs[w - 1]:.0f})",
-                      f"  {f'{label} last {w}':<16} {last:.3f}  ({span})"]
+            lines += [
+                f"  {f'{label} first {w}':<16} {first:.3f}  (loop steps {xs[0]:.0f}-{xs[w - 1]:.0f})",
+                f"  {f'{label} last {w}':<16} {last:.3f}  ({span})",
+            ]
         return lines
 
     def _val_lines(self, series: dict[str, Series]) -> list[str]:
@@ -143,17 +198,25 @@ class RunSummary(Callback):
         lines = []
         for metric in (m for m in VAL_HEADLINES if m in series):
             xs, ys = series[metric]
-            last = f"loop step {xs[-1]:.0f}, {ys[-1] - ys[0]:+.3f}; {len(xs)} validations"
-            lines += [f"  {metric} first {ys[0]:.3f}  (loop step {xs[0]:.0f})",
-                      f"  {metric} last  {ys[-1]:.3f}  ({last})"]
+            last = (
+                f"loop step {xs[-1]:.0f}, {ys[-1] - ys[0]:+.3f}; {len(xs)} validations"
+            )
+            lines += [
+                f"  {metric} first {ys[0]:.3f}  (loop step {xs[0]:.0f})",
+                f"  {metric} last  {ys[-1]:.3f}  ({last})",
+            ]
         return lines or [NOT_MEASURED]
 
     def _spans(self) -> list[dict]:
         """Which folder logged which loop steps, over the fits of this run (consecutive fits of one folder merged)."""
         spans = []
         last = int(self._rows[-1]["step"]) if self._rows else self._first_step
-        this = [{"first": self._first_step + 1, "last": last, "dir": str(self._log_dir)}]
-        for span in self._earlier + (this if last > self._first_step and self._log_dir is not None else []):
+        this = [
+            {"first": self._first_step + 1, "last": last, "dir": str(self._log_dir)}
+        ]
+        for span in self._earlier + (
+            this if last > self._first_step and self._log_dir is not None else []
+        ):
             if spans and spans[-1]["dir"] == span["dir"]:
                 spans[-1]["last"] = span["last"]
             else:
@@ -166,35 +229,53 @@ class RunSummary(Callback):
         spans = self._spans()
         if len(spans) < 2:
             return ""
-        earlier = "; ".join(f"loop steps {s['first']}-{s['last']}: {s['dir']}" for s in spans[:-1])
+        earlier = "; ".join(
+            f"loop steps {s['first']}-{s['last']}: {s['dir']}" for s in spans[:-1]
+        )
         return f"  (loop steps {spans[-1]['first']}-{spans[-1]['last']}; {earlier})"
 
     def _curves(self, trainer: Trainer) -> str:
         """The summary's last line: where the curves PNG is, or the command that makes it (rank 0 only)."""
-        csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+        csv_logger = next(
+            (lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None
+        )
         if csv_logger is None:
             return ""  # no CSV to plot (e.g. only W&B, which draws its own curves)
         command = f"lightning-grpo plot {csv_logger.log_dir}"
         if not self.plot:
             return f"\n  curves           {command}"
-        csv_logger.save()  # flush the buffered rows now: the logger's own final save comes after this hook
+        # flush the buffered rows now: the logger's own final save comes after this hook
+        csv_logger.save()
         try:
-            png = plot_curves(csv_logger.experiment.metrics_file_path, window=self.window).png
+            png = plot_curves(
+                csv_logger.experiment.metrics_file_path, window=self.window
+            ).png
         except PlotError as err:
             return f"\n  curves           {command}  ({err})"
-        except Exception as err:  # noqa: BLE001 - a plotting failure must not fail a finished run
+        # noqa: BLE001 - a plotting failure must not fail a finished run
+        except Exception as err:
             return f"\n  curves           {command}  (plot failed: {err!r})"
         return f"\n  curves           {png}  (redraw: {command})"
 
     def state_dict(self) -> dict:
-        return {"rows": [dict(r) for r in self._rows], "val_rows": [dict(v) for v in self._val],
-                "folders": self._spans()}
+        return {
+            "rows": [dict(r) for r in self._rows],
+            "val_rows": [dict(v) for v in self._val],
+            "folders": self._spans(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        if "rows" not in state:  # an older checkpoint: rewards per loop step, (step, val/reward) pairs
-            self._rows = [{"step": float(i + 1), "reward/mean": r} for i, r in enumerate(state.get("rewards", []))]
-            self._val = [{"step": float(s), "val/reward": v} for s, v in state.get("val", [])]
+        # an older checkpoint: rewards per loop step, (step, val/reward) pairs
+        if "rows" not in state:
+            self._rows = [
+                {"step": float(i + 1), "reward/mean": r}
+                for i, r in enumerate(state.get("rewards", []))
+            ]
+            self._val = [
+                {"step": float(s), "val/reward": v} for s, v in state.get("val", [])
+            ]
             return
         self._rows = [dict(r) for r in state["rows"]]
         self._val = [dict(v) for v in state["val_rows"]]
-        self._earlier = [dict(f) for f in state.get("folders", [])]  # older checkpoints: not recorded
+        # older checkpoints: not recorded
+        self._earlier = [dict(f) for f in state.get("folders", [])]

@@ -120,7 +120,9 @@ class ProfileRecords:
             process's resident set on CPU.
     """
 
-    def __init__(self, path: str | os.PathLike, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, path: str | os.PathLike, device: torch.device | str = "cpu"
+    ) -> None:
         self.path = Path(path)
         self.device = torch.device(device)
         self.last: dict | None = None
@@ -139,8 +141,13 @@ class ProfileRecords:
         for p in self._phases:
             seconds[p["phase"]] = seconds.get(p["phase"], 0.0) + p["seconds"]
         now = time.perf_counter()
-        record = {**fields, "seconds": seconds, "total_seconds": now - self._start,
-                  "memory_start": self._memory_start, "phases": self._phases}
+        record = {
+            **fields,
+            "seconds": seconds,
+            "total_seconds": now - self._start,
+            "memory_start": self._memory_start,
+            "phases": self._phases,
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -155,9 +162,11 @@ def memory_sample(device: torch.device) -> dict[str, int]:
     if device.type != "cuda":
         return {"rss": rss_bytes()}
     free, total = torch.cuda.mem_get_info(device)
-    return {"cuda_allocated": torch.cuda.memory_allocated(device),
-            "cuda_reserved": torch.cuda.memory_reserved(device),
-            "device_used": total - free}
+    return {
+        "cuda_allocated": torch.cuda.memory_allocated(device),
+        "cuda_reserved": torch.cuda.memory_reserved(device),
+        "device_used": total - free,
+    }
 
 
 def rss_bytes() -> int:

@@ -50,7 +50,9 @@ class TrainerSide:
     @property
     def engine_sleeps(self) -> bool:
         """Whether the fit's publisher puts the engine to sleep between generations (no Trainer: never)."""
-        return engine_sleeps(self.trainer.callbacks) if self.trainer is not None else False
+        return (
+            engine_sleeps(self.trainer.callbacks) if self.trainer is not None else False
+        )
 
     @property
     def strategy(self):
@@ -62,8 +64,13 @@ class TrainerSide:
         the wait runs to its end; ``checkpoint/signals.py``)."""
         return stop_poll(self.trainer, waiting_on)
 
-    def publisher(self, engine: RolloutEngine, policy: nn.Module, sync_bucket_mb: float,
-                  timer: StepTimer | None = None) -> WeightPublisher:
+    def publisher(
+        self,
+        engine: RolloutEngine,
+        policy: nn.Module,
+        sync_bucket_mb: float,
+        timer: StepTimer | None = None,
+    ) -> WeightPublisher:
         """The fit's publisher of ``policy`` to ``engine``, told the engine is ready (``on_engine_ready``): the
         Trainer's own, else one attached for an engine with weights of its own (``handoff.engine_publisher``), else
         ``NoPublisher``."""

@@ -48,7 +48,9 @@ def is_measurement(trainer) -> bool:
     runs none when a fit resumes mid-epoch). Lightning itself logs nothing during a sanity check;
     ``UpdateModule.on_validation_end`` writes that row.
     """
-    return not trainer.sanity_checking or sum(trainer.num_sanity_val_batches) >= sum(trainer.num_val_batches)
+    return not trainer.sanity_checking or sum(trainer.num_sanity_val_batches) >= sum(
+        trainer.num_val_batches
+    )
 
 
 def greedy_sampling(max_new_tokens: int) -> SamplingConfig:
@@ -56,8 +58,13 @@ def greedy_sampling(max_new_tokens: int) -> SamplingConfig:
     return SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, seed=VAL_SEED)
 
 
-def greedy_scores(collector: Collector, records: Sequence, loop_step: int, samples_per_prompt: int = 0,
-                  pass_reward: float = 1.0) -> dict[str, float]:
+def greedy_scores(
+    collector: Collector,
+    records: Sequence,
+    loop_step: int,
+    samples_per_prompt: int = 0,
+    pass_reward: float = 1.0,
+) -> dict[str, float]:
     """``val/*`` metrics of one held-out batch: one greedy completion per prompt, scored as training scores.
 
     Args:
@@ -74,42 +81,69 @@ def greedy_scores(collector: Collector, records: Sequence, loop_step: int, sampl
     """
     # The encoding training uses (a VLM's image placeholders expanded); unreadable images as data.on_bad_record says.
     prompts = live_prompts(*collector.prompts_of(records))
-    train = collector.sampling.at(loop_step)  # its stop strings end turns (an episode's calls) and completions
-    sampling = replace(greedy_sampling(train.max_new_tokens), stop=train.stop,
-                       forbidden_token_ids=train.forbidden_token_ids)
-    rollouts, episodes = collector.draw(prompts, 1, sampling)  # with model.env: whole episodes
+    # its stop strings end turns (an episode's calls) and completions
+    train = collector.sampling.at(loop_step)
+    sampling = replace(
+        greedy_sampling(train.max_new_tokens),
+        stop=train.stop,
+        forbidden_token_ids=train.forbidden_token_ids,
+    )
+    # with model.env: whole episodes
+    rollouts, episodes = collector.draw(prompts, 1, sampling)
     rewards, parts = collector.score(rollouts)
     metrics = {"val/reward": float(rewards.float().mean())}
-    metrics.update({f"val/{name}": value for name, value in {**parts, **episodes}.items()})
+    metrics.update(
+        {f"val/{name}": value for name, value in {**parts, **episodes}.items()}
+    )
     metrics["val/len_mean"] = sum(_model_tokens(r) for r in rollouts) / len(rollouts)
-    metrics["val/stop_frac"] = sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts)
+    metrics["val/stop_frac"] = sum(r.finish_reason == "stop" for r in rollouts) / len(
+        rollouts
+    )
     if samples_per_prompt > 0 and prompts:
-        metrics.update(sampled_scores(collector, prompts, samples_per_prompt, pass_reward, train))
+        metrics.update(
+            sampled_scores(collector, prompts, samples_per_prompt, pass_reward, train)
+        )
     return metrics
 
 
-def sampled_scores(collector: Collector, prompts: Sequence, k: int, pass_reward: float,
-                   train: SamplingConfig) -> dict[str, float]:
+def sampled_scores(
+    collector: Collector,
+    prompts: Sequence,
+    k: int,
+    pass_reward: float,
+    train: SamplingConfig,
+) -> dict[str, float]:
     """``val/pass@k``, ``val/pass@1``, ``val/mean@k`` of ``k`` completions per prompt at the training temperature
     (``train``: the training sampling)."""
-    sampling = replace(train, seed=VAL_SEED, logprobs=False)  # the same draw at every validation
+    # the same draw at every validation
+    sampling = replace(train, seed=VAL_SEED, logprobs=False)
     rewards, _ = collector.score(collector.draw(prompts, k, sampling)[0])
     grouped = rewards.float().view(len(prompts), k)  # [P, k]
     passed = (grouped >= pass_reward).sum(dim=1)  # [P]
-    return {"val/pass@k": sum(pass_at_k(k, int(c), k) for c in passed) / len(prompts),
-            "val/pass@1": float(passed.float().mean() / k), "val/mean@k": float(grouped.mean())}
+    return {
+        "val/pass@k": sum(pass_at_k(k, int(c), k) for c in passed) / len(prompts),
+        "val/pass@1": float(passed.float().mean() / k),
+        "val/mean@k": float(grouped.mean()),
+    }
 
 
 def _model_tokens(rollout) -> int:
     """Tokens the policy wrote (an episode's tool results are not its own), as ``completion/len_*`` counts them."""
-    return len(rollout.token_ids) if rollout.model_mask is None else sum(rollout.model_mask)
+    return (
+        len(rollout.token_ids)
+        if rollout.model_mask is None
+        else sum(rollout.model_mask)
+    )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from ``n`` draws of which ``c`` pass: ``1 - C(n - c, k) / C(n, k)`` (Chen et al. 2021)."""
     if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k(n={n}, c={c}, k={k}): needs 0 <= c <= n and 1 <= k <= n")
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # exact integers: no float cancellation for large n
+        raise ValueError(
+            f"pass_at_k(n={n}, c={c}, k={k}): needs 0 <= c <= n and 1 <= k <= n"
+        )
+    # exact integers: no float cancellation for large n
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 class ValidationMeans(nn.Module):
@@ -124,9 +158,12 @@ class ValidationMeans(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.means = nn.ModuleDict()
-        self._keys: dict[str, str] = {}  # metric name -> ModuleDict key (names hold '/' and '.')
+        # metric name -> ModuleDict key (names hold '/' and '.')
+        self._keys: dict[str, str] = {}
 
-    def add(self, metrics: dict[str, float], weight: int, device: torch.device) -> list[tuple[str, nn.Module, str]]:
+    def add(
+        self, metrics: dict[str, float], weight: int, device: torch.device
+    ) -> list[tuple[str, nn.Module, str]]:
         """Add one validation batch of ``weight`` prompts. Returns ``(name, mean, attribute)`` per metric, for the
         module to log at epoch level (``self.log(name, mean, metric_attribute=attribute)``)."""
         from torchmetrics import MeanMetric

@@ -29,7 +29,13 @@ from lightning_grpo.rollout.base import Prompt
 
 IMAGE_TOKEN = "<|image_pad|>"
 """The placeholder token Qwen-VL chat templates put where an image goes (one per image before expansion)."""
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_pad|>")
+VISION_TOKENS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_pad|>",
+)
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,11 @@ class VisionInputs:
     mm_token_type_ids: Tensor
 
     def as_kwargs(self) -> dict[str, Tensor]:
-        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
-                "mm_token_type_ids": self.mm_token_type_ids}
+        return {
+            "pixel_values": self.pixel_values,
+            "image_grid_thw": self.image_grid_thw,
+            "mm_token_type_ids": self.mm_token_type_ids,
+        }
 
 
 class VisionProcessor:
@@ -66,7 +75,9 @@ class VisionProcessor:
         inputs = vision.materialize(chunk)          # pixels of this chunk's rows only
     """
 
-    def __init__(self, image_processor, image_token_id: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, image_processor, image_token_id: int, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.image_processor = image_processor
         self.image_token_id = int(image_token_id)
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
@@ -75,17 +86,23 @@ class VisionProcessor:
         """Vision tokens a completion must never hold (engines end it before one: ``SamplingConfig``)."""
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, tokenizer, dtype: torch.dtype = torch.float32) -> VisionProcessor:
+    def from_pretrained(
+        cls, folder: str | Path, tokenizer, dtype: torch.dtype = torch.float32
+    ) -> VisionProcessor:
         from transformers import AutoImageProcessor
 
         image_processor = AutoImageProcessor.from_pretrained(folder)
         token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
         if token_id is None or token_id == tokenizer.unk_token_id:
-            raise ValueError(f"policy at {folder}: its tokenizer has no {IMAGE_TOKEN} token; a Qwen-VL checkpoint's "
-                             "tokenizer is needed for image prompts")
+            raise ValueError(
+                f"policy at {folder}: its tokenizer has no {IMAGE_TOKEN} token; a Qwen-VL checkpoint's "
+                "tokenizer is needed for image prompts"
+            )
         vision = cls(image_processor, token_id, dtype)
         vocab = tokenizer.get_vocab()
-        vision.special_ids = tuple(sorted({token_id} | {vocab[t] for t in VISION_TOKENS if t in vocab}))
+        vision.special_ids = tuple(
+            sorted({token_id} | {vocab[t] for t in VISION_TOKENS if t in vocab})
+        )
         return vision
 
     # -- prompts ---------------------------------------------------------------------------------------------------
@@ -118,9 +135,19 @@ class VisionProcessor:
         ids: list[int] = []
         for t in prompt.token_ids:
             ids.extend([t] * next(counts) if t == self.image_token_id else [t])
-        return Prompt(prompt.id, ids, prompt.text, prompt.answer, prompt.meta, prompt.messages, prompt.images)
+        return Prompt(
+            prompt.id,
+            ids,
+            prompt.text,
+            prompt.answer,
+            prompt.meta,
+            prompt.messages,
+            prompt.images,
+        )
 
-    def for_generation(self, prompts: Sequence[Prompt], group_size: int, input_ids: Tensor) -> VisionInputs | None:
+    def for_generation(
+        self, prompts: Sequence[Prompt], group_size: int, input_ids: Tensor
+    ) -> VisionInputs | None:
         """Inputs of ``group_size`` rows per prompt (``input_ids`` ``[N, L]``, left-padded): each prompt's images
         are decoded and processed once, their pixels repeated for its rows."""
         pixels, grids = [], []
@@ -132,14 +159,24 @@ class VisionProcessor:
         if not pixels:
             return None
         grid = torch.cat(grids)
-        if int((input_ids == self.image_token_id).sum()) != sum(self.tokens_per_image(grid)):
-            raise ValueError("prompts with images must have their placeholders expanded first "
-                             "(VisionProcessor.expand, as collect.prompts.step_prompts does)")
-        return VisionInputs(torch.cat(pixels), grid, (input_ids == self.image_token_id).int())
+        if int((input_ids == self.image_token_id).sum()) != sum(
+            self.tokens_per_image(grid)
+        ):
+            raise ValueError(
+                "prompts with images must have their placeholders expanded first "
+                "(VisionProcessor.expand, as collect.prompts.step_prompts does)"
+            )
+        return VisionInputs(
+            torch.cat(pixels), grid, (input_ids == self.image_token_id).int()
+        )
 
     # -- chunks ----------------------------------------------------------------------------------------------------
-    def materialize(self, images: Sequence[tuple], input_ids: Tensor, ids: Sequence[int] | None = None
-                    ) -> VisionInputs | None:
+    def materialize(
+        self,
+        images: Sequence[tuple],
+        input_ids: Tensor,
+        ids: Sequence[int] | None = None,
+    ) -> VisionInputs | None:
         """The model inputs of rows whose image references are ``images[i]`` and tokens ``input_ids[i]``.
 
         Args:
@@ -149,7 +186,11 @@ class VisionProcessor:
 
         Returns None when no row has an image.
         """
-        flat = [(ids[i] if ids is not None else None, ref) for i, refs in enumerate(images) for ref in refs]
+        flat = [
+            (ids[i] if ids is not None else None, ref)
+            for i, refs in enumerate(images)
+            for ref in refs
+        ]
         if not flat:
             return None
         decoded = [load_images([ref], rid)[0] for rid, ref in flat]
@@ -157,9 +198,11 @@ class VisionProcessor:
         expected = sum(self.tokens_per_image(grid))
         found = int((input_ids == self.image_token_id).sum())
         if found != expected:
-            raise ValueError(f"rows hold {found} image placeholder tokens but their images need {expected}: an "
-                             "image changed size since its prompt was built, the rows were cut, or a completion holds "
-                             "a vision token (engines cut before them: SamplingConfig.forbidden_token_ids)")
+            raise ValueError(
+                f"rows hold {found} image placeholder tokens but their images need {expected}: an "
+                "image changed size since its prompt was built, the rows were cut, or a completion holds "
+                "a vision token (engines cut before them: SamplingConfig.forbidden_token_ids)"
+            )
         return VisionInputs(pixels, grid, (input_ids == self.image_token_id).int())
 
 

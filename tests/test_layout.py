@@ -1,6 +1,9 @@
 """The package stays readable: no file over 400 lines, no function over 60 (STYLE.md, issue 27)."""
 
 import ast
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -207,3 +210,22 @@ def test_test_folders_mirror_the_package():
     """A folder of tests/ names a subpackage of lightning_grpo (or holds data or GPU scripts)."""
     folders = {p.name for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
     assert folders <= SUBPACKAGES, f"test folders with no subpackage of that name: {sorted(folders - SUBPACKAGES)}"
+
+
+def test_the_package_is_ruff_formatted_at_88_columns():
+    """The anchors' density (issue 41): ``ruff format`` at lightning_grpo/.ruff.toml's width, checked, not hoped."""
+    out = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", str(PACKAGE)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, f"run `ruff format lightning_grpo`:\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
+
+
+def test_every_mutation_of_the_mutation_check_still_applies():
+    """tools/mutation_check.py edits exact text: code that moved or was reformatted must take its patterns along."""
+    spec = importlib.util.spec_from_file_location("mutation_check", TESTS.parent / "tools" / "mutation_check.py")
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # its dataclasses look their module up there
+    spec.loader.exec_module(tool)
+    stale = [f"{m.path}: {old[:60]!r} x{(PACKAGE / m.path).read_text().count(old)}"
+             for m in tool.MUTATIONS for old, _ in m.edits
+             if not (PACKAGE / m.path).exists() or (PACKAGE / m.path).read_text().count(old) != 1]
+    assert not stale, f"update tools/mutation_check.py MUTATIONS: {stale}"

@@ -40,8 +40,8 @@ class Mutation:
 
 MUTATIONS = (
     Mutation("update", "divisor per chunk (the mean of the chunks' token means)", "update/accumulate.py", (
-        ("self.backward(loss if self.grad_accum == 1 else loss * self._carry(denom.detach()))",
-         "self.backward(loss if self.grad_accum == 1 else loss / self.grad_accum)"),
+        ("loss if self.grad_accum == 1 else loss * self._carry(denom.detach())",
+         "loss if self.grad_accum == 1 else loss / self.grad_accum"),
         ("        if self.grad_accum > 1:\n            total =", "        if False:\n            total ="),
     )),
     Mutation("update", "poisoned-window countdown off by one", "update/accumulate.py", (
@@ -61,8 +61,8 @@ MUTATIONS = (
         ("seed=self.seed * 1_000_003 + self.loop_step", "seed=self.seed * 1_000_003"),
     )),
     Mutation("collect", "tool tokens in the loss mask and divisor (pack_rollouts)", "batch.py", (
-        ("sampled = torch.ones(len(s) - p, dtype=torch.bool) if r.model_mask is None else torch.tensor(r.model_mask)",
-         "sampled = torch.ones(len(s) - p, dtype=torch.bool)"),
+        ("if r.model_mask is None\n            else torch.tensor(r.model_mask)",
+         "if True\n            else torch.tensor(r.model_mask)"),
     )),
     Mutation("collect", "every rank samples with the same seed", "collect/prompts.py", (
         ("seed = (self.seed * 1_000_003 + loop_step) * max(self.world, 1) + self.rank",
@@ -86,13 +86,14 @@ MUTATIONS = (
          "request_json(self.url, path, body, self.config.request_timeout_s, phase)"),
     )),
     Mutation("server", "an in-flight sync does not pause the servers (tokens sampled mid-sync)", "rollout/vllm_server.py", (
-        ('self._guarded(self._post, "/pause?mode=abort&clear_cache=false", {}, "pause")', "pass"),
+        ('self._post, "/pause?mode=abort&clear_cache=false", {}, "pause"',
+         'lambda *a: None, "/pause?mode=abort&clear_cache=false", {}, "pause"'),
     )),
     Mutation("server", "a cut request continues from its prompt, not its tokens so far", "rollout/server/inflight.py", (
         ('"prompt": list(body["prompt"]) + tokens', '"prompt": list(body["prompt"])'),
     )),
     Mutation("objectives", "Dr. GRPO divides by tokens, not sequences x max length", "objectives/grpo.py", (
-        ("self.dp_mean(seqs.detach() * self.max_completion_length)", "self.dp_mean(tokens.detach())"),
+        ("seqs.detach() * self.max_completion_length", "tokens.detach()"),
     )),
     Mutation("objectives", "the clip bounds swapped (epsilon_high below)", "objectives/grpo.py", (
         ("torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)",

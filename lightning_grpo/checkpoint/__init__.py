@@ -19,7 +19,12 @@
 from lightning_grpo.checkpoint.atomic import atomic_write
 from lightning_grpo.checkpoint.callback import GRPOCheckpoint, resolved_config
 from lightning_grpo.checkpoint.checkpoint_io import AtomicCheckpointIO
-from lightning_grpo.checkpoint.integrity import DamagedCheckpointError, Manifest, manifest_path, read_manifest
+from lightning_grpo.checkpoint.integrity import (
+    DamagedCheckpointError,
+    Manifest,
+    manifest_path,
+    read_manifest,
+)
 from lightning_grpo.checkpoint.lock import FolderInUseError
 from lightning_grpo.checkpoint.paths import (
     checkpoint_name,
@@ -31,7 +36,11 @@ from lightning_grpo.checkpoint.paths import (
 )
 from lightning_grpo.checkpoint.resume import resolve_ckpt_path
 from lightning_grpo.checkpoint.signals import Preempted
-from lightning_grpo.checkpoint.state import STATE_KEY, LoopState, NonFiniteParametersError
+from lightning_grpo.checkpoint.state import (
+    STATE_KEY,
+    LoopState,
+    NonFiniteParametersError,
+)
 
 __all__ = [
     "STATE_KEY",

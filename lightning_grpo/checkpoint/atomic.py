@@ -22,14 +22,17 @@ from typing import IO
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> tuple[str, int]:
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[IO[bytes]], None]
+) -> tuple[str, int]:
     """``write(f)`` into a temp file beside ``path``, fsync, then rename over ``path`` (all or nothing).
 
     Returns the SHA-256 and size of what was written.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # same folder: the rename never crosses a filesystem
+    # same folder: the rename never crosses a filesystem
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     out: _Recording | None = None
     try:
         with open(tmp, "wb") as f:
@@ -40,7 +43,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        cause = err if isinstance(err, OSError) else out.error if out is not None else None
+        cause = (
+            err if isinstance(err, OSError) else out.error if out is not None else None
+        )
         if isinstance(cause, OSError) and cause.errno in DISK_FULL:
             raise disk_full(cause, path) from err
         raise

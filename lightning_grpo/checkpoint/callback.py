@@ -27,7 +27,12 @@ from typing_extensions import override
 
 from lightning_grpo.checkpoint.atomic import DISK_FULL, atomic_write, disk_full
 from lightning_grpo.checkpoint.checkpoint_io import AtomicCheckpointIO
-from lightning_grpo.checkpoint.integrity import Manifest, digest, mark_validation, write_manifest
+from lightning_grpo.checkpoint.integrity import (
+    Manifest,
+    digest,
+    mark_validation,
+    write_manifest,
+)
 from lightning_grpo.checkpoint.lock import FolderInUseError, FolderLock
 from lightning_grpo.checkpoint.paths import (
     adapter_path,
@@ -42,7 +47,10 @@ from lightning_grpo.checkpoint.paths import (
 from lightning_grpo.checkpoint.revalidate import rerun_validation, validation_pending
 from lightning_grpo.checkpoint.shared import check_every_rank_sees
 from lightning_grpo.checkpoint.signals import Preempted, SignalWatch
-from lightning_grpo.checkpoint.state import NonFiniteParametersError, nonfinite_parameter
+from lightning_grpo.checkpoint.state import (
+    NonFiniteParametersError,
+    nonfinite_parameter,
+)
 from lightning_grpo.lora import is_lora, save_adapter
 
 log = logging.getLogger(__name__)
@@ -84,13 +92,23 @@ class GRPOCheckpoint(Checkpoint):
         trainer.fit(GRPOModule(), datamodule=PromptDataModule(), ckpt_path=resolve_ckpt_path("last", trainer))
     """
 
-    def __init__(self, dirpath: str | None = None, every_n_loop_steps: int = 10, keep_last: int = 2,
-                 save_on_train_end: bool = True, save_on_signal: bool = True) -> None:
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_loop_steps: int = 10,
+        keep_last: int = 2,
+        save_on_train_end: bool = True,
+        save_on_signal: bool = True,
+    ) -> None:
         problems = []
         if not isinstance(every_n_loop_steps, int) or every_n_loop_steps < 0:
-            problems.append(f"every_n_loop_steps={every_n_loop_steps!r}: must be an integer >= 0 (0 = no schedule)")
+            problems.append(
+                f"every_n_loop_steps={every_n_loop_steps!r}: must be an integer >= 0 (0 = no schedule)"
+            )
         if not isinstance(keep_last, int) or keep_last < 0:
-            problems.append(f"keep_last={keep_last!r}: must be an integer >= 0 (0 = keep every checkpoint)")
+            problems.append(
+                f"keep_last={keep_last!r}: must be an integer >= 0 (0 = keep every checkpoint)"
+            )
         if problems:
             raise ValueError("GRPOCheckpoint(" + "; ".join(problems) + ")")
         self.every_n_loop_steps = every_n_loop_steps
@@ -111,21 +129,29 @@ class GRPOCheckpoint(Checkpoint):
         """The newest checkpoint this callback wrote."""
         self._lock: FolderLock | None = None
         self._signals = SignalWatch()
-        self._pending: tuple[Path, Manifest | None] | None = None  # saved, not yet published (see on_train_batch_end)
-        self._stop: int | None = None  # the signal every rank agreed on, acted on after the step's row
+        # saved, not yet published (see on_train_batch_end)
+        self._pending: tuple[Path, Manifest | None] | None = None
+        # the signal every rank agreed on, acted on after the step's row
+        self._stop: int | None = None
         self._save_failed = False
         self._in_fit = False
-        self._resumed: str | None = None  # what --ckpt_path resolved to on this rank (resume_from)
+        # what --ckpt_path resolved to on this rank (resume_from)
+        self._resumed: str | None = None
 
     # -- hooks -------------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a custom IO is the user's choice
+        # a custom IO is the user's choice
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if not self.explicit_dirpath:
-            self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
-        self.run_id = trainer.strategy.broadcast(secrets.token_hex(4))  # one id for every rank
-        check_every_rank_sees(trainer, self._resumed)  # before Lightning loads it on each rank
+            self.dirpath = (
+                Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
+            )
+        # one id for every rank
+        self.run_id = trainer.strategy.broadcast(secrets.token_hex(4))
+        # before Lightning loads it on each rank
+        check_every_rank_sees(trainer, self._resumed)
         self._resumed = None  # a later fit resolves its own
         self._loaded_lineage = None
         self._last_saved = None
@@ -143,48 +169,73 @@ class GRPOCheckpoint(Checkpoint):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loaded_lineage = state_dict.get("lineage")  # a resume continues this lineage (on_train_start)
+        # a resume continues this lineage (on_train_start)
+        self._loaded_lineage = state_dict.get("lineage")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         resumed = trainer.ckpt_path is not None
-        self.lineage = self._loaded_lineage if resumed and self._loaded_lineage else self.run_id
+        self.lineage = (
+            self._loaded_lineage if resumed and self._loaded_lineage else self.run_id
+        )
         self._parent = str(trainer.ckpt_path) if resumed else None
         self._take_folder(trainer)
-        self._in_fit = True  # from here to the end of fit: publishes after rows, validation marks, emergency saves
+        # from here to the end of fit: publishes after rows, validation marks, emergency saves
+        self._in_fit = True
         if self.save_on_signal:
             self._signals.install(trainer)
         if resumed and validation_pending(trainer.ckpt_path):
             rerun_validation(trainer)
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         # Saved here, at the batch boundary, but published (renamed into place) only once Lightning has written this
         # loop step's metrics row, right after this hook: a checkpoint of step K never exists without row K, so a
         # kill -9 just after the publish, or a signal, loses no row. The signal is agreed on here (a collective).
         step = _loop_step(trainer)
         signum = self._signals.pending(trainer) if self._signals.active else None
-        scheduled = bool(self.every_n_loop_steps) and step % self.every_n_loop_steps == 0
+        scheduled = (
+            bool(self.every_n_loop_steps) and step % self.every_n_loop_steps == 0
+        )
         if scheduled or signum is not None:
-            reason = "scheduled" if scheduled else f"signal:{signal.Signals(signum).name}"
+            reason = (
+                "scheduled" if scheduled else f"signal:{signal.Signals(signum).name}"
+            )
             self.save(trainer, step, reason, publish_now=False)
         self._stop = signum
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._after_row(trainer)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._in_fit:
             return
-        self._after_row(trainer, validation="pending")  # marked done at its end (a resume re-runs it)
+        # marked done at its end (a resume re-runs it)
+        self._after_row(trainer, validation="pending")
 
     @override
-    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self._signals.active and not trainer.sanity_checking:  # a validation inside fit: stop at the batch
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        # a validation inside fit: stop at the batch
+        if self._signals.active and not trainer.sanity_checking:
             self._stop = self._signals.pending(trainer)
             if self._stop is not None:
                 self._stop_now(trainer, _loop_step(trainer), validation="pending")
@@ -192,7 +243,12 @@ class GRPOCheckpoint(Checkpoint):
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step = _loop_step(trainer)
-        if self._in_fit and not trainer.sanity_checking and self._last_saved == step and trainer.is_global_zero:
+        if (
+            self._in_fit
+            and not trainer.sanity_checking
+            and self._last_saved == step
+            and trainer.is_global_zero
+        ):
             mark_validation(self.last_path, "done")
 
     @override
@@ -208,20 +264,31 @@ class GRPOCheckpoint(Checkpoint):
         self._let_go()
 
     @override
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
         try:
-            self._publish_pending(trainer)  # a finished save of a boundary whose row was written
+            # a finished save of a boundary whose row was written
+            self._publish_pending(trainer)
             if self._in_fit and not isinstance(exception, Preempted):
                 self._emergency_save(trainer, exception)
         finally:
             self._let_go()
 
     @override
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def teardown(
+        self, trainer: Trainer, pl_module: LightningModule, stage: str
+    ) -> None:
         self._let_go()
 
     # -- saving ------------------------------------------------------------------------------------------------------
-    def save(self, trainer: Trainer, loop_step: int, reason: str = "scheduled", publish_now: bool = True) -> Path | None:
+    def save(
+        self,
+        trainer: Trainer,
+        loop_step: int,
+        reason: str = "scheduled",
+        publish_now: bool = True,
+    ) -> Path | None:
         """Config beside it first, then the checkpoint under a staging name, its manifest, the rename, then prune.
 
         The staging rename covers strategies that bypass ``CheckpointIO`` too (FSDP2's sharded
@@ -236,7 +303,8 @@ class GRPOCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             text = resolved_config(trainer).encode()
             atomic_write(config_path(path), lambda f: f.write(text))
-            if is_lora(policy):  # the adapter in peft's format (PeftModel.from_pretrained), beside the checkpoint
+            # the adapter in peft's format (PeftModel.from_pretrained), beside the checkpoint
+            if is_lora(policy):
                 save_adapter(policy, adapter_path(path))
         manifest = None
         try:
@@ -245,21 +313,38 @@ class GRPOCheckpoint(Checkpoint):
             trainer.save_checkpoint(staging, weights_only=False)
             if trainer.is_global_zero:
                 sha, size = _written(trainer, staging)
-                manifest = Manifest(lineage=self.lineage, run=self.run_id, loop_step=loop_step,
-                                    global_step=trainer.global_step, saved_at=time.time_ns(), sha256=sha, bytes=size,
-                                    reason=reason, parent=self._parent)
+                manifest = Manifest(
+                    lineage=self.lineage,
+                    run=self.run_id,
+                    loop_step=loop_step,
+                    global_step=trainer.global_step,
+                    saved_at=time.time_ns(),
+                    sha256=sha,
+                    bytes=size,
+                    reason=reason,
+                    parent=self._parent,
+                )
         except BaseException as err:
-            self._save_failed = True  # no emergency save retries it on the way out (a full disk stays full)
+            # no emergency save retries it on the way out (a full disk stays full)
+            self._save_failed = True
             if trainer.is_global_zero and not path.exists():
-                config_path(path).unlink(missing_ok=True)  # no checkpoint, no config or adapter beside it
+                # no checkpoint, no config or adapter beside it
+                config_path(path).unlink(missing_ok=True)
                 shutil.rmtree(adapter_path(path), ignore_errors=True)
-            if isinstance(err, NonFiniteParametersError):  # every rank alike: the check is a collective
-                log.error("not saving loop step %d: parameter %r holds NaN/inf; the newest checkpoint of run %s, %s, "
-                          "holds the last good batch boundary", loop_step, err.parameter, self.lineage,
-                          find_last_checkpoint([self.dirpath], self.lineage))
+            # every rank alike: the check is a collective
+            if isinstance(err, NonFiniteParametersError):
+                log.error(
+                    "not saving loop step %d: parameter %r holds NaN/inf; the newest checkpoint of run %s, %s, "
+                    "holds the last good batch boundary",
+                    loop_step,
+                    err.parameter,
+                    self.lineage,
+                    find_last_checkpoint([self.dirpath], self.lineage),
+                )
                 return None
             if isinstance(err, OSError) and err.errno in DISK_FULL:
-                raise disk_full(err, path) from err  # the last line names the checkpoint, not its staging name
+                # the last line names the checkpoint, not its staging name
+                raise disk_full(err, path) from err
             raise
         self._last_saved = loop_step
         self.last_path = path
@@ -285,18 +370,36 @@ class GRPOCheckpoint(Checkpoint):
         if self._stop is not None:
             self._stop_now(trainer, _loop_step(trainer), validation)
 
-    def _stop_now(self, trainer: Trainer, loop_step: int, validation: str | None = None) -> None:
+    def _stop_now(
+        self, trainer: Trainer, loop_step: int, validation: str | None = None
+    ) -> None:
         """Save the boundary (unless saved), run the wrapped handler (Lightning's / SLURM requeue), exit non-zero."""
         signum = self._stop
         self._stop = None
         if self._last_saved != loop_step:
-            self.save(trainer, loop_step, f"signal:{signal.Signals(signum).name}", publish_now=False)
+            self.save(
+                trainer,
+                loop_step,
+                f"signal:{signal.Signals(signum).name}",
+                publish_now=False,
+            )
         self._publish_pending(trainer, validation)
-        if validation == "pending" and trainer.is_global_zero and self.last_path is not None:
-            mark_validation(self.last_path, "pending")  # saved before this validation: a resume re-runs it
-        self._signals.forward(signum)  # Lightning's own handler, now at the boundary (SLURM: hpc save + requeue)
-        stop = Preempted(signum, self.last_path if self._last_saved == loop_step else "(none: non-finite parameters)",
-                         loop_step)
+        if (
+            validation == "pending"
+            and trainer.is_global_zero
+            and self.last_path is not None
+        ):
+            # saved before this validation: a resume re-runs it
+            mark_validation(self.last_path, "pending")
+        # Lightning's own handler, now at the boundary (SLURM: hpc save + requeue)
+        self._signals.forward(signum)
+        stop = Preempted(
+            signum,
+            self.last_path
+            if self._last_saved == loop_step
+            else "(none: non-finite parameters)",
+            loop_step,
+        )
         if trainer.is_global_zero:
             log.warning("%s", stop)
         raise stop
@@ -314,28 +417,48 @@ class GRPOCheckpoint(Checkpoint):
             return
         # In this order: the non-finite check is a collective, never reached with several ranks.
         at_boundary = getattr(trainer.lightning_module, "at_batch_boundary", False)
-        why = ("it runs on several ranks" if trainer.world_size > 1 else
-               "a save had just failed" if self._save_failed else
-               "the update had already stepped" if not at_boundary else
-               "parameters hold NaN/inf" if nonfinite_parameter(trainer) is not None else None)
+        why = (
+            "it runs on several ranks"
+            if trainer.world_size > 1
+            else "a save had just failed"
+            if self._save_failed
+            else "the update had already stepped"
+            if not at_boundary
+            else "parameters hold NaN/inf"
+            if nonfinite_parameter(trainer) is not None
+            else None
+        )
         if why is not None:
             if trainer.is_global_zero:
-                log.warning("no emergency checkpoint of loop step %d (%s); the newest is %s", step, why,
-                            find_last_checkpoint([self.dirpath], self.lineage))
+                log.warning(
+                    "no emergency checkpoint of loop step %d (%s); the newest is %s",
+                    step,
+                    why,
+                    find_last_checkpoint([self.dirpath], self.lineage),
+                )
             return
         signum = getattr(exception, "signum", None)
-        reason = f"signal:{signal.Signals(signum).name}" if signum else f"error:{type(exception).__name__}"
+        reason = (
+            f"signal:{signal.Signals(signum).name}"
+            if signum
+            else f"error:{type(exception).__name__}"
+        )
         try:
             path = self.save(trainer, step, reason)
-        except Exception as err:  # noqa: BLE001 - the run's own failure is what the user must see
+        # noqa: BLE001 - the run's own failure is what the user must see
+        except Exception as err:
             log.error("emergency checkpoint of loop step %d failed: %s", step, err)
             return
         if signum:
             self._signals.forward(signum)
             log.warning("%s", Preempted(signum, path, step))
         else:
-            log.warning("emergency checkpoint of loop step %d (the last batch boundary): %s; after fixing the cause, "
-                        "resume with --ckpt_path last", step, path)
+            log.warning(
+                "emergency checkpoint of loop step %d (the last batch boundary): %s; after fixing the cause, "
+                "resume with --ckpt_path last",
+                step,
+                path,
+            )
 
     # -- ownership and signals ----------------------------------------------------------------------------------------
     def _take_folder(self, trainer: Trainer) -> None:
@@ -347,10 +470,15 @@ class GRPOCheckpoint(Checkpoint):
                 self._lock.acquire(self.run_id, self.lineage)
             except FolderInUseError as err:
                 refused = str(err)
-            others = sorted({e.lineage or "(no id)" for e in entries([self.dirpath])} - {self.lineage})
+            others = sorted(
+                {e.lineage or "(no id)" for e in entries([self.dirpath])}
+                - {self.lineage}
+            )
             if refused is None and others:
-                rank_zero_info(f"{self.dirpath} also holds checkpoints of run(s) {', '.join(others)}: this run "
-                               f"({self.lineage}) prunes only its own; --ckpt_path last resumes the run saved last")
+                rank_zero_info(
+                    f"{self.dirpath} also holds checkpoints of run(s) {', '.join(others)}: this run "
+                    f"({self.lineage}) prunes only its own; --ckpt_path last resumes the run saved last"
+                )
         refused = trainer.strategy.broadcast(refused)
         if refused:
             raise FolderInUseError(refused)
@@ -365,7 +493,9 @@ class GRPOCheckpoint(Checkpoint):
 
 def _written(trainer: Trainer, staging: Path) -> tuple[str, int]:
     """SHA-256 and size of a finished save: recorded by ``AtomicCheckpointIO`` while writing, else read back."""
-    recorded = getattr(trainer.strategy.checkpoint_io, "written", {}).pop(str(staging), None)
+    recorded = getattr(trainer.strategy.checkpoint_io, "written", {}).pop(
+        str(staging), None
+    )
     return recorded if recorded is not None else digest(staging)
 
 
@@ -374,8 +504,10 @@ def _loop_step(trainer: Trainer) -> int:
     module = trainer.lightning_module
     step = getattr(module, "loop_step", None)
     if not isinstance(step, int):
-        raise TypeError(f"GRPOCheckpoint counts loop steps through module.loop_step, which {type(module).__name__} "
-                        "lacks (use it with GRPOModule)")
+        raise TypeError(
+            f"GRPOCheckpoint counts loop steps through module.loop_step, which {type(module).__name__} "
+            "lacks (use it with GRPOModule)"
+        )
     return step
 
 
@@ -392,5 +524,9 @@ def resolved_config(trainer: Trainer) -> str:
     out = {}
     for name in ("policy_cfg", "rl", "optim_cfg", "rollout_cfg", "seed"):
         value = getattr(module, name, None)
-        out[name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-    return yaml.safe_dump({"model": out, "trainer": {"max_steps": trainer.max_steps}}, sort_keys=False)
+        out[name] = (
+            dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        )
+    return yaml.safe_dump(
+        {"model": out, "trainer": {"max_steps": trainer.max_steps}}, sort_keys=False
+    )

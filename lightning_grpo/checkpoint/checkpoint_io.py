@@ -18,7 +18,11 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_grpo.checkpoint.atomic import atomic_write
-from lightning_grpo.checkpoint.integrity import DamagedCheckpointError, check_intact, read_manifest
+from lightning_grpo.checkpoint.integrity import (
+    DamagedCheckpointError,
+    check_intact,
+    read_manifest,
+)
 from lightning_grpo.checkpoint.paths import previous_checkpoint
 
 log = logging.getLogger(__name__)
@@ -38,21 +42,34 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """SHA-256 and size of each file this IO wrote, by path (read by GRPOCheckpoint for the manifest)."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None or "://" in str(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        self.written[str(path)] = atomic_write(path, lambda f: torch.save(checkpoint, f))
+        self.written[str(path)] = atomic_write(
+            path, lambda f: torch.save(checkpoint, f)
+        )
 
     @override
-    def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self,
+        path,
+        map_location: Any = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
         if weights_only is False:
-            log.warning("AtomicCheckpointIO loads with weights_only=True only (nothing in a checkpoint may run code)")
-        local = "://" not in str(path) and Path(path).exists()  # a missing file: Lightning's own "not found" error
+            log.warning(
+                "AtomicCheckpointIO loads with weights_only=True only (nothing in a checkpoint may run code)"
+            )
+        # a missing file: Lightning's own "not found" error
+        local = "://" not in str(path) and Path(path).exists()
         if local:
             check_intact(Path(path), previous_checkpoint(Path(path)))
-        checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        checkpoint = super().load_checkpoint(
+            path, map_location=map_location, weights_only=True
+        )
         if local and not Path(path).is_dir() and read_manifest(Path(path)) is None:
             check_values(checkpoint, Path(path))
         return checkpoint
@@ -65,10 +82,16 @@ IMPLAUSIBLE = 1e30
 def check_values(checkpoint: dict[str, Any], path: Path) -> None:
     """A checkpoint without a manifest (no hash to verify): refuse NaN/inf or implausible values in its weights and
     optimizer state, the marks a flipped byte leaves in a float; warn that it is otherwise unverified."""
-    tensors = [(f"state_dict[{k!r}]", v) for k, v in (checkpoint.get("state_dict") or {}).items()]
+    tensors = [
+        (f"state_dict[{k!r}]", v)
+        for k, v in (checkpoint.get("state_dict") or {}).items()
+    ]
     for i, opt in enumerate(checkpoint.get("optimizer_states") or []):
         for pid, state in (opt.get("state") or {}).items():
-            tensors += [(f"optimizer_states[{i}] param {pid} {k!r}", v) for k, v in state.items()]
+            tensors += [
+                (f"optimizer_states[{i}] param {pid} {k!r}", v)
+                for k, v in state.items()
+            ]
     for name, t in tensors:
         if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()):
             continue
@@ -76,6 +99,10 @@ def check_values(checkpoint: dict[str, Any], path: Path) -> None:
         if not math.isfinite(worst) or worst > IMPLAUSIBLE:
             raise DamagedCheckpointError(
                 f"checkpoint {path} has no manifest to verify it, and {name} holds {worst:.3g} (NaN/inf or beyond "
-                f"{IMPLAUSIBLE:g}: a damaged file). Resume from an intact checkpoint of the run")
-    log.warning("checkpoint %s has no manifest (not written by GRPOCheckpoint, or its manifest was lost): its bytes are "
-                "unverified; its weights and optimizer state are finite", path)
+                f"{IMPLAUSIBLE:g}: a damaged file). Resume from an intact checkpoint of the run"
+            )
+    log.warning(
+        "checkpoint %s has no manifest (not written by GRPOCheckpoint, or its manifest was lost): its bytes are "
+        "unverified; its weights and optimizer state are finite",
+        path,
+    )

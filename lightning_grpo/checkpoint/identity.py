@@ -34,7 +34,9 @@ class ResumeMismatchError(ValueError):
     """A resume's config differs from its checkpoint's in something that breaks the run's identity."""
 
 
-def identity(seed: int, policy: nn.Module | None, dtype: str, optim: OptimConfig) -> dict[str, Any]:
+def identity(
+    seed: int, policy: nn.Module | None, dtype: str, optim: OptimConfig
+) -> dict[str, Any]:
     """What a checkpoint records about the run (plain values: ``weights_only`` loads them).
 
     Args:
@@ -43,8 +45,17 @@ def identity(seed: int, policy: nn.Module | None, dtype: str, optim: OptimConfig
         dtype: ``policy.dtype``.
         optim: the optimizer's section.
     """
-    return {"seed": seed, "model": _model(policy), "policy.dtype": dtype,
-            "optim": {"lr": optim.lr, "weight_decay": optim.weight_decay, "betas": list(optim.betas), "eps": optim.eps}}
+    return {
+        "seed": seed,
+        "model": _model(policy),
+        "policy.dtype": dtype,
+        "optim": {
+            "lr": optim.lr,
+            "weight_decay": optim.weight_decay,
+            "betas": list(optim.betas),
+            "eps": optim.eps,
+        },
+    }
 
 
 def _model(policy) -> str | None:
@@ -56,23 +67,34 @@ def _model(policy) -> str | None:
     return f"{kind}, {sum(p.numel() for p in policy.parameters()):,} parameters"
 
 
-def optim_changes(saved: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+def optim_changes(
+    saved: dict[str, Any] | None, now: dict[str, Any]
+) -> dict[str, tuple[Any, Any]]:
     """``{name: (old, new)}`` of the optimizer hyper-parameters changed since ``saved``.
 
     Raises:
         ResumeMismatchError: seed, model or dtype differ (all of them listed).
     """
-    if not saved:  # a checkpoint from before identities were recorded: nothing to compare
+    # a checkpoint from before identities were recorded: nothing to compare
+    if not saved:
         return {}
-    fixed = [f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in FIXED
-             if saved.get(k) is not None and now[k] is not None and saved[k] != now[k]]
+    fixed = [
+        f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now"
+        for k in FIXED
+        if saved.get(k) is not None and now[k] is not None and saved[k] != now[k]
+    ]
     if fixed:
         raise ResumeMismatchError(
             f"this resume changes what the run is ({'; '.join(fixed)}). A resume continues one run exactly: give "
             "the checkpoint's values back (drop --seed_everything / model.seed; model.policy.path, .dtype), or start a new run "
-            "without --ckpt_path")
+            "without --ckpt_path"
+        )
     old = saved.get("optim", {})
-    return {k: (old[k], now["optim"][k]) for k in OPTIM if k in old and old[k] != now["optim"][k]}
+    return {
+        k: (old[k], now["optim"][k])
+        for k in OPTIM
+        if k in old and old[k] != now["optim"][k]
+    }
 
 
 def set_base_lr(lr: float, optimizer, schedulers) -> None:
@@ -90,7 +112,9 @@ def set_base_lr(lr: float, optimizer, schedulers) -> None:
         group["lr"] = now
 
 
-def apply_optim(changes: dict[str, tuple[Any, Any]], optimizer, schedulers) -> str | None:
+def apply_optim(
+    changes: dict[str, tuple[Any, Any]], optimizer, schedulers
+) -> str | None:
     """Set the changed hyper-parameters on the restored ``optimizer`` (and the base LR of its ``LambdaLR``
     ``schedulers``); returns the warning to print, or None when nothing changed."""
     if not changes:
@@ -102,5 +126,7 @@ def apply_optim(changes: dict[str, tuple[Any, Any]], optimizer, schedulers) -> s
     if "lr" in changes:
         set_base_lr(changes["lr"][1], optimizer, schedulers)
     said = "; ".join(f"optim.{k} {old} -> {new}" for k, (old, new) in changes.items())
-    return (f"resumed with other optimizer hyper-parameters than the checkpoint's: {said}; applied (the optimizer's "
-            f"moments are kept). The learning rate is now {optimizer.param_groups[0]['lr']:.4g}.")
+    return (
+        f"resumed with other optimizer hyper-parameters than the checkpoint's: {said}; applied (the optimizer's "
+        f"moments are kept). The learning rate is now {optimizer.param_groups[0]['lr']:.4g}."
+    )

@@ -22,7 +22,8 @@ from pathlib import Path
 from lightning_grpo.checkpoint.atomic import atomic_write
 
 MANIFEST_FORMAT = 1
-_verified: set[tuple[str, int, int, str]] = set()  # (path, size, mtime_ns, sha256) read back intact in this process
+# (path, size, mtime_ns, sha256) read back intact in this process
+_verified: set[tuple[str, int, int, str]] = set()
 
 
 class DamagedCheckpointError(RuntimeError):
@@ -66,7 +67,11 @@ def write_manifest(ckpt: Path, manifest: Manifest) -> None:
 def mark_validation(ckpt: Path, state: str) -> None:
     """Record in ``ckpt``'s manifest whether the validation after its loop step finished (``pending`` / ``done``)."""
     manifest = read_manifest(ckpt)
-    if manifest is not None and manifest.validation != state and (state == "pending" or manifest.validation):
+    if (
+        manifest is not None
+        and manifest.validation != state
+        and (state == "pending" or manifest.validation)
+    ):
         write_manifest(ckpt, dataclasses.replace(manifest, validation=state))
 
 
@@ -77,7 +82,9 @@ def read_manifest(ckpt: Path) -> Manifest | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
-        raise DamagedCheckpointError(f"manifest {manifest_path(ckpt)} is unreadable ({err})") from err
+        raise DamagedCheckpointError(
+            f"manifest {manifest_path(ckpt)} is unreadable ({err})"
+        ) from err
     known = {f.name for f in dataclasses.fields(Manifest)}
     return Manifest(**{k: v for k, v in data.items() if k in known})
 
@@ -131,8 +138,10 @@ def problem(ckpt: Path) -> str | None:
         return None
     sha, size = digest(ckpt)
     if sha != manifest.sha256 or size != manifest.bytes:
-        return (f"is damaged: its content hash sha256:{sha[:16]}... differs from the one recorded in "
-                f"{manifest_path(ckpt).name} (sha256:{manifest.sha256[:16]}...)")
+        return (
+            f"is damaged: its content hash sha256:{sha[:16]}... differs from the one recorded in "
+            f"{manifest_path(ckpt).name} (sha256:{manifest.sha256[:16]}...)"
+        )
     _verified.add(key)
     return None
 
@@ -142,6 +151,9 @@ def check_intact(ckpt: Path, previous: Path | None) -> None:
     why = problem(ckpt)
     if why is None:
         return
-    instead = (f"resume from the previous checkpoint instead: {previous}" if previous is not None else
-               f"no earlier checkpoint of this run is in {ckpt.parent}")
+    instead = (
+        f"resume from the previous checkpoint instead: {previous}"
+        if previous is not None
+        else f"no earlier checkpoint of this run is in {ckpt.parent}"
+    )
     raise DamagedCheckpointError(f"checkpoint {ckpt} {why}; {instead}")

@@ -58,10 +58,18 @@ class FolderLock:
                     "its own --checkpoint.dirpath, or stop the other run first"
                 )
             if previous and previous.get("pid") != os.getpid():
-                log.info("checkpoint folder %s: took over the lock of a run that is gone (%s)", self.path.parent,
-                         _describe(previous))
-            me = {"pid": os.getpid(), "host": socket.gethostname(), "run": run, "lineage": lineage,
-                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+                log.info(
+                    "checkpoint folder %s: took over the lock of a run that is gone (%s)",
+                    self.path.parent,
+                    _describe(previous),
+                )
+            me = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "run": run,
+                "lineage": lineage,
+                "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            }
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(me).encode(), 0)
         except BaseException:
@@ -96,8 +104,12 @@ def _flock(fd: int, previous: dict | None) -> bool:
         return True
     if previous.get("host") == socket.gethostname():
         return not _alive(int(previous.get("pid", 0)))
-    log.warning("checkpoint folder lock %s: this filesystem has no flock and the holder (%s) ran on another host; "
-                "taking the folder over", previous, _describe(previous))
+    log.warning(
+        "checkpoint folder lock %s: this filesystem has no flock and the holder (%s) ran on another host; "
+        "taking the folder over",
+        previous,
+        _describe(previous),
+    )
     return True
 
 
@@ -112,8 +124,10 @@ def _holder(fd: int) -> dict | None:
 def _describe(holder: dict | None) -> str:
     if not holder:
         return "holder unknown"
-    return (f"run {holder.get('run')} of lineage {holder.get('lineage')}, pid {holder.get('pid')} on host "
-            f"{holder.get('host')}, since {holder.get('since')}")
+    return (
+        f"run {holder.get('run')} of lineage {holder.get('lineage')}, pid {holder.get('pid')} on host "
+        f"{holder.get('host')}, since {holder.get('since')}"
+    )
 
 
 def _alive(pid: int) -> bool:

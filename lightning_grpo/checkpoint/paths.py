@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_grpo.checkpoint.atomic import fsync_dir
-from lightning_grpo.checkpoint.integrity import DamagedCheckpointError, Manifest, manifest_path, problem, read_manifest
+from lightning_grpo.checkpoint.integrity import (
+    DamagedCheckpointError,
+    Manifest,
+    manifest_path,
+    problem,
+    read_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,11 @@ def complete_checkpoints(dirpath: str | os.PathLike | None) -> list[Path]:
     """Complete checkpoints (files, or sharded folders) in ``dirpath``, of every lineage, oldest loop step first."""
     if dirpath is None or not Path(dirpath).is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in Path(dirpath).iterdir() if (m := _NAME.match(p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in Path(dirpath).iterdir()
+        if (m := _NAME.match(p.name))
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -91,14 +101,19 @@ def entries(dirs: list[str | os.PathLike]) -> list[Entry]:
         try:
             manifest = read_manifest(path)
         except DamagedCheckpointError:
-            manifest = None  # a torn manifest: ``problem`` reports it when the file is chosen
+            # a torn manifest: ``problem`` reports it when the file is chosen
+            manifest = None
         m = _NAME.match(path.name)
-        saved_at = manifest.saved_at if manifest is not None else path.stat().st_mtime_ns
+        saved_at = (
+            manifest.saved_at if manifest is not None else path.stat().st_mtime_ns
+        )
         out.append(Entry(path, int(m.group(1)), m.group(2), saved_at, manifest))
     return sorted(out, key=lambda e: (e.saved_at, e.loop_step))
 
 
-def lineage_entries(dirs: list[str | os.PathLike], lineage: str | None = LATEST) -> list[Entry]:
+def lineage_entries(
+    dirs: list[str | os.PathLike], lineage: str | None = LATEST
+) -> list[Entry]:
     """The checkpoints of ``lineage`` (None: those without an id), newest save first."""
     found = entries(dirs)
     if not found:
@@ -137,13 +152,17 @@ def previous_checkpoint(ckpt: Path) -> Path | None:
     return chain[later] if later < len(chain) else None
 
 
-def find_last_checkpoint(dirs: list[str | os.PathLike], lineage: str | None = LATEST) -> Path | None:
+def find_last_checkpoint(
+    dirs: list[str | os.PathLike], lineage: str | None = LATEST
+) -> Path | None:
     """Newest checkpoint of ``lineage`` (default: the latest lineage) in ``dirs``, without checking its bytes."""
     chain = lineage_entries(dirs, lineage)
     return chain[0].path if chain else None
 
 
-def resolve_last(dirs: list[str | os.PathLike], lineage: str | None = LATEST) -> Entry | None:
+def resolve_last(
+    dirs: list[str | os.PathLike], lineage: str | None = LATEST
+) -> Entry | None:
     """The newest intact checkpoint of ``lineage`` (default: the latest lineage), falling back past damaged ones.
 
     Each fallback is logged with the reason. Raises ``DamagedCheckpointError`` when every checkpoint of the
@@ -156,9 +175,16 @@ def resolve_last(dirs: list[str | os.PathLike], lineage: str | None = LATEST) ->
         if why is None:
             return entry
         damaged.append(f"{entry.path} {why}")
-        log.warning("ckpt_path='last': checkpoint %s %s; falling back to the previous checkpoint of run %s",
-                    entry.path, why, entry.lineage or "(no id)")
+        log.warning(
+            "ckpt_path='last': checkpoint %s %s; falling back to the previous checkpoint of run %s",
+            entry.path,
+            why,
+            entry.lineage or "(no id)",
+        )
     if damaged:
-        raise DamagedCheckpointError("ckpt_path='last': every checkpoint of the latest run is damaged:\n  "
-                                     + "\n  ".join(damaged) + "\npass --ckpt_path <file> to resume another one")
+        raise DamagedCheckpointError(
+            "ckpt_path='last': every checkpoint of the latest run is damaged:\n  "
+            + "\n  ".join(damaged)
+            + "\npass --ckpt_path <file> to resume another one"
+        )
     return None

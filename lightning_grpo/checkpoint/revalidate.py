@@ -35,10 +35,14 @@ def rerun_validation(trainer: Trainer) -> None:
     try:
         from lightning.pytorch.loops.evaluation_loop import RestartStage
     except ImportError:  # older Lightning: no mid-validation restart
-        rank_zero_warn("the validation after the resumed checkpoint's loop step was interrupted and this Lightning "
-                       "cannot re-run it (needs lightning>=2.5); it is skipped")
+        rank_zero_warn(
+            "the validation after the resumed checkpoint's loop step was interrupted and this Lightning "
+            "cannot re-run it (needs lightning>=2.5); it is skipped"
+        )
         return
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     val_loop.batch_progress.current.reset()
     val_loop._restart_stage = RestartStage.RESTARTED_MID_EVALUATION
-    rank_zero_info("the validation after the resumed loop step was interrupted: running it again first")
+    rank_zero_info(
+        "the validation after the resumed loop step was interrupted: running it again first"
+    )

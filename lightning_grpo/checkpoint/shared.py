@@ -28,14 +28,22 @@ def check_every_rank_sees(trainer: Trainer, resumed: str | os.PathLike | None) -
     mine = None if resumed is None else str(resumed)
     lead = trainer.strategy.broadcast(mine)
     sees = mine == lead and (lead is None or Path(lead).exists())
-    flags = torch.tensor([float(sees), float(trainer.node_rank)], device=trainer.strategy.root_device)
-    gathered = trainer.strategy.all_gather(flags).reshape(-1, 2).cpu()  # [world, (sees, node)]
+    flags = torch.tensor(
+        [float(sees), float(trainer.node_rank)], device=trainer.strategy.root_device
+    )
+    # [world, (sees, node)]
+    gathered = trainer.strategy.all_gather(flags).reshape(-1, 2).cpu()
     blind = [(r, int(node)) for r, (ok, node) in enumerate(gathered.tolist()) if not ok]
     if not blind:
         return
     who = ", ".join(f"rank {r} (node {n})" for r, n in blind)
-    found = f"resumes from {lead}, which {who} cannot see" if lead else f"found no checkpoint, but {who} found one"
+    found = (
+        f"resumes from {lead}, which {who} cannot see"
+        if lead
+        else f"found no checkpoint, but {who} found one"
+    )
     raise CheckpointNotSharedError(
         f"checkpoint.dirpath: rank 0 {found}: the checkpoint folder is on a disk only some nodes see (a relative "
         "path is each node's own working folder). Put checkpoint.dirpath, or the logger's save_dir / "
-        "trainer.default_root_dir, on a filesystem every node mounts at the same path")
+        "trainer.default_root_dir, on a filesystem every node mounts at the same path"
+    )

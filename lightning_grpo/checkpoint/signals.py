@@ -26,7 +26,8 @@ import torch
 from lightning.pytorch import Trainer
 
 WATCHED = (signal.SIGTERM, signal.SIGUSR1)
-_RECEIVED: dict[str, int | None] = {"signum": None}  # what the installed watch recorded (one fit per process)
+# what the installed watch recorded (one fit per process)
+_RECEIVED: dict[str, int | None] = {"signum": None}
 
 
 def requested_signal() -> int | None:
@@ -44,8 +45,10 @@ class Preempted(SystemExit):
         self.loop_step = loop_step
 
     def __str__(self) -> str:
-        return (f"stopped by {signal.Signals(self.signum).name} after loop step {self.loop_step}: emergency "
-                f"checkpoint {self.path}; resume with --ckpt_path last (exit code {self.code})")
+        return (
+            f"stopped by {signal.Signals(self.signum).name} after loop step {self.loop_step}: emergency "
+            f"checkpoint {self.path}; resume with --ckpt_path last (exit code {self.code})"
+        )
 
 
 class StopRequested(SystemExit):
@@ -94,7 +97,10 @@ class SignalWatch:
         """Wrap the installed handlers (Lightning's, from just before the fit loop); main thread only."""
         if threading.current_thread() is not threading.main_thread() or self._wrapped:
             return
-        self.received = signal.SIGTERM if getattr(trainer, "received_sigterm", False) else None  # before we looked
+        # before we looked
+        self.received = (
+            signal.SIGTERM if getattr(trainer, "received_sigterm", False) else None
+        )
         _RECEIVED["signum"] = self.received
         for signum in WATCHED:
             self._wrapped[signum] = signal.getsignal(signum)
@@ -104,7 +110,9 @@ class SignalWatch:
         """Put the wrapped handlers back (before Lightning restores its own originals at teardown)."""
         for signum, handler in self._wrapped.items():
             if signal.getsignal(signum) == self._record:
-                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+                signal.signal(
+                    signum, handler if handler is not None else signal.SIG_DFL
+                )
         self._wrapped = {}
         _RECEIVED["signum"] = None
 

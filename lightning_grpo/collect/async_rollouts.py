@@ -42,7 +42,9 @@ from lightning_grpo.rollout.base import (
     WeightDtype,
 )
 
-Job = Callable[[Sequence[Prompt], SamplingConfig], tuple[list[Rollout], dict[str, float]]]
+Job = Callable[
+    [Sequence[Prompt], SamplingConfig], tuple[list[Rollout], dict[str, float]]
+]
 """Draws one batch with the wrapped engine: (prompts, sampling) -> (rollouts, episode metrics)."""
 
 
@@ -59,7 +61,9 @@ class InFlight:
     result: tuple[list[Rollout], dict[str, float]] | None = None
     error: BaseException | None = None
 
-    def wait(self, should_stop: Callable[[], bool] | None) -> tuple[list[Rollout], dict[str, float]]:
+    def wait(
+        self, should_stop: Callable[[], bool] | None
+    ) -> tuple[list[Rollout], dict[str, float]]:
         _settle(self, should_stop)
         if self.error is not None:
             raise self.error
@@ -82,11 +86,22 @@ class AsyncRollouts:
 
     holds_weights = True
 
-    def __init__(self, engine: RolloutEngine, max_off_policy_steps: int, weights_step: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        max_off_policy_steps: int,
+        weights_step: Callable[[], int],
+    ) -> None:
         if max_off_policy_steps < 1:
-            raise ValueError(f"AsyncRollouts(max_off_policy_steps={max_off_policy_steps}): must be >= 1 (0 = do "
-                             "not wrap the engine)")
-        self.engine, self.k, self._weights_now = engine, max_off_policy_steps, weights_step
+            raise ValueError(
+                f"AsyncRollouts(max_off_policy_steps={max_off_policy_steps}): must be >= 1 (0 = do "
+                "not wrap the engine)"
+            )
+        self.engine, self.k, self._weights_now = (
+            engine,
+            max_off_policy_steps,
+            weights_step,
+        )
         self.max_off_policy_steps = max_off_policy_steps
         self.weights_step = weights_step()
         """Loop step whose weights the engine holds (set when a sync ends)."""
@@ -95,28 +110,43 @@ class AsyncRollouts:
         the next batch the schedule allows in flight at once (``_after_sync``)."""
         self._step_of = {engine.version: self.weights_step} if self.inflight else {}
         """The engine's weight version -> the loop step whose weights it is (per-token versions are translated)."""
-        self._early: tuple[int, tuple[Sequence[Prompt], SamplingConfig], Job] | None = None
+        self._early: tuple[int, tuple[Sequence[Prompt], SamplingConfig], Job] | None = (
+            None
+        )
         """(step, its prompts and sampling, job) of the batch the next sync puts in flight (``_after_sync``): read when
         the last ``submit_ahead`` ran, while the data position is the one its ``batches`` counts from."""
         self._flight: dict[int, InFlight] = {}
         self._queue: list[tuple[InFlight, Callable[[], tuple]]] = []
         self._wake = threading.Condition()
         self._closed = False
-        self._worker = threading.Thread(target=self._work, name="lightning-grpo-rollouts", daemon=True)
-        if isinstance(engine, RestartsServers):  # the worker never republishes: the training thread does, in take
+        self._worker = threading.Thread(
+            target=self._work, name="lightning-grpo-rollouts", daemon=True
+        )
+        # the worker never republishes: the training thread does, in take
+        if isinstance(engine, RestartsServers):
             engine.hold_restarts(self._worker)
         self._worker.start()
 
     # -- the training draw -----------------------------------------------------------------------------------------
-    def take(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job,
-             should_stop: Callable[[], bool] | None = None) -> tuple[list[Rollout], dict[str, float], int]:
+    def take(
+        self,
+        step: int,
+        prompts: Sequence[Prompt],
+        sampling: SamplingConfig,
+        job: Job,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> tuple[list[Rollout], dict[str, float], int]:
         """Loop step ``step``'s batch: the one in flight if it was drawn from these prompts and seed, else drawn
         now. Returns (rollouts, episode metrics, loop step of the weights it was drawn with)."""
-        for old in [s for s in self._flight if s < step]:  # never taken (a step drawn afresh): drop it
+        # never taken (a step drawn afresh): drop it
+        for old in [s for s in self._flight if s < step]:
             _settle(self._flight.pop(old), should_stop)
         flight = self._flight.pop(step, None)
-        if flight is not None and (flight.prompt_ids != [p.id for p in prompts] or flight.seed != sampling.seed):
-            _settle(flight, should_stop)  # not ours (the data or the seed changed): wait it out, draw afresh
+        if flight is not None and (
+            flight.prompt_ids != [p.id for p in prompts] or flight.seed != sampling.seed
+        ):
+            # not ours (the data or the seed changed): wait it out, draw afresh
+            _settle(flight, should_stop)
             flight = None
         if flight is None:
             flight = self._draw_now(step, prompts, sampling, job, should_stop)
@@ -126,30 +156,46 @@ class AsyncRollouts:
                 return self._in_steps(rollouts), metrics, flight.weights_step
             except Exception as err:
                 if not self._recovered(err, should_stop):
-                    raise  # not a death a restart repairs, or none left: the stop message
-                flight = self._draw_now(step, prompts, sampling, job, should_stop)  # same prompts and seeds
+                    # not a death a restart repairs, or none left: the stop message
+                    raise
+                # same prompts and seeds
+                flight = self._draw_now(step, prompts, sampling, job, should_stop)
 
-    def _draw_now(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job,
-                  should_stop: Callable[[], bool] | None) -> InFlight:
+    def _draw_now(
+        self,
+        step: int,
+        prompts: Sequence[Prompt],
+        sampling: SamplingConfig,
+        job: Job,
+        should_stop: Callable[[], bool] | None,
+    ) -> InFlight:
         """Draw step ``step``'s batch now, after everything in flight, with the weights the engine holds."""
         self.wait_idle(should_stop)
         flight = self._submit(step, prompts, sampling, job)
         del self._flight[step]  # drawn now: taken, not in flight
         return flight
 
-    def _recovered(self, err: BaseException, should_stop: Callable[[], bool] | None = None) -> bool:
+    def _recovered(
+        self, err: BaseException, should_stop: Callable[[], bool] | None = None
+    ) -> bool:
         """A draw met a dead server: with the worker idle, the engine starts it again and republishes the trainer's
         weights (``rollout/server/restarts.py``); the batches drawn from now on hold those weights."""
         if not isinstance(self.engine, RestartsServers):
             return False
-        self.wait_idle(should_stop)  # in-flight draws that met the same death end (with its error) first
+        # in-flight draws that met the same death end (with its error) first
+        self.wait_idle(should_stop)
         if not self.engine.recover(err):
             return False
-        self.weights_step = self._weights_now()  # the trainer's current weights, republished
+        # the trainer's current weights, republished
+        self.weights_step = self._weights_now()
         return True
 
-    def submit_ahead(self, step: int, batches: Callable[[int], tuple[Sequence[Prompt], SamplingConfig] | None],
-                     job: Job) -> None:
+    def submit_ahead(
+        self,
+        step: int,
+        batches: Callable[[int], tuple[Sequence[Prompt], SamplingConfig] | None],
+        job: Job,
+    ) -> None:
         """Put the batches of steps ``step+1 .. step+k`` in flight (``batches(i)``: step ``step+i``'s prompts and
         sampling, None when unknown, e.g. past the end of the data)."""
         if self.inflight:
@@ -173,9 +219,12 @@ class AsyncRollouts:
             _settle(flight, should_stop)
 
     # -- the engine protocol: everything else waits for the in-flight batches first -----------------------------
-    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+    def generate(
+        self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig
+    ) -> list[Rollout]:
         self.wait_idle()
-        return self.engine.generate(prompts, group_size, sampling)  # this thread restarts a dead server itself
+        # this thread restarts a dead server itself
+        return self.engine.generate(prompts, group_size, sampling)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         if not self.inflight:
@@ -203,8 +252,12 @@ class AsyncRollouts:
 
     def _in_steps(self, rollouts: list[Rollout]) -> list[Rollout]:
         """Per-token weight versions as loop steps (the engine counts syncs; the stamps count loop steps)."""
-        return [r if r.versions is None else replace(r, versions=[self._step_of[v] for v in r.versions])
-                for r in rollouts]
+        return [
+            r
+            if r.versions is None
+            else replace(r, versions=[self._step_of[v] for v in r.versions])
+            for r in rollouts
+        ]
 
     def sleep(self, level: int = 1) -> None:
         self.wait_idle()
@@ -223,7 +276,11 @@ class AsyncRollouts:
         return self.engine.device if isinstance(self.engine, WeightDevice) else None
 
     def weight_names(self) -> list[str]:
-        return self.engine.weight_names() if isinstance(self.engine, DeclaresWeights) else []
+        return (
+            self.engine.weight_names()
+            if isinstance(self.engine, DeclaresWeights)
+            else []
+        )
 
     @property
     def serves_adapters(self) -> bool:
@@ -231,7 +288,9 @@ class AsyncRollouts:
 
     def load_adapter(self, tensors: dict[str, Tensor], config_json: str) -> None:
         if not isinstance(self.engine, LoadsAdapters):
-            raise TypeError(f"AsyncRollouts.load_adapter(): the wrapped {type(self.engine).__name__} takes no adapters")
+            raise TypeError(
+                f"AsyncRollouts.load_adapter(): the wrapped {type(self.engine).__name__} takes no adapters"
+            )
         self.wait_idle()  # no batch samples while the adapter it names is swapped
         self.engine.load_adapter(tensors, config_json)
 
@@ -246,15 +305,25 @@ class AsyncRollouts:
             self._closed = True
             self._wake.notify()
         if isinstance(self.engine, Closable):
-            self.engine.close()  # a launched server stops: a request still in flight fails; the worker is a daemon
+            # a launched server stops: a request still in flight fails; the worker is a daemon
+            self.engine.close()
 
     # -- the worker --------------------------------------------------------------------------------------------
-    def _submit(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job) -> InFlight:
-        flight = InFlight(step, [p.id for p in prompts], sampling.seed, self.weights_step)
+    def _submit(
+        self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job
+    ) -> InFlight:
+        flight = InFlight(
+            step, [p.id for p in prompts], sampling.seed, self.weights_step
+        )
         self._flight[step] = flight
-        if self.inflight:  # batches overlap: the next one samples beside the tail of the one a sync cut
-            threading.Thread(target=_run, args=(flight, lambda: job(prompts, sampling)), name=f"lightning-grpo-rollouts-"
-                             f"{step}", daemon=True).start()
+        # batches overlap: the next one samples beside the tail of the one a sync cut
+        if self.inflight:
+            threading.Thread(
+                target=_run,
+                args=(flight, lambda: job(prompts, sampling)),
+                name=f"lightning-grpo-rollouts-{step}",
+                daemon=True,
+            ).start()
             return flight
         with self._wake:
             self._queue.append((flight, lambda: job(prompts, sampling)))
@@ -276,10 +345,10 @@ def _run(flight: InFlight, run: Callable[[], tuple]) -> None:
     """Draw ``flight``'s batch; its result or error waits in it until the batch is taken."""
     try:
         flight.result = run()
-    except BaseException as err:  # noqa: BLE001 - handed to the main thread when the batch is taken
+    # noqa: BLE001 - handed to the main thread when the batch is taken
+    except BaseException as err:
         flight.error = err
     flight.done.set()
-
 
 
 def unwrapped(engine: RolloutEngine) -> RolloutEngine:

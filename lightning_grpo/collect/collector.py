@@ -30,13 +30,27 @@ from lightning_grpo.certificate import Certifier
 from lightning_grpo.collect.async_rollouts import unwrapped
 from lightning_grpo.collect.draw import Drawer
 from lightning_grpo.collect.groups import Groups, scatter
-from lightning_grpo.collect.prompts import StepSampling, live_prompts, step_prompts, with_skipped_groups
+from lightning_grpo.collect.prompts import (
+    StepSampling,
+    live_prompts,
+    step_prompts,
+    with_skipped_groups,
+)
 from lightning_grpo.collect.refill import fill
 from lightning_grpo.collect.rewards import RewardScorer
 from lightning_grpo.collect.rows import RewardParts, StepRows
 from lightning_grpo.collect.schedule import AsyncSchedule
-from lightning_grpo.collect.shaping import batch_metrics, counted_only, counted_rows, shape_rewards
-from lightning_grpo.collect.staleness import drawn_stamps, staleness_metrics, token_staleness
+from lightning_grpo.collect.shaping import (
+    batch_metrics,
+    counted_only,
+    counted_rows,
+    shape_rewards,
+)
+from lightning_grpo.collect.staleness import (
+    drawn_stamps,
+    staleness_metrics,
+    token_staleness,
+)
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.seam import PromptProvider
 from lightning_grpo.distributed import ONE_PROCESS_GROUP, DataParallelGroup
@@ -76,11 +90,23 @@ class Collector:
         batch, metrics = collector.collect(records, loop_step=0)
     """
 
-    def __init__(self, drawer: Drawer, score: Score, *, rl: GRPOConfig, max_new_tokens: int,
-                 sampling: StepSampling, tokenizer, rewards: RewardScorer | None = None,
-                 vision: VisionProcessor | None = None, context: int | None = None,
-                 prompts: PromptProvider | None = None, dp: DataParallelGroup = ONE_PROCESS_GROUP,
-                 schedule: AsyncSchedule | None = None, certifier: Certifier | None = None) -> None:
+    def __init__(
+        self,
+        drawer: Drawer,
+        score: Score,
+        *,
+        rl: GRPOConfig,
+        max_new_tokens: int,
+        sampling: StepSampling,
+        tokenizer,
+        rewards: RewardScorer | None = None,
+        vision: VisionProcessor | None = None,
+        context: int | None = None,
+        prompts: PromptProvider | None = None,
+        dp: DataParallelGroup = ONE_PROCESS_GROUP,
+        schedule: AsyncSchedule | None = None,
+        certifier: Certifier | None = None,
+    ) -> None:
         self.drawer = drawer
         self.score = score
         self.rewards = rewards
@@ -96,39 +122,77 @@ class Collector:
         self.certifier = certifier
         # Under async rollouts the worker thread draws with the engine the schedule wraps (never through the wrapper,
         # whose draws wait for the worker).
-        self._worker_drawer = Drawer(schedule.rollouts.engine, drawer.episodes) if schedule is not None else None
+        self._worker_drawer = (
+            Drawer(schedule.rollouts.engine, drawer.episodes)
+            if schedule is not None
+            else None
+        )
         self.last_rows: StepRows | None = None
         """The last loop step's rows on this rank (``completions.py`` writes a few)."""
 
-    def collect(self, records: Sequence, loop_step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def collect(
+        self, records: Sequence, loop_step: int
+    ) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's collected batch for the loop step after ``loop_step`` (batches consumed so far), and metrics.
 
         ``group_size`` completions per record, scored and normalized per group (``rl.dynamic_sampling``: only groups
         whose rewards differ, refilled from further prompts). First the consistency certificate, when one is due.
         """
-        mismatch = self.certifier(unwrapped(self.drawer.engine), loop_step) if self.certifier is not None else {}
+        mismatch = (
+            self.certifier(unwrapped(self.drawer.engine), loop_step)
+            if self.certifier is not None
+            else {}
+        )
         if self.rewards is not None:
             self.rewards.begin_step()
         groups, metrics = self._round(records, loop_step)
         if self.rl.dynamic_sampling:
             refill = functools.partial(self._refill, loop_step)
-            groups, counts = fill(groups, self.rl.group_size, len(records), self.rl.max_refill_rounds, refill,
-                                  self.dp.total, self.dp.rank)
+            groups, counts = fill(
+                groups,
+                self.rl.group_size,
+                len(records),
+                self.rl.max_refill_rounds,
+                refill,
+                self.dp.total,
+                self.dp.rank,
+            )
             metrics.update(counts.metrics())
-        if self.schedule is not None:  # over the rows trained: a refill round is drawn now, with current weights
-            rows = groups.trained if bool(groups.trained.any()) else groups.live  # as _advantages: what was drawn
-            metrics.update(staleness_metrics(groups.versions, rows, loop_step, self.schedule.rollouts.k))
-            if self.schedule.rollouts.inflight:  # tokens of one row may come from two versions
+        # over the rows trained: a refill round is drawn now, with current weights
+        if self.schedule is not None:
+            # as _advantages: what was drawn
+            rows = groups.trained if bool(groups.trained.any()) else groups.live
+            metrics.update(
+                staleness_metrics(
+                    groups.versions, rows, loop_step, self.schedule.rollouts.k
+                )
+            )
+            # tokens of one row may come from two versions
+            if self.schedule.rollouts.inflight:
                 metrics.update(token_staleness(groups.rollouts, rows, loop_step))
         advantages, adv_metrics = self._advantages(groups)
-        batch = pack_rollouts(groups.rollouts, advantages, groups.rewards, self.tokenizer.pad_token_id, self.context)
+        batch = pack_rollouts(
+            groups.rollouts,
+            advantages,
+            groups.rewards,
+            self.tokenizer.pad_token_id,
+            self.context,
+        )
         metrics.update(adv_metrics)
         metrics.update(batch_metrics(groups, batch, self.rl, self.max_new_tokens))
         metrics.update(self._data_counters())
         metrics.update(mismatch)  # mismatch/*
-        parts = self.rewards.parts if self.rewards is not None else RewardParts()  # no parts shown
+        # no parts shown
+        parts = self.rewards.parts if self.rewards is not None else RewardParts()
         counted = counted_rows(groups, self.rl.mask_truncated_completions)
-        self.last_rows = StepRows(loop_step + 1, groups.rollouts, groups.rewards, advantages, parts, trained=counted)
+        self.last_rows = StepRows(
+            loop_step + 1,
+            groups.rollouts,
+            groups.rewards,
+            advantages,
+            parts,
+            trained=counted,
+        )
         return counted_only(batch, groups, self.rl.mask_truncated_completions), metrics
 
     # -- its share of a checkpoint ------------------------------------------------------------------------------------
@@ -148,18 +212,23 @@ class Collector:
         """``(prompts, skipped)`` of ``records`` (``prompts.step_prompts`` with the data's bad-record rule)."""
         return step_prompts(records, self.tokenizer, self.vision, self._on_bad_record())
 
-    def draw(self, prompts: Sequence[Prompt], group_size: int,
-             sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
+    def draw(
+        self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig
+    ) -> tuple[list[Rollout], dict[str, float]]:
         """``group_size`` rollouts per prompt now, with the engine as it is (validation; never in flight)."""
         return self.drawer(prompts, group_size, sampling)
 
     # -- one round ----------------------------------------------------------------------------------------------------
-    def _round(self, records: Sequence, loop_step: int) -> tuple[Groups, dict[str, float]]:
+    def _round(
+        self, records: Sequence, loop_step: int
+    ) -> tuple[Groups, dict[str, float]]:
         """``group_size`` completions per record, scored and shaped; a skipped bad record's group keeps its rows (the
         batch size is the config's) with nothing to learn from."""
         # A VLM's image placeholders are expanded here (its images decoded): an unreadable one is met at this step.
         prompts, skipped = self.prompts_of(records)
-        rollouts, metrics, version = self._training_draw(live_prompts(prompts, skipped), loop_step)
+        rollouts, metrics, version = self._training_draw(
+            live_prompts(prompts, skipped), loop_step
+        )
         rewards, reward_metrics = self.score(rollouts)
         metrics = {**reward_metrics, **metrics}
         rewards = shape_rewards(rollouts, rewards, self.rl, self.max_new_tokens)
@@ -167,12 +236,25 @@ class Collector:
         if skipped:
             if self.prompts is not None:
                 self.prompts.count_skipped(len(skipped))
-            rollouts, keep = with_skipped_groups(rollouts, prompts, skipped, self.rl.group_size,
-                                                 self.tokenizer.eos_token_id)
+            rollouts, keep = with_skipped_groups(
+                rollouts,
+                prompts,
+                skipped,
+                self.rl.group_size,
+                self.tokenizer.eos_token_id,
+            )
             rewards = scatter(rewards, keep)
-        return Groups(rollouts, rewards, keep, keep, drawn_stamps(rollouts, version, self.rl.group_size)), metrics
+        return Groups(
+            rollouts,
+            rewards,
+            keep,
+            keep,
+            drawn_stamps(rollouts, version, self.rl.group_size),
+        ), metrics
 
-    def _training_draw(self, prompts: list[Prompt], loop_step: int) -> tuple[list[Rollout], dict[str, float], int]:
+    def _training_draw(
+        self, prompts: list[Prompt], loop_step: int
+    ) -> tuple[list[Rollout], dict[str, float], int]:
         """(rollouts, episode metrics, the weight version that drew them: ``loop_step`` when drawn now)."""
         sampling = self.sampling.at(loop_step)
         if self.schedule is None:
@@ -180,24 +262,38 @@ class Collector:
             version = loop_step
         else:
             upcoming = functools.partial(self._upcoming, loop_step)
-            rollouts, metrics, version = self.schedule.draw(loop_step + 1, prompts, sampling, self._job, upcoming)
+            rollouts, metrics, version = self.schedule.draw(
+                loop_step + 1, prompts, sampling, self._job, upcoming
+            )
         engine = unwrapped(self.drawer.engine)
-        if isinstance(engine, RestartsServers):  # counted over the run: a restart in a sync shows at the next draw
-            metrics = {**metrics, "rollout/server_restarts": float(engine.server_restarts)}
+        # counted over the run: a restart in a sync shows at the next draw
+        if isinstance(engine, RestartsServers):
+            metrics = {
+                **metrics,
+                "rollout/server_restarts": float(engine.server_restarts),
+            }
         return rollouts, metrics, version
 
-    def _job(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
+    def _job(
+        self, prompts: Sequence[Prompt], sampling: SamplingConfig
+    ) -> tuple[list[Rollout], dict[str, float]]:
         """One training batch drawn with the engine the async schedule wraps (on its worker thread)."""
         return self._worker_drawer(prompts, self.rl.group_size, sampling)
 
-    def _upcoming(self, loop_step: int, ahead: int) -> tuple[list[Prompt], SamplingConfig] | None:
+    def _upcoming(
+        self, loop_step: int, ahead: int
+    ) -> tuple[list[Prompt], SamplingConfig] | None:
         """Loop step ``loop_step + 1 + ahead``'s prompts (without the bad records the draw would skip) and sampling."""
-        records = self.prompts.upcoming_records(ahead) if self.prompts is not None else None
+        records = (
+            self.prompts.upcoming_records(ahead) if self.prompts is not None else None
+        )
         if records is None:
-            return None  # not a PromptDataModule: its next batch is unknown until Lightning fetches it
+            # not a PromptDataModule: its next batch is unknown until Lightning fetches it
+            return None
         try:
             prompts, skipped = self.prompts_of(records)
-        except Exception:  # noqa: BLE001 - the step itself meets (and reports) a bad record when it comes
+        # noqa: BLE001 - the step itself meets (and reports) a bad record when it comes
+        except Exception:
             return None
         return live_prompts(prompts, skipped), self.sampling.at(loop_step + ahead)
 
@@ -212,11 +308,19 @@ class Collector:
     def _advantages(self, groups: Groups) -> tuple[Tensor, dict[str, float]]:
         """``[N]`` group-normalized advantages, 0 on rows not trained, and their statistics."""
         trained = groups.trained
-        across = self.rl.scale_rewards == "batch" and self.dp.size > 1  # the std of every rank's trained rewards
-        batch_std = dp_batch_std(groups.rewards[trained], self.dp.reduce) if across else None
-        rows = trained if bool(trained.any()) else groups.live  # nothing to train: the statistics of what was drawn
-        advantages, stats = group_advantages(groups.rewards[rows], self.rl.group_size, self.rl.scale_rewards,
-                                             batch_std=batch_std)
+        # the std of every rank's trained rewards
+        across = self.rl.scale_rewards == "batch" and self.dp.size > 1
+        batch_std = (
+            dp_batch_std(groups.rewards[trained], self.dp.reduce) if across else None
+        )
+        # nothing to train: the statistics of what was drawn
+        rows = trained if bool(trained.any()) else groups.live
+        advantages, stats = group_advantages(
+            groups.rewards[rows],
+            self.rl.group_size,
+            self.rl.scale_rewards,
+            batch_std=batch_std,
+        )
         advantages = scatter(advantages, rows).masked_fill(~trained, 0.0)
         return advantages, {k: float(v) for k, v in stats.items()}
 
@@ -226,4 +330,7 @@ class Collector:
     def _data_counters(self) -> dict[str, float]:
         skipped = self.prompts.bad_records_skipped if self.prompts is not None else 0
         dropped = self.prompts.long_prompts_dropped if self.prompts is not None else 0
-        return {"data/bad_records_skipped": float(skipped), "data/long_prompts_dropped": float(dropped)}
+        return {
+            "data/bad_records_skipped": float(skipped),
+            "data/long_prompts_dropped": float(dropped),
+        }

@@ -10,7 +10,9 @@ from lightning_grpo.envs.episode import EpisodeRunner
 from lightning_grpo.rollout.base import Prompt, Rollout, RolloutEngine, SamplingConfig
 
 
-def episode_runner(env: EnvConfig | None, tokenizer, generation_eos, context: int | None) -> EpisodeRunner | None:
+def episode_runner(
+    env: EnvConfig | None, tokenizer, generation_eos, context: int | None
+) -> EpisodeRunner | None:
     """The runner of ``model.env`` (None: single-turn). Loads the environment class, so every refusal (import,
     tools, chat template) happens here, before an engine starts.
 
@@ -39,8 +41,9 @@ class Drawer:
         self.engine = engine
         self.episodes = episodes
 
-    def __call__(self, prompts: Sequence[Prompt], group_size: int,
-                 sampling: SamplingConfig) -> tuple[list[Rollout], dict[str, float]]:
+    def __call__(
+        self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig
+    ) -> tuple[list[Rollout], dict[str, float]]:
         """``group_size`` rollouts per prompt, groups contiguous in prompt order, and the episodes' metrics."""
         if self.episodes is None:
             return self.engine.generate(prompts, group_size, sampling), {}

@@ -32,13 +32,23 @@ class Groups:
     def group(self, g: int, group_size: int, trained: bool) -> Groups:
         rows = slice(g * group_size, (g + 1) * group_size)
         live = self.live[rows]
-        return Groups(self.rollouts[rows], self.rewards[rows], live, live & trained, self.versions[rows])
+        return Groups(
+            self.rollouts[rows],
+            self.rewards[rows],
+            live,
+            live & trained,
+            self.versions[rows],
+        )
 
 
 def concat(groups: list[Groups]) -> Groups:
-    return Groups([r for g in groups for r in g.rollouts], torch.cat([g.rewards for g in groups]),
-                  torch.cat([g.live for g in groups]), torch.cat([g.trained for g in groups]),
-                  torch.cat([g.versions for g in groups]))
+    return Groups(
+        [r for g in groups for r in g.rollouts],
+        torch.cat([g.rewards for g in groups]),
+        torch.cat([g.live for g in groups]),
+        torch.cat([g.trained for g in groups]),
+        torch.cat([g.versions for g in groups]),
+    )
 
 
 def scatter(values: Tensor, keep: Tensor) -> Tensor:

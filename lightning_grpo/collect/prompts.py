@@ -19,8 +19,9 @@ from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig
 from lightning_grpo.vision import VisionProcessor
 
 
-def step_prompts(records, tokenizer, vision: VisionProcessor | None, on_bad_record: str = "error"
-                 ) -> tuple[list[Prompt], list[int]]:
+def step_prompts(
+    records, tokenizer, vision: VisionProcessor | None, on_bad_record: str = "error"
+) -> tuple[list[Prompt], list[int]]:
     """``(prompts, skipped)``: the engine prompts of ``records`` (placeholders expanded for a VLM) and the indices of
     the records skipped for an unreadable image (``on_bad_record="skip"``; with ``"error"`` the ``BadImageError``,
     naming record id and path, propagates)."""
@@ -37,8 +38,10 @@ def step_prompts(records, tokenizer, vision: VisionProcessor | None, on_bad_reco
                 skipped.append(i)
         prompts.append(prompt)
     if skipped and len(skipped) == len(records):
-        raise ValueError(f"every record of this loop step has an unreadable image (ids {[r.id for r in records]}); "
-                         "check the image paths of the data")
+        raise ValueError(
+            f"every record of this loop step has an unreadable image (ids {[r.id for r in records]}); "
+            "check the image paths of the data"
+        )
     return prompts, skipped
 
 
@@ -47,8 +50,13 @@ def live_prompts(prompts: Sequence[Prompt], skipped: Sequence[int]) -> list[Prom
     return [p for i, p in enumerate(prompts) if i not in skipped]
 
 
-def with_skipped_groups(rollouts: list, prompts: Sequence[Prompt], skipped: Sequence[int], group_size: int,
-                        eos_token_id: int) -> tuple[list, Tensor]:
+def with_skipped_groups(
+    rollouts: list,
+    prompts: Sequence[Prompt],
+    skipped: Sequence[int],
+    group_size: int,
+    eos_token_id: int,
+) -> tuple[list, Tensor]:
     """``(rollouts of every prompt, live [N] bool)``: each skipped prompt's group is put back in place as empty
     completions of a one-token prompt with no image, so the collected batch keeps its configured size. Those rows
     carry no completion token: they add nothing to the loss or to the divisor (their advantage is set to 0)."""
@@ -88,16 +96,40 @@ class StepSampling:
     """Tokens a completion must never hold (a VLM's vision tokens)."""
 
     @classmethod
-    def of(cls, rollout, logprobs: bool, seed: int, world: int, rank: int,
-           vision: VisionProcessor | None) -> StepSampling:
+    def of(
+        cls,
+        rollout,
+        logprobs: bool,
+        seed: int,
+        world: int,
+        rank: int,
+        vision: VisionProcessor | None,
+    ) -> StepSampling:
         """The sampling of the ``rollout`` section on this rank (a VLM's vision tokens forbidden in completions)."""
         forbidden = vision.special_ids if vision is not None else ()
-        return cls(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k, tuple(rollout.stop or ()),
-                   logprobs, seed, world, rank, forbidden)
+        return cls(
+            rollout.max_new_tokens,
+            rollout.temperature,
+            rollout.top_p,
+            rollout.top_k,
+            tuple(rollout.stop or ()),
+            logprobs,
+            seed,
+            world,
+            rank,
+            forbidden,
+        )
 
     def at(self, loop_step: int) -> SamplingConfig:
         """The sampling of the draw for ``loop_step`` (engines derive one stream per prompt and sample from it)."""
         seed = (self.seed * 1_000_003 + loop_step) * max(self.world, 1) + self.rank
-        return SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, logprobs=self.logprobs, seed=seed, stop=self.stop,
-                              forbidden_token_ids=self.forbidden_token_ids)
+        return SamplingConfig(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            logprobs=self.logprobs,
+            seed=seed,
+            stop=self.stop,
+            forbidden_token_ids=self.forbidden_token_ids,
+        )

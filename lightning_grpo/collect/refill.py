@@ -38,9 +38,12 @@ class Refill:
     """Informative groups missing from this rank's batch (padded)."""
 
     def metrics(self) -> dict[str, float]:
-        return {"data/dynamic_groups_dropped": float(self.groups_dropped),
-                "data/dynamic_refill_rounds": float(self.rounds),
-                "data/dynamic_prompts_drawn": float(self.prompts_drawn), "data/dynamic_batch_short": float(self.short)}
+        return {
+            "data/dynamic_groups_dropped": float(self.groups_dropped),
+            "data/dynamic_refill_rounds": float(self.rounds),
+            "data/dynamic_prompts_drawn": float(self.prompts_drawn),
+            "data/dynamic_batch_short": float(self.short),
+        }
 
 
 def informative(rewards: Tensor, group_size: int) -> Tensor:
@@ -49,8 +52,15 @@ def informative(rewards: Tensor, group_size: int) -> Tensor:
     return grouped.amax(dim=1) != grouped.amin(dim=1)
 
 
-def fill(first: Groups, group_size: int, needed: int, max_rounds: int, draw: Callable[[bool], Groups | None],
-         total_short: Callable[[int], int], rank: int = 0) -> tuple[Groups, Refill]:
+def fill(
+    first: Groups,
+    group_size: int,
+    needed: int,
+    max_rounds: int,
+    draw: Callable[[bool], Groups | None],
+    total_short: Callable[[int], int],
+    rank: int = 0,
+) -> tuple[Groups, Refill]:
     """``needed`` groups: the informative ones of ``first`` and of refill rounds, padded when rounds run out.
 
     Args:
@@ -66,7 +76,10 @@ def fill(first: Groups, group_size: int, needed: int, max_rounds: int, draw: Cal
     kept, spare, counts = [], [], Refill()
 
     def sort(groups: Groups) -> None:
-        good = informative(groups.rewards, group_size) & groups.live.view(-1, group_size).all(dim=1)  # [P]
+        # [P]
+        good = informative(groups.rewards, group_size) & groups.live.view(
+            -1, group_size
+        ).all(dim=1)
         for g, ok in enumerate(good.tolist()):
             (kept if ok else spare).append(groups.group(g, group_size, trained=ok))
             counts.groups_dropped += int(not ok and bool(groups.live[g * group_size]))
@@ -82,9 +95,14 @@ def fill(first: Groups, group_size: int, needed: int, max_rounds: int, draw: Cal
         short = total_short(max(needed - len(kept), 0))
     counts.short = max(needed - len(kept), 0)
     if short > 0 and rank == 0:
-        warnings.warn(f"rl.dynamic_sampling: {short} informative group(s) short over all ranks after "
-                      f"{counts.rounds} refill round(s) (rl.max_refill_rounds={max_rounds}; this rank found "
-                      f"{min(len(kept), needed)} of {needed}); training on what there is, the rest padded with groups "
-                      "that count in no divisor. More rounds, or easier prompts, fill it", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"rl.dynamic_sampling: {short} informative group(s) short over all ranks after "
+            f"{counts.rounds} refill round(s) (rl.max_refill_rounds={max_rounds}; this rank found "
+            f"{min(len(kept), needed)} of {needed}); training on what there is, the rest padded with groups "
+            "that count in no divisor. More rounds, or easier prompts, fill it",
+            UserWarning,
+            stacklevel=2,
+        )
     kept = kept[:needed]
-    return concat(kept + spare[: needed - len(kept)]), counts  # round 0 alone has `needed` groups: enough to pad
+    # round 0 alone has `needed` groups: enough to pad
+    return concat(kept + spare[: needed - len(kept)]), counts

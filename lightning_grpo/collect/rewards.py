@@ -27,7 +27,11 @@ class RewardScorer:
         should_stop: polled while a function runs; a SIGTERM / SIGUSR1 abandons the call (None: never polled).
     """
 
-    def __init__(self, specs: list[RewardSpec] | None, should_stop: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        specs: list[RewardSpec] | None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
         self.specs = specs
         self.should_stop = should_stop
         self.parts = RewardParts()
@@ -41,14 +45,19 @@ class RewardScorer:
         """``([N] float32 total rewards, metrics)``."""
         if all(r.reward is not None for r in rollouts):
             total = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
-            if all(r.transcript is not None for r in rollouts):  # the environments' own rewards, shown as a part
+            # the environments' own rewards, shown as a part
+            if all(r.transcript is not None for r in rollouts):
                 self.parts.add(list(rollouts), {"environment": total})
             return total, {}
         if self.specs == []:
             return torch.zeros(len(rollouts), dtype=torch.float32), {}
-        total, parts = score(rollouts, self.specs or [RewardSpec()], should_stop=self.should_stop)
+        total, parts = score(
+            rollouts, self.specs or [RewardSpec()], should_stop=self.should_stop
+        )
         self.parts.add(rollouts, parts)
         # Per function: the mean over the samples it scored (None = no opinion, NaN in ``parts``).
         metrics = {f"reward/{name}": float(v.nanmean()) for name, v in parts.items()}
-        metrics["reward/none_frac"] = float(torch.stack(list(parts.values())).isnan().float().mean())
+        metrics["reward/none_frac"] = float(
+            torch.stack(list(parts.values())).isnan().float().mean()
+        )
         return total, metrics

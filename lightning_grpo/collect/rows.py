@@ -24,7 +24,8 @@ class RewardParts:
         self._parts: dict[int, tuple[Rollout, dict[str, float]]] = {}
 
     def add(self, rollouts: list[Rollout], parts: dict[str, Tensor]) -> None:
-        for i, r in enumerate(rollouts):  # the rollout is kept too: its id() is only unique while it lives
+        # the rollout is kept too: its id() is only unique while it lives
+        for i, r in enumerate(rollouts):
             self._parts[id(r)] = (r, {name: float(v[i]) for name, v in parts.items()})
 
     def of(self, rollout: Rollout) -> dict[str, float]:
@@ -55,7 +56,9 @@ class StepRows:
 
     def samples(self, n: int, group_size: int) -> list[dict]:
         """Up to ``n`` rows as JSON-ready dicts: the first row of each group, then the second, ... (spread)."""
-        order = sorted(range(len(self.rollouts)), key=lambda i: (i % group_size, i // group_size))[:n]
+        order = sorted(
+            range(len(self.rollouts)), key=lambda i: (i % group_size, i // group_size)
+        )[:n]
         rows = [self._row(i) for i in order]
         if self.figure is not None and order:
             values = self.figure.values([self.rollouts[i] for i in order])
@@ -67,10 +70,19 @@ class StepRows:
         r = self.rollouts[i]
         advantage = float(self.advantages[i]) if self.uses_advantages else None
         trained = self.trained is None or bool(self.trained[i])
-        row = {"step": self.step, "prompt_id": r.prompt.id, "prompt": r.prompt.text, "completion": r.text,
-               "reward": float(self.rewards[i]), "rewards": self.parts.of(r), "advantage": advantage,
-               "finish_reason": r.finish_reason, "trained": trained}
-        if r.transcript is not None:  # an episode: the prompt as the model saw it, every turn with its calls
+        row = {
+            "step": self.step,
+            "prompt_id": r.prompt.id,
+            "prompt": r.prompt.text,
+            "completion": r.text,
+            "reward": float(self.rewards[i]),
+            "rewards": self.parts.of(r),
+            "advantage": advantage,
+            "finish_reason": r.finish_reason,
+            "trained": trained,
+        }
+        # an episode: the prompt as the model saw it, every turn with its calls
+        if r.transcript is not None:
             row["prompt"] = r.transcript.opening
             row["turns"] = [asdict(t) for t in r.transcript.turns]
         return row

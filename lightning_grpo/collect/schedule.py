@@ -24,8 +24,9 @@ Upcoming = Callable[[int], tuple[list[Prompt], SamplingConfig] | None]
 """``i -> (prompts, sampling)`` of the loop step ``i`` steps after the one drawn now (None: not known yet)."""
 
 
-def draws_ahead(engine: RolloutEngine, max_off_policy_steps: int,
-                weights_step: Callable[[], int]) -> RolloutEngine:
+def draws_ahead(
+    engine: RolloutEngine, max_off_policy_steps: int, weights_step: Callable[[], int]
+) -> RolloutEngine:
     """``engine`` drawing up to ``rollout.max_off_policy_steps`` loop steps ahead (0: ``engine`` as it is).
 
     ``weights_step()``: the loop step whose weights the trainer holds (read when a weight sync ends).
@@ -35,8 +36,11 @@ def draws_ahead(engine: RolloutEngine, max_off_policy_steps: int,
     return AsyncRollouts(engine, max_off_policy_steps, weights_step=weights_step)
 
 
-def schedule_of(engine: RolloutEngine, should_stop: Callable[[], bool] | None,
-                reissue: dict[int, list[int]]) -> AsyncSchedule | None:
+def schedule_of(
+    engine: RolloutEngine,
+    should_stop: Callable[[], bool] | None,
+    reissue: dict[int, list[int]],
+) -> AsyncSchedule | None:
     """The training draws' schedule of an engine that draws ahead (None: each batch is drawn when asked)."""
     if not isinstance(engine, AsyncRollouts):
         return None
@@ -52,19 +56,31 @@ class AsyncSchedule:
         reissue: loop step -> prompt ids a loaded checkpoint had in flight (``in_flight_of``); checked when drawn.
     """
 
-    def __init__(self, rollouts: AsyncRollouts, should_stop: Callable[[], bool] | None = None,
-                 reissue: dict[int, list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        rollouts: AsyncRollouts,
+        should_stop: Callable[[], bool] | None = None,
+        reissue: dict[int, list[int]] | None = None,
+    ) -> None:
         self.rollouts = rollouts
         self.should_stop = should_stop
         self._reissue = dict(reissue or {})
 
-    def draw(self, step: int, prompts: Sequence[Prompt], sampling: SamplingConfig, job: Job,
-             upcoming: Upcoming) -> tuple[list[Rollout], dict[str, float], int]:
+    def draw(
+        self,
+        step: int,
+        prompts: Sequence[Prompt],
+        sampling: SamplingConfig,
+        job: Job,
+        upcoming: Upcoming,
+    ) -> tuple[list[Rollout], dict[str, float], int]:
         """Loop step ``step``'s batch (``job(prompts, sampling)`` draws one with the wrapped engine), the next k in
         flight (``upcoming(i)``: step ``step + i``'s prompts and sampling). Returns (rollouts, episode metrics, the
         weight version that drew them: the loop step whose weights the engine held)."""
         self._check_reissued(step, prompts)
-        rollouts, metrics, weights_step = self.rollouts.take(step, prompts, sampling, job, self.should_stop)
+        rollouts, metrics, weights_step = self.rollouts.take(
+            step, prompts, sampling, job, self.should_stop
+        )
         self.rollouts.submit_ahead(step, upcoming, job)
         return rollouts, metrics, weights_step
 
@@ -84,10 +100,19 @@ class AsyncSchedule:
         ids = self._reissue.pop(step)
         drawn = [p.id for p in prompts]
         if ids == drawn:
-            log.info("loop step %d: drawing again the %d prompts that were in flight at the checkpoint", step, len(ids))
+            log.info(
+                "loop step %d: drawing again the %d prompts that were in flight at the checkpoint",
+                step,
+                len(ids),
+            )
         else:
-            log.warning("loop step %d: the checkpoint had prompts %s in flight but the data now gives %s (the prompt "
-                        "source changed since the checkpoint?)", step, ids[:8], drawn[:8])
+            log.warning(
+                "loop step %d: the checkpoint had prompts %s in flight but the data now gives %s (the prompt "
+                "source changed since the checkpoint?)",
+                step,
+                ids[:8],
+                drawn[:8],
+            )
 
 
 def in_flight_of(checkpoint: dict, rank: int) -> dict[int, list[int]]:

@@ -28,12 +28,21 @@ from lightning_grpo.rollout.base import Rollout
 def overlong_of(rollouts: list[Rollout], rl: GRPOConfig, max_new_tokens: int) -> Tensor:
     """``[N]`` the overlong penalty of each completion under ``rl.overlong_buffer`` / ``rl.overlong_penalty``."""
     # an episode's length is its model tokens: tool results are not the policy's verbosity
-    lengths = torch.tensor([len(r.token_ids) if r.model_mask is None else sum(r.model_mask) for r in rollouts],
-                           dtype=torch.long)
-    return overlong_penalty(lengths, max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
+    lengths = torch.tensor(
+        [
+            len(r.token_ids) if r.model_mask is None else sum(r.model_mask)
+            for r in rollouts
+        ],
+        dtype=torch.long,
+    )
+    return overlong_penalty(
+        lengths, max_new_tokens, rl.overlong_buffer, rl.overlong_penalty
+    )
 
 
-def counted_only(batch: RolloutBatch, groups: Groups, mask_truncated: bool) -> RolloutBatch:
+def counted_only(
+    batch: RolloutBatch, groups: Groups, mask_truncated: bool
+) -> RolloutBatch:
     """``batch`` with completion tokens only on trained rows (and, under ``mask_truncated``, only on completions that
     ended on EOS or a stop string): the others leave the loss and every divisor. Their rewards already counted in
     their group's advantages (TRL's ``mask_truncated_completions``)."""
@@ -52,7 +61,9 @@ def counted_rows(groups: Groups, mask_truncated: bool) -> Tensor:
 
 def truncated(rollouts: list[Rollout]) -> Tensor:
     """``[N]`` bool: completions cut at ``max_new_tokens`` (finish reason ``length``), not ended by EOS or a stop."""
-    return torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.bool)
+    return torch.tensor(
+        [r.finish_reason == "length" for r in rollouts], dtype=torch.bool
+    )
 
 
 def described(groups: Groups) -> Tensor:
@@ -61,15 +72,23 @@ def described(groups: Groups) -> Tensor:
     return groups.trained if bool(groups.trained.any()) else groups.live
 
 
-def completion_metrics(groups: Groups, batch: RolloutBatch, rl: GRPOConfig, max_new_tokens: int) -> dict[str, float]:
+def completion_metrics(
+    groups: Groups, batch: RolloutBatch, rl: GRPOConfig, max_new_tokens: int
+) -> dict[str, float]:
     """Lengths and endings of the trained completions (``described``), and what shaping did to them."""
     rows = described(groups)
-    reasons = [r.finish_reason for r, kept in zip(groups.rollouts, rows.tolist()) if kept]
+    reasons = [
+        r.finish_reason for r, kept in zip(groups.rollouts, rows.tolist()) if kept
+    ]
     out = length_metrics(batch.completion_mask.sum(-1)[rows], reasons)
     if rl.overlong_buffer:
-        out["reward/overlong_penalty_mean"] = float(overlong_of(groups.rollouts, rl, max_new_tokens)[rows].mean())
+        out["reward/overlong_penalty_mean"] = float(
+            overlong_of(groups.rollouts, rl, max_new_tokens)[rows].mean()
+        )
     if rl.mask_truncated_completions:  # trained rows whose completion leaves the loss
-        out["completion/truncated_masked"] = float((truncated(groups.rollouts) & groups.trained).sum())
+        out["completion/truncated_masked"] = float(
+            (truncated(groups.rollouts) & groups.trained).sum()
+        )
     return out
 
 
@@ -84,14 +103,18 @@ BATCH_METRICS: list[BatchMetric] = [completion_metrics]
 """Computed on every collected batch, after its advantages."""
 
 
-def shape_rewards(rollouts: list[Rollout], rewards: Tensor, rl: GRPOConfig, max_new_tokens: int) -> Tensor:
+def shape_rewards(
+    rollouts: list[Rollout], rewards: Tensor, rl: GRPOConfig, max_new_tokens: int
+) -> Tensor:
     """``[N]`` rewards with every rule of ``REWARD_RULES`` added."""
     for rule in REWARD_RULES:
         rewards = rewards + rule(rollouts, rl, max_new_tokens)
     return rewards
 
 
-def batch_metrics(groups: Groups, batch: RolloutBatch, rl: GRPOConfig, max_new_tokens: int) -> dict[str, float]:
+def batch_metrics(
+    groups: Groups, batch: RolloutBatch, rl: GRPOConfig, max_new_tokens: int
+) -> dict[str, float]:
     """Every metric of ``BATCH_METRICS`` over the collected batch."""
     out = {}
     for metric in BATCH_METRICS:

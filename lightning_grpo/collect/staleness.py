@@ -31,14 +31,23 @@ def drawn_stamps(rollouts: Sequence[Rollout], version: int, group_size: int) -> 
     out = stamps(len(rollouts), version)
     if all(r.versions is None for r in rollouts) or len(rollouts) % group_size:
         return out
-    first = torch.tensor([(r.versions or [version])[0] for r in rollouts], dtype=torch.int64)  # [rows]
-    last = torch.tensor([max(r.versions or [version]) for r in rollouts], dtype=torch.int64)  # [rows]
-    out[:, 0] = first.view(-1, group_size).amin(1).repeat_interleave(group_size)  # [G] -> [rows]
+    # [rows]
+    first = torch.tensor(
+        [(r.versions or [version])[0] for r in rollouts], dtype=torch.int64
+    )
+    # [rows]
+    last = torch.tensor(
+        [max(r.versions or [version]) for r in rollouts], dtype=torch.int64
+    )
+    # [G] -> [rows]
+    out[:, 0] = first.view(-1, group_size).amin(1).repeat_interleave(group_size)
     out[:, 1] = last.view(-1, group_size).amax(1).repeat_interleave(group_size)
     return out
 
 
-def token_staleness(rollouts: Sequence[Rollout], counted: Tensor, trainer_version: int) -> dict[str, float]:
+def token_staleness(
+    rollouts: Sequence[Rollout], counted: Tensor, trainer_version: int
+) -> dict[str, float]:
     """Under in-flight updates: the mean staleness of the counted rows' sampled tokens (each by the version that
     sampled it) and the fraction of them sampled after a sync cut their completion."""
     stale: list[int] = []
@@ -48,10 +57,15 @@ def token_staleness(rollouts: Sequence[Rollout], counted: Tensor, trainer_versio
             stale += [trainer_version - v for v in rollout.versions]
             cut += [v != rollout.versions[0] for v in rollout.versions]
     n = max(len(stale), 1)
-    return {"rollout/token_staleness": sum(stale) / n, "rollout/inflight_tokens_frac": sum(cut) / n}
+    return {
+        "rollout/token_staleness": sum(stale) / n,
+        "rollout/inflight_tokens_frac": sum(cut) / n,
+    }
 
 
-def staleness_metrics(versions: Tensor, counted: Tensor, trainer_version: int, k: int) -> dict[str, float]:
+def staleness_metrics(
+    versions: Tensor, counted: Tensor, trainer_version: int, k: int
+) -> dict[str, float]:
     """Staleness of the counted rows: loop steps between the weights at a row's first token and the trainer's.
 
     Args:
@@ -64,9 +78,11 @@ def staleness_metrics(versions: Tensor, counted: Tensor, trainer_version: int, k
     span = versions[counted, 1] - first  # [n] 0 unless an update landed mid-group
     stale = (trainer_version - first).double()  # [n]
     n = max(stale.numel(), 1)  # nothing counted: every figure 0
-    out = {"rollout/staleness": float(stale.sum()) / n,
-           "rollout/staleness_worst": float(stale.max()) if stale.numel() else 0.0,
-           "rollout/version_span": float(span.max()) if span.numel() else 0.0}
+    out = {
+        "rollout/staleness": float(stale.sum()) / n,
+        "rollout/staleness_worst": float(stale.max()) if stale.numel() else 0.0,
+        "rollout/version_span": float(span.max()) if span.numel() else 0.0,
+    }
     for i in range(k + 1):
         out[f"rollout/staleness_{i}_frac"] = float((stale == i).sum()) / n
     return out

@@ -68,30 +68,39 @@ def wire_collector(parts: CollectParts) -> Collector:
     """The Collector of ``parts``: a drawer over the engine, and the async schedule when it draws ahead."""
     schedule = schedule_of(parts.engine, parts.waiting_stop, parts.in_flight)
     drawer = Drawer(parts.engine, parts.episodes)
-    return Collector(drawer, parts.score,
-                     rewards=parts.rewards,
-                     rl=parts.rl,
-                     max_new_tokens=parts.rollout.max_new_tokens,
-                     sampling=parts.sampling,
-                     tokenizer=parts.tokenizer,
-                     vision=parts.vision,
-                     context=parts.context,
-                     prompts=parts.prompts,
-                     dp=parts.dp,
-                     schedule=schedule,
-                     certifier=parts.certifier)
+    return Collector(
+        drawer,
+        parts.score,
+        rewards=parts.rewards,
+        rl=parts.rl,
+        max_new_tokens=parts.rollout.max_new_tokens,
+        sampling=parts.sampling,
+        tokenizer=parts.tokenizer,
+        vision=parts.vision,
+        context=parts.context,
+        prompts=parts.prompts,
+        dp=parts.dp,
+        schedule=schedule,
+        certifier=parts.certifier,
+    )
 
 
-def episodes_of(env: EnvConfig | None, policy: nn.Module, tokenizer, context: int | None) -> EpisodeRunner | None:
+def episodes_of(
+    env: EnvConfig | None, policy: nn.Module, tokenizer, context: int | None
+) -> EpisodeRunner | None:
     """``model.env``'s runner for ``policy`` (None: single-turn); its generation config's EOS ids end a turn too."""
     generation = getattr(policy, "generation_config", None)
     eos = getattr(generation, "eos_token_id", None)
     return episode_runner(env, tokenizer, eos, context)
 
 
-def certifier_of(cfg: CertificateConfig | None, policy: nn.Module, tokenizer, after_syncs: bool) -> Certifier | None:
+def certifier_of(
+    cfg: CertificateConfig | None, policy: nn.Module, tokenizer, after_syncs: bool
+) -> Certifier | None:
     """``rollout.certificate``: engine vs trainer at the first loop step and, when ``after_syncs`` (a publisher
     syncs the engine every loop step), after every sync. None: off."""
     if cfg is None:
         return None
-    return Certifier(cfg, policy, probe_prompts(tokenizer, cfg.prompts), after_syncs=after_syncs)
+    return Certifier(
+        cfg, policy, probe_prompts(tokenizer, cfg.prompts), after_syncs=after_syncs
+    )

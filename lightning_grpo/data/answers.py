@@ -51,8 +51,14 @@ def normalize_answer(answer: str) -> str:
     if NUMBER.match(s):
         try:
             value = Decimal(s)
-            return format(value.to_integral_value() if value == value.to_integral_value() else value.normalize(), "f")
-        except InvalidOperation:  # unreachable for the regex above; kept to never crash a step on a format quirk
+            return format(
+                value.to_integral_value()
+                if value == value.to_integral_value()
+                else value.normalize(),
+                "f",
+            )
+        # unreachable for the regex above; kept to never crash a step on a format quirk
+        except InvalidOperation:
             return s
     return s
 
@@ -78,7 +84,11 @@ def _math_verify():
         limit = 5 if threading.current_thread() is threading.main_thread() else None
         gold_parsed = parse(_math(gold), parsing_timeout=limit)
         predicted_parsed = parse(_math(predicted), parsing_timeout=limit)
-        return bool(gold_parsed and predicted_parsed and verify(gold_parsed, predicted_parsed, timeout_seconds=limit))
+        return bool(
+            gold_parsed
+            and predicted_parsed
+            and verify(gold_parsed, predicted_parsed, timeout_seconds=limit)
+        )
 
     return check
 

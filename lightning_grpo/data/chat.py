@@ -44,7 +44,10 @@ def is_messages(value: Any) -> bool:
         isinstance(value, Sequence)
         and not isinstance(value, str)
         and len(value) > 0
-        and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m for m in value)
+        and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m
+            for m in value
+        )
     )
 
 
@@ -69,7 +72,9 @@ def check_chat_template(tokenizer, where: str) -> None:
 def render(tokenizer, messages: list[dict]) -> str:
     """The prompt string a chat model expects, ending with the assistant turn's opening."""
     check_chat_template(tokenizer, "prompt")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
 
 
 def encode(tokenizer, text: str, messages: list[dict] | None) -> tuple[list[int], str]:
@@ -86,17 +91,26 @@ def prompt_lengths(tokenizer, items: Sequence[TaskItem]) -> list[int]:
     chat = [i for i, it in enumerate(items) if it.messages is not None]
     lengths = [0] * len(items)
     if plain:
-        for i, ids in zip(plain, tokenizer([items[i].text for i in plain])["input_ids"]):
+        for i, ids in zip(
+            plain, tokenizer([items[i].text for i in plain])["input_ids"]
+        ):
             lengths[i] = len(ids)
     if chat:
         rendered = [render(tokenizer, items[i].messages) for i in chat]
-        for i, ids in zip(chat, tokenizer(rendered, add_special_tokens=False)["input_ids"]):
+        for i, ids in zip(
+            chat, tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        ):
             lengths[i] = len(ids)
     return lengths
 
 
-def fit_items(items: Sequence[TaskItem], tokenizer, max_tokens: int | None, on_long: Literal["drop", "error"],
-              where: str) -> tuple[list[TaskItem], list[int]]:
+def fit_items(
+    items: Sequence[TaskItem],
+    tokenizer,
+    max_tokens: int | None,
+    on_long: Literal["drop", "error"],
+    where: str,
+) -> tuple[list[TaskItem], list[int]]:
     """``(kept items, their indices in items)``: prompts over ``max_tokens`` dropped (warned once) or refused.
 
     Raises:
@@ -117,7 +131,8 @@ def fit_items(items: Sequence[TaskItem], tokenizer, max_tokens: int | None, on_l
             f"{where}: {len(long)} of {len(items)} prompts are longer than rollout.max_prompt_tokens={max_tokens} "
             f"({first}). Raise rollout.max_prompt_tokens (with the model's context in mind), shorten the prompts, "
             f"or set rollout.long_prompts=drop{' (every prompt is too long here)' if len(long) == len(items) else ''}",
-            min(lengths[i] for i in long))
+            min(lengths[i] for i in long),
+        )
     warnings.warn(
         f"{where}: dropped {len(long)} of {len(items)} prompts longer than rollout.max_prompt_tokens={max_tokens} "
         f"({first}); counted in data/long_prompts_dropped. Set rollout.long_prompts=error to refuse them instead",

@@ -41,28 +41,40 @@ class PromptFit:
     user. Named instead of the limit when prompts do not fit."""
 
     @classmethod
-    def of(cls, tokenizer, context: int | None, rollout: RolloutConfig, rl: GRPOConfig,
-           reward_specs: Sequence[RewardSpec] | None, policy_path: str | None, vision: bool,
-           objective: str) -> PromptFit:
+    def of(
+        cls,
+        tokenizer,
+        context: int | None,
+        rollout: RolloutConfig,
+        rl: GRPOConfig,
+        reward_specs: Sequence[RewardSpec] | None,
+        policy_path: str | None,
+        vision: bool,
+        objective: str,
+    ) -> PromptFit:
         """The fit of a built policy (its tokenizer, its context in tokens, whether it sees images) under the
         ``rollout`` and ``rl`` sections (the prompt limit is what ``max_new_tokens`` leaves of ``context``)."""
-        return cls(tokenizer=tokenizer,
-                   max_prompt_tokens=rollout.prompt_limit(context),
-                   long_prompts=rollout.long_prompts,
-                   reward_specs=reward_specs or [],
-                   policy_path=policy_path,
-                   vision=vision,
-                   objective=objective,
-                   dynamic_sampling=rl.dynamic_sampling,
-                   prompt_room=rollout.prompt_room(context))
+        return cls(
+            tokenizer=tokenizer,
+            max_prompt_tokens=rollout.prompt_limit(context),
+            long_prompts=rollout.long_prompts,
+            reward_specs=reward_specs or [],
+            policy_path=policy_path,
+            vision=vision,
+            objective=objective,
+            dynamic_sampling=rl.dynamic_sampling,
+            prompt_room=rollout.prompt_room(context),
+        )
 
 
 def fit_prompts(fit: PromptFit, dm) -> None:
     """Raise the first problem with ``dm`` for ``fit``, else prepare its prompts."""
     if not isinstance(dm, PromptProvider):
         if fit.dynamic_sampling:
-            raise ConfigError(f"rl.dynamic_sampling=true refills from the datamodule's refill lane, which "
-                              f"{type(dm).__name__} lacks (not a PromptProvider); use PromptDataModule")
+            raise ConfigError(
+                f"rl.dynamic_sampling=true refills from the datamodule's refill lane, which "
+                f"{type(dm).__name__} lacks (not a PromptProvider); use PromptDataModule"
+            )
         return
     if not fit.vision and dm.has_images:
         raise ConfigError(
@@ -71,16 +83,20 @@ def fit_prompts(fit: PromptFit, dm) -> None:
             "Qwen3-VL, or tiny.arch=qwen2_5_vl) or a text-only data source"
         )
     if dm.has_images and fit.objective != "grpo":  # OPD scores hidden states, no pixels
-        raise ConfigError(f"model.objective={fit.objective} does not score prompts with images (data.source="
-                          f"{_source_name(dm)} has some); use model.objective=grpo for image prompts")
+        raise ConfigError(
+            f"model.objective={fit.objective} does not score prompts with images (data.source="
+            f"{_source_name(dm)} has some); use model.objective=grpo for image prompts"
+        )
     try:
         dm.prepare_prompts(fit.tokenizer, fit.max_prompt_tokens, fit.long_prompts)
     except LongPromptsError as err:
         if fit.prompt_room is None:
             raise
         # the limit is what max_new_tokens left: name that knob, not a max_prompt_tokens the user never set
-        raise ConfigError(f"{fit.prompt_room}, and the shortest prompt that does not fit has {err.shortest} tokens; "
-                          "lower rollout.max_new_tokens (or use a policy with a longer context)") from None
+        raise ConfigError(
+            f"{fit.prompt_room}, and the shortest prompt that does not fit has {err.shortest} tokens; "
+            "lower rollout.max_new_tokens (or use a policy with a longer context)"
+        ) from None
     check_reward_columns(fit.reward_specs, dm.columns)
 
 

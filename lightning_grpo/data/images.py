@@ -75,12 +75,17 @@ def load_image(ref: ImageRef, record_id: int | None = None):
             image = Image.open(io.BytesIO(ref))
         elif isinstance(ref, Mapping):
             data = ref.get("bytes")
-            image = Image.open(io.BytesIO(data)) if data is not None else Image.open(Path(ref["path"]).expanduser())
+            image = (
+                Image.open(io.BytesIO(data))
+                if data is not None
+                else Image.open(Path(ref["path"]).expanduser())
+            )
         else:
             image = Image.open(Path(ref).expanduser())
         image.load()
         return image.convert("RGB")
-    except Exception as err:  # noqa: BLE001 - any decoder failure is the same user-facing problem
+    # noqa: BLE001 - any decoder failure is the same user-facing problem
+    except Exception as err:
         where = f"record id={record_id}: " if record_id is not None else ""
         raise BadImageError(
             f"{where}cannot read image {describe(ref)} ({type(err).__name__}: {err}). Fix or remove it from the "
@@ -91,8 +96,15 @@ def load_image(ref: ImageRef, record_id: int | None = None):
 def missing_files(refs: Sequence[ImageRef]) -> list[str]:
     """The paths among ``refs`` that name no file (bytes and decoded images have nothing to check): found before
     training by a stat, instead of at the loop step that draws the row."""
-    paths = [r.get("path") if isinstance(r, Mapping) and r.get("bytes") is None else r for r in refs]
-    return [str(p) for p in paths if isinstance(p, (str, Path)) and not Path(p).expanduser().is_file()]
+    paths = [
+        r.get("path") if isinstance(r, Mapping) and r.get("bytes") is None else r
+        for r in refs
+    ]
+    return [
+        str(p)
+        for p in paths
+        if isinstance(p, (str, Path)) and not Path(p).expanduser().is_file()
+    ]
 
 
 def load_images(refs: Sequence[ImageRef], record_id: int | None = None) -> list:
@@ -100,7 +112,9 @@ def load_images(refs: Sequence[ImageRef], record_id: int | None = None) -> list:
     return [load_image(r, record_id) for r in refs]
 
 
-def split_inline_images(messages: list[dict]) -> tuple[list[dict], tuple[ImageRef, ...]]:
+def split_inline_images(
+    messages: list[dict],
+) -> tuple[list[dict], tuple[ImageRef, ...]]:
     """``(messages with bare {"type": "image"} parts, the inline images in order)``.
 
     Qwen-style parts carry the image (``{"type": "image", "image": ref}``); TRL's carry none and take
@@ -114,12 +128,17 @@ def split_inline_images(messages: list[dict]) -> tuple[list[dict], tuple[ImageRe
             parts = []
             for part in content:
                 if isinstance(part, Mapping) and part.get("type") == "image":
-                    ref = part.get("image") if part.get("image") is not None else part.get("url")
+                    ref = (
+                        part.get("image")
+                        if part.get("image") is not None
+                        else part.get("url")
+                    )
                     if ref is not None:
                         inline.append(ref)
                     parts.append({"type": "image"})
                 elif isinstance(part, Mapping):
-                    parts.append({k: v for k, v in part.items() if v is not None})  # datasets pads missing keys
+                    # datasets pads missing keys
+                    parts.append({k: v for k, v in part.items() if v is not None})
                 else:
                     parts.append(part)
             m = {**m, "content": parts}
@@ -131,8 +150,13 @@ def count_image_parts(messages: list[dict] | None) -> int:
     """How many ``{"type": "image"}`` placeholders the messages hold."""
     if not messages:
         return 0
-    return sum(1 for m in messages if isinstance(m.get("content"), list)
-               for p in m["content"] if isinstance(p, Mapping) and p.get("type") == "image")
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if isinstance(p, Mapping) and p.get("type") == "image"
+    )
 
 
 IMAGE_MARKER = "<image>"
@@ -150,7 +174,13 @@ def with_image_parts(text: str, n_images: int) -> list[dict]:
             if piece.strip():
                 content.append({"type": "text", "text": piece})
         return [{"role": "user", "content": content}]
-    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image"}] * n_images
+            + [{"type": "text", "text": text}],
+        }
+    ]
 
 
 def text_of(messages: list[dict]) -> str:
@@ -158,4 +188,8 @@ def text_of(messages: list[dict]) -> str:
     content = messages[-1].get("content")
     if isinstance(content, str):
         return content
-    return " ".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+    return " ".join(
+        str(p.get("text", ""))
+        for p in content
+        if isinstance(p, Mapping) and p.get("type") == "text"
+    )

@@ -46,19 +46,38 @@ class PreferenceDataModule(LightningDataModule):
         dm = PreferenceDataModule("pairs.jsonl", pairs_per_step=32, val_source="held_out.jsonl")
     """
 
-    def __init__(self, source: str | Sequence[Mapping[str, Any]] = "builtin:arith_small",
-                 pairs_per_step: int | None = None, prompt_key: str = "prompt", chosen_key: str = "chosen",
-                 rejected_key: str = "rejected", seed: int = 0, shuffle: bool = True, builtin_size: int = 10_000,
-                 val_source: str | Sequence[Mapping[str, Any]] | None = None, val_size: int = 64) -> None:
+    def __init__(
+        self,
+        source: str | Sequence[Mapping[str, Any]] = "builtin:arith_small",
+        pairs_per_step: int | None = None,
+        prompt_key: str = "prompt",
+        chosen_key: str = "chosen",
+        rejected_key: str = "rejected",
+        seed: int = 0,
+        shuffle: bool = True,
+        builtin_size: int = 10_000,
+        val_source: str | Sequence[Mapping[str, Any]] | None = None,
+        val_size: int = 64,
+    ) -> None:
         super().__init__()
-        if pairs_per_step is not None and (not isinstance(pairs_per_step, int) or pairs_per_step < 1):
-            raise ValueError(f"PreferenceDataModule(pairs_per_step={pairs_per_step!r}): must be a positive integer")
+        if pairs_per_step is not None and (
+            not isinstance(pairs_per_step, int) or pairs_per_step < 1
+        ):
+            raise ValueError(
+                f"PreferenceDataModule(pairs_per_step={pairs_per_step!r}): must be a positive integer"
+            )
         if val_size < 0:
-            raise ValueError(f"PreferenceDataModule(val_size={val_size}): must be >= 0 (0 disables validation)")
+            raise ValueError(
+                f"PreferenceDataModule(val_size={val_size}): must be >= 0 (0 disables validation)"
+            )
         self.source = source
         self.val_source = val_source
         self.pairs_per_step = pairs_per_step
-        self.keys = {"prompt_key": prompt_key, "chosen_key": chosen_key, "rejected_key": rejected_key}
+        self.keys = {
+            "prompt_key": prompt_key,
+            "chosen_key": chosen_key,
+            "rejected_key": rejected_key,
+        }
         self.seed = seed
         self.shuffle = shuffle
         self.builtin_size = builtin_size
@@ -79,12 +98,18 @@ class PreferenceDataModule(LightningDataModule):
             if self.pairs_per_step is None and dpo is not None:
                 self.pairs_per_step = dpo.batch_size
         if self.pairs_per_step is None:
-            raise ValueError("PreferenceDataModule(pairs_per_step=None): without a DPOModule trainer, give it")
+            raise ValueError(
+                "PreferenceDataModule(pairs_per_step=None): without a DPOModule trainer, give it"
+            )
         if self.pairs_per_step % self.world_size:
-            raise ValueError(f"PreferenceDataModule(pairs_per_step={self.pairs_per_step}): must divide evenly over "
-                             f"{self.world_size} data-parallel ranks")
+            raise ValueError(
+                f"PreferenceDataModule(pairs_per_step={self.pairs_per_step}): must divide evenly over "
+                f"{self.world_size} data-parallel ranks"
+            )
         if self._pairs is None:
-            self._pairs = load_pairs(self.source, **self.keys, size=self.builtin_size, seed=self.seed)
+            self._pairs = load_pairs(
+                self.source, **self.keys, size=self.builtin_size, seed=self.seed
+            )
             self._val = self._load_val()
         if self.trainer is not None and not self._val and stage == "fit":
             # No held-out pairs (val_size: 0): validation off by Lightning's knob, as PromptDataModule does, instead of
@@ -95,9 +120,13 @@ class PreferenceDataModule(LightningDataModule):
         if self.val_size == 0:
             return []
         if self.val_source is not None:
-            return load_pairs(self.val_source, **self.keys, size=self.val_size, seed=self.seed)[: self.val_size]
+            return load_pairs(
+                self.val_source, **self.keys, size=self.val_size, seed=self.seed
+            )[: self.val_size]
         if isinstance(self.source, str) and self.source.startswith("builtin:"):
-            return load_pairs(self.source, split="val", size=self.val_size, seed=self.seed)
+            return load_pairs(
+                self.source, split="val", size=self.val_size, seed=self.seed
+            )
         return []
 
     @property
@@ -148,7 +177,9 @@ class PreferenceDataModule(LightningDataModule):
         return step_loader(batches) if batches else []
 
     @override
-    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+    def transfer_batch_to_device(
+        self, batch: Any, device: Any, dataloader_idx: int
+    ) -> Any:
         return batch  # host text: the module tokenizes and moves tensors per chunk
 
     @override
@@ -166,13 +197,23 @@ class PreferenceDataModule(LightningDataModule):
         return self.state_dict_at(self._consumed)
 
     def state_dict_at(self, position: int) -> dict[str, Any]:
-        return {"position": position, "pairs_per_step": self.pairs_per_step, "seed": self.seed}
+        return {
+            "position": position,
+            "pairs_per_step": self.pairs_per_step,
+            "seed": self.seed,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("pairs_per_step")
-        if self.pairs_per_step is not None and saved is not None and saved != self.pairs_per_step:
-            raise ValueError(f"resumed PreferenceDataModule(pairs_per_step={self.pairs_per_step}) but the checkpoint "
-                             f"used {saved}: keep pairs_per_step unchanged")
+        if (
+            self.pairs_per_step is not None
+            and saved is not None
+            and saved != self.pairs_per_step
+        ):
+            raise ValueError(
+                f"resumed PreferenceDataModule(pairs_per_step={self.pairs_per_step}) but the checkpoint "
+                f"used {saved}: keep pairs_per_step unchanged"
+            )
         self.pairs_per_step = self.pairs_per_step or saved
         self._consumed = int(state_dict["position"])

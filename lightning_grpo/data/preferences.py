@@ -43,9 +43,16 @@ class PreferencePair:
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
-def load_pairs(source: Any, *, prompt_key: str = "prompt", chosen_key: str = "chosen",
-               rejected_key: str = "rejected", split: str = "train", size: int = 10_000,
-               seed: int = 0) -> list[PreferencePair]:
+def load_pairs(
+    source: Any,
+    *,
+    prompt_key: str = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+    split: str = "train",
+    size: int = 10_000,
+    seed: int = 0,
+) -> list[PreferencePair]:
     """The pairs of ``source`` (see the module docstring); raises ``PreferenceDataError`` naming what is wrong.
 
     Args:
@@ -60,7 +67,10 @@ def load_pairs(source: Any, *, prompt_key: str = "prompt", chosen_key: str = "ch
         pairs = builtin_pairs(source.split(":", 1)[1], split, size, seed)
     else:
         rows, where = _rows(source, split)
-        pairs = [_pair(row, i, where(i), prompt_key, chosen_key, rejected_key) for i, row in enumerate(rows)]
+        pairs = [
+            _pair(row, i, where(i), prompt_key, chosen_key, rejected_key)
+            for i, row in enumerate(rows)
+        ]
     if not pairs:
         raise PreferenceDataError(f"source={source!r}: no preference pairs ({split})")
     return pairs
@@ -70,17 +80,25 @@ def _rows(source: Any, split: str) -> tuple[Sequence[Mapping], Any]:
     if not isinstance(source, (str, Path)):
         if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
             return source, lambda i: f"row {i}"
-        raise PreferenceDataError(f"source={source!r}: give a .jsonl path, a datasets name or folder, "
-                                  "'builtin:<task>', or a datasets.Dataset / list of dicts")
+        raise PreferenceDataError(
+            f"source={source!r}: give a .jsonl path, a datasets name or folder, "
+            "'builtin:<task>', or a datasets.Dataset / list of dicts"
+        )
     path = Path(source).expanduser()
     if path.suffix in (".jsonl", ".json") and path.is_file():
         return _read_jsonl(path), lambda i: f"{path} row {i}"
     try:
         import datasets
     except ImportError as err:
-        raise PreferenceDataError(f"source={str(source)!r}: not a .jsonl file; reading other sources needs the "
-                                  "`datasets` package (pip install datasets)") from err
-    rows = datasets.load_from_disk(str(path)) if path.is_dir() else datasets.load_dataset(str(source), split=split)
+        raise PreferenceDataError(
+            f"source={str(source)!r}: not a .jsonl file; reading other sources needs the "
+            "`datasets` package (pip install datasets)"
+        ) from err
+    rows = (
+        datasets.load_from_disk(str(path))
+        if path.is_dir()
+        else datasets.load_dataset(str(source), split=split)
+    )
     if isinstance(rows, datasets.DatasetDict):
         rows = rows[split]
     return rows, lambda i: f"{source} ({split}) row {i}"
@@ -94,37 +112,54 @@ def _read_jsonl(path: Path) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as err:
-                    raise PreferenceDataError(f"{path}:{lineno}: not valid JSON ({err.msg}); one object per line") \
-                        from err
+                    raise PreferenceDataError(
+                        f"{path}:{lineno}: not valid JSON ({err.msg}); one object per line"
+                    ) from err
     return rows
 
 
-def _pair(row: Any, i: int, where: str, prompt_key: str, chosen_key: str, rejected_key: str) -> PreferencePair:
+def _pair(
+    row: Any, i: int, where: str, prompt_key: str, chosen_key: str, rejected_key: str
+) -> PreferencePair:
     if not isinstance(row, Mapping):
-        raise PreferenceDataError(f"{where}: a row must be an object with named columns, got {type(row).__name__}")
+        raise PreferenceDataError(
+            f"{where}: a row must be an object with named columns, got {type(row).__name__}"
+        )
     missing = [k for k in (chosen_key, rejected_key) if k not in row]
     if missing:
         raise PreferenceDataError(
             f"{where}: no column {' or '.join(map(repr, missing))}; the row has columns {sorted(row)}. A preference "
             f"pair needs {chosen_key!r} and {rejected_key!r} (TRL's preference format): set chosen_key / "
-            "rejected_key (CLI: --data.init_args.chosen_key) to the columns holding the two answers")
+            "rejected_key (CLI: --data.init_args.chosen_key) to the columns holding the two answers"
+        )
     chosen = row[chosen_key]
     rejected = row[rejected_key]
     if prompt_key in row:
         return PreferencePair(i, row[prompt_key], chosen, rejected)
-    if _is_messages(chosen) and _is_messages(rejected):  # implicit prompt: the shared leading messages
+    # implicit prompt: the shared leading messages
+    if _is_messages(chosen) and _is_messages(rejected):
         shared = 0
-        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        while (
+            shared < min(len(chosen), len(rejected)) - 1
+            and chosen[shared] == rejected[shared]
+        ):
             shared += 1
         if shared:
-            return PreferencePair(i, list(chosen[:shared]), list(chosen[shared:]), list(rejected[shared:]))
+            return PreferencePair(
+                i, list(chosen[:shared]), list(chosen[shared:]), list(rejected[shared:])
+            )
     raise PreferenceDataError(
         f"{where}: no column {prompt_key!r}; the row has columns {sorted(row)}. Set prompt_key to the column holding "
-        "the prompt (a conversational pair without one needs chosen/rejected that share their first messages)")
+        "the prompt (a conversational pair without one needs chosen/rejected that share their first messages)"
+    )
 
 
 def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, Mapping) and "role" in m for m in value)
+    )
 
 
 def builtin_pairs(task: str, split: str, size: int, seed: int) -> list[PreferencePair]:
@@ -135,7 +170,8 @@ def builtin_pairs(task: str, split: str, size: int, seed: int) -> list[Preferenc
     policy learned to prefer the right answer, not which pairs it saw. ``val`` pairs are distinct.
     """
     t = get_task(task)
-    items = t.items(6 * size, seed, "train") + t.items(size, seed, "val")  # every prompt the task has, in both
+    # every prompt the task has, in both
+    items = t.items(6 * size, seed, "train") + t.items(size, seed, "val")
     rng = random.Random(seed + (split == "val"))
     pairs = []
     seen = set()
@@ -185,66 +221,120 @@ class PreferenceBatch:
 
     def select(self, rows: Tensor | slice) -> PreferenceBatch:
         """Rows ``rows``, each side trimmed to its longest real sequence (exact: trailing padding is never read)."""
-        picked = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows] for f in fields(self)}
+        picked = {
+            f.name: None
+            if getattr(self, f.name) is None
+            else getattr(self, f.name)[rows]
+            for f in fields(self)
+        }
         for side in ("chosen", "rejected"):
-            width = max(int(picked[f"{side}_attention"].sum(-1).max()) if len(picked["pair_ids"]) else 0, 2)
+            width = max(
+                int(picked[f"{side}_attention"].sum(-1).max())
+                if len(picked["pair_ids"])
+                else 0,
+                2,
+            )
             for name in ("ids", "attention", "mask"):
                 picked[f"{side}_{name}"] = picked[f"{side}_{name}"][:, :width]
         return PreferenceBatch(**picked)
 
     def to(self, device) -> PreferenceBatch:
-        return replace(self, **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                                for f in fields(self)})
+        return replace(
+            self,
+            **{
+                f.name: None
+                if getattr(self, f.name) is None
+                else getattr(self, f.name).to(device)
+                for f in fields(self)
+            },
+        )
 
     def sequences(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(ids, attention, mask)``, each ``[2N, T]``: chosen rows, then rejected rows (one forward for both)."""
         width = max(self.chosen_ids.shape[1], self.rejected_ids.shape[1])
 
-        def both(a: Tensor, b: Tensor) -> Tensor:  # right-padded with zeros/False: never counted, never attended
-            return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (a, b)])
+        # right-padded with zeros/False: never counted, never attended
+        def both(a: Tensor, b: Tensor) -> Tensor:
+            return torch.cat(
+                [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (a, b)]
+            )
 
-        return (both(self.chosen_ids, self.rejected_ids), both(self.chosen_attention, self.rejected_attention),
-                both(self.chosen_mask, self.rejected_mask))
+        return (
+            both(self.chosen_ids, self.rejected_ids),
+            both(self.chosen_attention, self.rejected_attention),
+            both(self.chosen_mask, self.rejected_mask),
+        )
 
 
-def encode_pairs(pairs: Sequence[PreferencePair], tokenizer, max_length: int | None = None) -> PreferenceBatch:
+def encode_pairs(
+    pairs: Sequence[PreferencePair], tokenizer, max_length: int | None = None
+) -> PreferenceBatch:
     """Token ids of ``pairs`` (see the module docstring); an answer past ``max_length`` tokens is cut at the end."""
     sides = {"chosen": [], "rejected": []}
     for pair in pairs:
         prompt, answers = _render(pair, tokenizer)
         if max_length is not None and len(prompt) >= max_length:
-            raise PreferenceDataError(f"pair {pair.id}: its prompt has {len(prompt)} tokens, not fewer than "
-                                      f"max_length={max_length}; raise dpo.max_length or shorten the prompt")
+            raise PreferenceDataError(
+                f"pair {pair.id}: its prompt has {len(prompt)} tokens, not fewer than "
+                f"max_length={max_length}; raise dpo.max_length or shorten the prompt"
+            )
         for side, answer in zip(sides, answers):
-            ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
-            sides[side].append((prompt, ids[: None if max_length is None else max_length - len(prompt)]))
+            ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [
+                tokenizer.eos_token_id
+            ]
+            sides[side].append(
+                (
+                    prompt,
+                    ids[: None if max_length is None else max_length - len(prompt)],
+                )
+            )
     packed = {side: _pack(rows, tokenizer.pad_token_id) for side, rows in sides.items()}
-    return PreferenceBatch(*packed["chosen"], *packed["rejected"],
-                           pair_ids=torch.tensor([p.id for p in pairs], dtype=torch.long))
+    return PreferenceBatch(
+        *packed["chosen"],
+        *packed["rejected"],
+        pair_ids=torch.tensor([p.id for p in pairs], dtype=torch.long),
+    )
 
 
 def _render(pair: PreferencePair, tokenizer) -> tuple[list[int], tuple[str, str]]:
     """Prompt token ids and the two answers as text after it."""
     if isinstance(pair.prompt, str):
         if not (isinstance(pair.chosen, str) and isinstance(pair.rejected, str)):
-            raise PreferenceDataError(f"pair {pair.id}: a plain-string prompt needs plain-string answers")
+            raise PreferenceDataError(
+                f"pair {pair.id}: a plain-string prompt needs plain-string answers"
+            )
         return encode_prompt(tokenizer, pair.prompt), (pair.chosen, pair.rejected)
     if not getattr(tokenizer, "chat_template", None):
-        raise PreferenceDataError(f"pair {pair.id}: chat messages need a tokenizer with a chat template; use a chat "
-                                  "model's tokenizer, or plain-string pairs")
-    prompt = tokenizer.apply_chat_template(pair.prompt, add_generation_prompt=True, tokenize=False)
+        raise PreferenceDataError(
+            f"pair {pair.id}: chat messages need a tokenizer with a chat template; use a chat "
+            "model's tokenizer, or plain-string pairs"
+        )
+    prompt = tokenizer.apply_chat_template(
+        pair.prompt, add_generation_prompt=True, tokenize=False
+    )
     answers = []
     for answer in (pair.chosen, pair.rejected):
-        turn = [{"role": "assistant", "content": answer}] if isinstance(answer, str) else list(answer)
+        turn = (
+            [{"role": "assistant", "content": answer}]
+            if isinstance(answer, str)
+            else list(answer)
+        )
         full = tokenizer.apply_chat_template(list(pair.prompt) + turn, tokenize=False)
         if not full.startswith(prompt):
-            raise PreferenceDataError(f"pair {pair.id}: the chat template renders prompt + answer not starting with "
-                                      "the rendered prompt; the answer tokens cannot be told apart")
-        answers.append(full[len(prompt):])
-    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"]), (answers[0], answers[1])
+            raise PreferenceDataError(
+                f"pair {pair.id}: the chat template renders prompt + answer not starting with "
+                "the rendered prompt; the answer tokens cannot be told apart"
+            )
+        answers.append(full[len(prompt) :])
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"]), (
+        answers[0],
+        answers[1],
+    )
 
 
-def _pack(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+def _pack(
+    rows: list[tuple[list[int], list[int]]], pad_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
     width = max(max(len(p) + len(a) for p, a in rows), 2)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [N, T]
     attention = torch.zeros(len(rows), width, dtype=torch.bool)  # [N, T]

@@ -23,7 +23,8 @@ from lightning_grpo.data.sources import PromptDataError, load_items
 from lightning_grpo.data.steps import Fixed, Steps, step_loader
 from lightning_grpo.data.stream import PromptRecord, PromptStream
 
-__all__ = ["HOLDOUT_SEED", "PromptDataModule", "PromptRecord", "PromptStream"]  # the stream's names, from here too
+# the stream's names, from here too
+__all__ = ["HOLDOUT_SEED", "PromptDataModule", "PromptRecord", "PromptStream"]
 
 
 def _name(source: Any) -> str:
@@ -105,17 +106,27 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         on_bad_record: Literal["error", "skip"] = "error",
     ) -> None:
         super().__init__()
-        if prompts_per_step is not None and (not isinstance(prompts_per_step, int) or prompts_per_step < 1):
-            raise ValueError(f"PromptDataModule(prompts_per_step={prompts_per_step!r}): must be a positive integer")
+        if prompts_per_step is not None and (
+            not isinstance(prompts_per_step, int) or prompts_per_step < 1
+        ):
+            raise ValueError(
+                f"PromptDataModule(prompts_per_step={prompts_per_step!r}): must be a positive integer"
+            )
         if val_size < 0:
-            raise ValueError(f"PromptDataModule(val_size={val_size}): must be >= 0 (0 disables validation)")
+            raise ValueError(
+                f"PromptDataModule(val_size={val_size}): must be >= 0 (0 disables validation)"
+            )
         if not isinstance(val_samples_per_prompt, int) or val_samples_per_prompt < 0:
-            raise ValueError(f"PromptDataModule(val_samples_per_prompt={val_samples_per_prompt!r}): must be an integer "
-                             ">= 0 (0 = greedy validation only)")
+            raise ValueError(
+                f"PromptDataModule(val_samples_per_prompt={val_samples_per_prompt!r}): must be an integer "
+                ">= 0 (0 = greedy validation only)"
+            )
         self.val_samples_per_prompt = val_samples_per_prompt
         self.val_pass_reward = val_pass_reward
         if on_bad_record not in ("error", "skip"):
-            raise ValueError(f"PromptDataModule(on_bad_record={on_bad_record!r}): must be 'error' or 'skip'")
+            raise ValueError(
+                f"PromptDataModule(on_bad_record={on_bad_record!r}): must be 'error' or 'skip'"
+            )
         self.on_bad_record = on_bad_record
         self.bad_records_skipped = 0
         """Records skipped for an unreadable image (``on_bad_record=skip``; logged: data/bad_records_skipped)."""
@@ -123,8 +134,14 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         self.split, self.val_split = split, val_split
         self.prompts_per_step = prompts_per_step
         self._load = {
-            "prompt_key": prompt_key, "answer_key": answer_key, "prompt_template": prompt_template,
-            "system_prompt": system_prompt, "chat": chat, "seed": seed, "subset": subset, "image_key": image_key,
+            "prompt_key": prompt_key,
+            "answer_key": answer_key,
+            "prompt_template": prompt_template,
+            "system_prompt": system_prompt,
+            "chat": chat,
+            "seed": seed,
+            "subset": subset,
+            "image_key": image_key,
         }
         self.seed = seed
         self.shuffle = shuffle
@@ -139,9 +156,12 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         self._val_items: list[TaskItem] | None = None
         self._prepared: tuple | None = None
         self._consumed = 0
-        self._refill: PromptStream | None = None  # the refill lane (dynamic sampling), over the training items
-        self._refill_rounds = 0  # refill rounds drawn, every rank alike (each rank takes its share of a round)
-        self._rounds_at: dict[int, int] = {}  # refill rounds drawn before the current loop step (its boundary)
+        # the refill lane (dynamic sampling), over the training items
+        self._refill: PromptStream | None = None
+        # refill rounds drawn, every rank alike (each rank takes its share of a round)
+        self._refill_rounds = 0
+        # refill rounds drawn before the current loop step (its boundary)
+        self._rounds_at: dict[int, int] = {}
 
     # -- setup -------------------------------------------------------------------------------------------------------
     @override
@@ -153,15 +173,22 @@ class PromptDataModule(PromptProvider, LightningDataModule):
             if self.prompts_per_step is None:
                 self.prompts_per_step = self._prompts_from_module()
         if self.prompts_per_step is None:
-            raise ValueError("PromptDataModule(prompts_per_step=None): without a trainer, give prompts_per_step")
+            raise ValueError(
+                "PromptDataModule(prompts_per_step=None): without a trainer, give prompts_per_step"
+            )
         if self.prompts_per_step % self.world_size:
             raise ValueError(
                 f"PromptDataModule(prompts_per_step={self.prompts_per_step}): must divide evenly over "
                 f"{self.world_size} data-parallel ranks (a prompt's group never splits across ranks)"
             )
         if self._items is None:
-            self._items = load_items(self.source, size=self.builtin_size, split="train", dataset_split=self.split,
-                                     **self._load)
+            self._items = load_items(
+                self.source,
+                size=self.builtin_size,
+                split="train",
+                dataset_split=self.split,
+                **self._load,
+            )
             self._val_given = self._load_val()
             self._check_image_files()
             self._assemble()
@@ -170,7 +197,9 @@ class PromptDataModule(PromptProvider, LightningDataModule):
             # empty val_dataloader it would warn about ("Total length of `list` across ranks is zero") every fit.
             self.trainer.limit_val_batches = 0
 
-    def prepare_prompts(self, tokenizer, max_tokens: int | None, on_long: str = "drop") -> None:
+    def prepare_prompts(
+        self, tokenizer, max_tokens: int | None, on_long: str = "drop"
+    ) -> None:
         """Fit the prompts to the policy, once, before training (``GRPOModule.setup`` calls this).
 
         Chat prompts need the tokenizer's chat template; prompts over ``max_tokens`` are dropped (counted in
@@ -182,16 +211,26 @@ class PromptDataModule(PromptProvider, LightningDataModule):
             self._assemble(tokenizer, max_tokens, on_long)
             self._prepared = key
 
-    def _assemble(self, tokenizer=None, max_tokens: int | None = None, on_long: str = "drop") -> None:
+    def _assemble(
+        self, tokenizer=None, max_tokens: int | None = None, on_long: str = "drop"
+    ) -> None:
         """The training stream and the held-out items from the loaded ones (fitted to ``tokenizer`` if given)."""
         items = self._items
         rows = list(range(len(self._items)))
         val = self._val_given
         if tokenizer is not None:
-            items, rows = fit_items(items, tokenizer, max_tokens, on_long, f"data.source={_name(self.source)}")
+            items, rows = fit_items(
+                items,
+                tokenizer,
+                max_tokens,
+                on_long,
+                f"data.source={_name(self.source)}",
+            )
             self.long_prompts_dropped = len(self._items) - len(items)
             if val:
-                val, _ = fit_items(val, tokenizer, max_tokens, on_long, "held-out prompts (validation)")
+                val, _ = fit_items(
+                    val, tokenizer, max_tokens, on_long, "held-out prompts (validation)"
+                )
         if val is None:  # hold val_size rows of the source out of training
             items, rows, val = self._hold_out(items, rows)
         self._stream = PromptStream(items, self.seed, self.shuffle, rows)
@@ -201,18 +240,29 @@ class PromptDataModule(PromptProvider, LightningDataModule):
     def _check_image_files(self) -> None:
         """A row whose image file is missing: refused before training (``on_bad_record=error``) or warned about
         once, naming the rows (``skip``: each is left out at the loop step that draws it, counted)."""
-        rows = [(i, missing) for i, it in enumerate(self._items) if (missing := missing_files(it.images))]
+        rows = [
+            (i, missing)
+            for i, it in enumerate(self._items)
+            if (missing := missing_files(it.images))
+        ]
         if not rows:
             return
         first = f"row {rows[0][0]}: {rows[0][1][0]}"
         where = f"data.source={_name(self.source)}: {len(rows)} of {len(self._items)} rows name a missing image file"
         if self.on_bad_record == "error":
-            raise PromptDataError(f"{where} ({first}); fix the paths, or set data.on_bad_record=skip to train "
-                                  "without those rows (counted in data/bad_records_skipped)")
-        warnings.warn(f"{where} (rows {[i for i, _ in rows][:10]}; {first}); each is skipped at the loop step "
-                      "that draws it (data.on_bad_record=skip, counted in data/bad_records_skipped)", stacklevel=2)
+            raise PromptDataError(
+                f"{where} ({first}); fix the paths, or set data.on_bad_record=skip to train "
+                "without those rows (counted in data/bad_records_skipped)"
+            )
+        warnings.warn(
+            f"{where} (rows {[i for i, _ in rows][:10]}; {first}); each is skipped at the loop step "
+            "that draws it (data.on_bad_record=skip, counted in data/bad_records_skipped)",
+            stacklevel=2,
+        )
 
-    def _hold_out(self, items: list[TaskItem], rows: list[int]) -> tuple[list[TaskItem], list[int], list[TaskItem]]:
+    def _hold_out(
+        self, items: list[TaskItem], rows: list[int]
+    ) -> tuple[list[TaskItem], list[int], list[TaskItem]]:
         """``val_size`` items drawn with a fixed seed (the same set for every run seed); the rest train."""
         if self.val_size >= len(items):
             raise PromptDataError(
@@ -224,20 +274,28 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         random.Random(HOLDOUT_SEED).shuffle(order)
         held = set(order[: self.val_size])
         train = [i for i in range(len(items)) if i not in held]
-        return [items[i] for i in train], [rows[i] for i in train], [items[i] for i in sorted(held)]
+        return (
+            [items[i] for i in train],
+            [rows[i] for i in train],
+            [items[i] for i in sorted(held)],
+        )
 
     @property
     def has_images(self) -> bool:
         """Whether any training or held-out prompt carries images (a text-only policy is refused at setup)."""
         self._ensure_setup()
-        return any(it.images for it in self._items) or any(it.images for it in self._val_given or [])
+        return any(it.images for it in self._items) or any(
+            it.images for it in self._val_given or []
+        )
 
     @property
     def columns(self) -> set[str]:
         """Names of the columns that travel with each prompt to the reward functions (``answer`` included)."""
         self._ensure_setup()
         names = {k for it in self._items for k in it.meta}
-        return names | ({"answer"} if any(it.answer is not None for it in self._items) else set())
+        return names | (
+            {"answer"} if any(it.answer is not None for it in self._items) else set()
+        )
 
     def _prompts_from_module(self) -> int:
         module = self.trainer.lightning_module
@@ -254,11 +312,17 @@ class PromptDataModule(PromptProvider, LightningDataModule):
             return []
         split = self.val_split or self.split
         if self.val_source is not None:
-            return load_items(self.val_source, size=self.val_size, dataset_split=split, **self._load)[: self.val_size]
+            return load_items(
+                self.val_source, size=self.val_size, dataset_split=split, **self._load
+            )[: self.val_size]
         if isinstance(self.source, str) and self.source.startswith("builtin:"):
-            return load_items(self.source, size=self.val_size, split="val", **self._load)
+            return load_items(
+                self.source, size=self.val_size, split="val", **self._load
+            )
         if self.val_split is not None:
-            return load_items(self.source, dataset_split=self.val_split, **self._load)[: self.val_size]
+            return load_items(self.source, dataset_split=self.val_split, **self._load)[
+                : self.val_size
+            ]
         return None
 
     # -- stream --------------------------------------------------------------------------------------------------
@@ -270,7 +334,9 @@ class PromptDataModule(PromptProvider, LightningDataModule):
     def records(self, step: int) -> list[PromptRecord]:
         """This rank's prompts of loop step ``step``."""
         self._ensure_setup()
-        return self._stream.step(step, self.prompts_per_step, self.rank, self.world_size)
+        return self._stream.step(
+            step, self.prompts_per_step, self.rank, self.world_size
+        )
 
     def upcoming_records(self, ahead: int) -> list[PromptRecord]:
         """This rank's prompts of the loop step ``ahead`` steps after the one being drawn (its batch already fetched:
@@ -282,7 +348,9 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         lane over all ranks, sharded like a loop step. Every rank calls it once per round, so the cursor agrees."""
         self._ensure_setup()
         self._refill_rounds += 1
-        return self._refill.step(self._refill_rounds - 1, self.prompts_per_step, self.rank, self.world_size)
+        return self._refill.step(
+            self._refill_rounds - 1, self.prompts_per_step, self.rank, self.world_size
+        )
 
     def val_batches(self) -> list[list[PromptRecord]]:
         """This rank's held-out prompts, one list per validation step; ids are held-out indices.
@@ -317,7 +385,9 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         return step_loader(Fixed(batches)) if batches else []
 
     @override
-    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+    def transfer_batch_to_device(
+        self, batch: Any, device: Any, dataloader_idx: int
+    ) -> Any:
         # Records are host text (tensors move per chunk in GRPOModule.forward_chunk). The only override of this
         # hook: GRPOModule has none, so Lightning never warns that two implementations compete.
         return batch
@@ -332,7 +402,10 @@ class PromptDataModule(PromptProvider, LightningDataModule):
     def mark_consumed(self, batch: Sequence[PromptRecord]) -> None:
         """Record that ``batch`` (one step's records) was used; loops without a Trainer call this themselves."""
         if batch and batch[0].id // self.prompts_per_step + 1 > self._consumed:
-            self._rounds_at = {batch[0].id // self.prompts_per_step: self._refill_rounds}  # this step's boundary
+            # this step's boundary
+            self._rounds_at = {
+                batch[0].id // self.prompts_per_step: self._refill_rounds
+            }
             self._consumed = batch[0].id // self.prompts_per_step + 1
 
     # -- checkpoint ----------------------------------------------------------------------------------------------
@@ -344,13 +417,21 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         """``state_dict()`` as it was after ``position`` loop steps (a checkpoint written inside a loop step
         records the state before it, so the resume draws that step's prompts again, and its refills)."""
         rounds = self._rounds_at.get(position, self._refill_rounds)
-        return {"position": position, "prompts_per_step": self.prompts_per_step, "seed": self.seed,
-                "refill_rounds": rounds}
+        return {
+            "position": position,
+            "prompts_per_step": self.prompts_per_step,
+            "seed": self.seed,
+            "refill_rounds": rounds,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("prompts_per_step")
-        if self.prompts_per_step is not None and saved is not None and saved != self.prompts_per_step:
+        if (
+            self.prompts_per_step is not None
+            and saved is not None
+            and saved != self.prompts_per_step
+        ):
             raise ValueError(
                 f"resumed PromptDataModule(prompts_per_step={self.prompts_per_step}) but the checkpoint used {saved}: "
                 "the prompt stream would not continue where it stopped; keep prompts_per_step unchanged"

@@ -64,15 +64,41 @@ def inspect_reward(name: str, fn: Callable[..., Any]) -> RewardFunction:
         return RewardFunction(name, fn, "rollouts")
     by_name = {p.name: p for p in params}
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
-    if "completions" in by_name and by_name["completions"].kind is not inspect.Parameter.POSITIONAL_ONLY:
-        named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        required = {p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
-                                                                                  p.KEYWORD_ONLY)}
-        return RewardFunction(name, fn, "trl", None if var_kw else frozenset(named),
-                              frozenset(required - set(TRL_KEYWORDS)))
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if positional and len(required) <= 1 and (not required or required[0] is positional[0]):
+    if (
+        "completions" in by_name
+        and by_name["completions"].kind is not inspect.Parameter.POSITIONAL_ONLY
+    ):
+        named = {
+            p.name
+            for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
+        required = {
+            p.name
+            for p in params
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
+        return RewardFunction(
+            name,
+            fn,
+            "trl",
+            None if var_kw else frozenset(named),
+            frozenset(required - set(TRL_KEYWORDS)),
+        )
+    positional = [
+        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    required = [
+        p
+        for p in params
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if (
+        positional
+        and len(required) <= 1
+        and (not required or required[0] is positional[0])
+    ):
         return RewardFunction(name, fn, "rollouts")
     raise ValueError(
         f"reward {name!r}: unsupported signature {fn.__name__ if hasattr(fn, '__name__') else 'fn'}"
@@ -85,8 +111,12 @@ class CallAbandoned(Exception):
     """A call still running was given up on: past its time limit, or the run was asked to stop."""
 
 
-def call_reward(rf: RewardFunction, rollouts: Sequence[Rollout], timeout_s: float | None,
-                should_stop: Callable[[], bool] | None = None) -> Any:
+def call_reward(
+    rf: RewardFunction,
+    rollouts: Sequence[Rollout],
+    timeout_s: float | None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Any:
     """One batch call of ``rf`` on private copies of ``rollouts``, within ``timeout_s``; returns its raw output.
 
     ``should_stop`` (polled while the call runs; e.g. "the trainer received SIGTERM") abandons it early.
@@ -96,14 +126,17 @@ def call_reward(rf: RewardFunction, rollouts: Sequence[Rollout], timeout_s: floa
     else:
         args, kwargs = (), trl_arguments(rf, rollouts)
     try:
-        return run_with_timeout(lambda: rf.fn(*args, **kwargs), timeout_s, f"reward:{rf.name}", should_stop)
+        return run_with_timeout(
+            lambda: rf.fn(*args, **kwargs), timeout_s, f"reward:{rf.name}", should_stop
+        )
     except CallAbandoned as err:
         raise RewardError(
             f"reward function {rf.name!r} {err} on a batch of {len(rollouts)} completions; the step fails and the "
             f"call is abandoned on a daemon thread. Make it faster or raise its timeout_s (rewards[*].timeout_s)"
         ) from None
     except Exception as err:
-        where = traceback.extract_tb(err.__traceback__)[-1]  # the line that raised: usually in the user's file
+        # the line that raised: usually in the user's file
+        where = traceback.extract_tb(err.__traceback__)[-1]
         raise RewardError(
             f"reward function {rf.name!r} raised {type(err).__name__}: {err}\n  at {where.filename}:{where.lineno} "
             f"in {where.name} (a batch of {len(rollouts)} completions). Fix the function (model.rewards) or its "
@@ -115,23 +148,42 @@ def trl_arguments(rf: RewardFunction, rollouts: Sequence[Rollout]) -> dict[str, 
     """TRL's keyword arguments for ``rollouts``: prompts, completions, completion_ids and the dataset columns."""
     chat = [r.prompt.messages is not None for r in rollouts]
     kwargs: dict[str, Any] = {
-        "prompts": [copy.deepcopy(r.prompt.messages) if c else r.prompt.text for r, c in zip(rollouts, chat)],
-        "completions": [[{"role": "assistant", "content": r.text}] if c else r.text for r, c in zip(rollouts, chat)],
+        "prompts": [
+            copy.deepcopy(r.prompt.messages) if c else r.prompt.text
+            for r, c in zip(rollouts, chat)
+        ],
+        "completions": [
+            [{"role": "assistant", "content": r.text}] if c else r.text
+            for r, c in zip(rollouts, chat)
+        ],
         "completion_ids": [list(r.token_ids) for r in rollouts],
     }
-    for column in dict.fromkeys(k for r in rollouts for k in r.prompt.meta if k not in INTERNAL_META):
-        kwargs.setdefault(column, [copy.deepcopy(r.prompt.meta.get(column)) for r in rollouts])
+    for column in dict.fromkeys(
+        k for r in rollouts for k in r.prompt.meta if k not in INTERNAL_META
+    ):
+        kwargs.setdefault(
+            column, [copy.deepcopy(r.prompt.meta.get(column)) for r in rollouts]
+        )
     missing = sorted(rf.required - set(kwargs))
     if missing:
         raise RewardError(
             f"reward function {rf.name!r} requires {missing}, which are not dataset columns (the prompts carry "
             f"{sorted(set(kwargs) - set(TRL_KEYWORDS))}); give them defaults or take **kwargs"
         )
-    return kwargs if rf.keywords is None else {k: v for k, v in kwargs.items() if k in rf.keywords}
+    return (
+        kwargs
+        if rf.keywords is None
+        else {k: v for k, v in kwargs.items() if k in rf.keywords}
+    )
 
 
-def run_with_timeout(call: Callable[[], Any], timeout_s: float | None, thread_name: str,
-                     should_stop: Callable[[], bool] | None = None, poll_s: float = 0.2) -> Any:
+def run_with_timeout(
+    call: Callable[[], Any],
+    timeout_s: float | None,
+    thread_name: str,
+    should_stop: Callable[[], bool] | None = None,
+    poll_s: float = 0.2,
+) -> Any:
     """``call()`` on a daemon thread, waiting at most ``timeout_s`` (None: no limit; without ``should_stop`` the call
     then runs in this thread).
 
@@ -144,18 +196,26 @@ def run_with_timeout(call: Callable[[], Any], timeout_s: float | None, thread_na
     """
     if timeout_s is None and should_stop is None:
         return call()
-    timeout_s = math.inf if timeout_s is None else timeout_s  # no limit, but a stop request still ends the wait
+    # no limit, but a stop request still ends the wait
+    timeout_s = math.inf if timeout_s is None else timeout_s
     box: dict[str, Any] = {}
-    grad = torch.is_grad_enabled()  # thread-local in torch: carry the caller's mode over
-    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    # thread-local in torch: carry the caller's mode over
+    grad = torch.is_grad_enabled()
+    device = (
+        torch.cuda.current_device()
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else None
+    )
 
     def target() -> None:
         try:
             if device is not None:
-                torch.cuda.set_device(device)  # each thread starts on device 0: keep the rank's device
+                # each thread starts on device 0: keep the rank's device
+                torch.cuda.set_device(device)
             with torch.set_grad_enabled(grad):
                 box["value"] = call()
-        except BaseException as err:  # noqa: BLE001 - handed to the caller, who raises it
+        # noqa: BLE001 - handed to the caller, who raises it
+        except BaseException as err:
             box["error"] = err
 
     thread = threading.Thread(target=target, name=thread_name, daemon=True)
@@ -166,8 +226,10 @@ def run_with_timeout(call: Callable[[], Any], timeout_s: float | None, thread_na
         if left <= 0:
             raise CallAbandoned(f"did not return within timeout_s={timeout_s:g} s")
         if should_stop is not None and should_stop():
-            raise CallAbandoned(f"was still running after {time.monotonic() - start:.1f} s when the run was asked "
-                                "to stop (SIGTERM)")
+            raise CallAbandoned(
+                f"was still running after {time.monotonic() - start:.1f} s when the run was asked "
+                "to stop (SIGTERM)"
+            )
         thread.join(min(poll_s, left))
     if "error" in box:
         raise box["error"]
@@ -202,12 +264,16 @@ def as_values(name: str, raw: Any, rollouts: Sequence[Rollout]) -> Tensor:
             )
         values.append(math.nan if v is None else float(v))
         if v is not None and not math.isfinite(values[-1]):
-            bad = sum(x is not None and isinstance(x, _REAL) and not math.isfinite(float(x)) for x in raw)
+            bad = sum(
+                x is not None and isinstance(x, _REAL) and not math.isfinite(float(x))
+                for x in raw
+            )
             raise RewardError(
                 f"reward function {name!r} returned {values[-1]} for sample {i} (prompt id {rollouts[i].prompt.id})"
                 f"{f' and {bad - 1} more' if bad > 1 else ''}; rewards must be finite (None means no opinion)"
             )
-        if abs(values[-1]) > FLOAT32_MAX:  # finite in float64, inf in the float32 the advantages and loss use
+        # finite in float64, inf in the float32 the advantages and loss use
+        if abs(values[-1]) > FLOAT32_MAX:
             raise RewardError(
                 f"reward function {name!r} returned {values[-1]:g} for sample {i} (prompt id {rollouts[i].prompt.id})"
                 f"; rewards must fit float32 (|reward| <= {FLOAT32_MAX:.3g}): scale the function's output down"

@@ -35,11 +35,30 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.checks import ConfigError, raise_problems
-from lightning_grpo.data.answers import NUMBER, answers_match, extract_answer, extract_reference, normalize_answer
-from lightning_grpo.data.reward_calls import RewardError, RewardFunction, as_values, call_reward, inspect_reward
+from lightning_grpo.data.answers import (
+    NUMBER,
+    answers_match,
+    extract_answer,
+    extract_reference,
+    normalize_answer,
+)
+from lightning_grpo.data.reward_calls import (
+    RewardError,
+    RewardFunction,
+    as_values,
+    call_reward,
+    inspect_reward,
+)
 from lightning_grpo.rollout.base import Rollout
 
-__all__ = ["RewardError", "RewardSpec", "extract_answer", "extract_reference", "normalize_answer", "score"]
+__all__ = [
+    "RewardError",
+    "RewardSpec",
+    "extract_answer",
+    "extract_reference",
+    "normalize_answer",
+    "score",
+]
 
 RewardFn = Callable[[Sequence[Rollout]], Sequence[float | None]]
 
@@ -65,7 +84,8 @@ class RewardSpec:
         # Import and signature problems surface here, at config load, not at the first loop step.
         try:
             object.__setattr__(self, "_function", load_reward(self.name))
-        except ValueError as err:  # every problem of the name is a ValueError naming it (load_reward)
+        # every problem of the name is a ValueError naming it (load_reward)
+        except ValueError as err:
             p.append(str(err))
         raise_problems("rewards config", p)
 
@@ -73,9 +93,15 @@ class RewardSpec:
         """Every broken rule of the weight and time limit as a ``field=value: rule`` line (the name: at load)."""
         p = []
         if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight):
-            p.append(f"reward {self.name!r}: weight={self.weight!r} must be a finite number")
-        if self.timeout_s is not None and (not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0):
-            p.append(f"reward {self.name!r}: timeout_s={self.timeout_s!r} must be > 0 seconds (or null)")
+            p.append(
+                f"reward {self.name!r}: weight={self.weight!r} must be a finite number"
+            )
+        if self.timeout_s is not None and (
+            not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0
+        ):
+            p.append(
+                f"reward {self.name!r}: timeout_s={self.timeout_s!r} must be > 0 seconds (or null)"
+            )
         return p
 
     @property
@@ -89,7 +115,9 @@ class RewardSpec:
 
 def _need_answer(r: Rollout, fn: str) -> str:
     if r.prompt.answer is None:
-        raise ValueError(f"prompt id {r.prompt.id} has no reference answer; {fn} needs one (set answer_key)")
+        raise ValueError(
+            f"prompt id {r.prompt.id} has no reference answer; {fn} needs one (set answer_key)"
+        )
     return r.prompt.answer
 
 
@@ -112,21 +140,28 @@ def format_reward(rollouts: Sequence[Rollout]) -> list[float]:
     bare number)."""
     out = []
     for r in rollouts:
-        stated = extract_answer(r.text) is not None or bool(NUMBER.match(r.text.strip()))
+        stated = extract_answer(r.text) is not None or bool(
+            NUMBER.match(r.text.strip())
+        )
         out.append(float(r.finish_reason == "stop" and stated))
     return out
 
 
 def arith_reward(rollouts: Sequence[Rollout]) -> list[float]:
     """The ``arith`` task: 1.0 when the completion is exactly the answer and then EOS, else 0.0."""
-    return [float(r.finish_reason == "stop" and r.text.strip() == _need_answer(r, "arith")) for r in rollouts]
+    return [
+        float(r.finish_reason == "stop" and r.text.strip() == _need_answer(r, "arith"))
+        for r in rollouts
+    ]
 
 
 def recorded_reward(rollouts: Sequence[Rollout]) -> list[float]:
     """The reward stored on each rollout (the replay engine serves recorded rewards)."""
     missing = [i for i, r in enumerate(rollouts) if r.reward is None]
     if missing:
-        raise ValueError(f"samples {missing[:5]} carry no recorded reward (rollout.reward is None)")
+        raise ValueError(
+            f"samples {missing[:5]} carry no recorded reward (rollout.reward is None)"
+        )
     return [float(r.reward) for r in rollouts]
 
 
@@ -134,7 +169,8 @@ BUILTINS: dict[str, RewardFn] = {
     "math_answer": math_answer,
     "format": format_reward,
     "arith": arith_reward,
-    "exact": arith_reward,  # the same rule for any task with a short exact answer (the visual ``colors`` task)
+    # the same rule for any task with a short exact answer (the visual ``colors`` task)
+    "exact": arith_reward,
     "recorded": recorded_reward,
 }
 
@@ -150,7 +186,8 @@ def resolve_reward(name: str) -> RewardFn:
             "'my_rewards:my_function')"
         )
     module_name, attr = name.split(":", 1)
-    if os.getcwd() not in sys.path and "" not in sys.path:  # a console script's sys.path lacks the working folder
+    # a console script's sys.path lacks the working folder
+    if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
@@ -160,8 +197,12 @@ def resolve_reward(name: str) -> RewardFn:
             f"working folder {os.getcwd()} or an installed package"
         ) from err
     fn = getattr(module, attr, None)
-    if not callable(fn):  # a config error like the others above, hence ValueError, not TypeError
-        raise ValueError(f"reward {name!r}: module {module_name!r} has no callable {attr!r}")  # noqa: TRY004
+    # a config error like the others above, hence ValueError, not TypeError
+    if not callable(fn):
+        # noqa: TRY004
+        raise ValueError(
+            f"reward {name!r}: module {module_name!r} has no callable {attr!r}"
+        )
     return fn
 
 
@@ -184,8 +225,11 @@ def check_reward_columns(specs: Sequence[RewardSpec], columns: set[str]) -> None
 # -- scoring -----------------------------------------------------------------------------------------------------
 
 
-def score(rollouts: Sequence[Rollout], specs: Sequence[RewardSpec],
-          should_stop: Callable[[], bool] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def score(
+    rollouts: Sequence[Rollout],
+    specs: Sequence[RewardSpec],
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted sum of the reward functions over ``rollouts``; a None (no opinion) counts 0 in the total.
 
     ``should_stop`` is polled while a function runs (``GRPOModule`` passes "the trainer received SIGTERM").
@@ -202,7 +246,9 @@ def score(rollouts: Sequence[Rollout], specs: Sequence[RewardSpec],
         raise ValueError("no reward functions configured: give at least one RewardSpec")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
-        raise ValueError(f"reward functions {names}: each may appear once (merge the weights instead)")
+        raise ValueError(
+            f"reward functions {names}: each may appear once (merge the weights instead)"
+        )
     total = torch.zeros(len(rollouts), dtype=torch.float32)
     opinions = torch.zeros(len(rollouts), dtype=torch.bool)
     per_function = {}
@@ -211,30 +257,50 @@ def score(rollouts: Sequence[Rollout], specs: Sequence[RewardSpec],
         per_function[spec.name] = values
         total += spec.weight * values.nan_to_num(0.0)
         opinions |= ~values.isnan()
-    if not bool(total.isfinite().all()):  # each value fits float32; weights times values may not
-        raise RewardError(f"the weighted sum of the reward functions {names} (weights {[s.weight for s in specs]}) "
-                          "overflows float32: lower the weights or the functions' scale")
+    # each value fits float32; weights times values may not
+    if not bool(total.isfinite().all()):
+        raise RewardError(
+            f"the weighted sum of the reward functions {names} (weights {[s.weight for s in specs]}) "
+            "overflows float32: lower the weights or the functions' scale"
+        )
     if not bool(opinions.all()):
-        warnings.warn(f"{int((~opinions).sum())} of {len(rollouts)} completions got None from every reward function "
-                      f"({names}); their total reward is 0", stacklevel=2)
+        warnings.warn(
+            f"{int((~opinions).sum())} of {len(rollouts)} completions got None from every reward function "
+            f"({names}); their total reward is 0",
+            stacklevel=2,
+        )
     return total, per_function
 
 
-def _values(spec: RewardSpec, rollouts: Sequence[Rollout], should_stop: Callable[[], bool] | None) -> Tensor:
+def _values(
+    spec: RewardSpec,
+    rollouts: Sequence[Rollout],
+    should_stop: Callable[[], bool] | None,
+) -> Tensor:
     """One function's checked ``[N]`` values: one batch call, or one call per sample when declared so."""
     rf = spec.function
     if not spec.per_sample:
-        return as_values(spec.name, call_reward(rf, rollouts, spec.timeout_s, should_stop), rollouts)
+        return as_values(
+            spec.name, call_reward(rf, rollouts, spec.timeout_s, should_stop), rollouts
+        )
     out = []
     for i, r in enumerate(rollouts):
         try:
-            out.append(as_values(spec.name, call_reward(rf, [r], spec.timeout_s, should_stop), [r]))
+            out.append(
+                as_values(
+                    spec.name, call_reward(rf, [r], spec.timeout_s, should_stop), [r]
+                )
+            )
         except RewardError as err:
-            raise RewardError(f"{err} [per_sample: sample {i}, prompt id {r.prompt.id}]") from err.__cause__
+            raise RewardError(
+                f"{err} [per_sample: sample {i}, prompt id {r.prompt.id}]"
+            ) from err.__cause__
     return torch.cat(out)  # [N]
 
 
-def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float = 1.0) -> Tensor:
+def overlong_penalty(
+    lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float = 1.0
+) -> Tensor:
     """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), added to each completion's reward.
 
     ``[N]`` float32: 0 up to ``max_new_tokens - buffer`` tokens, then falling linearly to ``-penalty`` at
@@ -244,5 +310,6 @@ def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty:
     if buffer == 0:
         return torch.zeros(lengths.shape, dtype=torch.float32)
     start = max_new_tokens - buffer
-    over = (lengths.to(torch.float64) - start).clamp(min=0, max=buffer)  # tokens into the buffer
+    # tokens into the buffer
+    over = (lengths.to(torch.float64) - start).clamp(min=0, max=buffer)
     return (-over / buffer * penalty).to(torch.float32)

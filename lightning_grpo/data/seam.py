@@ -36,7 +36,9 @@ class PromptProvider:
         """Names of the columns that travel with each prompt to the reward functions."""
         raise NotImplementedError
 
-    def prepare_prompts(self, tokenizer, max_tokens: int | None, on_long: str = "drop") -> None:
+    def prepare_prompts(
+        self, tokenizer, max_tokens: int | None, on_long: str = "drop"
+    ) -> None:
         """Fit the prompts to the policy once, before training; raise before any step runs."""
         raise NotImplementedError
 

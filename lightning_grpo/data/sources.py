@@ -21,11 +21,23 @@ from pathlib import Path
 from typing import Any
 
 from lightning_grpo.data.chat import is_messages, with_system
-from lightning_grpo.data.images import as_refs, count_image_parts, split_inline_images, text_of, with_image_parts
+from lightning_grpo.data.images import (
+    as_refs,
+    count_image_parts,
+    split_inline_images,
+    text_of,
+    with_image_parts,
+)
 from lightning_grpo.data.items import Split, TaskItem
 from lightning_grpo.data.tasks import TEMPLATES, get_task
 
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+FILE_BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
 """File suffix -> the ``datasets`` builder that reads it."""
 DATASET_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 """What a ``datasets`` Hub id looks like (``name`` or ``org/name``)."""
@@ -74,9 +86,14 @@ def load_items(
     else:
         rows, where = read_rows(source, dataset_split, subset)
         _check_columns(rows, prompt_key, answer_key, _name(source))
-        items = [_row_item(row, prompt_key, answer_key, where, i, image_key) for i, row in enumerate(rows)]
+        items = [
+            _row_item(row, prompt_key, answer_key, where, i, image_key)
+            for i, row in enumerate(rows)
+        ]
     if not items:
-        raise PromptDataError(f"source={_name(source)}: the {split} prompt set is empty; it needs at least one prompt")
+        raise PromptDataError(
+            f"source={_name(source)}: the {split} prompt set is empty; it needs at least one prompt"
+        )
     return [_shape(it, template, system_prompt, chat) for it in items]
 
 
@@ -93,22 +110,39 @@ def resolve_template(template: str | None) -> str:
     return template
 
 
-def _shape(item: TaskItem, template: str, system_prompt: str | None, chat: bool) -> TaskItem:
+def _shape(
+    item: TaskItem, template: str, system_prompt: str | None, chat: bool
+) -> TaskItem:
     """Template a string prompt; wrap it as chat when asked; put the system prompt first."""
     if item.messages is not None:
         return replace(item, messages=with_system(item.messages, system_prompt))
     text = template.format(prompt=item.text)
-    if item.images:  # a text prompt with images is one user message with image parts (the chat template places them)
-        return replace(item, text=text, messages=with_system(with_image_parts(text, len(item.images)), system_prompt))
+    # a text prompt with images is one user message with image parts (the chat template places them)
+    if item.images:
+        return replace(
+            item,
+            text=text,
+            messages=with_system(
+                with_image_parts(text, len(item.images)), system_prompt
+            ),
+        )
     if chat:
-        return replace(item, text=text, messages=with_system([{"role": "user", "content": text}], system_prompt))
-    return replace(item, text=text if system_prompt is None else f"{system_prompt}\n{text}")
+        return replace(
+            item,
+            text=text,
+            messages=with_system([{"role": "user", "content": text}], system_prompt),
+        )
+    return replace(
+        item, text=text if system_prompt is None else f"{system_prompt}\n{text}"
+    )
 
 
 # -- reading -----------------------------------------------------------------------------------------------------
 
 
-def read_rows(source: Any, split: str = "train", subset: str | None = None) -> tuple[Any, Callable[[int], str]]:
+def read_rows(
+    source: Any, split: str = "train", subset: str | None = None
+) -> tuple[Any, Callable[[int], str]]:
     """``(rows, where)``: the source's rows (a ``datasets.Dataset`` or list of mappings) and ``where(i)``, row i's
     location for error messages."""
     if not isinstance(source, (str, Path)):
@@ -128,7 +162,9 @@ def read_rows(source: Any, split: str = "train", subset: str | None = None) -> t
             f"source={str(source)!r}: not an existing file or folder (relative paths start at the working folder "
             f"{Path.cwd()}); give a {'/'.join(FILE_BUILDERS)} file, a folder, a datasets id or 'builtin:<task>'"
         )
-    return _load_dataset(str(source), split, subset), lambda i: f"{source} ({split}) row {i}"
+    return _load_dataset(
+        str(source), split, subset
+    ), lambda i: f"{source} ({split}) row {i}"
 
 
 def _read_file(path: Path) -> tuple[Any, Callable[[int], str]]:
@@ -143,17 +179,22 @@ def _read_file(path: Path) -> tuple[Any, Callable[[int], str]]:
         _check_utf8(path)
     try:
         rows = datasets.load_dataset(builder, data_files=str(path), split="train")
-    except Exception as err:  # noqa: BLE001 - diagnosed below with our own line-by-line reader
+    # noqa: BLE001 - diagnosed below with our own line-by-line reader
+    except Exception as err:
         if builder != "json":
-            raise PromptDataError(f"source={str(path)!r}: datasets could not read it ({type(err).__name__}: {err})")
-        rows = _read_json_lines(path)  # names the bad line; or reads rows pyarrow refused (mixed column types)
+            raise PromptDataError(
+                f"source={str(path)!r}: datasets could not read it ({type(err).__name__}: {err})"
+            )
+        # names the bad line; or reads rows pyarrow refused (mixed column types)
+        rows = _read_json_lines(path)
     lines = _line_numbers(path) if path.suffix == ".jsonl" else None
     return rows, lambda i: f"{path}:{lines()[i]}" if lines else f"{path} row {i}"
 
 
 def _read_json_lines(path: Path) -> list[dict]:
     rows = []
-    with path.open("rb") as fh:  # bytes: a line that is not UTF-8 is named, not a UnicodeDecodeError from the reader
+    # bytes: a line that is not UTF-8 is named, not a UnicodeDecodeError from the reader
+    with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             line = _utf8_line(path, lineno, raw)
             if not line.strip():
@@ -171,8 +212,10 @@ def _utf8_line(path: Path, lineno: int, raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise PromptDataError(f"{path}:{lineno}: not UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1}); "
-                              "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+        raise PromptDataError(
+            f"{path}:{lineno}: not UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1}); "
+            "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
 
 
 def _check_utf8(path: Path) -> None:
@@ -199,11 +242,14 @@ def _line_numbers(path: Path) -> Callable[[], list[int]]:
 def _read_folder(path: Path, split: str, subset: str | None) -> Any:
     import datasets
 
-    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():  # Dataset.save_to_disk output
+    # Dataset.save_to_disk output
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise PromptDataError(f"data.split={split!r}: {path} has the splits {sorted(loaded)}")
+                raise PromptDataError(
+                    f"data.split={split!r}: {path} has the splits {sorted(loaded)}"
+                )
             return loaded[split]
         return loaded
     return _load_dataset(str(path), split, subset)
@@ -224,7 +270,11 @@ def _load_dataset(name: str, split: str, subset: str | None) -> Any:
             "cache, or give a local .jsonl/.parquet file or a save_to_disk folder"
         ) from None  # datasets' chained "Couldn't reach ... on the Hub" only repeats it
     except ValueError as err:
-        knob = f"data.split={split!r}" if "split" in str(err).lower() else f"data.subset={subset!r}"
+        knob = (
+            f"data.split={split!r}"
+            if "split" in str(err).lower()
+            else f"data.subset={subset!r}"
+        )
         raise PromptDataError(f"{knob} of data.source={name!r}: {err}") from err
     except Exception as err:
         raise PromptDataError(
@@ -235,7 +285,9 @@ def _load_dataset(name: str, split: str, subset: str | None) -> Any:
 # -- rows -> items -----------------------------------------------------------------------------------------------
 
 
-def _check_columns(rows: Any, prompt_key: str, answer_key: str | None, name: str) -> None:
+def _check_columns(
+    rows: Any, prompt_key: str, answer_key: str | None, name: str
+) -> None:
     """A dataset with named columns must have the configured ones (rows of a list are checked one by one)."""
     columns = getattr(rows, "column_names", None)
     if columns is None:
@@ -252,10 +304,18 @@ def _check_columns(rows: Any, prompt_key: str, answer_key: str | None, name: str
         )
 
 
-def _row_item(row: Any, prompt_key: str, answer_key: str | None, where: Callable[[int], str], i: int,
-              image_key: str = "images") -> TaskItem:
+def _row_item(
+    row: Any,
+    prompt_key: str,
+    answer_key: str | None,
+    where: Callable[[int], str],
+    i: int,
+    image_key: str = "images",
+) -> TaskItem:
     if not isinstance(row, Mapping):
-        raise PromptDataError(f"{where(i)}: a row must be an object with named columns, got {type(row).__name__}")
+        raise PromptDataError(
+            f"{where(i)}: a row must be an object with named columns, got {type(row).__name__}"
+        )
     present = sorted(k for k, v in row.items() if v is not None)
     if row.get(prompt_key) is None:
         raise PromptDataError(
@@ -268,17 +328,24 @@ def _row_item(row: Any, prompt_key: str, answer_key: str | None, where: Callable
             "the column holding the reference answer, or to null if the prompts have none"
         )
     prompt = row[prompt_key]
-    answer = None if answer_key is None or row[answer_key] is None else str(row[answer_key])
+    answer = (
+        None if answer_key is None or row[answer_key] is None else str(row[answer_key])
+    )
     key = image_key if image_key in row or "image" not in row else "image"
     try:
         images = as_refs(row.get(key))
     except TypeError as err:
-        raise PromptDataError(f"{where(i)}: column {key!r}: {err}; give paths, bytes or PIL images") from None
-    meta = {k: v for k, v in row.items() if k not in (prompt_key, key)}  # images travel as references, not meta
+        raise PromptDataError(
+            f"{where(i)}: column {key!r}: {err}; give paths, bytes or PIL images"
+        ) from None
+    # images travel as references, not meta
+    meta = {k: v for k, v in row.items() if k not in (prompt_key, key)}
     if isinstance(prompt, str) and prompt:
-        return TaskItem(prompt, answer, meta, None, images)  # with images: made a chat message in _shape
+        # with images: made a chat message in _shape
+        return TaskItem(prompt, answer, meta, None, images)
     if is_messages(prompt):
-        messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]  # datasets pads missing keys
+        # datasets pads missing keys
+        messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]
         messages, inline = split_inline_images(messages)
         images = inline + images
         if count_image_parts(messages) != len(images):
@@ -294,4 +361,8 @@ def _row_item(row: Any, prompt_key: str, answer_key: str | None, where: Callable
 
 
 def _name(source: Any) -> str:
-    return repr(str(source)) if isinstance(source, (str, Path)) else f"<{type(source).__name__} of {len(source)} rows>"
+    return (
+        repr(str(source))
+        if isinstance(source, (str, Path))
+        else f"<{type(source).__name__} of {len(source)} rows>"
+    )

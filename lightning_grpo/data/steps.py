@@ -12,7 +12,9 @@ class Steps(IterableDataset):
     """Yields one list of records per loop step, forever, from ``start()`` on (read when iteration begins, so a
     resumed run starts at its checkpoint's position)."""
 
-    def __init__(self, records: Callable[[int], list], start: Callable[[], int]) -> None:
+    def __init__(
+        self, records: Callable[[int], list], start: Callable[[], int]
+    ) -> None:
         self._records, self._start = records, start
 
     def __iter__(self) -> Iterator[list]:

@@ -26,7 +26,8 @@ from lightning_grpo.data.items import TaskItem
 from lightning_grpo.rollout.base import Prompt
 
 
-@dataclass  # not frozen: Lightning's 64-true/16-true/bf16-true input conversion rebuilds dataclasses in a batch
+# not frozen: Lightning's 64-true/16-true/bf16-true input conversion rebuilds dataclasses in a batch
+@dataclass
 class PromptRecord:
     """One prompt of the stream (treat as read-only)."""
 
@@ -48,12 +49,27 @@ class PromptRecord:
         ``warm_start`` trains on). Image placeholders stay single tokens until ``vision.VisionProcessor`` expands
         them."""
         ids, text = encode(tokenizer, self.text, self.messages)
-        return Prompt(self.id, ids, text, self.answer, self.meta, self.messages, tuple(self.images))
+        return Prompt(
+            self.id,
+            ids,
+            text,
+            self.answer,
+            self.meta,
+            self.messages,
+            tuple(self.images),
+        )
 
     @classmethod
     def of(cls, position: int, item: TaskItem, **extra: Any) -> PromptRecord:
         """The record at stream position (or held-out index) ``position`` of ``item``; ``extra`` joins its meta."""
-        return cls(position, item.text, item.answer, {**extra, **item.meta}, item.messages, item.images)
+        return cls(
+            position,
+            item.text,
+            item.answer,
+            {**extra, **item.meta},
+            item.messages,
+            item.images,
+        )
 
 
 class PromptStream:
@@ -63,8 +79,14 @@ class PromptStream:
     main stream; a name = a lane (its own shuffle, negative ids).
     """
 
-    def __init__(self, items: Sequence[TaskItem], seed: int = 0, shuffle: bool = True,
-                 rows: Sequence[int] | None = None, lane: str = "") -> None:
+    def __init__(
+        self,
+        items: Sequence[TaskItem],
+        seed: int = 0,
+        shuffle: bool = True,
+        rows: Sequence[int] | None = None,
+        lane: str = "",
+    ) -> None:
         self.items, self.seed, self.shuffle = items, seed, shuffle
         self.rows, self.lane = rows, lane
         self._orders: dict[int, list[int]] = {}
@@ -73,10 +95,15 @@ class PromptStream:
         epoch, slot = divmod(position, len(self.items))
         index = self._order(epoch)[slot]
         row = index if self.rows is None else self.rows[index]
-        record_id = -(position + 1) if self.lane else position  # a lane's ids never meet the main stream's
-        return PromptRecord.of(record_id, self.items[index], source_index=row, epoch=epoch)
+        # a lane's ids never meet the main stream's
+        record_id = -(position + 1) if self.lane else position
+        return PromptRecord.of(
+            record_id, self.items[index], source_index=row, epoch=epoch
+        )
 
-    def step(self, step: int, prompts_per_step: int, rank: int = 0, world_size: int = 1) -> list[PromptRecord]:
+    def step(
+        self, step: int, prompts_per_step: int, rank: int = 0, world_size: int = 1
+    ) -> list[PromptRecord]:
         """Rank ``rank``'s share of loop step ``step``: ids ``step*P + rank*P/W + i``."""
         per_rank = prompts_per_step // world_size
         start = step * prompts_per_step + rank * per_rank
@@ -86,6 +113,11 @@ class PromptStream:
         if epoch not in self._orders:
             order = list(range(len(self.items)))
             if self.shuffle:
-                random.Random(f"{self.lane}/{self.seed + epoch}" if self.lane else self.seed + epoch).shuffle(order)
-            self._orders = {epoch: order}  # one epoch cached: a step spans at most two, each built once per epoch
+                random.Random(
+                    f"{self.lane}/{self.seed + epoch}"
+                    if self.lane
+                    else self.seed + epoch
+                ).shuffle(order)
+            # one epoch cached: a step spans at most two, each built once per epoch
+            self._orders = {epoch: order}
         return self._orders[epoch]

@@ -76,7 +76,9 @@ class ArithTask:
     def items(self, n: int, seed: int, split: Split = "train") -> list[TaskItem]:
         reserved = split == "val" and self.val_holdout
         # A draw of the training pairs for validation gets its own stream, so it is not the training draw.
-        rng = random.Random(f"{seed}-val" if split == "val" and not self.val_holdout else seed)
+        rng = random.Random(
+            f"{seed}-val" if split == "val" and not self.val_holdout else seed
+        )
         out: list[TaskItem] = []
         while len(out) < n:
             a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
@@ -90,9 +92,13 @@ class ArithTask:
 
 TASKS: dict[str, Callable[[], Task]] = {
     "arith": ArithTask,
-    "arith_small": lambda: ArithTask(max_operand=5, val_holdout=False, name="arith_small"),
+    "arith_small": lambda: ArithTask(
+        max_operand=5, val_holdout=False, name="arith_small"
+    ),
     # operands too large to add in one's head (or in a tiny policy's weights): the calculator environment's task
-    "arith_tools": lambda: ArithTask(max_operand=999, val_holdout=False, name="arith_tools"),
+    "arith_tools": lambda: ArithTask(
+        max_operand=999, val_holdout=False, name="arith_tools"
+    ),
     "colors": ColorTask,  # images: PIL is imported only when a visual task draws items
 }
 """Registry of built-in tasks by name (``builtin:<name>`` in a data source)."""
@@ -101,12 +107,14 @@ TASKS: dict[str, Callable[[], Task]] = {
 def get_task(name: str) -> Task:
     """The built-in task called ``name``; the error lists the known names."""
     if name not in TASKS:
-        raise ValueError(f"unknown built-in task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+        raise ValueError(
+            f"unknown built-in task {name!r}; known tasks: {', '.join(sorted(TASKS))}"
+        )
     return TASKS[name]()
 
 
 def render_gsm8k(row: Mapping[str, str], template: str = GSM8K_TEMPLATE) -> TaskItem:
     """A GSM8K row (``question``, ``answer`` ending in ``#### N``) as a prompt and its final answer ``N``."""
-    return TaskItem(template.format(prompt=row["question"]), extract_reference(row["answer"]))
-
-
+    return TaskItem(
+        template.format(prompt=row["question"]), extract_reference(row["answer"])
+    )

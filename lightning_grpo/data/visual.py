@@ -19,10 +19,17 @@ from dataclasses import dataclass
 from lightning_grpo.data.images import with_image_parts
 from lightning_grpo.data.items import Split, TaskItem
 
-COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (40, 60, 230), "yellow": (230, 220, 30)}
+COLORS = {
+    "red": (220, 30, 30),
+    "green": (30, 200, 40),
+    "blue": (40, 60, 230),
+    "yellow": (230, 220, 30),
+}
 
 
-def square_png(color: tuple[int, int, int], rng: random.Random, size: int = 56) -> bytes:
+def square_png(
+    color: tuple[int, int, int], rng: random.Random, size: int = 56
+) -> bytes:
     """PNG bytes of a ``color`` square (random side 16-40 px, random place) on a noisy dark background."""
     from PIL import Image, ImageDraw
 
@@ -38,7 +45,7 @@ def square_png(color: tuple[int, int, int], rng: random.Random, size: int = 56) 
 
 @dataclass(frozen=True)
 class ColorTask:
-    """"which color?" about a synthetic image; answer the colour name of its square (see the module docstring).
+    """The question "which color?" about a synthetic image; answer the colour name of its square (see the module docstring).
 
     Train and val draws use separate seed streams (the images differ; the four answers are shared).
     Measured in ``docs/vlm.md`` (tiny Qwen2.5-VL, CPU).
@@ -55,5 +62,13 @@ class ColorTask:
         for _ in range(n):
             color = rng.choice(names)
             png = square_png(COLORS[color], rng)
-            out.append(TaskItem(self.question, color, {"color": color}, with_image_parts(self.question, 1), (png,)))
+            out.append(
+                TaskItem(
+                    self.question,
+                    color,
+                    {"color": color},
+                    with_image_parts(self.question, 1),
+                    (png,),
+                )
+            )
         return out

@@ -10,5 +10,14 @@ from lightning_grpo.envs.environment import BUILTIN_ENVS, Environment, load_env
 from lightning_grpo.envs.episode import EpisodeRunner
 from lightning_grpo.envs.parse import PARSERS, ToolCall, parse_hermes, parse_pythonic
 
-__all__ = ["BUILTIN_ENVS", "PARSERS", "EnvConfig", "Environment", "EpisodeRunner", "ToolCall", "load_env",
-           "parse_hermes", "parse_pythonic"]
+__all__ = [
+    "BUILTIN_ENVS",
+    "PARSERS",
+    "EnvConfig",
+    "Environment",
+    "EpisodeRunner",
+    "ToolCall",
+    "load_env",
+    "parse_hermes",
+    "parse_pythonic",
+]

@@ -16,7 +16,11 @@ class CalculatorEnv:
         self.submitted = False
 
     def reset(self, **row) -> str | None:
-        self.answer, self.reward, self.submitted = str(row.get("answer", "")).strip(), 0.0, False
+        self.answer, self.reward, self.submitted = (
+            str(row.get("answer", "")).strip(),
+            0.0,
+            False,
+        )
         return None
 
     def add(self, a: int, b: int) -> int:

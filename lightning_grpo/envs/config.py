@@ -36,13 +36,23 @@ class EnvConfig:
 
     def problems(self) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line."""
-        p = [f"{name}={getattr(self, name)!r}: must be an integer >= 1"
-             for name in ("max_turns", "max_tool_response_tokens", "tool_workers") if not is_int(getattr(self, name))
-             or getattr(self, name) < 1]
-        if self.max_total_tokens is not None and (not is_int(self.max_total_tokens) or self.max_total_tokens < 2):
-            p.append(f"max_total_tokens={self.max_total_tokens!r}: must be an integer >= 2, or null (derived)")
+        p = [
+            f"{name}={getattr(self, name)!r}: must be an integer >= 1"
+            for name in ("max_turns", "max_tool_response_tokens", "tool_workers")
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1
+        ]
+        if self.max_total_tokens is not None and (
+            not is_int(self.max_total_tokens) or self.max_total_tokens < 2
+        ):
+            p.append(
+                f"max_total_tokens={self.max_total_tokens!r}: must be an integer >= 2, or null (derived)"
+            )
         if not is_finite(self.tool_timeout_s) or self.tool_timeout_s <= 0:
-            p.append(f"tool_timeout_s={self.tool_timeout_s!r}: must be a number of seconds > 0")
+            p.append(
+                f"tool_timeout_s={self.tool_timeout_s!r}: must be a number of seconds > 0"
+            )
         if not isinstance(self.name, str) or not self.name:
-            p.append(f"name={self.name!r}: must be a built-in environment name or 'module:Class'")
+            p.append(
+                f"name={self.name!r}: must be a built-in environment name or 'module:Class'"
+            )
         return p

@@ -51,27 +51,40 @@ class EnvClass:
 def tools_of(env: object, where: str) -> list[Tool]:
     """The tools of an environment instance: its ``tools`` attribute if it has one, else its public methods."""
     fns = getattr(env, "tools", None)
-    fns = list(fns) if isinstance(fns, (list, tuple)) else public_methods(env, frozenset({"reset", "reward", "tools"}))
+    fns = (
+        list(fns)
+        if isinstance(fns, (list, tuple))
+        else public_methods(env, frozenset({"reset", "reward", "tools"}))
+    )
     return [make_tool(fn, f"model.env={where}") for fn in fns]
 
 
 def load_env(name: str) -> EnvClass:
     """The environment class ``name`` refers to (built-in or ``module:Class``), its tools checked once."""
     path = BUILTIN_ENVS.get(name, name)
-    cls = _import(path, f"model.env.name={name!r}", f"a built-in ({', '.join(BUILTIN_ENVS)}) or 'module:Class'")
+    cls = _import(
+        path,
+        f"model.env.name={name!r}",
+        f"a built-in ({', '.join(BUILTIN_ENVS)}) or 'module:Class'",
+    )
     if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
         raise ConfigError(
             f"model.env.name={name!r}: {path!r} is not a class with a reset(**row) method; an "
-            "environment is a class (one instance per episode) with reset and tool methods")
+            "environment is a class (one instance per episode) with reset and tool methods"
+        )
     try:
         probe = cls()
     except TypeError as e:
-        raise ConfigError(f"model.env.name={name!r}: {cls.__name__}() failed ({e}); an environment is built with no "
-                          "arguments (TRL's environment_factory form): take the row in reset(**row)") from None
+        raise ConfigError(
+            f"model.env.name={name!r}: {cls.__name__}() failed ({e}); an environment is built with no "
+            "arguments (TRL's environment_factory form): take the row in reset(**row)"
+        ) from None
     tools = tools_of(probe, name)
     if not tools:
-        raise ConfigError(f"model.env.name={name!r}: {cls.__name__} has no tools; give it public methods with "
-                          "docstrings (or a tools list)")
+        raise ConfigError(
+            f"model.env.name={name!r}: {cls.__name__} has no tools; give it public methods with "
+            "docstrings (or a tools list)"
+        )
     return EnvClass(cls, tuple(t.schema for t in tools))
 
 
@@ -79,16 +92,24 @@ def load_parser(name: str) -> Parser:
     """A tool-call parser by registered name (``parse.PARSERS``) or ``module:function``."""
     if name in PARSERS:
         return PARSERS[name]
-    fn = _import(name, f"model.env.parser={name!r}", f"a registered parser ({', '.join(PARSERS)}) or 'module:function'")
+    fn = _import(
+        name,
+        f"model.env.parser={name!r}",
+        f"a registered parser ({', '.join(PARSERS)}) or 'module:function'",
+    )
     if not callable(fn):
-        raise ConfigError(f"model.env.parser={name!r} is not callable; a parser maps a turn's text to tool calls")
+        raise ConfigError(
+            f"model.env.parser={name!r} is not callable; a parser maps a turn's text to tool calls"
+        )
     if (origin := stdlib_origin(fn)) is not None:
         # The parser reads the model's generated text: a standard-library callable there (os:system, builtins:eval,
         # subprocess:getoutput) would run that text with the user's rights. Nothing of model output is executed.
-        raise ConfigError(f"model.env.parser={name!r} is a function of Python's standard library ({origin}), which "
-                          "would be handed the model's generated text; a parser is a function of your own module, "
-                          "`def parse(text: str) -> list[ToolCall | str]`, or a registered name "
-                          f"({', '.join(PARSERS)})")
+        raise ConfigError(
+            f"model.env.parser={name!r} is a function of Python's standard library ({origin}), which "
+            "would be handed the model's generated text; a parser is a function of your own module, "
+            "`def parse(text: str) -> list[ToolCall | str]`, or a registered name "
+            f"({', '.join(PARSERS)})"
+        )
     return fn
 
 
@@ -106,9 +127,11 @@ def first_observation(env: object, row: dict) -> str | None:
     observation = env.reset(**row)
     if observation is not None and not isinstance(observation, str):
         name = type(env).__name__
-        raise EnvProtocolError(f"{name}.reset returned a {type(observation).__name__} ({_short(observation)}); reset "
-                               "returns the first observation as a str (appended to the prompt) or None. Return "
-                               f"the text (keep other state on self), e.g. `return obs['text']`")
+        raise EnvProtocolError(
+            f"{name}.reset returned a {type(observation).__name__} ({_short(observation)}); reset "
+            "returns the first observation as a str (appended to the prompt) or None. Return "
+            f"the text (keep other state on self), e.g. `return obs['text']`"
+        )
     return observation
 
 
@@ -124,8 +147,10 @@ def episode_reward(env: object) -> float | None:
         return None
     value = float(reward)
     if not math.isfinite(value):
-        raise EnvProtocolError(f"{type(env).__name__}.reward is {value} for an episode of model.env; an episode "
-                               "reward must be a finite number (None leaves the episode to model.rewards)")
+        raise EnvProtocolError(
+            f"{type(env).__name__}.reward is {value} for an episode of model.env; an episode "
+            "reward must be a finite number (None leaves the episode to model.rewards)"
+        )
     return value
 
 
@@ -134,7 +159,12 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def row_of(prompt_text: str, messages: list[dict] | None, answer: str | None, meta: Mapping[str, Any]) -> dict:
+def row_of(
+    prompt_text: str,
+    messages: list[dict] | None,
+    answer: str | None,
+    meta: Mapping[str, Any],
+) -> dict:
     """The keywords ``reset`` receives: the dataset row's columns, its prompt and its answer."""
     row = {k: v for k, v in meta.items() if k not in ("source_index", "epoch")}
     row["prompt"] = messages if messages is not None else prompt_text
@@ -147,13 +177,17 @@ def _import(path: str, where: str, expected: str) -> Any:
     if ":" not in path:
         raise ConfigError(f"{where}: not {expected}")
     module_name, attr = path.split(":", 1)
-    if os.getcwd() not in sys.path and "" not in sys.path:  # a console script's sys.path lacks the working folder
+    # a console script's sys.path lacks the working folder
+    if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:  # an import error inside the user's module is theirs to see, with its type
-        raise ConfigError(f"{where}: cannot import module {module_name!r} ({type(e).__name__}: {e}); it must be "
-                          f"importable from the working folder {os.getcwd()} or an installed package") from e
+    # an import error inside the user's module is theirs to see, with its type
+    except Exception as e:
+        raise ConfigError(
+            f"{where}: cannot import module {module_name!r} ({type(e).__name__}: {e}); it must be "
+            f"importable from the working folder {os.getcwd()} or an installed package"
+        ) from e
     if not hasattr(module, attr):
         raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)

@@ -41,17 +41,26 @@ def parse_hermes(text: str) -> list[ToolCall | str]:
         try:
             call = json.loads(body.strip())
         except json.JSONDecodeError as e:
-            out.append(f"Error: the tool call is not valid JSON ({e.msg} at char {e.pos}); write "
-                       '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>')
+            out.append(
+                f"Error: the tool call is not valid JSON ({e.msg} at char {e.pos}); write "
+                '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
+            )
             continue
         args = call.get("arguments", {}) if isinstance(call, dict) else None
-        if isinstance(args, str):  # some models send the arguments JSON-encoded once more
+        # some models send the arguments JSON-encoded once more
+        if isinstance(args, str):
             try:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 args = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(args, dict):
-            out.append('Error: a tool call needs {"name": "<tool>", "arguments": {...}} with an object of arguments')
+        if (
+            not isinstance(call, dict)
+            or not isinstance(call.get("name"), str)
+            or not isinstance(args, dict)
+        ):
+            out.append(
+                'Error: a tool call needs {"name": "<tool>", "arguments": {...}} with an object of arguments'
+            )
             continue
         out.append(ToolCall(call["name"], args))
     return out
@@ -72,12 +81,23 @@ def parse_pythonic(text: str) -> list[ToolCall | str]:
             call = ast.parse(f"f({body})", mode="eval").body
             if call.args or any(k.arg is None for k in call.keywords):
                 raise ValueError
-            out.append(ToolCall(name, {k.arg: ast.literal_eval(k.value) for k in call.keywords}))
-        except (SyntaxError, ValueError):  # literal_eval raises ValueError on a name or an expression
-            out.append(f"Error: could not read the call {name}({body}); write {name}(arg=value, ...) with keyword "
-                       "arguments and literal values")
+            out.append(
+                ToolCall(
+                    name, {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+                )
+            )
+        # literal_eval raises ValueError on a name or an expression
+        except (SyntaxError, ValueError):
+            out.append(
+                f"Error: could not read the call {name}({body}); write {name}(arg=value, ...) with keyword "
+                "arguments and literal values"
+            )
     return out
 
 
-PARSERS: dict[str, Parser] = {"hermes": parse_hermes, "qwen": parse_hermes, "pythonic": parse_pythonic}
+PARSERS: dict[str, Parser] = {
+    "hermes": parse_hermes,
+    "qwen": parse_hermes,
+    "pythonic": parse_pythonic,
+}
 """Tool-call parsers by name (``model.env.parser``); add an entry for another chat-template family."""

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 from lightning_grpo.checks import ConfigError
 
-_MARK = "\u2063LGRPO-MODEL-TURN\u2063"  # invisible separators: no real content contains this
+# invisible separators: no real content contains this
+_MARK = "\u2063LGRPO-MODEL-TURN\u2063"
 
 
 class TurnDelta:
@@ -28,24 +29,40 @@ class TurnDelta:
         eos_token_ids: ids that end a model turn; when the turn ended on one, the delta starts after its text.
     """
 
-    def __init__(self, tokenizer, tools: Sequence[dict], eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer, tools: Sequence[dict], eos_token_ids: Sequence[int]
+    ) -> None:
         self.tokenizer, self.tools = tokenizer, list(tools)
         self.eos_texts = {t: tokenizer.decode([t]) for t in eos_token_ids}
 
-    def ids(self, results: Sequence[tuple[str, str]], last_token: int | None) -> list[int]:
+    def ids(
+        self, results: Sequence[tuple[str, str]], last_token: int | None
+    ) -> list[int]:
         """The delta for tool ``results`` (``(name, text)`` pairs) after a turn whose last sampled id is
         ``last_token``."""
-        messages = [{"role": "user", "content": "U"}, {"role": "assistant", "content": _MARK}]
-        messages += [{"role": "tool", "name": name, "content": text} for name, text in results]
-        rendered = self.tokenizer.apply_chat_template(messages, tools=self.tools or None, add_generation_prompt=True,
-                                                      tokenize=False)
+        messages = [
+            {"role": "user", "content": "U"},
+            {"role": "assistant", "content": _MARK},
+        ]
+        messages += [
+            {"role": "tool", "name": name, "content": text} for name, text in results
+        ]
+        rendered = self.tokenizer.apply_chat_template(
+            messages,
+            tools=self.tools or None,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         if rendered.count(_MARK) != 1:
-            raise ConfigError("the policy's chat template does not render an assistant message's content verbatim "
-                              "once; a multi-turn environment needs a template that does (set policy.chat_template)")
-        delta = rendered[rendered.index(_MARK) + len(_MARK):]
+            raise ConfigError(
+                "the policy's chat template does not render an assistant message's content verbatim "
+                "once; a multi-turn environment needs a template that does (set policy.chat_template)"
+            )
+        delta = rendered[rendered.index(_MARK) + len(_MARK) :]
         eos = self.eos_texts.get(last_token)
-        if eos and delta.startswith(eos):  # the model already closed its turn with this token: not twice
-            delta = delta[len(eos):]
+        # the model already closed its turn with this token: not twice
+        if eos and delta.startswith(eos):
+            delta = delta[len(eos) :]
         return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
 
 
@@ -58,5 +75,6 @@ def first_prompt(tokenizer, messages: list[dict], tools: Sequence[dict]) -> list
 
 def opening_text(tokenizer, messages: list[dict], tools: Sequence[dict]) -> str:
     """An episode's opening as text: what ``first_prompt`` tokenizes (the completions log shows it)."""
-    return tokenizer.apply_chat_template(messages, tools=list(tools) or None, add_generation_prompt=True,
-                                         tokenize=False)
+    return tokenizer.apply_chat_template(
+        messages, tools=list(tools) or None, add_generation_prompt=True, tokenize=False
+    )

@@ -21,8 +21,15 @@ from typing import Any, Literal
 from lightning_grpo.checks import ConfigError
 
 # JSON schema type -> the Python values that satisfy it (bool is an int in Python: excluded by hand below).
-_JSON_TYPES = {"integer": (int,), "number": (int, float), "string": (str,), "boolean": (bool,),
-               "array": (list, tuple), "object": (dict,), "null": (type(None),)}
+_JSON_TYPES = {
+    "integer": (int,),
+    "number": (int, float),
+    "string": (str,),
+    "boolean": (bool,),
+    "array": (list, tuple),
+    "object": (dict,),
+    "null": (type(None),),
+}
 
 
 @dataclass(frozen=True)
@@ -48,27 +55,42 @@ class ToolResult:
 def make_tool(fn: Callable[..., Any], where: str) -> Tool:
     """``fn`` as a ``Tool``; raises ``ConfigError`` naming ``where`` and the fix when its schema cannot be built."""
     from transformers.utils import get_json_schema
-    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+    from transformers.utils.chat_template_utils import (
+        DocstringParsingException,
+        TypeHintParsingException,
+    )
 
     name = getattr(fn, "__name__", repr(fn))
-    if (origin := stdlib_origin(fn)) is not None:  # os.system, eval, subprocess.getoutput: the model's text, run
-        raise ConfigError(f"{where}: tool {name!r} is a function of Python's standard library ({origin}), which would "
-                          "be called with the model's generated arguments; a tool is a method (or function) of your "
-                          "own, with typed arguments and a docstring")
-    bad_type = (f"{where}: tool {name!r} has an argument type JSON cannot carry ({{}}). Type every argument as int, "
-                "float, str, bool, list[...], dict[str, ...], Literal[...] or an Optional of them")
+    # os.system, eval, subprocess.getoutput: the model's text, run
+    if (origin := stdlib_origin(fn)) is not None:
+        raise ConfigError(
+            f"{where}: tool {name!r} is a function of Python's standard library ({origin}), which would "
+            "be called with the model's generated arguments; a tool is a method (or function) of your "
+            "own, with typed arguments and a docstring"
+        )
+    bad_type = (
+        f"{where}: tool {name!r} has an argument type JSON cannot carry ({{}}). Type every argument as int, "
+        "float, str, bool, list[...], dict[str, ...], Literal[...] or an Optional of them"
+    )
     try:
         hints = typing.get_type_hints(fn)
     except NameError as e:
         raise ConfigError(bad_type.format(e)) from None
-    bad = [f"{arg}: {hint}" for arg, hint in hints.items() if arg != "return" and not _is_json(hint)]
-    if bad:  # get_json_schema calls an unknown class "object": the tool would receive a dict, not its type
+    bad = [
+        f"{arg}: {hint}"
+        for arg, hint in hints.items()
+        if arg != "return" and not _is_json(hint)
+    ]
+    # get_json_schema calls an unknown class "object": the tool would receive a dict, not its type
+    if bad:
         raise ConfigError(bad_type.format(", ".join(bad)))
     try:
         return Tool(fn, get_json_schema(fn))
     except DocstringParsingException as e:
-        raise ConfigError(f"{where}: tool {name!r} cannot be described to the model ({e}). Give it a Google-style "
-                          "docstring: a description line, then an 'Args:' section with one line per argument") from None
+        raise ConfigError(
+            f"{where}: tool {name!r} cannot be described to the model ({e}). Give it a Google-style "
+            "docstring: a description line, then an 'Args:' section with one line per argument"
+        ) from None
     except TypeHintParsingException as e:
         raise ConfigError(bad_type.format(e)) from None
 
@@ -92,7 +114,9 @@ def _is_json(hint: Any) -> bool:
     return False
 
 
-def public_methods(obj: object, skip: frozenset[str] = frozenset({"reset", "reward"})) -> list[Callable[..., Any]]:
+def public_methods(
+    obj: object, skip: frozenset[str] = frozenset({"reset", "reward"})
+) -> list[Callable[..., Any]]:
     """The tools of a TRL ``environment_factory`` instance: its public methods other than ``skip``, in name order."""
     out = []
     for name in sorted(dir(type(obj))):
@@ -115,8 +139,11 @@ def bad_arguments(tool: Tool, arguments: Mapping[str, Any]) -> str | None:
     for key, value in arguments.items():
         kinds = props[key].get("type")
         kinds = [kinds] if isinstance(kinds, str) else kinds or []
-        fits = any(isinstance(value, _JSON_TYPES.get(k, object)) and not (isinstance(value, bool) and k in
-                   ("integer", "number")) for k in kinds)
+        fits = any(
+            isinstance(value, _JSON_TYPES.get(k, object))
+            and not (isinstance(value, bool) and k in ("integer", "number"))
+            for k in kinds
+        )
         if kinds and not fits:
             return f"argument {key!r}={value!r} is not of type {'/'.join(kinds)}"
     return None
@@ -136,7 +163,8 @@ def call_tool(tool: Tool, arguments: Mapping[str, Any], timeout_s: float) -> Too
     def run() -> None:
         try:
             box["value"] = tool.fn(**arguments)
-        except Exception as e:  # noqa: BLE001 -- a raising tool is the model's feedback, not a crashed rollout
+        # noqa: BLE001 -- a raising tool is the model's feedback, not a crashed rollout
+        except Exception as e:
             box["error"] = f"{type(e).__name__}: {e}"
 
     thread = threading.Thread(target=run, name=f"tool-{tool.name}", daemon=True)

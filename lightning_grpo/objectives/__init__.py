@@ -27,7 +27,8 @@ from torch import Tensor
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.objectives.base import Objective, PolicyView, Stats
 
-if TYPE_CHECKING:  # opd imports the teacher and policy stack: only its builder does, when called
+# opd imports the teacher and policy stack: only its builder does, when called
+if TYPE_CHECKING:
     from lightning_grpo.objectives.opd import OPDConfig
 
 
@@ -61,7 +62,9 @@ OBJECTIVES: dict[str, ObjectiveEntry] = {}
 """The registry: ``model.objective`` names one of these."""
 
 
-def register_objective(name: str, build: Callable[[ObjectiveParts], Objective], section: str | None = None) -> None:
+def register_objective(
+    name: str, build: Callable[[ObjectiveParts], Objective], section: str | None = None
+) -> None:
     """Make ``model.objective: <name>`` build ``build(parts)``; a name registers once."""
     if name in OBJECTIVES and OBJECTIVES[name].build is not build:
         raise ValueError(f"objective {name!r} is already registered; pick another name")
@@ -71,12 +74,16 @@ def register_objective(name: str, build: Callable[[ObjectiveParts], Objective], 
 def build_objective(name: str, parts: ObjectiveParts) -> Objective:
     """The objective called ``name``, built from ``parts``; the error lists the registered names."""
     if name not in OBJECTIVES:
-        raise ValueError(f"objective={name!r}: not a registered objective; known: {', '.join(sorted(OBJECTIVES))} "
-                         "(lightning_grpo.objectives.register_objective adds one)")
+        raise ValueError(
+            f"objective={name!r}: not a registered objective; known: {', '.join(sorted(OBJECTIVES))} "
+            "(lightning_grpo.objectives.register_objective adds one)"
+        )
     objective = OBJECTIVES[name].build(parts)
     if not isinstance(objective, Objective):
-        raise TypeError(f"objective {name!r} built a {type(objective).__name__}, which lacks the Objective protocol "
-                        "(needs_old_logprobs, needs_reference, setup, chunk_loss, name, stats)")
+        raise TypeError(
+            f"objective {name!r} built a {type(objective).__name__}, which lacks the Objective protocol "
+            "(needs_old_logprobs, needs_reference, setup, chunk_loss, name, stats)"
+        )
     return objective
 
 
@@ -86,11 +93,20 @@ def _grpo(parts: ObjectiveParts) -> Objective:
     from lightning_grpo.objectives.grpo import GRPOObjective
 
     rl = parts.rl
-    return GRPOObjective(rl.epsilon, rl.epsilon_high, rl.beta, dp_mean=parts.dp_mean, loss_type=rl.loss_type,
-                         ratio_level=rl.ratio_level, loss=rl.loss,
-                         max_completion_length=parts.max_new_tokens,  # Dr. GRPO's constant
-                         correction=rl.rollout_correction, entropy_coef=rl.entropy_coef,
-                         top_entropy_quantile=rl.top_entropy_quantile)
+    return GRPOObjective(
+        rl.epsilon,
+        rl.epsilon_high,
+        rl.beta,
+        dp_mean=parts.dp_mean,
+        loss_type=rl.loss_type,
+        ratio_level=rl.ratio_level,
+        loss=rl.loss,
+        # Dr. GRPO's constant
+        max_completion_length=parts.max_new_tokens,
+        correction=rl.rollout_correction,
+        entropy_coef=rl.entropy_coef,
+        top_entropy_quantile=rl.top_entropy_quantile,
+    )
 
 
 def _opd(parts: ObjectiveParts) -> Objective:
@@ -106,5 +122,13 @@ def _opd(parts: ObjectiveParts) -> Objective:
 register_objective("grpo", _grpo)
 register_objective("opd", _opd, section="opd")
 
-__all__ = ["OBJECTIVES", "Objective", "ObjectiveEntry", "ObjectiveParts", "PolicyView", "Stats", "build_objective",
-           "register_objective"]
+__all__ = [
+    "OBJECTIVES",
+    "Objective",
+    "ObjectiveEntry",
+    "ObjectiveParts",
+    "PolicyView",
+    "Stats",
+    "build_objective",
+    "register_objective",
+]

@@ -52,7 +52,9 @@ class PolicyView:
     logprobs: Callable[[RolloutBatch], Tensor]
     reference: Callable[[RolloutBatch], Tensor] | None
     call: Callable[..., Any]
-    logprobs_and_entropy: Callable[[RolloutBatch, bool], tuple[Tensor, Tensor]] | None = None
+    logprobs_and_entropy: (
+        Callable[[RolloutBatch, bool], tuple[Tensor, Tensor]] | None
+    ) = None
 
 
 @runtime_checkable
@@ -75,8 +77,9 @@ class Objective(Protocol):
         """Called once the policy exists (``configure_model``): build teachers, refuse mismatches."""
         ...
 
-    def chunk_loss(self, chunk: RolloutBatch, policy: PolicyView,
-                   old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, Stats]:
+    def chunk_loss(
+        self, chunk: RolloutBatch, policy: PolicyView, old_logprobs: Tensor | None
+    ) -> tuple[Tensor, Tensor, Stats]:
         """``(loss, denom, stats)`` of one chunk (on the policy's device); ``old_logprobs`` is pi_old or None."""
         ...
 

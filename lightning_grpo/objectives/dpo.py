@@ -32,10 +32,15 @@ class DPOStats:
     """One chunk's figures, as 0-d tensors; per-pair means are over this rank's pairs (weighted by ``pairs``)."""
 
     REDUCE: ClassVar[dict[str, Reduction]] = {
-        "loss": ("dpo/loss", "denom"), "denom": ("dpo/denom", "sum"), "pairs": ("dpo/pairs", "sum"),
-        "accuracy": ("dpo/accuracy", "pairs"), "margin": ("dpo/margin", "pairs"),
-        "chosen_reward": ("dpo/chosen_reward", "pairs"), "rejected_reward": ("dpo/rejected_reward", "pairs"),
-        "chosen_logp": ("dpo/chosen_logp", "pairs"), "rejected_logp": ("dpo/rejected_logp", "pairs"),
+        "loss": ("dpo/loss", "denom"),
+        "denom": ("dpo/denom", "sum"),
+        "pairs": ("dpo/pairs", "sum"),
+        "accuracy": ("dpo/accuracy", "pairs"),
+        "margin": ("dpo/margin", "pairs"),
+        "chosen_reward": ("dpo/chosen_reward", "pairs"),
+        "rejected_reward": ("dpo/rejected_reward", "pairs"),
+        "chosen_logp": ("dpo/chosen_logp", "pairs"),
+        "rejected_logp": ("dpo/rejected_logp", "pairs"),
     }
     loss: Tensor
     denom: Tensor
@@ -66,8 +71,13 @@ class DPOObjective:
     name = "dpo"
     stats = DPOStats  # names every dpo/* figure of a loop step where no chunk stepped
 
-    def __init__(self, beta: float = 0.1, loss_type: LossType = "sigmoid", label_smoothing: float = 0.0,
-                 dp_mean: DPMean = single_process) -> None:
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss_type: LossType = "sigmoid",
+        label_smoothing: float = 0.0,
+        dp_mean: DPMean = single_process,
+    ) -> None:
         self.beta = beta
         self.loss_type = loss_type
         self.label_smoothing = label_smoothing
@@ -77,8 +87,13 @@ class DPOObjective:
         """No ratio: DPO reads the reference, never pi_old."""
         return False
 
-    def __call__(self, chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor,
-                 ) -> tuple[Tensor, Tensor, DPOStats]:
+    def __call__(
+        self,
+        chosen: Tensor,
+        rejected: Tensor,
+        ref_chosen: Tensor,
+        ref_rejected: Tensor,
+    ) -> tuple[Tensor, Tensor, DPOStats]:
         """Loss of one chunk of pairs.
 
         Args:
@@ -92,16 +107,27 @@ class DPOObjective:
             per_pair = (h - 1 / (2 * self.beta)) ** 2
         else:
             eps = self.label_smoothing
-            per_pair = -(1 - eps) * F.logsigmoid(self.beta * h) - eps * F.logsigmoid(-self.beta * h)
-        pairs = torch.tensor(float(chosen.shape[0]), dtype=chosen.dtype, device=chosen.device)
+            per_pair = -(1 - eps) * F.logsigmoid(self.beta * h) - eps * F.logsigmoid(
+                -self.beta * h
+            )
+        pairs = torch.tensor(
+            float(chosen.shape[0]), dtype=chosen.dtype, device=chosen.device
+        )
         denom = self.dp_mean(pairs)
         loss = per_pair.sum() / nonzero(denom)  # an empty chunk: loss 0, divisor 0
         with torch.no_grad():
             local = pairs.clamp(min=1)
             c = self.beta * chosen_reward.detach()
             r = self.beta * rejected_reward.detach()
-            stats = DPOStats(loss=loss.detach(), denom=denom, pairs=pairs, accuracy=(c > r).to(c.dtype).sum() / local,
-                             margin=(c - r).sum() / local, chosen_reward=c.sum() / local,
-                             rejected_reward=r.sum() / local, chosen_logp=chosen.detach().sum() / local,
-                             rejected_logp=rejected.detach().sum() / local)
+            stats = DPOStats(
+                loss=loss.detach(),
+                denom=denom,
+                pairs=pairs,
+                accuracy=(c > r).to(c.dtype).sum() / local,
+                margin=(c - r).sum() / local,
+                chosen_reward=c.sum() / local,
+                rejected_reward=r.sum() / local,
+                chosen_logp=chosen.detach().sum() / local,
+                rejected_logp=rejected.detach().sum() / local,
+            )
         return loss, denom, stats

@@ -23,10 +23,18 @@ def top_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
         quantile: the share of each row's tokens kept, in (0, 1].
     """
     ent = entropy.detach()
-    ranked = ent.masked_fill(~mask, float("-inf")).sort(-1, descending=True).values  # [B, T-1]
+    # [B, T-1]
+    ranked = ent.masked_fill(~mask, float("-inf")).sort(-1, descending=True).values
     # the 1e-9 keeps a product like 0.2 * 5 = 1.0000000000000002 from rounding up to 2
-    keep = (mask.sum(-1, keepdim=True).double() * quantile - 1e-9).ceil().long().clamp(min=1)  # [B, 1]
-    threshold = ranked.gather(-1, keep.clamp(max=max(ranked.shape[-1], 1)) - 1)  # [B, 1]: the row's k-th largest
+    # [B, 1]
+    keep = (
+        (mask.sum(-1, keepdim=True).double() * quantile - 1e-9)
+        .ceil()
+        .long()
+        .clamp(min=1)
+    )
+    # [B, 1]: the row's k-th largest
+    threshold = ranked.gather(-1, keep.clamp(max=max(ranked.shape[-1], 1)) - 1)
     return ((ent >= threshold) & mask).to(entropy.dtype)
 
 

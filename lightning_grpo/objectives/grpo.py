@@ -31,10 +31,17 @@ class ChunkStats:
     """What one chunk reports, as 0-d tensors: the roll-up moves them to the host in one sync."""
 
     REDUCE: ClassVar[dict[str, Reduction]] = {
-        "loss": ("grpo/loss", "denom"), "denom": ("grpo/denom", "sum"), "tokens": ("grpo/tokens", "sum"),
-        "n": ("grpo/n", "sum"), "clip_frac": ("grpo/clip_frac", "tokens"), "ratio_mean": ("grpo/ratio_mean", "tokens"),
-        "ratio_max": ("grpo/ratio_max", "max"), "kl": ("grpo/kl", "tokens"), "kl_old": ("grpo/kl_old", "tokens"),
-        "clip_frac_low": ("grpo/clip_frac_low", "tokens"), "clip_frac_high": ("grpo/clip_frac_high", "tokens"),
+        "loss": ("grpo/loss", "denom"),
+        "denom": ("grpo/denom", "sum"),
+        "tokens": ("grpo/tokens", "sum"),
+        "n": ("grpo/n", "sum"),
+        "clip_frac": ("grpo/clip_frac", "tokens"),
+        "ratio_mean": ("grpo/ratio_mean", "tokens"),
+        "ratio_max": ("grpo/ratio_max", "max"),
+        "kl": ("grpo/kl", "tokens"),
+        "kl_old": ("grpo/kl_old", "tokens"),
+        "clip_frac_low": ("grpo/clip_frac_low", "tokens"),
+        "clip_frac_high": ("grpo/clip_frac_high", "tokens"),
         "seqs": ("grpo/seqs", "sum"),
         "entropy": ("grpo/entropy", "tokens"),
     }
@@ -74,10 +81,14 @@ class CorrectedChunkStats(ChunkStats):
     sampled completion tokens (rejected ones included), weighted by them in the roll-up."""
 
     REDUCE: ClassVar[dict[str, Reduction]] = {
-        **ChunkStats.REDUCE, "sampled": ("correction/tokens", "sum"),
-        "entropy": ("grpo/entropy", "sampled"),  # over every completion token: a rejection changes no entropy
-        "is_weight": ("correction/is_weight_mean", "sampled"), "is_weight_sq": ("correction/is_weight_sq_mean", "sampled"),
-        "is_weight_max": ("correction/is_weight_max", "max"), "outside": ("correction/outside_frac", "sampled"),
+        **ChunkStats.REDUCE,
+        "sampled": ("correction/tokens", "sum"),
+        # over every completion token: a rejection changes no entropy
+        "entropy": ("grpo/entropy", "sampled"),
+        "is_weight": ("correction/is_weight_mean", "sampled"),
+        "is_weight_sq": ("correction/is_weight_sq_mean", "sampled"),
+        "is_weight_max": ("correction/is_weight_max", "max"),
+        "outside": ("correction/outside_frac", "sampled"),
         "logprob_gap": ("correction/logprob_gap_mean", "sampled"),
         "mult_prob_error": ("correction/token_mult_prob_error", "sampled"),
         "trainer_logprob": ("correction/trainer_logprob_mean", "sampled"),
@@ -103,7 +114,10 @@ class CorrectedChunkStats(ChunkStats):
     @classmethod
     def of(cls, base: ChunkStats, sums: dict[str, Tensor]) -> CorrectedChunkStats:
         sampled = sums.pop("sampled")
-        means = {k: v if k == "is_weight_max" else v / sampled.clamp(min=1) for k, v in sums.items()}
+        means = {
+            k: v if k == "is_weight_max" else v / sampled.clamp(min=1)
+            for k, v in sums.items()
+        }
         return cls(**vars(base), sampled=sampled, **means)
 
 
@@ -125,16 +139,29 @@ class GRPOObjective:
     """
 
     name = "grpo"
-    stats = ChunkStats  # names every grpo/* figure of a loop step where no chunk stepped
+    # names every grpo/* figure of a loop step where no chunk stepped
+    stats = ChunkStats
 
-    def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
-                 dp_mean: DPMean = single_process, *, loss_type: str = "dapo", ratio_level: str = "token",
-                 loss: str = "ppo_clip", max_completion_length: int | None = None,
-                 correction: RolloutCorrection | None = None, entropy_coef: float = 0.0,
-                 top_entropy_quantile: float = 1.0) -> None:
+    def __init__(
+        self,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        dp_mean: DPMean = single_process,
+        *,
+        loss_type: str = "dapo",
+        ratio_level: str = "token",
+        loss: str = "ppo_clip",
+        max_completion_length: int | None = None,
+        correction: RolloutCorrection | None = None,
+        entropy_coef: float = 0.0,
+        top_entropy_quantile: float = 1.0,
+    ) -> None:
         # The knobs' rules are GRPOConfig's (refused at load); this one is about the arguments a caller passes.
         if loss_type == "dr_grpo" and not max_completion_length:
-            raise ValueError("GRPOObjective(loss_type='dr_grpo') needs max_completion_length (rollout.max_new_tokens)")
+            raise ValueError(
+                "GRPOObjective(loss_type='dr_grpo') needs max_completion_length (rollout.max_new_tokens)"
+            )
         self.epsilon = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.beta = beta
@@ -143,7 +170,9 @@ class GRPOObjective:
         self.ratio_level = ratio_level
         self.loss = loss
         self.max_completion_length = max_completion_length
-        self.correction = correction if correction is not None and correction.mode != "off" else None
+        self.correction = (
+            correction if correction is not None and correction.mode != "off" else None
+        )
         if self.correction is not None:
             self.stats = CorrectedChunkStats
         self.entropy_coef = entropy_coef
@@ -160,22 +189,43 @@ class GRPOObjective:
     def setup(self, policy: nn.Module, tokenizer) -> None:
         """Nothing to build."""
 
-    def chunk_loss(self, chunk: RolloutBatch, policy: PolicyView,
-                   old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, ChunkStats]:
+    def chunk_loss(
+        self, chunk: RolloutBatch, policy: PolicyView, old_logprobs: Tensor | None
+    ) -> tuple[Tensor, Tensor, ChunkStats]:
         """Score ``chunk`` with the policy (and the reference when beta > 0), then the loss below."""
         uses_entropy = self.entropy_coef > 0 or self.top_entropy_quantile < 1
-        if policy.logprobs_and_entropy is not None:  # the entropy comes from the same head pass (logprobs.py)
-            logprobs, entropy = policy.logprobs_and_entropy(chunk, self.entropy_coef > 0)
+        # the entropy comes from the same head pass (logprobs.py)
+        if policy.logprobs_and_entropy is not None:
+            logprobs, entropy = policy.logprobs_and_entropy(
+                chunk, self.entropy_coef > 0
+            )
         elif uses_entropy:
-            raise ValueError("GRPOObjective(entropy_coef > 0 or top_entropy_quantile < 1) needs a PolicyView with "
-                             "logprobs_and_entropy")
+            raise ValueError(
+                "GRPOObjective(entropy_coef > 0 or top_entropy_quantile < 1) needs a PolicyView with "
+                "logprobs_and_entropy"
+            )
         else:
             logprobs = policy.logprobs(chunk)
             entropy = None
-        ref = policy.reference(chunk) if self.beta > 0 and policy.reference is not None else None
-        rollout = chunk.rollout_logprobs[:, 1:] if chunk.rollout_logprobs is not None else None
-        return self(logprobs, chunk.completion_mask[:, 1:], chunk.advantages, old_logprobs, ref, rollout,
-                    entropy=entropy)
+        ref = (
+            policy.reference(chunk)
+            if self.beta > 0 and policy.reference is not None
+            else None
+        )
+        rollout = (
+            chunk.rollout_logprobs[:, 1:]
+            if chunk.rollout_logprobs is not None
+            else None
+        )
+        return self(
+            logprobs,
+            chunk.completion_mask[:, 1:],
+            chunk.advantages,
+            old_logprobs,
+            ref,
+            rollout,
+            entropy=entropy,
+        )
 
     def __call__(
         self,
@@ -202,7 +252,8 @@ class GRPOObjective:
         """
         old = logprobs.detach() if old_logprobs is None else old_logprobs
         corr = self._correction(logprobs, old, rollout_logprobs, mask)
-        completion = mask.to(logprobs.dtype)  # every completion token, rejected ones too (grpo/entropy's)
+        # every completion token, rejected ones too (grpo/entropy's)
+        completion = mask.to(logprobs.dtype)
         if corr is not None and corr.keep is not None:
             mask = corr.keep  # rejected tokens leave the loss and its divisor
         m = mask.to(logprobs.dtype)
@@ -213,27 +264,53 @@ class GRPOObjective:
         kl = torch.zeros_like(per_token)
         if self.beta > 0:
             if ref_logprobs is None:
-                raise ValueError("GRPOObjective(beta>0) needs ref_logprobs; build the module with a reference model")
+                raise ValueError(
+                    "GRPOObjective(beta>0) needs ref_logprobs; build the module with a reference model"
+                )
             delta = ref_logprobs - logprobs
             kl = torch.exp(delta) - delta - 1  # k3 estimator: unbiased, always >= 0
             per_token = per_token + self.beta * kl
-        if self.entropy_coef > 0:  # a bonus: lower loss for a higher-entropy policy, under the loss's own divisor
+        # a bonus: lower loss for a higher-entropy policy, under the loss's own divisor
+        if self.entropy_coef > 0:
             per_token = per_token - self.entropy_coef * entropy
         tokens = m.sum()
-        seqs = (m.sum(-1) > 0).to(m.dtype).sum()  # rows with a counted token: a DP filler row is no sequence
+        # rows with a counted token: a DP filler row is no sequence
+        seqs = (m.sum(-1) > 0).to(m.dtype).sum()
         total, denom = self._sum_and_divisor(per_token, m, tokens, seqs)
         # Guard zero only: an all-masked chunk has denom 0 and loss 0, never 0/0. Under DP the divisor is a mean and
         # may be in (0, 1) (fewer tokens than ranks); clamping it to 1 would make loss * denom differ from the chunk sum.
         loss = total / torch.where(denom > 0, denom, torch.ones_like(denom))
         with torch.no_grad():
-            stats = self._stats(loss, denom, tokens, seqs, ratio, clipped, adv, kl, logprobs - old, m, mask)
-            stats = replace(stats, entropy=token_mean(entropy, completion, completion.sum()))
+            stats = self._stats(
+                loss,
+                denom,
+                tokens,
+                seqs,
+                ratio,
+                clipped,
+                adv,
+                kl,
+                logprobs - old,
+                m,
+                mask,
+            )
+            stats = replace(
+                stats, entropy=token_mean(entropy, completion, completion.sum())
+            )
             if corr is not None:
                 stats = CorrectedChunkStats.of(stats, dict(corr.stats))
         return loss, denom, stats
 
-    def _surrogate(self, logprobs: Tensor, ratio: Tensor, clipped: Tensor, adv: Tensor, mask: Tensor,
-                   corr: Correction | None, entropy: Tensor | None) -> Tensor:
+    def _surrogate(
+        self,
+        logprobs: Tensor,
+        ratio: Tensor,
+        clipped: Tensor,
+        adv: Tensor,
+        mask: Tensor,
+        corr: Correction | None,
+        entropy: Tensor | None,
+    ) -> Tensor:
         """``[B, T-1]`` per-token surrogate: clipped or CISPO, times the correction's weight, on the kept tokens."""
         if self.loss == "cispo":
             # CISPO (MiniMax-M1, arXiv 2506.13585): the truncated ratio, no gradient, weighs each token's REINFORCE term
@@ -241,20 +318,30 @@ class GRPOObjective:
         else:
             per_token = -torch.min(ratio * adv, clipped * adv)
         if corr is not None and corr.weight is not None:
-            per_token = per_token * corr.weight  # the surrogate only: the KL to the reference is not sampled
+            # the surrogate only: the KL to the reference is not sampled
+            per_token = per_token * corr.weight
         if (self.entropy_coef > 0 or self.top_entropy_quantile < 1) and entropy is None:
-            raise ValueError("GRPOObjective(entropy_coef > 0 or top_entropy_quantile < 1) needs the policy's entropy")
-        if self.top_entropy_quantile < 1:  # the surrogate on high-entropy tokens only; the KL and divisor stay whole
-            per_token = per_token * top_entropy_mask(entropy, mask, self.top_entropy_quantile)
+            raise ValueError(
+                "GRPOObjective(entropy_coef > 0 or top_entropy_quantile < 1) needs the policy's entropy"
+            )
+        # the surrogate on high-entropy tokens only; the KL and divisor stay whole
+        if self.top_entropy_quantile < 1:
+            per_token = per_token * top_entropy_mask(
+                entropy, mask, self.top_entropy_quantile
+            )
         return per_token
 
-    def _correction(self, logprobs: Tensor, old: Tensor, rollout: Tensor | None, mask: Tensor) -> Correction | None:
+    def _correction(
+        self, logprobs: Tensor, old: Tensor, rollout: Tensor | None, mask: Tensor
+    ) -> Correction | None:
         """rho = pi_old / pi_rollout per token (bypass: pi_old is the sampler's, so the current policy stands in)."""
         if self.correction is None:
             return None
         if rollout is None:
-            raise ValueError(f"rl.rollout_correction.mode={self.correction.mode!r} needs the sampler's logprobs, and "
-                             "this chunk has none (Rollout.logprobs; a replay file's 'logprobs' field)")
+            raise ValueError(
+                f"rl.rollout_correction.mode={self.correction.mode!r} needs the sampler's logprobs, and "
+                "this chunk has none (Rollout.logprobs; a replay file's 'logprobs' field)"
+            )
         trainer = logprobs.detach() if self.correction.mode == "bypass" else old
         return correct(self.correction, trainer, rollout.to(trainer.dtype), mask)
 
@@ -265,41 +352,58 @@ class GRPOObjective:
         lengths = m.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
         # GSPO (arXiv 2507.18071): s_i = exp(mean over the sequence's tokens of (logp - old)), length-normalized
         log_ratio = ((logprobs - old) * m).sum(-1, keepdim=True) / lengths  # [B, 1]
-        return torch.exp(log_ratio).expand_as(m)  # [B, T-1]; the gradient reaches every token of the sequence
+        # [B, T-1]; the gradient reaches every token of the sequence
+        return torch.exp(log_ratio).expand_as(m)
 
-    def _sum_and_divisor(self, per_token: Tensor, m: Tensor, tokens: Tensor, seqs: Tensor) -> tuple[Tensor, Tensor]:
+    def _sum_and_divisor(
+        self, per_token: Tensor, m: Tensor, tokens: Tensor, seqs: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """The chunk's sum under ``loss_type`` and its DP-mean divisor (one ``dp_mean`` call)."""
         if self.loss_type == "dapo":  # today's expression, kept as is (bit-identical)
             return (per_token * m).sum(), self.dp_mean(tokens.detach())
         row_sum = (per_token * m).sum(-1)  # [B]
-        if self.loss_type == "grpo":  # each sequence's token mean, then the mean over sequences
+        # each sequence's token mean, then the mean over sequences
+        if self.loss_type == "grpo":
             return (row_sum / m.sum(-1).clamp(min=1)).sum(), self.dp_mean(seqs.detach())
-        if self.loss_type == "dr_grpo":  # token sum over a constant: max_new_tokens x sequences
-            return row_sum.sum(), self.dp_mean(seqs.detach() * self.max_completion_length)
-        return row_sum.sum(), self.dp_mean(seqs.detach())  # seq-mean-token-sum: each sequence's sum, mean over them
+        # token sum over a constant: max_new_tokens x sequences
+        if self.loss_type == "dr_grpo":
+            return row_sum.sum(), self.dp_mean(
+                seqs.detach() * self.max_completion_length
+            )
+        # seq-mean-token-sum: each sequence's sum, mean over them
+        return row_sum.sum(), self.dp_mean(seqs.detach())
 
-    def _stats(self, loss, denom, tokens, seqs, ratio, clipped, adv, kl, log_ratio, m, mask) -> ChunkStats:
+    def _stats(
+        self, loss, denom, tokens, seqs, ratio, clipped, adv, kl, log_ratio, m, mask
+    ) -> ChunkStats:
         """The chunk's figures; per-token ones over this rank's tokens (``tokens`` weighs them in the roll-up)."""
         local = tokens.clamp(min=1)
-        token_ratio = ratio if self.ratio_level == "token" else torch.exp(log_ratio)  # [B, T-1]
-        if self.loss == "cispo":  # the weight is truncated whatever the advantage's sign
+        # [B, T-1]
+        token_ratio = ratio if self.ratio_level == "token" else torch.exp(log_ratio)
+        # the weight is truncated whatever the advantage's sign
+        if self.loss == "cispo":
             low = (ratio < 1 - self.epsilon).to(m.dtype) * m
             high = (ratio > 1 + self.epsilon_high).to(m.dtype) * m
             is_clipped = low + high
         else:
-            is_clipped = ((ratio * adv) > (clipped * adv)).to(m.dtype) * m  # the min picked the clipped term
+            # the min picked the clipped term
+            is_clipped = ((ratio * adv) > (clipped * adv)).to(m.dtype) * m
             low = ((ratio < 1 - self.epsilon) & (adv < 0)).to(m.dtype) * m
             high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).to(m.dtype) * m
         return ChunkStats(
             loss=loss.detach(),
             denom=denom,
             tokens=tokens,
-            n=torch.tensor(float(mask.shape[0]), dtype=torch.float32),  # 16-true sets a half default dtype
+            # 16-true sets a half default dtype
+            n=torch.tensor(float(mask.shape[0]), dtype=torch.float32),
             clip_frac=is_clipped.sum() / local,
             ratio_mean=(ratio * m).sum() / local,
-            ratio_max=ratio.detach().masked_fill(~mask, float("-inf")).amax() if mask.numel() else tokens * 0,
+            ratio_max=ratio.detach().masked_fill(~mask, float("-inf")).amax()
+            if mask.numel()
+            else tokens * 0,
             kl=(kl * m).sum() / local,
-            kl_old=((token_ratio - 1 - log_ratio) * m).sum() / local,  # k3, r = pi / pi_old per token
+            # k3, r = pi / pi_old per token
+            kl_old=((token_ratio - 1 - log_ratio) * m).sum() / local,
             clip_frac_low=low.sum() / local,
             clip_frac_high=high.sum() / local,
             seqs=seqs,

@@ -36,19 +36,35 @@ def chunk_tokens(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
-def completion_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, mask: Tensor) -> Tensor:
+def completion_hidden(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, mask: Tensor
+) -> Tensor:
     """Final hidden states ``[N, H]`` at the scored positions: ``mask`` is ``[B, T-1]`` (position t predicts t+1)."""
     if hasattr(model, "get_decoder") and model.get_decoder() is not None:
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    else:  # the last entry of hidden_states is after the final norm in Hugging Face causal LMs
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states[-1]
+        hidden = model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask
+        ).last_hidden_state
+    # the last entry of hidden_states is after the final norm in Hugging Face causal LMs
+    else:
+        hidden = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=True,
+        ).hidden_states[-1]
     return hidden[:, :-1][mask]  # [B, T-1, H] -> [N, H]
 
 
-def _chunk(head: nn.Module, hidden: Tensor, targets: Tensor, teacher: Tensor, temperature: float) -> Tensor:
+def _chunk(
+    head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    teacher: Tensor,
+    temperature: float,
+) -> Tensor:
     """``[4, c]``: KL(p_s || p_t), the student's and the teacher's log-probability of the target, and the student's
     entropy, per position (the entropy from the same softmax: free)."""
-    logits = at_least_float32(head(hidden))  # [c, V]: a half-precision logsumexp loses the KL
+    # [c, V]: a half-precision logsumexp loses the KL
+    logits = at_least_float32(head(hidden))
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)  # [c, V]
@@ -56,18 +72,42 @@ def _chunk(head: nn.Module, hidden: Tensor, targets: Tensor, teacher: Tensor, te
     kl = (p * (logp - teacher)).sum(-1)  # [c]
     entropy = -(p * logp).sum(-1).detach()  # [c]: logged, never trained
     picked = targets.unsqueeze(-1)
-    return torch.stack([kl, logp.gather(-1, picked).squeeze(-1), teacher.gather(-1, picked).squeeze(-1), entropy])
+    return torch.stack(
+        [
+            kl,
+            logp.gather(-1, picked).squeeze(-1),
+            teacher.gather(-1, picked).squeeze(-1),
+            entropy,
+        ]
+    )
 
 
-def _chunk_with_teacher(head: nn.Module, hidden: Tensor, targets: Tensor, teacher: TeacherLogprobs, start: int,
-                        end: int, temperature: float) -> Tensor:
+def _chunk_with_teacher(
+    head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    teacher: TeacherLogprobs,
+    start: int,
+    end: int,
+    temperature: float,
+) -> Tensor:
     with torch.no_grad():
-        t = teacher(start, end)  # [c, V], recomputed in backward too: never kept across chunks
-    return _chunk(head, hidden, targets, at_least_float32(t.to(hidden.device)), temperature)
+        # [c, V], recomputed in backward too: never kept across chunks
+        t = teacher(start, end)
+    return _chunk(
+        head, hidden, targets, at_least_float32(t.to(hidden.device)), temperature
+    )
 
 
-def reverse_kl(hidden: Tensor, head: nn.Module, targets: Tensor, teacher: TeacherLogprobs, *,
-               temperature: float = 1.0, chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def reverse_kl(
+    hidden: Tensor,
+    head: nn.Module,
+    targets: Tensor,
+    teacher: TeacherLogprobs,
+    *,
+    temperature: float = 1.0,
+    chunk: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-position reverse KL to the teacher and the student's logprob of the sampled token.
 
     Args:
@@ -84,16 +124,28 @@ def reverse_kl(hidden: Tensor, head: nn.Module, targets: Tensor, teacher: Teache
     """
     n = hidden.shape[0]
     if n == 0:
-        empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32)) + 0 * hidden.sum()
+        empty = (
+            hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+            + 0 * hidden.sum()
+        )
         return empty, empty, empty.detach(), empty.detach()
     vocab = getattr(head, "out_features", None) or head.weight.shape[0]
     step = chunk or chunk_tokens(vocab)
     parts = []
     for start in range(0, n, step):
         end = min(start + step, n)
-        args = (head, hidden[start:end], targets[start:end], teacher, start, end, temperature)
+        args = (
+            head,
+            hidden[start:end],
+            targets[start:end],
+            teacher,
+            start,
+            end,
+            temperature,
+        )
         if torch.is_grad_enabled():
-            parts.append(checkpoint(_chunk_with_teacher, *args, use_reentrant=False))  # logits recomputed in backward
+            # logits recomputed in backward
+            parts.append(checkpoint(_chunk_with_teacher, *args, use_reentrant=False))
         else:
             parts.append(_chunk_with_teacher(*args))
     kl, logprob, teacher_logprob, entropy = torch.cat(parts, dim=1).unbind(0)

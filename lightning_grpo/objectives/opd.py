@@ -34,8 +34,18 @@ from lightning_grpo.distributed import single_process
 from lightning_grpo.objectives.base import PolicyView, Reduction, nonzero
 from lightning_grpo.objectives.entropy import token_mean
 from lightning_grpo.objectives.grpo import ChunkStats, DPMean, GRPOObjective
-from lightning_grpo.objectives.kl import CHUNK_BYTES, chunk_tokens, completion_hidden, reverse_kl
-from lightning_grpo.objectives.teacher import HFTeacher, VLLMTeacher, check_same_vocab, model_vocab_size
+from lightning_grpo.objectives.kl import (
+    CHUNK_BYTES,
+    chunk_tokens,
+    completion_hidden,
+    reverse_kl,
+)
+from lightning_grpo.objectives.teacher import (
+    HFTeacher,
+    VLLMTeacher,
+    check_same_vocab,
+    model_vocab_size,
+)
 from lightning_grpo.policy import PolicyConfig
 
 
@@ -73,12 +83,20 @@ class OPDConfig:
         """Every broken rule of this section as a ``field=value: rule; fix`` line."""
         p = []
         if self.kl == "full" and self.teacher_engine == "vllm":
-            p.append("kl='full' with teacher_engine='vllm': vLLM returns the sampled token's logprob only; use "
-                     "kl=sampled, or teacher_engine=hf for the full-vocabulary KL")
+            p.append(
+                "kl='full' with teacher_engine='vllm': vLLM returns the sampled token's logprob only; use "
+                "kl=sampled, or teacher_engine=hf for the full-vocabulary KL"
+            )
         if self.teacher_engine == "vllm" and self.teacher_device is not None:
-            p.append(f"teacher_device={self.teacher_device!r}: applies to an hf teacher; place a vLLM teacher through "
-                     "teacher_vllm (e.g. CUDA_VISIBLE_DEVICES)")
-        if not (isinstance(self.beta_opd, (int, float)) and math.isfinite(self.beta_opd) and self.beta_opd >= 0):
+            p.append(
+                f"teacher_device={self.teacher_device!r}: applies to an hf teacher; place a vLLM teacher through "
+                "teacher_vllm (e.g. CUDA_VISIBLE_DEVICES)"
+            )
+        if not (
+            isinstance(self.beta_opd, (int, float))
+            and math.isfinite(self.beta_opd)
+            and self.beta_opd >= 0
+        ):
             p.append(f"beta_opd={self.beta_opd}: must be a finite number >= 0")
         if not (math.isfinite(self.kl_chunk_mb) and self.kl_chunk_mb > 0):
             p.append(f"kl_chunk_mb={self.kl_chunk_mb}: must be > 0")
@@ -90,7 +108,9 @@ class OPDStats(ChunkStats):
     """GRPO's figures (neutral when the reward term is off: no ratio, nothing clipped) plus the distillation's."""
 
     REDUCE: ClassVar[dict[str, Reduction]] = {
-        **ChunkStats.REDUCE, "opd_kl": ("opd/kl", "tokens"), "teacher_logprob": ("opd/teacher_logprob", "tokens"),
+        **ChunkStats.REDUCE,
+        "opd_kl": ("opd/kl", "tokens"),
+        "teacher_logprob": ("opd/teacher_logprob", "tokens"),
     }
     opd_kl: Tensor = field(default=None)
     """Token mean of the per-token reverse KL (the full KL, or the sampled estimate) over this rank's tokens."""
@@ -110,9 +130,15 @@ class OPDObjective:
     name = "opd"
     stats = OPDStats  # names every figure of a loop step where no chunk stepped
 
-    def __init__(self, config: OPDConfig | None, rl: GRPOConfig | None = None, dp_mean: DPMean = single_process):
+    def __init__(
+        self,
+        config: OPDConfig | None,
+        rl: GRPOConfig | None = None,
+        dp_mean: DPMean = single_process,
+    ):
         self.config = config or OPDConfig()
-        rl = rl or GRPOConfig()  # the rules across opd and rl are checked before any model loads (run_check.py)
+        # the rules across opd and rl are checked before any model loads (run_check.py)
+        rl = rl or GRPOConfig()
         self.grpo = GRPOObjective(rl.epsilon, rl.epsilon_high, rl.beta, dp_mean=dp_mean)
         self.teacher: HFTeacher | VLLMTeacher | None = None  # built by setup()
         self._dp_mean = dp_mean
@@ -137,21 +163,32 @@ class OPDObjective:
         if self.teacher is not None:
             return
         c = self.config
-        teacher = (VLLMTeacher(c.teacher, c.teacher_vllm) if c.teacher_engine == "vllm"
-                   else HFTeacher(c.teacher, c.teacher_device))
+        teacher = (
+            VLLMTeacher(c.teacher, c.teacher_vllm)
+            if c.teacher_engine == "vllm"
+            else HFTeacher(c.teacher, c.teacher_device)
+        )
         try:
-            check_same_vocab(model_vocab_size(policy), tokenizer, teacher.vocab_size, teacher.tokenizer,
-                             need_same_size=c.kl == "full")
+            check_same_vocab(
+                model_vocab_size(policy),
+                tokenizer,
+                teacher.vocab_size,
+                teacher.tokenizer,
+                need_same_size=c.kl == "full",
+            )
         except ValueError:
             if isinstance(teacher, VLLMTeacher):
                 teacher.close()
             raise
         self.teacher = teacher
 
-    def chunk_loss(self, chunk: RolloutBatch, policy: PolicyView,
-                   old_logprobs: Tensor | None) -> tuple[Tensor, Tensor, OPDStats]:
+    def chunk_loss(
+        self, chunk: RolloutBatch, policy: PolicyView, old_logprobs: Tensor | None
+    ) -> tuple[Tensor, Tensor, OPDStats]:
         if self.teacher is None:
-            raise RuntimeError("OPDObjective.setup(policy, tokenizer) was not called: the teacher is not loaded")
+            raise RuntimeError(
+                "OPDObjective.setup(policy, tokenizer) was not called: the teacher is not loaded"
+            )
         mask = chunk.completion_mask[:, 1:]  # [B, T-1]
         if self.config.kl == "full":
             logprobs, kl, teacher_lp, entropy = self._full(chunk, mask, policy)
@@ -159,11 +196,18 @@ class OPDObjective:
             logprobs, entropy = self._student(chunk, policy)
             teacher_lp = self.teacher.token_logprobs(chunk).to(logprobs.dtype)
             k = (logprobs - teacher_lp).detach()
-            kl = k + k * (logprobs - logprobs.detach())  # value k, gradient k * grad log p_s
+            # value k, gradient k * grad log p_s
+            kl = k + k * (logprobs - logprobs.detach())
         m = mask.to(kl.dtype)
         if self.config.use_rewards:
-            ref = policy.reference(chunk) if self.needs_reference() and policy.reference is not None else None
-            g_loss, denom, g = self.grpo(logprobs, mask, chunk.advantages, old_logprobs, ref, entropy=entropy)
+            ref = (
+                policy.reference(chunk)
+                if self.needs_reference() and policy.reference is not None
+                else None
+            )
+            g_loss, denom, g = self.grpo(
+                logprobs, mask, chunk.advantages, old_logprobs, ref, entropy=entropy
+            )
             loss = g_loss + self.config.beta_opd * (kl * m).sum() / nonzero(denom)
         else:
             tokens = m.sum()
@@ -172,8 +216,11 @@ class OPDObjective:
             g = _neutral(loss, denom, tokens, m, entropy)
         with torch.no_grad():
             local = m.sum().clamp(min=1)
-            stats = OPDStats(**{**g.__dict__, "loss": loss.detach()}, opd_kl=(kl.detach() * m).sum() / local,
-                             teacher_logprob=(teacher_lp.detach() * m).sum() / local)
+            stats = OPDStats(
+                **{**g.__dict__, "loss": loss.detach()},
+                opd_kl=(kl.detach() * m).sum() / local,
+                teacher_logprob=(teacher_lp.detach() * m).sum() / local,
+            )
         return loss, denom, stats
 
     token_figure = "kl_to_teacher"
@@ -192,13 +239,18 @@ class OPDObjective:
         return (logprobs - self.teacher.token_logprobs(chunk).to(logprobs.dtype)) * mask
 
     @staticmethod
-    def _student(chunk: RolloutBatch, policy: PolicyView) -> tuple[Tensor, Tensor | None]:
+    def _student(
+        chunk: RolloutBatch, policy: PolicyView
+    ) -> tuple[Tensor, Tensor | None]:
         """The student's token logprobs, and its entropy from the same head pass when the view measures it."""
         if policy.logprobs_and_entropy is None:
-            return policy.logprobs(chunk), None  # grpo/entropy is then NaN: not measured
+            # grpo/entropy is then NaN: not measured
+            return policy.logprobs(chunk), None
         return policy.logprobs_and_entropy(chunk, False)
 
-    def _full(self, chunk: RolloutBatch, mask: Tensor, policy: PolicyView) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _full(
+        self, chunk: RolloutBatch, mask: Tensor, policy: PolicyView
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Exact per-token KL, the student's token logprobs, the teacher's and the student's entropy from one pass of
         each head (``[B, T-1]`` each)."""
         teacher = self.teacher
@@ -206,14 +258,30 @@ class OPDObjective:
         targets = chunk.input_ids[:, 1:][mask]  # [N]
 
         def student(model: nn.Module) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-            hidden = completion_hidden(model, chunk.input_ids, chunk.attention_mask, mask)  # [N, H]
+            # [N, H]
+            hidden = completion_hidden(
+                model, chunk.input_ids, chunk.attention_mask, mask
+            )
             head = model.get_output_embeddings()
-            step = chunk_tokens(head.weight.shape[0], int(self.config.kl_chunk_mb * 2**20))
-            return reverse_kl(hidden, head, targets, lambda a, b: teacher.distribution(t_hidden[a:b]),
-                              temperature=policy.temperature, chunk=step)
+            step = chunk_tokens(
+                head.weight.shape[0], int(self.config.kl_chunk_mb * 2**20)
+            )
+            return reverse_kl(
+                hidden,
+                head,
+                targets,
+                lambda a, b: teacher.distribution(t_hidden[a:b]),
+                temperature=policy.temperature,
+                chunk=step,
+            )
 
         kl, logprob, teacher_lp, entropy = policy.call(student, policy.model)
-        return _scatter(logprob, mask), _scatter(kl, mask), _scatter(teacher_lp, mask), _scatter(entropy, mask)
+        return (
+            _scatter(logprob, mask),
+            _scatter(kl, mask),
+            _scatter(teacher_lp, mask),
+            _scatter(entropy, mask),
+        )
 
 
 def _scatter(values: Tensor, mask: Tensor) -> Tensor:
@@ -222,10 +290,22 @@ def _scatter(values: Tensor, mask: Tensor) -> Tensor:
     return out.masked_scatter(mask, values)
 
 
-def _neutral(loss: Tensor, denom: Tensor, tokens: Tensor, m: Tensor, entropy: Tensor | None) -> ChunkStats:
+def _neutral(
+    loss: Tensor, denom: Tensor, tokens: Tensor, m: Tensor, entropy: Tensor | None
+) -> ChunkStats:
     """GRPO's figures when there is no GRPO term: ratio 1, nothing clipped, no k3 KL (``m``: the ``[B, T-1]`` mask)."""
     zero = tokens.new_zeros(())
-    return ChunkStats(loss=loss.detach(), denom=denom, tokens=tokens,
-                      n=torch.tensor(float(m.shape[0]), dtype=torch.float32), clip_frac=zero, ratio_mean=zero + 1,
-                      ratio_max=zero + 1, kl=zero, clip_frac_low=zero, clip_frac_high=zero,
-                      seqs=(m.sum(-1) > 0).to(m.dtype).sum(), entropy=token_mean(entropy, m, tokens))
+    return ChunkStats(
+        loss=loss.detach(),
+        denom=denom,
+        tokens=tokens,
+        n=torch.tensor(float(m.shape[0]), dtype=torch.float32),
+        clip_frac=zero,
+        ratio_mean=zero + 1,
+        ratio_max=zero + 1,
+        kl=zero,
+        clip_frac_low=zero,
+        clip_frac_high=zero,
+        seqs=(m.sum(-1) > 0).to(m.dtype).sum(),
+        entropy=token_mean(entropy, m, tokens),
+    )

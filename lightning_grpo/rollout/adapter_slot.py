@@ -25,7 +25,11 @@ class AdapterSlot:
     def __init__(self, rank: int) -> None:
         self.max_rank = served_rank(rank)
         shm = Path("/dev/shm")
-        self.root = Path(tempfile.mkdtemp(prefix="lightning-grpo-lora-", dir=shm if shm.is_dir() else None))
+        self.root = Path(
+            tempfile.mkdtemp(
+                prefix="lightning-grpo-lora-", dir=shm if shm.is_dir() else None
+            )
+        )
         # gone with the slot, or at exit: an engine nobody closes (a CLI fit's) would leave it in RAM until reboot
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)
         self.request = None  # the LoRARequest generation uses
@@ -38,7 +42,9 @@ class AdapterSlot:
         from vllm.lora.request import LoRARequest
 
         self.published += 1
-        folder = write_adapter_folder(tensors, config_json, self.root / f"adapter-{self.published}")
+        folder = write_adapter_folder(
+            tensors, config_json, self.root / f"adapter-{self.published}"
+        )
         request = LoRARequest(f"policy-{self.published}", self.published, str(folder))
         if not llm_engine.add_lora(request):
             raise RuntimeError(f"vLLM refused LoRA adapter {folder}")

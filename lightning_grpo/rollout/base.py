@@ -49,7 +49,9 @@ class SamplingConfig:
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             p.append(f"max_new_tokens={self.max_new_tokens!r}: must be an integer >= 1")
         if not is_finite(self.temperature) or self.temperature < 0:
-            p.append(f"temperature={self.temperature!r}: must be a finite number >= 0 (0 = greedy)")
+            p.append(
+                f"temperature={self.temperature!r}: must be a finite number >= 0 (0 = greedy)"
+            )
         if not is_finite(self.top_p) or not 0 < self.top_p <= 1:
             p.append(f"top_p={self.top_p!r}: must be in (0, 1]")
         if not is_int(self.top_k) or self.top_k < 0:
@@ -132,7 +134,9 @@ class Rollout:
 class RolloutEngine(Protocol):
     """What the loop needs from a generator. ``sleep``/``wake_up`` are idempotent."""
 
-    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+    def generate(
+        self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig
+    ) -> list[Rollout]:
         """``group_size`` rollouts per prompt, grouped: prompt 0's group first."""
         ...
 
@@ -272,13 +276,17 @@ class ScoresVocabulary(Protocol):
     """Returns the whole next-token distribution it samples from, not just the sampled token's logprob (the
     consistency certificate, ``lightning_grpo/certificate.py``)."""
 
-    def vocabulary_logprobs(self, prompts: Sequence[Prompt], max_new_tokens: int, seed: int) -> list[VocabDraw]:
+    def vocabulary_logprobs(
+        self, prompts: Sequence[Prompt], max_new_tokens: int, seed: int
+    ) -> list[VocabDraw]:
         """One completion per prompt at temperature 1 (no top-k, no top-p), seeded per prompt id: the model's own
         distribution at every position, as the engine computes it when it samples."""
         ...
 
 
-def cut_before_forbidden(token_ids: Sequence[int], forbidden: Sequence[int]) -> tuple[list[int], bool]:
+def cut_before_forbidden(
+    token_ids: Sequence[int], forbidden: Sequence[int]
+) -> tuple[list[int], bool]:
     """``(tokens before the first forbidden one, whether one was found)``; the same for every engine."""
     ids = list(token_ids)
     bad = set(forbidden)
@@ -286,7 +294,9 @@ def cut_before_forbidden(token_ids: Sequence[int], forbidden: Sequence[int]) -> 
     return (ids, False) if at is None else (ids[:at], True)
 
 
-def cut_at_stop(token_ids: Sequence[int], stop: Sequence[str], decode) -> tuple[list[int], str, bool]:
+def cut_at_stop(
+    token_ids: Sequence[int], stop: Sequence[str], decode
+) -> tuple[list[int], str, bool]:
     """``(tokens, text, stopped)``: a completion cut at its first stop string, the same for every engine.
 
     The tokens end with the first one whose text completes a stop string (it was sampled, so it is trained on);
@@ -297,7 +307,8 @@ def cut_at_stop(token_ids: Sequence[int], stop: Sequence[str], decode) -> tuple[
     text = decode(ids)
     if not any(s in text for s in stop):
         return ids, text, False
-    lo, hi = 1, len(ids)  # the shortest prefix whose text holds a stop string (containment only grows)
+    # the shortest prefix whose text holds a stop string (containment only grows)
+    lo, hi = 1, len(ids)
     while lo < hi:
         mid = (lo + hi) // 2
         prefix = decode(ids[:mid])
@@ -306,19 +317,31 @@ def cut_at_stop(token_ids: Sequence[int], stop: Sequence[str], decode) -> tuple[
     return ids[:lo], text[: min(text.find(s) for s in stop if s in text)], True
 
 
-def finish_rollout(prompt: Prompt, ids: Sequence[int], text: str, finish: str, logprobs: Sequence[float] | None,
-                   sampling: SamplingConfig, decode) -> Rollout:
+def finish_rollout(
+    prompt: Prompt,
+    ids: Sequence[int],
+    text: str,
+    finish: str,
+    logprobs: Sequence[float] | None,
+    sampling: SamplingConfig,
+    decode,
+) -> Rollout:
     """An engine's raw completion as a ``Rollout``: cut before a forbidden token, then at the first stop string,
     exactly as ``HFEngine`` does (``decode`` maps token ids to text; needed only with stop strings or forbidden
     tokens). ``finish`` must be ``stop`` or ``length``."""
     if finish not in ("stop", "length"):
-        raise RuntimeError(f"the engine finished prompt id={prompt.id} with reason {finish!r}")
+        raise RuntimeError(
+            f"the engine finished prompt id={prompt.id} with reason {finish!r}"
+        )
     ids, logprobs = list(ids), None if logprobs is None else list(logprobs)
     ids, cut = cut_before_forbidden(ids, sampling.forbidden_token_ids)
     if cut:  # a vision token: the completion ends before it, unfinished
         text, finish = decode(ids), "length"
         logprobs = None if logprobs is None else logprobs[: len(ids)]
-    if sampling.stop:  # tokens up to the one completing the stop string, text cut before it: exactly as HFEngine
+    # tokens up to the one completing the stop string, text cut before it: exactly as HFEngine
+    if sampling.stop:
         ids, text, _ = cut_at_stop(ids, sampling.stop, decode)
         logprobs = None if logprobs is None else logprobs[: len(ids)]
-    return Rollout(prompt=prompt, token_ids=ids, text=text, finish_reason=finish, logprobs=logprobs)
+    return Rollout(
+        prompt=prompt, token_ids=ids, text=text, finish_reason=finish, logprobs=logprobs
+    )

@@ -43,14 +43,22 @@ class CertificateConfig:
         """Every broken rule as a ``field=value: rule; fix`` line."""
         p = []
         if not is_int(self.prompts) or not 1 <= self.prompts <= len(PROBE_TEXTS):
-            p.append(f"prompts={self.prompts!r}: must be an integer in 1..{len(PROBE_TEXTS)}")
+            p.append(
+                f"prompts={self.prompts!r}: must be an integer in 1..{len(PROBE_TEXTS)}"
+            )
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             p.append(f"max_new_tokens={self.max_new_tokens!r}: must be an integer >= 1")
         if not is_finite(self.max_kl) or self.max_kl <= 0:
-            p.append(f"max_kl={self.max_kl!r}: must be a number > 0 (nats); to turn the certificate off, leave "
-                     "rollout.certificate out")
-        if self.max_logprob_diff is not None and (not is_finite(self.max_logprob_diff) or self.max_logprob_diff <= 0):
-            p.append(f"max_logprob_diff={self.max_logprob_diff!r}: must be a number > 0 (nats), or null (not checked)")
+            p.append(
+                f"max_kl={self.max_kl!r}: must be a number > 0 (nats); to turn the certificate off, leave "
+                "rollout.certificate out"
+            )
+        if self.max_logprob_diff is not None and (
+            not is_finite(self.max_logprob_diff) or self.max_logprob_diff <= 0
+        ):
+            p.append(
+                f"max_logprob_diff={self.max_logprob_diff!r}: must be a number > 0 (nats), or null (not checked)"
+            )
         if self.on_breach not in ("warn", "stop"):
             p.append(f"on_breach={self.on_breach!r}: must be 'warn' or 'stop'")
         if not is_int(self.seed):

@@ -25,19 +25,47 @@ ATTENTION = "lightning_grpo_sdpa_gqa"
 """The attention implementation registered with transformers for decoding (``_grouped_sdpa``)."""
 
 
-def _grouped_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                  dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+def _grouped_sdpa(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """transformers' ``sdpa`` attention, except that a masked call on grouped KV heads goes to SDPA as is
     (``enable_gqa``). Anything else (no mask, no grouping, a position bias or paged cache) is transformers' own."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     grouped = getattr(module, "num_key_value_groups", 1) > 1
-    if attention_mask is None or not grouped or kwargs.get("position_bias") is not None or kwargs.get("cache"):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+    if (
+        attention_mask is None
+        or not grouped
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("cache")
+    ):
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            **kwargs,
+        )
     # With a mask transformers' path is never causal-flagged and never crops the keys: the same call, minus the copies.
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=True,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -54,9 +82,16 @@ def applies(model: nn.Module) -> bool:
     """Whether ``model`` decodes faster with ``ATTENTION``: a text-only transformers model on ``sdpa`` with grouped KV
     heads, on CPU."""
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "sub_configs", None) or getattr(config, "_attn_implementation", None) != "sdpa":
+    if (
+        config is None
+        or getattr(config, "sub_configs", None)
+        or getattr(config, "_attn_implementation", None) != "sdpa"
+    ):
         return False
-    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    heads, kv_heads = (
+        getattr(config, "num_attention_heads", None),
+        getattr(config, "num_key_value_heads", None),
+    )
     if not heads or not kv_heads or kv_heads >= heads:
         return False
     return next(model.parameters()).device.type == "cpu"

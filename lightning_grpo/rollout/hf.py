@@ -60,76 +60,144 @@ class HFEngine(BookkeptSleep):
         rollouts = engine.generate(prompts, group_size=8, sampling=SamplingConfig(seed=step))
     """
 
-    def __init__(self, model: nn.Module, tokenizer, eos_token_ids: Sequence[int] | None = None, vision=None,
-                 grouped_attention: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        eos_token_ids: Sequence[int] | None = None,
+        vision=None,
+        grouped_attention: bool = True,
+    ) -> None:
         self.model = model
         self.grouped_attention = grouped_attention
         self.vision = vision
         self.tokenizer = tokenizer
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _default_eos(model, tokenizer)
+        self.eos_token_ids = (
+            list(eos_token_ids)
+            if eos_token_ids is not None
+            else _default_eos(model, tokenizer)
+        )
         if not self.eos_token_ids:
-            raise ValueError("HFEngine(eos_token_ids=None): the tokenizer and model define no EOS; pass eos_token_ids")
+            raise ValueError(
+                "HFEngine(eos_token_ids=None): the tokenizer and model define no EOS; pass eos_token_ids"
+            )
         pad = tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
         self._sleep = SleepState()
 
     # -- generation ----------------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+    def generate(
+        self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig
+    ) -> list[Rollout]:
         """``group_size`` completions per prompt, prompt 0's group first, drawn in one batched call."""
         self._sleep.require("weights", "kv_cache", call="HFEngine.generate()")
         self._check_prompts(prompts, sampling)
         rows = [p for p in prompts for _ in range(group_size)]
-        input_ids, attention_mask = self._left_pad([p.token_ids for p in rows])  # [N, L]
-        streams = RowStreams(row_seeds([p.id for p in prompts], group_size, sampling.seed))
-        sampler = InverseCDFSampler(streams if sampling.temperature > 0 else None, record=sampling.logprobs)
+        # [N, L]
+        input_ids, attention_mask = self._left_pad([p.token_ids for p in rows])
+        streams = RowStreams(
+            row_seeds([p.id for p in prompts], group_size, sampling.seed)
+        )
+        sampler = InverseCDFSampler(
+            streams if sampling.temperature > 0 else None, record=sampling.logprobs
+        )
         # Pixels of this call's prompts only, repeated for each prompt's group; dropped when generate returns.
-        vision = self.vision.for_generation(prompts, group_size, input_ids) if self.vision is not None else None
-        with self._generation_mode(), decode_attention(self.model, self.grouped_attention):
+        vision = (
+            self.vision.for_generation(prompts, group_size, input_ids)
+            if self.vision is not None
+            else None
+        )
+        with (
+            self._generation_mode(),
+            decode_attention(self.model, self.grouped_attention),
+        ):
+            # [N, L + T]
             sequences = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                **({} if vision is None else {k: v.to(input_ids.device) for k, v in vision.as_kwargs().items()}),
+                **(
+                    {}
+                    if vision is None
+                    else {
+                        k: v.to(input_ids.device) for k, v in vision.as_kwargs().items()
+                    }
+                ),
                 generation_config=self._generation_config(sampling),
                 logits_processor=_processors(sampling, sampler),
-                stopping_criteria=_stop_criteria(self.tokenizer, sampling.stop, input_ids.shape[1]),
+                stopping_criteria=_stop_criteria(
+                    self.tokenizer, sampling.stop, input_ids.shape[1]
+                ),
                 # FSDP2: every forward is a collective, so ranks keep stepping until all have finished.
                 synced_gpus=_fsdp2_sharded(self.model) or None,
-            )  # [N, L + T]
+            )
         completions = sequences[:, input_ids.shape[1] :].cpu()  # [N, T]
         logprobs = sampler.logprobs().cpu() if sampling.logprobs else None  # [N, T]
-        return [self._rollout(p, completions[i], None if logprobs is None else logprobs[i], sampling.stop,
-                              sampling.forbidden_token_ids) for i, p in enumerate(rows)]
+        return [
+            self._rollout(
+                p,
+                completions[i],
+                None if logprobs is None else logprobs[i],
+                sampling.stop,
+                sampling.forbidden_token_ids,
+            )
+            for i, p in enumerate(rows)
+        ]
 
-    def vocabulary_logprobs(self, prompts: Sequence[Prompt], max_new_tokens: int, seed: int) -> list[VocabDraw]:
+    def vocabulary_logprobs(
+        self, prompts: Sequence[Prompt], max_new_tokens: int, seed: int
+    ) -> list[VocabDraw]:
         """One completion per prompt at temperature 1, and the log-softmax of the logits each token was drawn from
         (the decode path: left-padded batch, KV cache, this engine's attention), ``[T, V]`` float32 per prompt."""
-        self._sleep.require("weights", "kv_cache", call="HFEngine.vocabulary_logprobs()")
+        self._sleep.require(
+            "weights", "kv_cache", call="HFEngine.vocabulary_logprobs()"
+        )
         sampling = SamplingConfig(max_new_tokens=max_new_tokens, seed=seed)
         self._check_prompts(prompts, sampling)
-        input_ids, attention_mask = self._left_pad([p.token_ids for p in prompts])  # [N, L]
-        sampler = InverseCDFSampler(RowStreams(row_seeds([p.id for p in prompts], 1, seed)), record=False)
+        # [N, L]
+        input_ids, attention_mask = self._left_pad([p.token_ids for p in prompts])
+        sampler = InverseCDFSampler(
+            RowStreams(row_seeds([p.id for p in prompts], 1, seed)), record=False
+        )
         config = self._generation_config(sampling)
-        config.output_logits = True  # the logits before any processor: the model's own distribution at T = 1
+        # the logits before any processor: the model's own distribution at T = 1
+        config.output_logits = True
         config.return_dict_in_generate = True
-        with self._generation_mode(), decode_attention(self.model, self.grouped_attention):
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                      logits_processor=_processors(sampling, sampler))
-        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).cpu()  # [N, T, V]
+        with (
+            self._generation_mode(),
+            decode_attention(self.model, self.grouped_attention),
+        ):
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=config,
+                logits_processor=_processors(sampling, sampler),
+            )
+        # [N, T, V]
+        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).cpu()
         completions = out.sequences[:, input_ids.shape[1] :].cpu()  # [N, T]
         draws = []
         for i, p in enumerate(prompts):
-            ids = self._rollout(p, completions[i], None, ()).token_ids  # EOS kept, padding after it dropped
+            # EOS kept, padding after it dropped
+            ids = self._rollout(p, completions[i], None, ()).token_ids
             draws.append(VocabDraw(ids, logprobs[i, : len(ids)]))
         return draws
 
-    def _check_prompts(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> None:
-        n_ctx = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+    def _check_prompts(
+        self, prompts: Sequence[Prompt], sampling: SamplingConfig
+    ) -> None:
+        n_ctx = getattr(
+            getattr(self.model, "config", None), "max_position_embeddings", None
+        )
         for p in prompts:
             if not p.token_ids:
-                raise ValueError(f"prompt id={p.id} has no tokens; a completion needs a non-empty prompt")
+                raise ValueError(
+                    f"prompt id={p.id} has no tokens; a completion needs a non-empty prompt"
+                )
             if p.images and self.vision is None:
-                raise ValueError(f"prompt id={p.id} has {len(p.images)} images but the policy is text-only; use a "
-                                 "vision-language policy (e.g. Qwen2.5-VL) for image prompts")
+                raise ValueError(
+                    f"prompt id={p.id} has {len(p.images)} images but the policy is text-only; use a "
+                    "vision-language policy (e.g. Qwen2.5-VL) for image prompts"
+                )
             if n_ctx is not None and len(p.token_ids) + sampling.max_new_tokens > n_ctx:
                 raise ValueError(
                     f"prompt id={p.id}: {len(p.token_ids)} prompt tokens + max_new_tokens={sampling.max_new_tokens} "
@@ -176,18 +244,28 @@ class HFEngine(BookkeptSleep):
             model.train(was_training)
             model.generation_config = saved_config
 
-    def _rollout(self, prompt: Prompt, tokens: Tensor, logprobs: Tensor | None, stop: Sequence[str],
-                 forbidden: Sequence[int] = ()) -> Rollout:
+    def _rollout(
+        self,
+        prompt: Prompt,
+        tokens: Tensor,
+        logprobs: Tensor | None,
+        stop: Sequence[str],
+        forbidden: Sequence[int] = (),
+    ) -> Rollout:
         ids, _ = cut_before_forbidden(tokens.tolist(), forbidden)
         eos = next((j for j, t in enumerate(ids) if t in self.eos_token_ids), None)
-        ids = ids if eos is None else ids[: eos + 1]  # EOS included; padding after it dropped
+        # EOS included; padding after it dropped
+        ids = ids if eos is None else ids[: eos + 1]
         decode = lambda t: self.tokenizer.decode(t, skip_special_tokens=True)
-        ids, text, stopped = cut_at_stop(ids, stop, decode) if stop else (ids, decode(ids), False)
+        ids, text, stopped = (
+            cut_at_stop(ids, stop, decode) if stop else (ids, decode(ids), False)
+        )
         return Rollout(
             prompt=prompt,
             token_ids=ids,
             text=text,
-            finish_reason="stop" if stopped or eos is not None else "length",  # both lie before a forbidden token
+            # both lie before a forbidden token
+            finish_reason="stop" if stopped or eos is not None else "length",
             logprobs=None if logprobs is None else logprobs[: len(ids)].tolist(),
         )
 
@@ -211,7 +289,12 @@ class HFEngine(BookkeptSleep):
 
 
 def _processors(sampling: SamplingConfig, sampler: InverseCDFSampler):
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     procs = LogitsProcessorList()
     if sampling.temperature > 0:  # vLLM's order: temperature, top-k, top-p
@@ -234,18 +317,23 @@ class _StopStrings:
 
     def __init__(self, tokenizer, stop: Sequence[str], prompt_width: int) -> None:
         self.tokenizer, self.stop, self.start = tokenizer, list(stop), prompt_width
-        self.window = max(len(s) for s in self.stop) + 4  # tokens that can spell the longest stop string
+        # tokens that can spell the longest stop string
+        self.window = max(len(s) for s in self.stop) + 4
 
     def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
         tails = input_ids[:, self.start :][:, -self.window :].tolist()
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tails]
-        return torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
+        return torch.tensor(
+            [any(s in t for s in self.stop) for t in texts], device=input_ids.device
+        )
 
 
 def _stop_criteria(tokenizer, stop: Sequence[str], prompt_width: int):
     from transformers import StoppingCriteriaList
 
-    return StoppingCriteriaList([_StopStrings(tokenizer, stop, prompt_width)] if stop else [])
+    return StoppingCriteriaList(
+        [_StopStrings(tokenizer, stop, prompt_width)] if stop else []
+    )
 
 
 def _default_eos(model: nn.Module, tokenizer) -> list[int]:
@@ -257,7 +345,11 @@ def _default_eos(model: nn.Module, tokenizer) -> list[int]:
 
 
 def _fsdp2_sharded(model: nn.Module) -> bool:
-    return is_fsdp2(model) and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    return (
+        is_fsdp2(model)
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -272,8 +364,15 @@ def _named_tensor(model: nn.Module, name: str) -> Tensor:
     try:
         return model.get_buffer(name)
     except AttributeError:
-        raise ValueError(f"load_weights: the policy has no parameter or buffer named {name!r}") from None
+        raise ValueError(
+            f"load_weights: the policy has no parameter or buffer named {name!r}"
+        ) from None
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:
-    return a.device == b.device and a.shape == b.shape and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+    return (
+        a.device == b.device
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.data_ptr() == b.data_ptr()
+    )

@@ -29,7 +29,12 @@ class ReplayEngine:
     holds_weights = False
     """Recorded rollouts: no weights go stale, so no weight publisher is needed."""
 
-    def __init__(self, path: str | Path, eos_token_id: int | None = None, need_logprobs: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        eos_token_id: int | None = None,
+        need_logprobs: str | None = None,
+    ) -> None:
         """``need_logprobs``: the knob that consumes sampler logprobs (every record must then carry them)."""
         self.path = Path(path)
         self.eos_token_id = eos_token_id
@@ -41,14 +46,20 @@ class ReplayEngine:
             rec = json.loads(line)
             missing = [k for k in REQUIRED if k not in rec]
             if missing:
-                raise ValueError(f"{self.path}:{lineno}: replay record lacks {missing}; each line needs {REQUIRED}")
+                raise ValueError(
+                    f"{self.path}:{lineno}: replay record lacks {missing}; each line needs {REQUIRED}"
+                )
             if need_logprobs and "logprobs" not in rec:
-                raise ValueError(f"{self.path}:{lineno}: the record has no 'logprobs' field, which {need_logprobs} "
-                                 "needs (the sampler's logprob of each completion token); record them, or set "
-                                 "rl.rollout_correction.mode=off")
+                raise ValueError(
+                    f"{self.path}:{lineno}: the record has no 'logprobs' field, which {need_logprobs} "
+                    "needs (the sampler's logprob of each completion token); record them, or set "
+                    "rl.rollout_correction.mode=off"
+                )
             if "logprobs" in rec and len(rec["logprobs"]) != len(rec["completion_ids"]):
-                raise ValueError(f"{self.path}:{lineno}: {len(rec['logprobs'])} logprobs for "
-                                 f"{len(rec['completion_ids'])} completion tokens")
+                raise ValueError(
+                    f"{self.path}:{lineno}: {len(rec['logprobs'])} logprobs for "
+                    f"{len(rec['completion_ids'])} completion tokens"
+                )
             if rec["prompt_id"] not in index:
                 index[rec["prompt_id"]] = len(self.groups)
                 self.groups.append([])
@@ -57,25 +68,39 @@ class ReplayEngine:
             raise ValueError(f"{self.path}: no replay records (empty file)")
         self.asleep = False
 
-    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+    def generate(
+        self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig
+    ) -> list[Rollout]:
         out = []
         for prompt in prompts:
             group = self.groups[prompt.id % len(self.groups)]
             if len(group) < group_size:
-                raise ValueError(f"{self.path}: recorded group {group[0]['prompt_id']} has {len(group)} completions, "
-                                 f"rl.group_size={group_size} needs that many")
-            served = Prompt(id=prompt.id, token_ids=list(group[0]["prompt_ids"]), text=prompt.text,
-                            answer=prompt.answer)
+                raise ValueError(
+                    f"{self.path}: recorded group {group[0]['prompt_id']} has {len(group)} completions, "
+                    f"rl.group_size={group_size} needs that many"
+                )
+            served = Prompt(
+                id=prompt.id,
+                token_ids=list(group[0]["prompt_ids"]),
+                text=prompt.text,
+                answer=prompt.answer,
+            )
             out += [self._rollout(served, rec, sampling) for rec in group[:group_size]]
         return out
 
     def _rollout(self, prompt: Prompt, rec: dict, sampling: SamplingConfig) -> Rollout:
         ids = list(rec["completion_ids"])
-        stopped = self.eos_token_id is not None and bool(ids) and ids[-1] == self.eos_token_id
-        return Rollout(prompt=prompt, token_ids=ids, text=rec.get("text", ""),
-                       finish_reason="stop" if stopped else "length",
-                       logprobs=list(rec["logprobs"]) if "logprobs" in rec else None,
-                       reward=float(rec["reward"]))
+        stopped = (
+            self.eos_token_id is not None and bool(ids) and ids[-1] == self.eos_token_id
+        )
+        return Rollout(
+            prompt=prompt,
+            token_ids=ids,
+            text=rec.get("text", ""),
+            finish_reason="stop" if stopped else "length",
+            logprobs=list(rec["logprobs"]) if "logprobs" in rec else None,
+            reward=float(rec["reward"]),
+        )
 
     def sleep(self, level: int = 1) -> None:
         self.asleep = True

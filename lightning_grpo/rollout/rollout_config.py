@@ -79,8 +79,10 @@ class RolloutConfig:
         if self.max_prompt_tokens is not None or known is None:
             return None
         room = max(known - self.max_new_tokens, 0)
-        return (f"rollout.max_new_tokens={self.max_new_tokens} leaves {room} token{'s' * (room != 1)} of a "
-                f"{known}-token context ({which}) for the prompt")
+        return (
+            f"rollout.max_new_tokens={self.max_new_tokens} leaves {room} token{'s' * (room != 1)} of a "
+            f"{known}-token context ({which}) for the prompt"
+        )
 
     def __post_init__(self) -> None:
         raise_problems("rollout config", self.problems())
@@ -90,15 +92,25 @@ class RolloutConfig:
         p = []
         if self.max_new_tokens < 1:
             p.append(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.max_prompt_tokens is not None and (not is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1):
-            p.append(f"max_prompt_tokens={self.max_prompt_tokens}: must be a positive integer or null (the context)")
+        if self.max_prompt_tokens is not None and (
+            not is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1
+        ):
+            p.append(
+                f"max_prompt_tokens={self.max_prompt_tokens}: must be a positive integer or null (the context)"
+            )
         if self.long_prompts not in ("drop", "error"):
             p.append(f"long_prompts={self.long_prompts!r}: must be 'drop' or 'error'")
-        if self.stop is not None and (not isinstance(self.stop, (list, tuple))
-                                      or not all(isinstance(x, str) and x for x in self.stop)):
-            p.append(f"stop={self.stop!r}: must be a list of non-empty strings (or null)")
+        if self.stop is not None and (
+            not isinstance(self.stop, (list, tuple))
+            or not all(isinstance(x, str) and x for x in self.stop)
+        ):
+            p.append(
+                f"stop={self.stop!r}: must be a list of non-empty strings (or null)"
+            )
         if not is_finite(self.temperature) or self.temperature <= 0:
-            p.append(f"temperature={self.temperature}: must be > 0 for GRPO sampling (greedy groups have no spread)")
+            p.append(
+                f"temperature={self.temperature}: must be > 0 for GRPO sampling (greedy groups have no spread)"
+            )
         if not 0 < self.top_p <= 1:
             p.append(f"top_p={self.top_p}: must be in (0, 1]")
         if not is_int(self.top_k) or self.top_k < 0:
@@ -106,23 +118,39 @@ class RolloutConfig:
         if not is_finite(self.sync_bucket_mb) or self.sync_bucket_mb <= 0:
             p.append(f"sync_bucket_mb={self.sync_bucket_mb}: must be > 0")
         if self.engine not in ("hf", "vllm", "vllm_server", "replay"):
-            p.append(f"engine={self.engine!r}: must be one of 'hf', 'vllm', 'vllm_server', 'replay'")
+            p.append(
+                f"engine={self.engine!r}: must be one of 'hf', 'vllm', 'vllm_server', 'replay'"
+            )
         if not is_int(self.max_off_policy_steps) or self.max_off_policy_steps < 0:
-            p.append(f"max_off_policy_steps={self.max_off_policy_steps!r}: must be an integer >= 0 (0 = synchronous)")
+            p.append(
+                f"max_off_policy_steps={self.max_off_policy_steps!r}: must be an integer >= 0 (0 = synchronous)"
+            )
         elif self.max_off_policy_steps and self.engine != "vllm_server":
-            p.append(f"max_off_policy_steps={self.max_off_policy_steps} with engine={self.engine!r}: async rollouts "
-                     "need the sampler in another process, where it runs while this one updates; set engine: "
-                     "vllm_server, or max_off_policy_steps: 0")
+            p.append(
+                f"max_off_policy_steps={self.max_off_policy_steps} with engine={self.engine!r}: async rollouts "
+                "need the sampler in another process, where it runs while this one updates; set engine: "
+                "vllm_server, or max_off_policy_steps: 0"
+            )
         if self.certificate is not None and self.engine not in ("hf", "vllm"):
-            p.append(f"certificate with engine={self.engine!r}: only engines hf and vllm return their whole "
-                     "next-token distribution; use one of them, or leave rollout.certificate out")
-        if self.server is not None and self.server.cache_salt and self.engine != "vllm_server":
-            p.append(f"server.cache_salt=True with engine={self.engine!r}: only the vllm_server engine salts its "
-                     "requests by weight version; set engine: vllm_server, or leave server.cache_salt false (the "
-                     "other engines reset their prefix cache at every sync)")
+            p.append(
+                f"certificate with engine={self.engine!r}: only engines hf and vllm return their whole "
+                "next-token distribution; use one of them, or leave rollout.certificate out"
+            )
+        if (
+            self.server is not None
+            and self.server.cache_salt
+            and self.engine != "vllm_server"
+        ):
+            p.append(
+                f"server.cache_salt=True with engine={self.engine!r}: only the vllm_server engine salts its "
+                "requests by weight version; set engine: vllm_server, or leave server.cache_salt false (the "
+                "other engines reset their prefix cache at every sync)"
+            )
         p += self._inflight_problems()
         if self.engine == "replay" and not self.replay_path:
-            p.append("replay_path=None: engine=replay needs a JSONL file of recorded rollouts")
+            p.append(
+                "replay_path=None: engine=replay needs a JSONL file of recorded rollouts"
+            )
         return p
 
     def _inflight_problems(self) -> list[str]:
@@ -130,11 +158,15 @@ class RolloutConfig:
         if self.server is None or not self.server.inflight_updates:
             return []
         if self.engine != "vllm_server":
-            return [f"server.inflight_updates=True with engine={self.engine!r}: an engine in this process samples "
-                    "nothing while the trainer syncs, so there is no request to keep across a sync; set engine: "
-                    "vllm_server (with max_off_policy_steps >= 1), or leave server.inflight_updates false"]
+            return [
+                f"server.inflight_updates=True with engine={self.engine!r}: an engine in this process samples "
+                "nothing while the trainer syncs, so there is no request to keep across a sync; set engine: "
+                "vllm_server (with max_off_policy_steps >= 1), or leave server.inflight_updates false"
+            ]
         if not self.max_off_policy_steps:
-            return ["server.inflight_updates=True with max_off_policy_steps=0: generation and update take turns, so "
-                    "nothing is in flight at a sync; set max_off_policy_steps: 1 (async rollouts), or leave "
-                    "server.inflight_updates false"]
+            return [
+                "server.inflight_updates=True with max_off_policy_steps=0: generation and update take turns, so "
+                "nothing is in flight at a sync; set max_off_policy_steps: 1 (async rollouts), or leave "
+                "server.inflight_updates false"
+            ]
         return []

@@ -26,11 +26,15 @@ from torch import Tensor
 
 def sample_seed(seed: int, prompt_id: int, index: int) -> int:
     """The 63-bit seed of completion ``index`` of prompt ``prompt_id``: distinct per pair, the same on every run."""
-    digest = hashlib.blake2b(f"{seed}/{prompt_id}/{index}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(
+        f"{seed}/{prompt_id}/{index}".encode(), digest_size=8
+    ).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
-def row_seeds(prompt_ids: Sequence[int], group_size: int, seed: int | None) -> list[int]:
+def row_seeds(
+    prompt_ids: Sequence[int], group_size: int, seed: int | None
+) -> list[int]:
     """Seeds of the ``len(prompt_ids) * group_size`` rows, prompt 0's group first.
 
     ``seed=None`` (an unseeded draw) takes one number from torch's global generator, so a run seeded the
@@ -52,7 +56,9 @@ class RowStreams:
 
     def uniforms(self) -> Tensor:
         """The next float64 uniform in [0, 1) of every row: ``[N]``."""
-        return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in self._generators])
+        return torch.cat(
+            [torch.rand(1, generator=g, dtype=torch.float64) for g in self._generators]
+        )
 
 
 BLOCK = 256
@@ -74,20 +80,36 @@ def inverse_cdf_sample(probs: Tensor, u: Tensor, block: int = BLOCK) -> Tensor:
     """
     n, v = probs.shape
     pad = -v % block
-    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(n, -1, block)  # padding: width 0
+    # padding: width 0
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(
+        n, -1, block
+    )
     # Float64 block sums a few rows at a time: a float64 copy of the whole [N, V] per decode step is a fresh
     # multi-MB allocation, which cost more than the sums themselves.
-    cdf = torch.cat([blocks[i : i + ROWS].sum(-1, dtype=torch.float64) for i in range(0, n, ROWS)]).cumsum(-1)
+    cdf = torch.cat(
+        [blocks[i : i + ROWS].sum(-1, dtype=torch.float64) for i in range(0, n, ROWS)]
+    ).cumsum(-1)
     total = cdf[:, -1:]
-    if not bool((torch.isfinite(total) & (total > 0)).all()):  # as torch.multinomial refuses: else an index past V
-        raise RuntimeError("sampling: the probability tensor contains inf, nan or no positive entry (the policy's "
-                           "logits are not finite: look for NaN/inf weights, or a temperature of 0 with top_p/top_k)")
+    # as torch.multinomial refuses: else an index past V
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise RuntimeError(
+            "sampling: the probability tensor contains inf, nan or no positive entry (the policy's "
+            "logits are not finite: look for NaN/inf weights, or a temperature of 0 with top_p/top_k)"
+        )
     # u < 1, but u * total can round up to total; one ulp below it still lands on the last non-zero block.
-    target = torch.minimum(u.to(cdf.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    b = torch.searchsorted(cdf, target, right=True)  # [N, 1]: first block whose end passes the target
-    before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+    target = torch.minimum(
+        u.to(cdf.device)[:, None] * total,
+        torch.nextafter(total, torch.zeros_like(total)),
+    )
+    # [N, 1]: first block whose end passes the target
+    b = torch.searchsorted(cdf, target, right=True)
+    before = torch.where(
+        b > 0, cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target)
+    )
     inner = blocks.gather(1, b[:, :, None].expand(-1, -1, block))[:, 0]  # [N, block]
-    within = torch.searchsorted(inner.cumsum(-1, dtype=torch.float64), target - before, right=True)[:, 0]
+    within = torch.searchsorted(
+        inner.cumsum(-1, dtype=torch.float64), target - before, right=True
+    )[:, 0]
     # A block's sum and its cumulative sum can round apart by an ulp: a target past the block's last token
     # takes its last token that can be drawn (the block was chosen, so it has one).
     last = block - 1 - (inner > 0).flip(-1).int().argmax(-1)
@@ -116,9 +138,13 @@ class InverseCDFSampler:
         if self.streams is None:
             drawn = scores.argmax(-1)
         else:
-            drawn = inverse_cdf_sample(torch.softmax(scores, -1), self.streams.uniforms())
+            drawn = inverse_cdf_sample(
+                torch.softmax(scores, -1), self.streams.uniforms()
+            )
         if self.record:
-            self._steps.append(torch.log_softmax(scores, -1).gather(1, drawn[:, None])[:, 0])
+            self._steps.append(
+                torch.log_softmax(scores, -1).gather(1, drawn[:, None])[:, 0]
+            )
         return torch.full_like(scores, float("-inf")).scatter_(1, drawn[:, None], 0.0)
 
     def logprobs(self) -> Tensor:

@@ -87,39 +87,72 @@ class ServerConfig:
     def problems(self) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line."""
         p = []
-        urls = self.url if isinstance(self.url, list) else [] if self.url is None else [self.url]
+        urls = (
+            self.url
+            if isinstance(self.url, list)
+            else []
+            if self.url is None
+            else [self.url]
+        )
         if isinstance(self.url, list) and not self.url:
-            p.append("url=[]: an empty list names no server; give at least one URL, or null to launch servers")
-        if any(not (isinstance(u, str) and u.startswith(("http://", "https://"))) for u in urls):
-            p.append(f"url={self.url!r}: must start with http:// or https:// (or be null to launch a server)")
+            p.append(
+                "url=[]: an empty list names no server; give at least one URL, or null to launch servers"
+            )
+        if any(
+            not (isinstance(u, str) and u.startswith(("http://", "https://")))
+            for u in urls
+        ):
+            p.append(
+                f"url={self.url!r}: must start with http:// or https:// (or be null to launch a server)"
+            )
         if len({u.rstrip("/") if isinstance(u, str) else u for u in urls}) < len(urls):
-            p.append(f"url={self.url!r}: names a server twice; list each server once (two sessions on one server "
-                     "would clash at every sync)")
+            p.append(
+                f"url={self.url!r}: names a server twice; list each server once (two sessions on one server "
+                "would clash at every sync)"
+            )
         if not is_int(self.replicas) or self.replicas < 1:
             p.append(f"replicas={self.replicas!r}: must be an integer >= 1")
         elif self.replicas > 1 and self.url is not None:
-            p.append(f"replicas={self.replicas} with url set: replicas counts launched servers; list every running "
-                     "server in url instead, or set url: null to launch them")
+            p.append(
+                f"replicas={self.replicas} with url set: replicas counts launched servers; list every running "
+                "server in url instead, or set url: null to launch them"
+            )
         if isinstance(self.gpus, list) and len(self.gpus) != self.replicas:
-            p.append(f"gpus={self.gpus!r}: a list gives one CUDA_VISIBLE_DEVICES string per replica, so it needs "
-                     f"replicas={self.replicas} entries; give that many, or one string for all")
+            p.append(
+                f"gpus={self.gpus!r}: a list gives one CUDA_VISIBLE_DEVICES string per replica, so it needs "
+                f"replicas={self.replicas} entries; give that many, or one string for all"
+            )
         if self.url is None and not self.launch:
-            p.append("launch=False with url=None: nothing to connect to; set url or launch: true")
-        if self.port is not None and (not is_int(self.port) or not 0 < self.port < 65536):
+            p.append(
+                "launch=False with url=None: nothing to connect to; set url or launch: true"
+            )
+        if self.port is not None and (
+            not is_int(self.port) or not 0 < self.port < 65536
+        ):
             p.append(f"port={self.port!r}: must be in 1..65535, or null (a free port)")
         if self.threads is not None and (not is_int(self.threads) or self.threads < 1):
             p.append(f"threads={self.threads!r}: must be an integer >= 1 or null")
         if not is_int(self.nice) or not 0 <= self.nice <= 19:
-            p.append(f"nice={self.nice!r}: must be an integer in 0..19 (0 = the trainer's priority)")
-        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
-            p.append(f"max_model_len={self.max_model_len!r}: must be >= 1 or null (the model's)")
+            p.append(
+                f"nice={self.nice!r}: must be an integer in 0..19 (0 = the trainer's priority)"
+            )
+        if self.max_model_len is not None and (
+            not is_int(self.max_model_len) or self.max_model_len < 1
+        ):
+            p.append(
+                f"max_model_len={self.max_model_len!r}: must be >= 1 or null (the model's)"
+            )
         if self.weight_transport not in ("auto", "shm", "http"):
-            p.append(f"weight_transport={self.weight_transport!r}: must be 'auto', 'shm' or 'http'")
+            p.append(
+                f"weight_transport={self.weight_transport!r}: must be 'auto', 'shm' or 'http'"
+            )
         if self.placement not in ("global", "per_node"):
             p.append(f"placement={self.placement!r}: must be 'global' or 'per_node'")
         elif self.placement == "per_node" and self.url is not None:
-            p.append("placement=per_node with url set: per_node launches a pool on every node; list running servers "
-                     "in url with placement: global, or set url: null")
+            p.append(
+                "placement=per_node with url set: per_node launches a pool on every node; list running servers "
+                "in url with placement: global, or set url: null"
+            )
         for name in ("startup_timeout_s", "request_timeout_s", "sync_timeout_s"):
             value = getattr(self, name)
             if not is_finite(value) or value <= 0:
@@ -127,19 +160,33 @@ class ServerConfig:
         if not is_int(self.restarts) or self.restarts < 0:
             p.append(f"restarts={self.restarts!r}: must be an integer >= 0")
         elif self.restarts and self.url is not None:
-            p.append(f"restarts={self.restarts} with url set: only a server this run launched can be started again; "
-                     "restart the server at the URL yourself, or set url: null to launch it")
+            p.append(
+                f"restarts={self.restarts} with url set: only a server this run launched can be started again; "
+                "restart the server at the URL yourself, or set url: null to launch it"
+            )
         if self.inflight_updates and self.restarts:
-            p.append(f"inflight_updates=True with restarts={self.restarts}: a restart republishes the weights "
-                     "outside the paused sync that in-flight updates need; set restarts: 0 or inflight_updates: false")
-        if self.probe_tolerance is not None and (not is_finite(self.probe_tolerance) or self.probe_tolerance <= 0):
-            p.append(f"probe_tolerance={self.probe_tolerance!r}: must be > 0 or null (by dtype)")
+            p.append(
+                f"inflight_updates=True with restarts={self.restarts}: a restart republishes the weights "
+                "outside the paused sync that in-flight updates need; set restarts: 0 or inflight_updates: false"
+            )
+        if self.probe_tolerance is not None and (
+            not is_finite(self.probe_tolerance) or self.probe_tolerance <= 0
+        ):
+            p.append(
+                f"probe_tolerance={self.probe_tolerance!r}: must be > 0 or null (by dtype)"
+            )
         return p
 
     @property
     def urls(self) -> list[str]:
         """The servers to connect to (``url`` as a list; empty when launching), without a trailing slash."""
-        urls = self.url if isinstance(self.url, list) else [] if self.url is None else [self.url]
+        urls = (
+            self.url
+            if isinstance(self.url, list)
+            else []
+            if self.url is None
+            else [self.url]
+        )
         return [u.rstrip("/") for u in urls]
 
     def replica(self, i: int) -> ServerConfig:

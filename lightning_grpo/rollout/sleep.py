@@ -18,7 +18,9 @@ def sleep_level_problem(level: object, name: str = "level") -> str | None:
     """The one rule for sleep levels, as a ``name=value: rule`` line (None when ``level`` is valid)."""
     if level in (1, 2) and not isinstance(level, bool):
         return None
-    return f"{name}={level!r}: must be 1 (weights kept on host) or 2 (weights discarded)"
+    return (
+        f"{name}={level!r}: must be 1 (weights kept on host) or 2 (weights discarded)"
+    )
 
 
 class SleepState:
@@ -65,7 +67,9 @@ class SleepState:
         """Raise if any of ``tags`` is asleep: ``call`` would touch freed memory."""
         missing = [t for t in tags if t in self._asleep]
         if missing:
-            raise RuntimeError(f"{call} while {missing} asleep: call wake_up({missing}) first")
+            raise RuntimeError(
+                f"{call} while {missing} asleep: call wake_up({missing}) first"
+            )
 
 
 class BookkeptSleep:

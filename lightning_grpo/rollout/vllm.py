@@ -43,7 +43,13 @@ from torch import Tensor
 
 from lightning_grpo.checks import ConfigError
 from lightning_grpo.rollout.adapter_slot import AdapterSlot
-from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, VocabDraw, finish_rollout
+from lightning_grpo.rollout.base import (
+    Prompt,
+    Rollout,
+    SamplingConfig,
+    VocabDraw,
+    finish_rollout,
+)
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.sleep import SleepState
 from lightning_grpo.rollout.vllm_config import VLLMConfig
@@ -79,9 +85,15 @@ class VLLMEngine:
         rollouts = engine.generate(prompts, group_size=8, sampling=SamplingConfig(seed=step))
     """
 
-    def __init__(self, model_path: str | os.PathLike, config: VLLMConfig | None = None,
-                 sampler_logprobs: bool = True, lora_rank: int | None = None,
-                 load_images: ImageLoader | None = None, vocabulary_logprobs: bool = False) -> None:
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        config: VLLMConfig | None = None,
+        sampler_logprobs: bool = True,
+        lora_rank: int | None = None,
+        load_images: ImageLoader | None = None,
+        vocabulary_logprobs: bool = False,
+    ) -> None:
         self.config = cfg = config or VLLMConfig()
         self.scores_vocabulary = vocabulary_logprobs
         _check_launch(cfg)
@@ -91,14 +103,19 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         auto_sleep = current_platform.is_sleep_mode_available()
-        self.sleep_mode = auto_sleep if cfg.enable_sleep_mode is None else cfg.enable_sleep_mode
-        self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        self.sleep_mode = (
+            auto_sleep if cfg.enable_sleep_mode is None else cfg.enable_sleep_mode
+        )
+        self._owns_dist = not (
+            torch.distributed.is_available() and torch.distributed.is_initialized()
+        )
         self.model_path = Path(model_path)
         self.adapters = AdapterSlot(lora_rank) if lora_rank else None
         """The policy's LoRA adapter, reloaded as a new request each sync (None: built without LoRA)."""
         with _caller_rng_kept():
             kwargs = _llm_kwargs(cfg, self.sleep_mode, self.logprobs_mode)
-            kwargs |= {"max_logprobs": -1} if vocabulary_logprobs else {}  # -1: up to the whole vocabulary
+            # -1: up to the whole vocabulary
+            kwargs |= {"max_logprobs": -1} if vocabulary_logprobs else {}
             kwargs |= self.adapters.engine_kwargs() if self.adapters else {}
             self.llm = LLM(model=str(self.model_path), **kwargs)
         self.dtype: torch.dtype = self.llm.llm_engine.vllm_config.model_config.dtype
@@ -110,7 +127,9 @@ class VLLMEngine:
         self._derived_stale = False
 
     # -- generation ----------------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+    def generate(
+        self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig
+    ) -> list[Rollout]:
         """``group_size`` completions per prompt, prompt 0's group first; each its own seeded request.
 
         One request per (prompt, sample) rather than vLLM's ``n``: ``n`` seeds child ``j`` with
@@ -118,36 +137,63 @@ class VLLMEngine:
         separate requests anyway, and the prefix cache shares the prompt, so this costs nothing.
         """
         self._sleep.require("weights", "kv_cache", call="VLLMEngine.generate()")
-        if sampling.logprobs and self.logprobs_mode == "raw_logprobs" and self.config.logprobs_mode == "auto":
-            raise ValueError("VLLMEngine.generate(logprobs=True): the engine was built for a run without sampler "
-                             "logprobs (logprobs_mode=auto resolved to raw_logprobs); build it with "
-                             "sampler_logprobs=True or set rollout.vllm.logprobs_mode=processed_logprobs")
+        if (
+            sampling.logprobs
+            and self.logprobs_mode == "raw_logprobs"
+            and self.config.logprobs_mode == "auto"
+        ):
+            raise ValueError(
+                "VLLMEngine.generate(logprobs=True): the engine was built for a run without sampler "
+                "logprobs (logprobs_mode=auto resolved to raw_logprobs); build it with "
+                "sampler_logprobs=True or set rollout.vllm.logprobs_mode=processed_logprobs"
+            )
         self._refresh_derived()
         seeds = row_seeds([p.id for p in prompts], group_size, sampling.seed)
         rows = [p for p in prompts for _ in range(group_size)]
         # a prompt's images are decoded once, for all its samples
-        per_prompt = [vllm_request(p, self.image_token_id, self._load_images) for p in prompts]
+        per_prompt = [
+            vllm_request(p, self.image_token_id, self._load_images) for p in prompts
+        ]
         requests = [dict(r) for r in per_prompt for _ in range(group_size)]
         params = [_sampling_params(sampling, s) for s in seeds]
-        lora = self.adapters.request if self.adapters else None  # None: the base (no adapter published yet)
+        # None: the base (no adapter published yet)
+        lora = self.adapters.request if self.adapters else None
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
-        decode = self._decoder() if sampling.stop or sampling.forbidden_token_ids else None
-        return [_rollout(p, out.outputs[0], sampling, decode) for p, out in zip(rows, outputs)]
+        decode = (
+            self._decoder() if sampling.stop or sampling.forbidden_token_ids else None
+        )
+        return [
+            _rollout(p, out.outputs[0], sampling, decode)
+            for p, out in zip(rows, outputs)
+        ]
 
-    def vocabulary_logprobs(self, prompts: Sequence[Prompt], max_new_tokens: int, seed: int) -> list[VocabDraw]:
+    def vocabulary_logprobs(
+        self, prompts: Sequence[Prompt], max_new_tokens: int, seed: int
+    ) -> list[VocabDraw]:
         """One completion per prompt at temperature 1 with every logprob of each decode step (``logprobs=-1``;
         vLLM 0.32), as a ``[T, V]`` float32 tensor per prompt. Costs a Python object per vocabulary entry and
         position: a probe of a few short sequences, never a training draw."""
         from vllm import SamplingParams
 
         if not self.scores_vocabulary:
-            raise RuntimeError("VLLMEngine.vocabulary_logprobs(): the engine was built without max_logprobs=-1; build "
-                               "it with vocabulary_logprobs=True (rollout.certificate does)")
-        self._sleep.require("weights", "kv_cache", call="VLLMEngine.vocabulary_logprobs()")
+            raise RuntimeError(
+                "VLLMEngine.vocabulary_logprobs(): the engine was built without max_logprobs=-1; build "
+                "it with vocabulary_logprobs=True (rollout.certificate does)"
+            )
+        self._sleep.require(
+            "weights", "kv_cache", call="VLLMEngine.vocabulary_logprobs()"
+        )
         self._refresh_derived()
         seeds = row_seeds([p.id for p in prompts], 1, seed)
-        params = [SamplingParams(n=1, temperature=1.0, max_tokens=max_new_tokens, logprobs=-1, seed=s) for s in seeds]
-        requests = [vllm_request(p, self.image_token_id, self._load_images) for p in prompts]
+        params = [
+            SamplingParams(
+                n=1, temperature=1.0, max_tokens=max_new_tokens, logprobs=-1, seed=s
+            )
+            for s in seeds
+        ]
+        requests = [
+            vllm_request(p, self.image_token_id, self._load_images) for p in prompts
+        ]
         lora = self.adapters.request if self.adapters else None
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
@@ -179,7 +225,9 @@ class VLLMEngine:
         self._sleep.require("weights", call="VLLMEngine.load_weights()")
         bucket = list(named_tensors)
         with _quiet(_RELOAD_LOGGERS):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": iter(bucket)}
+            )
         self._derived_stale = True
 
     @property
@@ -191,14 +239,18 @@ class VLLMEngine:
         """Serve this LoRA adapter (peft format) from the next generation on: a new request id, loaded now."""
         self._sleep.require("weights", call="VLLMEngine.load_adapter()")
         if self.adapters is None:
-            raise RuntimeError("VLLMEngine.load_adapter(): the engine was built without LoRA (lora_rank=None)")
+            raise RuntimeError(
+                "VLLMEngine.load_adapter(): the engine was built without LoRA (lora_rank=None)"
+            )
         self.adapters.publish(self.llm.llm_engine, tensors, config_json)
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks (computed with the old weights). Call once after a weight sync."""
         self._refresh_derived()
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused reset_prefix_cache(): requests are still running")
+            raise RuntimeError(
+                "vLLM refused reset_prefix_cache(): requests are still running"
+            )
 
     def weight_names(self) -> list[str]:
         """Checkpoint-format names of every tensor the engine loaded (what a full sync must rewrite).
@@ -234,7 +286,9 @@ def _repack_cpu_embeddings(worker) -> int:
     """Runs in the vLLM worker. On CPU, vLLM 0.32 packs the LM head's weight into a GEMM handle when
     loading; a tied head (``tie_word_embeddings``) is never reloaded itself, so after an in-place reload
     its packed copy still holds the old embedding. Re-packing every embedding-backed head fixes it."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+    )
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -242,13 +296,19 @@ def _repack_cpu_embeddings(worker) -> int:
     count = 0
     for module in worker.model_runner.get_model().modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(module, "cpu_linear"):
+        if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(
+            module, "cpu_linear"
+        ):
             method.process_weights_after_loading(module)
             count += 1
     return count
 
 
-def vllm_request(prompt: Prompt, image_token_id: int | None = None, load_images: ImageLoader | None = None) -> dict:
+def vllm_request(
+    prompt: Prompt,
+    image_token_id: int | None = None,
+    load_images: ImageLoader | None = None,
+) -> dict:
     """vLLM's input for ``prompt``: its tokens, and for an image prompt its decoded images as ``multi_modal_data``.
 
     vLLM expands each image placeholder itself (its processor replaces one ``<|image_pad|>`` per image with the
@@ -258,20 +318,35 @@ def vllm_request(prompt: Prompt, image_token_id: int | None = None, load_images:
     if not prompt.images:
         return {"prompt_token_ids": list(prompt.token_ids)}
     if image_token_id is None:
-        raise ValueError(f"prompt id={prompt.id} has images but the engine's model is text-only")
+        raise ValueError(
+            f"prompt id={prompt.id} has images but the engine's model is text-only"
+        )
     if load_images is None:
-        raise ValueError(f"prompt id={prompt.id} has images but the engine has no image loader: build it with "
-                         "VLLMEngine(load_images=lightning_grpo.data.images.load_images)")
+        raise ValueError(
+            f"prompt id={prompt.id} has images but the engine has no image loader: build it with "
+            "VLLMEngine(load_images=lightning_grpo.data.images.load_images)"
+        )
     ids = prompt.token_ids
-    collapsed = [t for i, t in enumerate(ids) if not (t == image_token_id and i and ids[i - 1] == image_token_id)]
-    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": load_images(prompt.images, prompt.id)}}
+    collapsed = [
+        t
+        for i, t in enumerate(ids)
+        if not (t == image_token_id and i and ids[i - 1] == image_token_id)
+    ]
+    return {
+        "prompt_token_ids": collapsed,
+        "multi_modal_data": {"image": load_images(prompt.images, prompt.id)},
+    }
 
 
 def _image_token_id(model_path: Path) -> int | None:
     import json
 
     config = json.loads((model_path / "config.json").read_text())
-    return config.get("image_token_id") if config.get("vision_config") is not None else None
+    return (
+        config.get("image_token_id")
+        if config.get("vision_config") is not None
+        else None
+    )
 
 
 def _check_launch(cfg: VLLMConfig) -> None:
@@ -283,7 +358,12 @@ def _check_launch(cfg: VLLMConfig) -> None:
         )
     dist = torch.distributed
     standalone = cfg.distributed_executor_backend is None
-    if standalone and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if (
+        standalone
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    ):
         raise ConfigError(
             "vllm.distributed_executor_backend=None under a distributed run of "
             f"world size {dist.get_world_size()}: set it to 'external_launcher' (one engine per rank)"
@@ -319,14 +399,29 @@ def _sampling_params(s: SamplingConfig, seed: int):
         max_tokens=s.max_new_tokens,
         logprobs=0 if s.logprobs else None,  # 0 = only the sampled token's logprob
         seed=seed,
-        stop=list(s.stop) or None,  # vLLM matches them in the completion text only, as HFEngine does
+        # vLLM matches them in the completion text only, as HFEngine does
+        stop=list(s.stop) or None,
     )
 
 
-def _rollout(prompt: Prompt, completion, sampling: SamplingConfig, decode=None) -> Rollout:
+def _rollout(
+    prompt: Prompt, completion, sampling: SamplingConfig, decode=None
+) -> Rollout:
     ids = list(completion.token_ids)
-    logprobs = [step[t].logprob for step, t in zip(completion.logprobs, ids)] if sampling.logprobs else None
-    return finish_rollout(prompt, ids, completion.text, completion.finish_reason, logprobs, sampling, decode)
+    logprobs = (
+        [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+        if sampling.logprobs
+        else None
+    )
+    return finish_rollout(
+        prompt,
+        ids,
+        completion.text,
+        completion.finish_reason,
+        logprobs,
+        sampling,
+        decode,
+    )
 
 
 def _vocab_draw(completion, vocab: int) -> VocabDraw:
@@ -345,7 +440,9 @@ def _caller_rng_kept() -> Iterator[None]:
     import numpy as np
 
     py_state, np_state = random.getstate(), np.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    devices = (
+        list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    )
     with torch.random.fork_rng(devices=devices):
         yield
     random.setstate(py_state)

@@ -49,13 +49,21 @@ class VLLMConfig:
         """Every broken rule as a ``field=value: rule; fix`` line."""
         p = []
         if not 0 < self.gpu_memory_utilization <= 1:
-            p.append(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+            p.append(
+                f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]"
+            )
         if self.tensor_parallel_size < 1:
             p.append(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
-            p.append(f"max_model_len={self.max_model_len}: must be >= 1 or None (the model's)")
+            p.append(
+                f"max_model_len={self.max_model_len}: must be >= 1 or None (the model's)"
+            )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            p.append(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be >= 1 or None (auto)")
+            p.append(
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be >= 1 or None (auto)"
+            )
         if self.logprobs_mode not in ("auto", "processed_logprobs", "raw_logprobs"):
-            p.append(f"logprobs_mode={self.logprobs_mode!r}: must be 'auto', 'processed_logprobs' or 'raw_logprobs'")
+            p.append(
+                f"logprobs_mode={self.logprobs_mode!r}: must be 'auto', 'processed_logprobs' or 'raw_logprobs'"
+            )
         return p

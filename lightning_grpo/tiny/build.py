@@ -16,7 +16,11 @@ import torch
 
 from lightning_grpo.tiny.shipped import build_key, copy_shipped
 from lightning_grpo.tiny.spec import TinyPolicySpec
-from lightning_grpo.tiny.tokenizer import TINY_CHAT_TEMPLATE, TOKENIZER_VERSION, make_char_tokenizer
+from lightning_grpo.tiny.tokenizer import (
+    TINY_CHAT_TEMPLATE,
+    TOKENIZER_VERSION,
+    make_char_tokenizer,
+)
 from lightning_grpo.tiny.vlm import build_tiny_vlm
 from lightning_grpo.tiny.warm import warm_start_folder
 
@@ -24,7 +28,9 @@ VLM_ARCH = "qwen2_5_vl"
 """The ``TinyPolicySpec.arch`` built as a vision-language model (``vlm.py``)."""
 
 
-def build_tiny_policy(out_dir: str | os.PathLike, spec: TinyPolicySpec | None = None) -> Path:
+def build_tiny_policy(
+    out_dir: str | os.PathLike, spec: TinyPolicySpec | None = None
+) -> Path:
     """Build a random-init causal LM + char tokenizer and save both as a Hugging Face folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -82,12 +88,21 @@ def _moe_fields(spec: TinyPolicySpec) -> dict:
 
 def tiny_cache_dir(name: str, spec: TinyPolicySpec, warm: str = "") -> Path:
     """The cache folder of tiny policy ``name``: every field of ``spec``, the tokenizer version and the warm start."""
-    root = Path(os.environ.get("LIGHTNING_GRPO_CACHE", Path.home() / ".cache" / "lightning_grpo"))
+    root = Path(
+        os.environ.get(
+            "LIGHTNING_GRPO_CACHE", Path.home() / ".cache" / "lightning_grpo"
+        )
+    )
     key = "-".join(f"{v}" for v in vars(spec).values())
     return root / f"tiny-{name}-{key}-tok{TOKENIZER_VERSION}{warm}"
 
 
-def tiny_folder(name: str, spec: TinyPolicySpec, warm_start: str | None = None, warm_start_steps: int = 200) -> Path:
+def tiny_folder(
+    name: str,
+    spec: TinyPolicySpec,
+    warm_start: str | None = None,
+    warm_start_steps: int = 200,
+) -> Path:
     """The cached folder of tiny policy ``name`` shaped by ``spec`` (its seed set), built and warm-started once.
 
     Built under a per-process temp name and renamed into place, so concurrent ranks never see a half-written folder.
@@ -105,7 +120,9 @@ def tiny_folder(name: str, spec: TinyPolicySpec, warm_start: str | None = None, 
     return folder
 
 
-def build_folder(out: Path, spec: TinyPolicySpec, warm_start: str | None, warm_start_steps: int) -> Path:
+def build_folder(
+    out: Path, spec: TinyPolicySpec, warm_start: str | None, warm_start_steps: int
+) -> Path:
     """Build the tiny policy of ``spec`` into ``out`` and warm-start it on ``warm_start`` (when given).
 
     What ``tiny_folder`` does on a cache miss, and ``tools/build_tiny_weights.py`` to make the shipped folders.

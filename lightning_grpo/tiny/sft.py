@@ -45,15 +45,19 @@ class Progress:
             return
         elapsed = time.perf_counter() - self.start
         left = elapsed / done * (self.steps - done)
-        print(f"warm start: step {done}/{self.steps}, loss {loss:.3f}, {elapsed:.0f} s, ~{left:.0f} s left",
-              flush=True)
+        print(
+            f"warm start: step {done}/{self.steps}, loss {loss:.3f}, {elapsed:.0f} s, ~{left:.0f} s left",
+            flush=True,
+        )
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
-def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of, cooldown: int = 0) -> WarmStartResult:
+def sft(
+    model: nn.Module, steps: int, seed: int, lr: float, batch_of, cooldown: int = 0
+) -> WarmStartResult:
     """The warm starts' supervised loop: AdamW at a constant ``lr`` over the trainable parameters, the loss on the
     labelled (answer) tokens only. The global RNG is forked and seeded with ``seed``; the model's mode is restored.
 
@@ -62,7 +66,9 @@ def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of, cooldown: 
 
     ``batch_of(step)`` gives ``(input_ids, attention_mask, labels, extra model kwargs)`` (a VLM's pixels).
     """
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0
+    )
     was_training, losses, start = model.training, [], time.perf_counter()
     model.train()
     with torch.random.fork_rng(devices=[]):
@@ -70,8 +76,11 @@ def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of, cooldown: 
         progress = Progress(steps)
         for step in range(steps):
             ids, mask, labels, kwargs = batch_of(step)
-            logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, :-1]  # [B, T-1, V]
-            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+            # [B, T-1, V]
+            logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, :-1]
+            loss = nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             for group in opt.param_groups:
@@ -81,4 +90,8 @@ def sft(model: nn.Module, steps: int, seed: int, lr: float, batch_of, cooldown: 
             progress.update(step + 1, losses[-1])
         progress.close()
     model.train(was_training)
-    return WarmStartResult(steps, sum(losses[-10:]) / max(len(losses[-10:]), 1), time.perf_counter() - start)
+    return WarmStartResult(
+        steps,
+        sum(losses[-10:]) / max(len(losses[-10:]), 1),
+        time.perf_counter() - start,
+    )

@@ -22,7 +22,9 @@ SHIPPED = Path(__file__).parent / "shipped"
 MANIFEST = "manifest.json"
 
 
-def build_key(name: str, spec: TinyPolicySpec, warm_start: str | None, warm_start_steps: int) -> dict:
+def build_key(
+    name: str, spec: TinyPolicySpec, warm_start: str | None, warm_start_steps: int
+) -> dict:
     """What decides a tiny build's weights: the same fields as the cache key (``tiny_cache_dir``)."""
     return {
         "name": name,
@@ -93,11 +95,17 @@ def copy_shipped(key: dict, out: Path) -> bool:
     manifest = read_manifest(folder)
     bad = bad_files(folder, manifest)
     if bad:
-        print(f"shipped tiny policy {key['name']!r}: {', '.join(bad)} fail the sha256 check of "
-              f"{folder / MANIFEST}; building it instead (reinstall the package to restore it)", flush=True)
+        print(
+            f"shipped tiny policy {key['name']!r}: {', '.join(bad)} fail the sha256 check of "
+            f"{folder / MANIFEST}; building it instead (reinstall the package to restore it)",
+            flush=True,
+        )
         return False
     shutil.copytree(folder, out, dirs_exist_ok=True)
     built = manifest["built_with"]
-    print(f"tiny policy {key['name']!r}: the shipped warm start {folder.name!r} ({key['warm_start']}, "
-          f"{key['warm_start_steps']} steps; built with torch {built['torch']}), nothing to train", flush=True)
+    print(
+        f"tiny policy {key['name']!r}: the shipped warm start {folder.name!r} ({key['warm_start']}, "
+        f"{key['warm_start_steps']} steps; built with torch {built['torch']}), nothing to train",
+        flush=True,
+    )
     return True

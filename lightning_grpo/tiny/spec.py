@@ -12,7 +12,16 @@ from typing import Literal
 
 from lightning_grpo.checks import is_finite, is_int, raise_problems
 
-TINY_NAMES = ("default", "quickstart", "tools", "vlm-quickstart", "dpo", "opd-student", "opd-teacher", "teacher")
+TINY_NAMES = (
+    "default",
+    "quickstart",
+    "tools",
+    "vlm-quickstart",
+    "dpo",
+    "opd-student",
+    "opd-teacher",
+    "teacher",
+)
 """The ``tiny:<name>`` policies the shipped configs and docs name (each the default shape unless its config gives one).
 Any other name labels a new shape in the cache, so it needs that shape under ``policy.tiny``: a typo is refused."""
 
@@ -21,7 +30,9 @@ Any other name labels a new shape in the cache, so it needs that shape under ``p
 class TinyPolicySpec:
     """Shape of a locally built policy. head_dim >= 32 so vLLM's CPU attention accepts it."""
 
-    arch: Literal["qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen2_5_vl"] = "qwen2"
+    arch: Literal[
+        "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen2_5_vl"
+    ] = "qwen2"
     """Transformers architecture of the built model; the ``*moe``/mixtral ones are sparse MoE (see docs/moe.md);
     ``qwen2_5_vl`` = a vision-language Qwen2.5-VL (a small vision tower plus this text model; ``tiny/vlm.py``) for
     image prompts."""
@@ -60,22 +71,44 @@ class TinyPolicySpec:
 
     def problems(self) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line (shapes transformers would refuse later)."""
-        p = [f"{name}={getattr(self, name)!r}: must be an integer >= 1"
-             for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                          "max_position_embeddings", "num_experts", "experts_per_token")
-             if not is_int(getattr(self, name)) or getattr(self, name) < 1]
+        p = [
+            f"{name}={getattr(self, name)!r}: must be an integer >= 1"
+            for name in (
+                "hidden_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "intermediate_size",
+                "max_position_embeddings",
+                "num_experts",
+                "experts_per_token",
+            )
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1
+        ]
         if not p and self.hidden_size % self.num_heads:
-            p.append(f"hidden_size={self.hidden_size}: must divide by num_heads={self.num_heads} (head_dim)")
+            p.append(
+                f"hidden_size={self.hidden_size}: must divide by num_heads={self.num_heads} (head_dim)"
+            )
         if not p and self.num_heads % self.num_kv_heads:
-            p.append(f"num_kv_heads={self.num_kv_heads}: must divide num_heads={self.num_heads}")
+            p.append(
+                f"num_kv_heads={self.num_kv_heads}: must divide num_heads={self.num_heads}"
+            )
         if not p and self.experts_per_token > self.num_experts:
-            p.append(f"experts_per_token={self.experts_per_token}: must not exceed num_experts={self.num_experts}")
-        if self.vocab_size is not None and (not is_int(self.vocab_size) or self.vocab_size < 1):
-            p.append(f"vocab_size={self.vocab_size!r}: must be a positive integer or null (the tokenizer's size)")
+            p.append(
+                f"experts_per_token={self.experts_per_token}: must not exceed num_experts={self.num_experts}"
+            )
+        if self.vocab_size is not None and (
+            not is_int(self.vocab_size) or self.vocab_size < 1
+        ):
+            p.append(
+                f"vocab_size={self.vocab_size!r}: must be a positive integer or null (the tokenizer's size)"
+            )
         if not is_finite(self.dropout) or not 0 <= self.dropout < 1:
             p.append(f"dropout={self.dropout!r}: must be in [0, 1)")
         if not is_finite(self.router_jitter) or self.router_jitter < 0:
-            p.append(f"router_jitter={self.router_jitter!r}: must be a finite number >= 0 (0 = off)")
+            p.append(
+                f"router_jitter={self.router_jitter!r}: must be a finite number >= 0 (0 = off)"
+            )
         if not is_finite(self.init_std) or self.init_std <= 0:
             p.append(f"init_std={self.init_std!r}: must be a finite number > 0")
         return p

@@ -6,7 +6,9 @@ TOKENIZER_VERSION = 2
 """Bumped when the char tokenizer's files change (part of the tiny cache key): 2 = byte-level spelling."""
 # Characters of the built-in tasks; ids 0-3 are the special tokens.
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-CHARS = list("0123456789+-*=()?:#, .abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n\\{}/_")
+CHARS = list(
+    "0123456789+-*=()?:#, .abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n\\{}/_"
+)
 
 
 def make_char_tokenizer():
@@ -22,10 +24,16 @@ def make_char_tokenizer():
     byte_level = {" ": "Ġ", "\n": "Ċ"}
     vocab = {byte_level.get(tok, tok): i for i, tok in enumerate(SPECIALS + CHARS)}
     core = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, use_regex=False
+    )
     core.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
     )
 
 

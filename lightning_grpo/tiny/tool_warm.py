@@ -32,7 +32,9 @@ from lightning_grpo.tiny.sft import WarmStartResult, sft
 
 TOOL_TASK = "arith_tools"
 """The built-in task whose warm start (``policy.warm_start``) is scripted calculator episodes, not answers."""
-TOOL_EPISODES = EnvConfig(name="calculator", parser="pythonic", max_turns=3, max_tool_response_tokens=16)
+TOOL_EPISODES = EnvConfig(
+    name="calculator", parser="pythonic", max_turns=3, max_tool_response_tokens=16
+)
 """The episodes the warm start plays: ``model.env`` of configs/tools-quickstart.yaml (a test checks they agree)."""
 TOOL_STOP = (")",)
 """The quickstart's ``rollout.stop``: a call ends its turn, so the model reads the result in the next one."""
@@ -49,7 +51,9 @@ class ScriptedTurns:
     def __init__(self, tokenizer, script: Script) -> None:
         self.tokenizer, self.script = tokenizer, script
 
-    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig) -> list[Rollout]:
+    def generate(
+        self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig
+    ) -> list[Rollout]:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         out = []
         for prompt in prompts:
@@ -57,7 +61,9 @@ class ScriptedTurns:
                 text, final = self.script(prompt)
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 ids = list(ids) + [self.tokenizer.eos_token_id] * final
-                out.append(finish_rollout(prompt, ids, text, "stop", None, sampling, decode))
+                out.append(
+                    finish_rollout(prompt, ids, text, "stop", None, sampling, decode)
+                )
         return out
 
 
@@ -71,7 +77,8 @@ def calculator_script(share: float, seed: int) -> Script:
         a, b = prompt.meta["a"], prompt.meta["b"]
         rng = random.Random(f"{seed}-{prompt.id}")
         if rng.random() >= share:
-            return str(rng.randint(0, 2 * max(a, b, 1))), True  # answers in its head: wrong, and no call
+            # answers in its head: wrong, and no call
+            return str(rng.randint(0, 2 * max(a, b, 1))), True
         return [f"add(a={a}, b={b})", f"submit(answer={a + b})", ""][turn], turn == 2
 
     return script
@@ -88,17 +95,28 @@ def guess_script(share: float, seed: int) -> Script:
         a, b = prompt.meta["a"], prompt.meta["b"]
         rng = random.Random(f"{seed}-{prompt.id}")
         if rng.random() < share:
-            return [f"add(a={a}, b={b})", f"submit(answer={a + b})", ""][turn], turn == 2
+            return [f"add(a={a}, b={b})", f"submit(answer={a + b})", ""][
+                turn
+            ], turn == 2
         guess = rng.randint(0, 2 * max(a, b, 1))
-        guess += guess == a + b  # never right by chance: only the tool's result earns the reward
+        # never right by chance: only the tool's result earns the reward
+        guess += guess == a + b
         return [f"submit(answer={guess})", ""][turn], turn == 1
 
     return script
 
 
-def warm_start_tools(model: nn.Module, tokenizer, task: str = TOOL_TASK, steps: int = 300, seed: int = 0,
-                     batch_size: int = 32, lr: float = 3e-3, share: float = 0.35,
-                     settle: int = 100) -> WarmStartResult:
+def warm_start_tools(
+    model: nn.Module,
+    tokenizer,
+    task: str = TOOL_TASK,
+    steps: int = 300,
+    seed: int = 0,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    share: float = 0.35,
+    settle: int = 100,
+) -> WarmStartResult:
     """Supervised passes on scripted ``TOOL_EPISODES`` of ``task``'s train split: the loss on the model turns only.
 
     Args:
@@ -124,21 +142,41 @@ def warm_start_tools(model: nn.Module, tokenizer, task: str = TOOL_TASK, steps: 
 
         def batch_of(step: int):
             start = (first + step) * batch_size
-            prompts = [Prompt(start + i, [], it.text, it.answer, dict(it.meta), [{"role": "user", "content": it.text}])
-                       for i, it in enumerate(items[start: start + batch_size])]
+            prompts = [
+                Prompt(
+                    start + i,
+                    [],
+                    it.text,
+                    it.answer,
+                    dict(it.meta),
+                    [{"role": "user", "content": it.text}],
+                )
+                for i, it in enumerate(items[start : start + batch_size])
+            ]
             episodes, _ = runner.play(engine, prompts, 1, sampling)
             return (*episode_rows(episodes, tokenizer.pad_token_id), {})
 
         return batch_of
 
-    formats = sft(model, steps - settle, seed, lr, batches(calculator_script(0.5, seed), 0))
+    formats = sft(
+        model, steps - settle, seed, lr, batches(calculator_script(0.5, seed), 0)
+    )
     if not settle:
         return formats
-    settled = sft(model, settle, seed, lr, batches(guess_script(share, seed), steps - settle), cooldown=settle)
+    settled = sft(
+        model,
+        settle,
+        seed,
+        lr,
+        batches(guess_script(share, seed), steps - settle),
+        cooldown=settle,
+    )
     return WarmStartResult(steps, settled.loss, formats.seconds + settled.seconds)
 
 
-def episode_rows(episodes: Sequence[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def episode_rows(
+    episodes: Sequence[Rollout], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, labels)`` of right-padded ``opening + episode`` rows; labels -100 except on the
     ids the model wrote (``model_mask``): openings, tool results and turn separators are context."""
     rows = [list(e.prompt.token_ids) + list(e.token_ids) for e in episodes]
@@ -150,5 +188,7 @@ def episode_rows(episodes: Sequence[Rollout], pad_id: int) -> tuple[torch.Tensor
         start = len(e.prompt.token_ids)
         ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), True
         model = torch.tensor(e.model_mask or [True] * len(e.token_ids))  # [T_episode]
-        labels[i, start: len(row)] = torch.where(model, torch.tensor(e.token_ids), -100)
+        labels[i, start : len(row)] = torch.where(
+            model, torch.tensor(e.token_ids), -100
+        )
     return ids, mask, labels

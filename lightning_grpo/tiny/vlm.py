@@ -42,39 +42,68 @@ def mrope_section(head_dim: int) -> list[int]:
 def build_tiny_vlm(out_dir: str | os.PathLike, spec: TinyPolicySpec) -> Path:
     """Build a random-init Qwen2.5-VL shaped by ``spec`` and save it to ``out_dir``."""
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     tok = make_char_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = TINY_VLM_CHAT_TEMPLATE
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     head_dim = spec.hidden_size // spec.num_heads
-    specials = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    specials = {
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
     config = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": max(spec.vocab_size or 0, len(tok)), "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-            "max_position_embeddings": spec.max_position_embeddings, "attention_dropout": spec.dropout,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                "mrope_section": mrope_section(head_dim)},
-            "tie_word_embeddings": True, **specials,
+            "vocab_size": max(spec.vocab_size or 0, len(tok)),
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads,
+            "max_position_embeddings": spec.max_position_embeddings,
+            "attention_dropout": spec.dropout,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": mrope_section(head_dim),
+            },
+            "tie_word_embeddings": True,
+            **specials,
         },
         # A small vision tower: 2 blocks of width 32 (head_dim 32, as vLLM's CPU attention needs), one windowed.
         vision_config={
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 1, "out_hidden_size": spec.hidden_size,
-            "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": 2, "window_size": 56,
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 1,
+            "out_hidden_size": spec.hidden_size,
+            "patch_size": PATCH,
+            "spatial_merge_size": MERGE,
+            "temporal_patch_size": 2,
+            "window_size": 56,
             "fullatt_block_indexes": [1],
         },
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True, **specials,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+        **specials,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed or 0)
         model = AutoModelForImageTextToText.from_config(config)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH,
-                                               merge_size=MERGE, temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        patch_size=PATCH,
+        merge_size=MERGE,
+        temporal_patch_size=2,
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -49,35 +49,59 @@ def warm_start(
     """
     task = get_task(task) if isinstance(task, str) else task
     items = task.items(steps * batch_size, seed, "train")
-    return sft(model, steps, seed, lr,
-               lambda step: (*_sft_batch(tokenizer, items[step * batch_size : (step + 1) * batch_size]), {}))
+    return sft(
+        model,
+        steps,
+        seed,
+        lr,
+        lambda step: (
+            *_sft_batch(tokenizer, items[step * batch_size : (step + 1) * batch_size]),
+            {},
+        ),
+    )
 
 
-def _sft_batch(tokenizer, items: list[TaskItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sft_batch(
+    tokenizer, items: list[TaskItem]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``prompt + answer + eos`` rows; labels are -100 except on the answer and EOS."""
-    return sft_rows(tokenizer, [encode_prompt(tokenizer, item.text) for item in items], [item.answer for item in items])
+    return sft_rows(
+        tokenizer,
+        [encode_prompt(tokenizer, item.text) for item in items],
+        [item.answer for item in items],
+    )
 
 
-def sft_rows(tokenizer, prompts: list[list[int]], answers: list[str]
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sft_rows(
+    tokenizer, prompts: list[list[int]], answers: list[str]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, labels)`` of right-padded ``prompt + answer + eos`` rows, labels -100 except on
     the answer and EOS (the warm starts' supervised rows, text or image prompts alike)."""
     rows, targets = [], []
     for prompt, text in zip(prompts, answers):
-        answer = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        answer = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [
+            tokenizer.eos_token_id
+        ]
         rows.append(prompt + answer)
         targets.append([-100] * len(prompt) + answer)
     width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, T]
+    # [B, T]
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)  # [B, T]
     mask = torch.zeros((len(rows), width), dtype=torch.bool)  # [B, T]
     for i, (row, target) in enumerate(zip(rows, targets)):
-        ids[i, : len(row)], labels[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), torch.tensor(target), True
+        ids[i, : len(row)], labels[i, : len(row)], mask[i, : len(row)] = (
+            torch.tensor(row),
+            torch.tensor(target),
+            True,
+        )
     return ids, mask, labels
 
 
 @torch.no_grad()
-def greedy_accuracy(model: nn.Module, tokenizer, items: list[TaskItem], max_new_tokens: int = 8) -> float:
+def greedy_accuracy(
+    model: nn.Module, tokenizer, items: list[TaskItem], max_new_tokens: int = 8
+) -> float:
     """Fraction of ``items`` whose greedy completion is exactly ``answer`` followed by EOS."""
     was_training = model.training
     model.eval()
@@ -87,7 +111,10 @@ def greedy_accuracy(model: nn.Module, tokenizer, items: list[TaskItem], max_new_
         prompts = [encode_prompt(tokenizer, it.text) for it in chunk]
         width = max(map(len, prompts))
         # Left padding: every prompt ends at the same column, so generation starts aligned.
-        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])  # [B, P]
+        # [B, P]
+        ids = torch.tensor(
+            [[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts]
+        )
         out = model.generate(
             input_ids=ids,
             attention_mask=ids != tokenizer.pad_token_id,
@@ -97,14 +124,24 @@ def greedy_accuracy(model: nn.Module, tokenizer, items: list[TaskItem], max_new_
             pad_token_id=tokenizer.pad_token_id,
         )[:, width:]  # [B, new]
         for item, completion in zip(chunk, out.tolist()):
-            expected = list(tokenizer(item.answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+            expected = list(
+                tokenizer(item.answer, add_special_tokens=False)["input_ids"]
+            ) + [tokenizer.eos_token_id]
             correct += completion[: len(expected)] == expected
     model.train(was_training)
     return correct / max(len(items), 1)
 
 
-def warm_start_vision(model: nn.Module, tokenizer, vision, task, steps: int = 30, seed: int = 0,
-                      batch_size: int = 16, lr: float = 3e-3) -> WarmStartResult:
+def warm_start_vision(
+    model: nn.Module,
+    tokenizer,
+    vision,
+    task,
+    steps: int = 30,
+    seed: int = 0,
+    batch_size: int = 16,
+    lr: float = 3e-3,
+) -> WarmStartResult:
     """Supervised pass on ``task``'s train split (prompt with its image -> ``answer<eos>``), like ``warm_start``.
 
     The global RNG is untouched (forked) and the model's mode restored. The loss covers the answer only.
@@ -125,26 +162,49 @@ def _vision_sft_rows(tokenizer, vision, items: list[TaskItem]):
     prompts = []
     for i, item in enumerate(items):
         ids, text = encode(tokenizer, item.text, item.messages)
-        prompts.append(vision.expand(Prompt(i, ids, text, images=item.images)).token_ids)
-    return (*sft_rows(tokenizer, prompts, [item.answer for item in items]), [item.images for item in items])
+        prompts.append(
+            vision.expand(Prompt(i, ids, text, images=item.images)).token_ids
+        )
+    return (
+        *sft_rows(tokenizer, prompts, [item.answer for item in items]),
+        [item.images for item in items],
+    )
 
 
-def warm_start_folder(folder: Path, task: str, steps: int, seed: int, vision: bool = False) -> None:
+def warm_start_folder(
+    folder: Path, task: str, steps: int, seed: int, vision: bool = False
+) -> None:
     """Supervise the freshly built policy in ``folder`` on ``task`` and save it back (same folder layout).
 
     ``vision``: the folder holds a vision-language model (trained by ``warm_start_vision``).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+    )
 
     model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    model, tok = model_class.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    model, tok = (
+        model_class.from_pretrained(folder),
+        AutoTokenizer.from_pretrained(folder),
+    )
     if vision:
-        result = warm_start_vision(model, tok, VisionProcessor.from_pretrained(folder, tok), task, steps=steps,
-                                   seed=seed)
+        result = warm_start_vision(
+            model,
+            tok,
+            VisionProcessor.from_pretrained(folder, tok),
+            task,
+            steps=steps,
+            seed=seed,
+        )
     elif task == TOOL_TASK:  # calculator episodes, not answers (tool_warm.py)
         result = warm_start_tools(model, tok, task, steps=steps, seed=seed)
     else:
         result = warm_start(model, tok, task, steps=steps, seed=seed)
-    print(f"warm start of the tiny policy on {task!r}: {result.steps} steps, loss {result.loss:.3f}, "
-          f"{result.seconds:.1f} s (cached in {folder.name})", flush=True)
+    print(
+        f"warm start of the tiny policy on {task!r}: {result.steps} steps, loss {result.loss:.3f}, "
+        f"{result.seconds:.1f} s (cached in {folder.name})",
+        flush=True,
+    )
     model.save_pretrained(folder, safe_serialization=True)

@@ -105,31 +105,46 @@ class DeferredAccumulator:
             Trainer: ``LightningModule.clip_gradients``, the precision plugin's clipping).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], optimizer, grad_accum: int, max_grad_norm: float = 0.0,
-                 backward: Callable[[Tensor], None] | None = None, scheduler=None,
-                 grad_sync: GradSync | None = None,
-                 all_finite: Callable[[Tensor], bool] | None = None, step: StepDriver | None = None,
-                 clip: Clip | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        optimizer,
+        grad_accum: int,
+        max_grad_norm: float = 0.0,
+        backward: Callable[[Tensor], None] | None = None,
+        scheduler=None,
+        grad_sync: GradSync | None = None,
+        all_finite: Callable[[Tensor], bool] | None = None,
+        step: StepDriver | None = None,
+        clip: Clip | None = None,
+    ) -> None:
         if grad_accum < 1:
-            raise ValueError(f"DeferredAccumulator(grad_accum={grad_accum}): must be >= 1")
+            raise ValueError(
+                f"DeferredAccumulator(grad_accum={grad_accum}): must be >= 1"
+            )
         self.params = [p for p in params if p.requires_grad]
         self.optimizer = optimizer
         self.grad_accum = grad_accum
         self.max_grad_norm = max_grad_norm
         self.backward = backward or plain_backward
         self.scheduler = scheduler
-        self.grad_sync = grad_sync or _no_sync_control  # None: one process, nothing to skip
+        # None: one process, nothing to skip
+        self.grad_sync = grad_sync or _no_sync_control
         self.all_finite = all_finite or _local_finite
         self.step = step or plain_step(optimizer)
-        self.clip = clip or functools.partial(torch.nn.utils.clip_grads_with_norm_, self.params)
+        self.clip = clip or functools.partial(
+            torch.nn.utils.clip_grads_with_norm_, self.params
+        )
         self._calls = 0  # calls taken into the current window
         self._denom_sum: Tensor | float = 0.0
-        self._ref: Tensor | float = 1.0  # window constant the chunk sums are carried divided by
+        # window constant the chunk sums are carried divided by
+        self._ref: Tensor | float = 1.0
         self._discard = 0  # countdown: calls of a poisoned window still to drop
         self.skipped_steps = 0
         self.discarded_chunks = 0
         self.consecutive_skips = 0  # windows skipped since the last step taken
-        self.last_skip_cause: str | None = None  # "loss" or "gradient": why the last window was skipped
+        # "loss" or "gradient": why the last window was skipped
+        self.last_skip_cause: str | None = None
 
     # -- the countdown -----------------------------------------------------------------------------------------
     def discarding(self) -> bool:
@@ -143,7 +158,9 @@ class DeferredAccumulator:
         return self._skipped() if self._discard == 0 else None
 
     def _skipped(self) -> StepOutcome:
-        return StepOutcome(grad_norm=math.nan, lr=self._lr(), skipped=True, cause="loss")
+        return StepOutcome(
+            grad_norm=math.nan, lr=self._lr(), skipped=True, cause="loss"
+        )
 
     def _poison(self) -> None:
         self._discard = self.grad_accum - 1 - self._calls
@@ -166,10 +183,14 @@ class DeferredAccumulator:
         exactly its rest and the next window starts clean at the count given here.
         """
         if n_chunks < 1:
-            raise ValueError(f"open_window(n_chunks={n_chunks}): a window takes at least one call")
+            raise ValueError(
+                f"open_window(n_chunks={n_chunks}): a window takes at least one call"
+            )
         if self._calls or self._discard:
-            raise RuntimeError(f"open_window({n_chunks}) inside a window ({self._calls} calls taken, "
-                               f"{self._discard} to discard): windows change length only at a boundary")
+            raise RuntimeError(
+                f"open_window({n_chunks}) inside a window ({self._calls} calls taken, "
+                f"{self._discard} to discard): windows change length only at a boundary"
+            )
         self.grad_accum = n_chunks
 
     # -- one call ----------------------------------------------------------------------------------------------
@@ -181,13 +202,18 @@ class DeferredAccumulator:
     def train(self, loss: Tensor, denom: Tensor) -> StepOutcome | None:
         """Backprop one chunk; on the window's last call, step. Returns the step's outcome then."""
         if self.discarding():
-            raise RuntimeError("train() called during a poisoned window; check discarding() first")
-        if not self.all_finite(loss.detach()):  # CPU-GPU sync point (a collective under DP), once per chunk
+            raise RuntimeError(
+                "train() called during a poisoned window; check discarding() first"
+            )
+        # CPU-GPU sync point (a collective under DP), once per chunk
+        if not self.all_finite(loss.detach()):
             self._poison()
             return self._skipped() if self._discard == 0 else None
         last = self.closes_window
         with self.grad_sync(last):
-            self.backward(loss if self.grad_accum == 1 else loss * self._carry(denom.detach()))
+            self.backward(
+                loss if self.grad_accum == 1 else loss * self._carry(denom.detach())
+            )
         self._denom_sum = self._denom_sum + denom.detach()
         self._calls += 1
         return self._step() if last else None
@@ -195,8 +221,11 @@ class DeferredAccumulator:
     def _carry(self, denom: Tensor) -> Tensor:
         """``denom / ref``: the factor that turns a chunk's token mean into its sum, divided by ``ref``."""
         if self._calls == 0:
-            _, exponent = torch.frexp(torch.where(denom > 0, denom * self.grad_accum, torch.ones_like(denom)))
-            self._ref = torch.ldexp(torch.ones_like(denom), exponent)  # 2^e, just above first divisor x n_micro
+            _, exponent = torch.frexp(
+                torch.where(denom > 0, denom * self.grad_accum, torch.ones_like(denom))
+            )
+            # 2^e, just above first divisor x n_micro
+            self._ref = torch.ldexp(torch.ones_like(denom), exponent)
         return denom / self._ref
 
     def _step(self) -> StepOutcome:
@@ -212,7 +241,12 @@ class DeferredAccumulator:
             if self.scheduler is not None:
                 self.scheduler.step()
         self._reset_window()
-        return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=skipped, cause="gradient" if skipped else None)
+        return StepOutcome(
+            grad_norm=grad_norm,
+            lr=lr,
+            skipped=skipped,
+            cause="gradient" if skipped else None,
+        )
 
     def _finish(self) -> float:
         """Gradients at their true scale -> x ref / sum denom -> norm -> clip. Returns the norm (before clipping)."""
@@ -222,11 +256,17 @@ class DeferredAccumulator:
         if self.grad_accum > 1:
             total = torch.as_tensor(self._denom_sum, dtype=torch.float64)
             ref = torch.as_tensor(self._ref, dtype=torch.float64, device=total.device)
-            scale = torch.where(total > 0, ref / total, torch.ones_like(total))  # guard sum == 0 only
+            # guard sum == 0 only
+            scale = torch.where(total > 0, ref / total, torch.ones_like(total))
             torch._foreach_mul_(grads, scale.to(grads[0].device, grads[0].dtype))
         norm = torch.nn.utils.get_total_norm(grads)
-        total_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
-        if self.max_grad_norm and math.isfinite(total_norm) and total_norm > self.max_grad_norm:
+        # FSDP2: a DTensor
+        total_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if (
+            self.max_grad_norm
+            and math.isfinite(total_norm)
+            and total_norm > self.max_grad_norm
+        ):
             self.clip(self.max_grad_norm, norm)
         return total_norm
 
@@ -235,9 +275,16 @@ class DeferredAccumulator:
 
     # -- resume ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"window": self.grad_accum, "calls": self._calls, "denom_sum": float(self._denom_sum),
-                "ref": float(self._ref), "discard": self._discard, "skipped_steps": self.skipped_steps,
-                "discarded_chunks": self.discarded_chunks, "consecutive_skips": self.consecutive_skips}
+        return {
+            "window": self.grad_accum,
+            "calls": self._calls,
+            "denom_sum": float(self._denom_sum),
+            "ref": float(self._ref),
+            "discard": self._discard,
+            "skipped_steps": self.skipped_steps,
+            "discarded_chunks": self.discarded_chunks,
+            "consecutive_skips": self.consecutive_skips,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._calls = state["calls"]
@@ -247,4 +294,5 @@ class DeferredAccumulator:
         self.grad_accum = state.get("window", self.grad_accum)
         self.skipped_steps = state["skipped_steps"]
         self.discarded_chunks = state["discarded_chunks"]
-        self.consecutive_skips = state.get("consecutive_skips", 0)  # absent in checkpoints before 0.x
+        # absent in checkpoints before 0.x
+        self.consecutive_skips = state.get("consecutive_skips", 0)

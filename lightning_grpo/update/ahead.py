@@ -35,7 +35,15 @@ from torch import Tensor, nn
 
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.distributed import single_process
-from lightning_grpo.update.plan import EMPTY, ChunkPlan, Needs, Rows, pi_old_source, sequence_lengths, take
+from lightning_grpo.update.plan import (
+    EMPTY,
+    ChunkPlan,
+    Needs,
+    Rows,
+    pi_old_source,
+    sequence_lengths,
+    take,
+)
 from lightning_grpo.update.records import ChunkHook, Recorder, RowRecords
 
 log = logging.getLogger(__name__)
@@ -65,9 +73,13 @@ class ForwardNoisePolicy:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.bound_nats) and self.bound_nats > 0):
-            raise ValueError(f"ForwardNoisePolicy(bound_nats={self.bound_nats}): must be a finite number > 0")
+            raise ValueError(
+                f"ForwardNoisePolicy(bound_nats={self.bound_nats}): must be a finite number > 0"
+            )
         if not 0 <= self.max_fraction < 1:
-            raise ValueError(f"ForwardNoisePolicy(max_fraction={self.max_fraction}): must be in [0, 1)")
+            raise ValueError(
+                f"ForwardNoisePolicy(max_fraction={self.max_fraction}): must be in [0, 1)"
+            )
 
 
 STRICT = ForwardNoisePolicy()
@@ -87,15 +99,19 @@ class PairingError(RuntimeError):
     """A recorded pi_old does not fit the chunk training paired it with (the two walks diverged)."""
 
 
-def paired(pi_old: Sequence[Tensor | None] | None, k: int, chunk: RolloutBatch) -> Tensor | None:
+def paired(
+    pi_old: Sequence[Tensor | None] | None, k: int, chunk: RolloutBatch
+) -> Tensor | None:
     """Record ``k`` of the ahead walk, checked against chunk ``k`` of the training walk."""
     if pi_old is None:
         return None
     old = pi_old[k]
     want = (len(chunk), chunk.input_ids.shape[1] - 1)  # [B, T-1], T trimmed per chunk
     if old is not None and tuple(old.shape) != want:
-        raise PairingError(f"chunk {k} of the training walk has logprob shape {want} but the ahead pass recorded "
-                           f"{tuple(old.shape)}: both walks must use the same ChunkPlan in the same order")
+        raise PairingError(
+            f"chunk {k} of the training walk has logprob shape {want} but the ahead pass recorded "
+            f"{tuple(old.shape)}: both walks must use the same ChunkPlan in the same order"
+        )
     return old
 
 
@@ -133,16 +149,24 @@ class AheadPass:
         loop.run(batch, plan, ahead.compute(batch, plan, Needs(pi_old=True)))
     """
 
-    def __init__(self, model: nn.Module, score: Score, dp_sum: DPSum = single_process,
-                 skip_first_mini: bool = True, hooks: Sequence[ChunkHook] = (),
-                 recorders: Sequence[Recorder] = ()) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        score: Score,
+        dp_sum: DPSum = single_process,
+        skip_first_mini: bool = True,
+        hooks: Sequence[ChunkHook] = (),
+        recorders: Sequence[Recorder] = (),
+    ) -> None:
         self.model = model
         self.score = score
         self.dp_sum = dp_sum
         self.skip_first_mini = skip_first_mini
         self.hooks: list[ChunkHook] = list(hooks)
-        self.recorders: list[Recorder] = [*self.hooks, *recorders]  # the hooks first: their captures lead
-        self._probe: ProbeResult | None = None  # set once per run; resumes from state_dict
+        # the hooks first: their captures lead
+        self.recorders: list[Recorder] = [*self.hooks, *recorders]
+        # set once per run; resumes from state_dict
+        self._probe: ProbeResult | None = None
         self.records: dict[str, RowRecords] = {}
         """The latest pass's per-row records: ``pi_old`` and one per hook or recorder, under its ``name``."""
 
@@ -152,10 +176,17 @@ class AheadPass:
 
     def skips_first_mini(self, needs: Needs, mu_iterations: int = 1) -> bool:
         """Whether mini-batch 0 goes unrecorded (``Needs.skips_first_mini``, once the probe has passed)."""
-        return self.skip_first_mini and needs.skips_first_mini(self.probe_passed, mu_iterations)
+        return self.skip_first_mini and needs.skips_first_mini(
+            self.probe_passed, mu_iterations
+        )
 
-    def compute(self, batch: RolloutBatch, plan: ChunkPlan, needs: Needs,
-                ahead: ChunkPlan | None = None) -> list[Tensor | None]:
+    def compute(
+        self,
+        batch: RolloutBatch,
+        plan: ChunkPlan,
+        needs: Needs,
+        ahead: ChunkPlan | None = None,
+    ) -> list[Tensor | None]:
         """pi_old of every chunk of ``plan`` in training-walk order, every epoch; ``None`` = current logprobs
         detached (mini-batch 0 of a single epoch, see ``skips_first_mini``).
 
@@ -163,20 +194,29 @@ class AheadPass:
         can take bigger chunks). Without it the pass walks ``plan``'s chunks themselves. Either way each chunk is
         scored once, its records are kept per row (``records.py``), and each training chunk lays its own out.
         """
-        self.records = {"pi_old": RowRecords(0), **{r.name: RowRecords(r.token_dim) for r in self.recorders}}
+        self.records = {
+            "pi_old": RowRecords(0),
+            **{r.name: RowRecords(r.token_dim) for r in self.recorders},
+        }
         lengths = sequence_lengths(batch)[0]
         with eval_mode(self.model), torch.no_grad():
-            if ahead is None:  # asked per chunk: once the probe passes, the rest of mini-batch 0 is skipped
+            # asked per chunk: once the probe passes, the rest of mini-batch 0 is skipped
+            if ahead is None:
                 for mini, micro in plan.walk():
-                    if not (mini == 0 and self.skips_first_mini(needs, plan.mu_iterations)):
+                    if not (
+                        mini == 0 and self.skips_first_mini(needs, plan.mu_iterations)
+                    ):
                         self._score(batch, plan.rows[mini][micro], lengths)
             else:  # empty chunks run too: every rank takes the same number of forwards
                 for _, micro in ahead.walk():
                     self._score(batch, ahead.rows[0][micro], lengths)
-        if self.skips_first_mini(needs, plan.mu_iterations):  # also when the probe passed during this pass
-            for record in self.records.values():  # mini-batch 0 trains at pi_old itself: its hooks see no record
+        # also when the probe passed during this pass
+        if self.skips_first_mini(needs, plan.mu_iterations):
+            # mini-batch 0 trains at pi_old itself: its hooks see no record
+            for record in self.records.values():
                 record.drop(r for rows in plan.rows[0] for r in rows)
-        laid: dict[tuple[int, int], Tensor | None] = {}  # each chunk laid out once: every epoch reuses its record
+        # each chunk laid out once: every epoch reuses its record
+        laid: dict[tuple[int, int], Tensor | None] = {}
         for mini, micro in plan.walk():
             laid[mini, micro] = self._pi_old(plan.rows[mini][micro], lengths)
         return [laid[mini, micro] for _, mini, micro in plan.training_walk()]
@@ -187,11 +227,16 @@ class AheadPass:
         with contextlib.ExitStack() as stack:
             captures = [stack.enter_context(r.capture()) for r in self.recorders]
             logprobs = self.score(chunk)  # [B, T-1]
-        if self._probe is None:  # the probe's train() re-score replays what each hook captured on this chunk
-            self._run_probe(chunk, logprobs, [cap.value for cap in captures[:len(self.hooks)]])
+        # the probe's train() re-score replays what each hook captured on this chunk
+        if self._probe is None:
+            self._run_probe(
+                chunk, logprobs, [cap.value for cap in captures[: len(self.hooks)]]
+            )
         self.records["pi_old"].put(rows, logprobs)
         for recorder, cap in zip(self.recorders, captures):
-            self.records[recorder.name].put(rows, recorder.split(cap.value, rows, lengths))
+            self.records[recorder.name].put(
+                rows, recorder.split(cap.value, rows, lengths)
+            )
 
     def _pi_old(self, rows: Rows, lengths: list[int]) -> Tensor | None:
         """The pi_old record of a training chunk of ``rows``: its ``[B, T-1]``, or None (unrecorded rows)."""
@@ -200,10 +245,13 @@ class AheadPass:
             return next(iter(record.by_row.values())).new_zeros(1, 1)
         if not record.covers(rows):
             return None  # mini-batch 0, skipped
-        return record.layout(rows, max(max(lengths[r] for r in rows), 2) - 1)  # the training chunk's [B, T-1]
+        # the training chunk's [B, T-1]
+        return record.layout(rows, max(max(lengths[r] for r in rows), 2) - 1)
 
     # -- the probe ---------------------------------------------------------------------------------------------
-    def _run_probe(self, chunk: RolloutBatch, eval_logprobs: Tensor, captured: Sequence = ()) -> None:
+    def _run_probe(
+        self, chunk: RolloutBatch, eval_logprobs: Tensor, captured: Sequence = ()
+    ) -> None:
         """Re-score ``chunk`` in train() mode at unchanged weights; raise if it moved past the declared bound.
         ``captured``: each hook's capture of ``chunk``'s eval() forward, in hook order."""
         policy = noise_policy_of(self.model)
@@ -221,29 +269,53 @@ class AheadPass:
         moved = self.dp_sum(past.sum().double())
         counted = self.dp_sum(mask.sum().double())
         fraction = float(moved / counted.clamp(min=1))  # one host sync, once per run
-        result = ProbeResult(fraction, float(diff.max()) if diff.numel() else 0.0, policy)
+        result = ProbeResult(
+            fraction, float(diff.max()) if diff.numel() else 0.0, policy
+        )
         if not result.passed:
             raise NondeterministicForwardError(_probe_message(result))
-        log.info("pi_old determinism probe passed: %.4g of tokens past %.3g nats (max |diff| %.3g nats)",
-                 result.fraction, policy.bound_nats, result.max_diff)
+        log.info(
+            "pi_old determinism probe passed: %.4g of tokens past %.3g nats (max |diff| %.3g nats)",
+            result.fraction,
+            policy.bound_nats,
+            result.max_diff,
+        )
         self._probe = result
 
     # -- resume ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The probe runs once per run; a resumed run must not run it again."""
         p = self._probe
-        return {"probe": None if p is None else {"fraction": p.fraction, "max_diff": p.max_diff,
-                                                 "bound_nats": p.policy.bound_nats,
-                                                 "max_fraction": p.policy.max_fraction}}
+        return {
+            "probe": None
+            if p is None
+            else {
+                "fraction": p.fraction,
+                "max_diff": p.max_diff,
+                "bound_nats": p.policy.bound_nats,
+                "max_fraction": p.policy.max_fraction,
+            }
+        }
 
     def load_state_dict(self, state: dict) -> None:
         p = state.get("probe")
-        self._probe = None if p is None else ProbeResult(
-            p["fraction"], p["max_diff"], ForwardNoisePolicy(p["bound_nats"], p["max_fraction"]))
+        self._probe = (
+            None
+            if p is None
+            else ProbeResult(
+                p["fraction"],
+                p["max_diff"],
+                ForwardNoisePolicy(p["bound_nats"], p["max_fraction"]),
+            )
+        )
 
 
 def _probe_message(r: ProbeResult) -> str:
-    allowed = "any token" if r.policy.max_fraction == 0 else f"more than {r.policy.max_fraction:.4g} of tokens"
+    allowed = (
+        "any token"
+        if r.policy.max_fraction == 0
+        else f"more than {r.policy.max_fraction:.4g} of tokens"
+    )
     return (
         f"pi_old determinism probe failed: {r.fraction:.4g} of completion tokens moved by more than "
         f"{r.policy.bound_nats:.3g} nats (max {r.max_diff:.3g} nats) between the eval() record and a train() "
@@ -285,7 +357,12 @@ def train_mode(model: nn.Module) -> _ModeSwitch:
 
 def warn_if_unfrozen(rl) -> None:
     """The diagnostic switch is off-label: say so once, when the module is built."""
-    if rl.steps_per_loop_step > 1 and pi_old_source(rl) == "current":  # several steps, pi_old not frozen
-        log.warning("rl.freeze_pi_old=false at n_mini=%d, mu_iterations=%d: pi_old follows the drifting policy, the "
-                    "ratio returns to 1 on every mini-batch and the clip never binds. Diagnostic only; keep it true to "
-                    "train.", rl.n_mini, rl.mu_iterations)
+    # several steps, pi_old not frozen
+    if rl.steps_per_loop_step > 1 and pi_old_source(rl) == "current":
+        log.warning(
+            "rl.freeze_pi_old=false at n_mini=%d, mu_iterations=%d: pi_old follows the drifting policy, the "
+            "ratio returns to 1 on every mini-batch and the clip never binds. Diagnostic only; keep it true to "
+            "train.",
+            rl.n_mini,
+            rl.mu_iterations,
+        )

@@ -80,28 +80,43 @@ class CollectedBatchLoop:
             ``max_steps``); None = never.
     """
 
-    def __init__(self, accumulator: DeferredAccumulator, forward_chunk: ForwardChunk,
-                 hooks: Sequence[ChunkHook] = (), max_consecutive_skips: int | None = None) -> None:
+    def __init__(
+        self,
+        accumulator: DeferredAccumulator,
+        forward_chunk: ForwardChunk,
+        hooks: Sequence[ChunkHook] = (),
+        max_consecutive_skips: int | None = None,
+    ) -> None:
         self.accumulator = accumulator
         self.forward_chunk = forward_chunk
         self.hooks = list(hooks)
         self.max_consecutive_skips = max_consecutive_skips
         self.progress = LoopProgress()
-        self.last_nonfinite = ""  # where the last non-finite value came from, for the error
+        # where the last non-finite value came from, for the error
+        self.last_nonfinite = ""
 
-    def run(self, batch: RolloutBatch, plan: ChunkPlan, pi_old: Sequence[Tensor | None] | None = None) -> LoopResult:
+    def run(
+        self,
+        batch: RolloutBatch,
+        plan: ChunkPlan,
+        pi_old: Sequence[Tensor | None] | None = None,
+    ) -> LoopResult:
         """Consume ``batch``. ``pi_old[k]`` is the frozen pi_old of the k-th chunk in walk order (None = detach)."""
         n_calls = sum(1 for _ in plan.training_walk())
         if pi_old is not None and len(pi_old) != n_calls:
-            raise ValueError(f"pi_old has {len(pi_old)} entries for a plan of {n_calls} chunks")
+            raise ValueError(
+                f"pi_old has {len(pi_old)} entries for a plan of {n_calls} chunks"
+            )
         acc = self.accumulator
         result = LoopResult()
         k = 0  # k: chunk number in walk order (pi_old pairs by it)
         discarded_before = acc.discarded_chunks
-        for epoch, mini in plan.windows():  # one optimizer step each; epochs replay the same chunks
+        # one optimizer step each; epochs replay the same chunks
+        for epoch, mini in plan.windows():
             window: list[Stats] = []
             acc.open_window(plan.n_chunks(mini))  # data-dependent under a token budget
-            for micro in range(plan.n_chunks(mini)):  # one forward/backward each; the last one steps
+            # one forward/backward each; the last one steps
+            for micro in range(plan.n_chunks(mini)):
                 self.progress.epoch = epoch
                 self.progress.mini = mini
                 self.progress.micro = micro
@@ -109,20 +124,29 @@ class CollectedBatchLoop:
                     outcome = acc.discard()
                 else:
                     chunk = plan.chunk(batch, mini, micro)
-                    with contextlib.ExitStack() as stack:  # spans backward: a checkpointed recompute sees it too
-                        scopes = [stack.enter_context(hook.scope(k, chunk)) for hook in self.hooks]
-                        loss, denom, stats = self.forward_chunk(chunk, paired(pi_old, k, chunk))
-                        if plan.rows[mini][micro] != EMPTY:  # a DP filler trains nothing: it reports nothing either
+                    # spans backward: a checkpointed recompute sees it too
+                    with contextlib.ExitStack() as stack:
+                        scopes = [
+                            stack.enter_context(hook.scope(k, chunk))
+                            for hook in self.hooks
+                        ]
+                        loss, denom, stats = self.forward_chunk(
+                            chunk, paired(pi_old, k, chunk)
+                        )
+                        # a DP filler trains nothing: it reports nothing either
+                        if plan.rows[mini][micro] != EMPTY:
                             window.append(stats)
                         for scope in scopes:  # each hook's auxiliary term, if any
                             loss = scope.loss_with_aux(loss, denom)
                         skipped_before = acc.skipped_steps
                         outcome = acc.train(loss, denom)
-                    if acc.skipped_steps != skipped_before:  # this call poisoned the window, or its step was skipped
+                    # this call poisoned the window, or its step was skipped
+                    if acc.skipped_steps != skipped_before:
                         self._note_nonfinite(acc, mini, micro)
                 k += 1
             self._close(result, window, outcome, mini, epoch)
-        result.discarded_chunks = acc.discarded_chunks - discarded_before  # dropped + the non-finite ones
+        # dropped + the non-finite ones
+        result.discarded_chunks = acc.discarded_chunks - discarded_before
         result.consecutive_skips = acc.consecutive_skips
         self.progress.loop_step += 1
         return result
@@ -132,13 +156,24 @@ class CollectedBatchLoop:
         if acc.last_skip_cause == "loss":
             self.last_nonfinite = f"non-finite loss in loop step {step}, mini-batch {mini}, micro-batch {micro}"
         else:
-            self.last_nonfinite = (f"non-finite gradient norm at the optimizer step of loop step {step}, "
-                                   f"mini-batch {mini} (closed by micro-batch {micro})")
+            self.last_nonfinite = (
+                f"non-finite gradient norm at the optimizer step of loop step {step}, "
+                f"mini-batch {mini} (closed by micro-batch {micro})"
+            )
 
-    def _close(self, result: LoopResult, window: list[Stats], outcome: StepOutcome | None, mini: int,
-               epoch: int) -> None:
-        if outcome is None:  # the accumulator steps after the window's calls, from an empty window at each start
-            raise RuntimeError(f"mini-batch {mini} ended without closing its accumulation window")
+    def _close(
+        self,
+        result: LoopResult,
+        window: list[Stats],
+        outcome: StepOutcome | None,
+        mini: int,
+        epoch: int,
+    ) -> None:
+        # the accumulator steps after the window's calls, from an empty window at each start
+        if outcome is None:
+            raise RuntimeError(
+                f"mini-batch {mini} ended without closing its accumulation window"
+            )
         self.progress.optimizer_steps += 1
         result.steps.append(outcome)
         if not outcome.skipped:

@@ -96,7 +96,9 @@ def pi_old_source(rl, reads_pi_old: bool = True) -> PiOldSource:
     return "current"
 
 
-def batch_needs(rl, objective, hooks: Sequence[ChunkHook] = (), recorders: bool = False) -> Needs:
+def batch_needs(
+    rl, objective, hooks: Sequence[ChunkHook] = (), recorders: bool = False
+) -> Needs:
     """The one place that decides what a collected batch needs, from the config, the objective and the hooks.
 
     ``rl``: what ``pi_old_source`` reads and the micro split (``GRPOConfig``); ``hooks``: the per-chunk hooks the
@@ -144,7 +146,9 @@ class ChunkPlan:
             object.__setattr__(self, "order", (tuple(range(len(self.rows))),))
 
     @classmethod
-    def fixed(cls, n_rows: int, n_mini: int, n_micro: int, expected_rows: int | None = None) -> ChunkPlan:
+    def fixed(
+        cls, n_rows: int, n_mini: int, n_micro: int, expected_rows: int | None = None
+    ) -> ChunkPlan:
         """Contiguous equal chunks; refuses a batch whose size disagrees with the config."""
         check_rows(n_rows, expected_rows)
         if n_rows % (n_mini * n_micro):
@@ -153,16 +157,28 @@ class ChunkPlan:
                 "equal chunks"
             )
         size = n_rows // (n_mini * n_micro)
-        return cls(tuple(
-            tuple(tuple(range((mi * n_micro + mc) * size, (mi * n_micro + mc + 1) * size)) for mc in range(n_micro))
-            for mi in range(n_mini)
-        ))
+        return cls(
+            tuple(
+                tuple(
+                    tuple(
+                        range(
+                            (mi * n_micro + mc) * size, (mi * n_micro + mc + 1) * size
+                        )
+                    )
+                    for mc in range(n_micro)
+                )
+                for mi in range(n_mini)
+            )
+        )
 
     def with_mu_iterations(self, mu_iterations: int, seed: int) -> ChunkPlan:
         """``mu_iterations`` inner epochs over the same chunks: epoch 0 in mini-batch order, each later one in an
         order drawn from ``seed`` (the same on every rank, so the ranks' windows stay aligned)."""
         gen = torch.Generator().manual_seed(seed)
-        later = [tuple(torch.randperm(self.n_mini, generator=gen).tolist()) for _ in range(mu_iterations - 1)]
+        later = [
+            tuple(torch.randperm(self.n_mini, generator=gen).tolist())
+            for _ in range(mu_iterations - 1)
+        ]
         return replace(self, order=(tuple(range(self.n_mini)), *later))
 
     # -- shape ---------------------------------------------------------------------------------------------------
@@ -229,14 +245,28 @@ def empty_chunk(batch: RolloutBatch) -> RolloutBatch:
     one = batch.select(slice(0, 1))
     cut = {name: getattr(one, name)[:, :2] for name in ("input_ids", "attention_mask")}
     lp = one.rollout_logprobs
-    return replace(one, **cut, completion_mask=torch.zeros_like(cut["attention_mask"]),
-                   advantages=torch.zeros_like(one.advantages), rewards=torch.zeros_like(one.rewards),
-                   rollout_logprobs=None if lp is None else torch.zeros_like(lp[:, :2]), images=None)
+    return replace(
+        one,
+        **cut,
+        completion_mask=torch.zeros_like(cut["attention_mask"]),
+        advantages=torch.zeros_like(one.advantages),
+        rewards=torch.zeros_like(one.rewards),
+        rollout_logprobs=None if lp is None else torch.zeros_like(lp[:, :2]),
+        images=None,
+    )
 
 
-def plan_update(batch: RolloutBatch, n_mini: int, n_micro: int, budget: int = 0, ahead_rows: list[int] | None = None,
-                ahead_budget: int = 0, dp_max: DPMax = _one_rank, expected_rows: int | None = None,
-                packed: bool = False) -> tuple[ChunkPlan, ChunkPlan | None]:
+def plan_update(
+    batch: RolloutBatch,
+    n_mini: int,
+    n_micro: int,
+    budget: int = 0,
+    ahead_rows: list[int] | None = None,
+    ahead_budget: int = 0,
+    dp_max: DPMax = _one_rank,
+    expected_rows: int | None = None,
+    packed: bool = False,
+) -> tuple[ChunkPlan, ChunkPlan | None]:
     """The training plan of one collected batch, and the ahead pass's own plan when it has a budget of its own.
 
     ``budget`` 0: fixed ``n_micro`` chunks per mini-batch. Otherwise each of the ``n_mini`` contiguous mini-batches
@@ -251,7 +281,9 @@ def plan_update(batch: RolloutBatch, n_mini: int, n_micro: int, budget: int = 0,
         groups = []
     else:
         if len(batch) % n_mini:
-            raise BatchSizeError(f"collected batch of {len(batch)} trajectories does not split into n_mini={n_mini}")
+            raise BatchSizeError(
+                f"collected batch of {len(batch)} trajectories does not split into n_mini={n_mini}"
+            )
         size = len(batch) // n_mini
         groups = [(range(m * size, (m + 1) * size), budget) for m in range(n_mini)]
     if ahead_rows is not None and ahead_budget:
@@ -260,16 +292,26 @@ def plan_update(batch: RolloutBatch, n_mini: int, n_micro: int, budget: int = 0,
         return plan, None
     lengths, prompts = sequence_lengths(batch)
     cut = [token_chunks(lengths, rows, b, packed) for rows, b in groups]
-    counts = dp_max(torch.tensor([len(c) for c in cut] + [max(prompts, default=0)], dtype=torch.int64)).tolist()
+    counts = dp_max(
+        torch.tensor(
+            [len(c) for c in cut] + [max(prompts, default=0)], dtype=torch.int64
+        )
+    ).tolist()
     if budget:
         check_prompts(counts[-1], budget, "rl.max_tokens_per_micro")
     if ahead_rows is not None and ahead_budget:
         check_prompts(counts[-1], ahead_budget, "rl.max_tokens_per_ahead_micro")
     padded = [tuple(c) + (EMPTY,) * (n - len(c)) for c, n in zip(cut, counts[:-1])]
     if budget:
-        oversized = sum(len(c) == 1 and lengths[c[0]] > budget for chunks in cut[:n_mini] for c in chunks)
+        oversized = sum(
+            len(c) == 1 and lengths[c[0]] > budget
+            for chunks in cut[:n_mini]
+            for c in chunks
+        )
         plan = ChunkPlan(tuple(padded[:n_mini]), oversized=oversized)
-    ahead = ChunkPlan((padded[-1],)) if ahead_rows is not None and ahead_budget else None
+    ahead = (
+        ChunkPlan((padded[-1],)) if ahead_rows is not None and ahead_budget else None
+    )
     return plan, ahead
 
 
@@ -297,7 +339,9 @@ def sequence_lengths(batch: RolloutBatch) -> tuple[list[int], list[int]]:
     return total.tolist(), (total - batch.completion_mask.sum(-1)).tolist()
 
 
-def token_chunks(lengths: list[int], rows, budget: int, packed: bool = False) -> list[Rows]:
+def token_chunks(
+    lengths: list[int], rows, budget: int, packed: bool = False
+) -> list[Rows]:
     """The fewest chunks of ``rows`` whose padded cost (rows x longest, at least 2 tokens; ``packed``: the sum of the
     rows' lengths) stays <= ``budget``, balanced: among those, the smallest largest chunk cost. Deterministic.
 
@@ -305,7 +349,8 @@ def token_chunks(lengths: list[int], rows, budget: int, packed: bool = False) ->
     own longest row, so rows of similar length belong together. Greedy runs give the fewest chunks; a bisection on
     the cost cap then finds the most balanced cut with that many. A row longer than the budget is a chunk alone.
     """
-    ordered = sorted(rows, key=lambda r: (-lengths[r], r))  # longest first, ties by row: deterministic
+    # longest first, ties by row: deterministic
+    ordered = sorted(rows, key=lambda r: (-lengths[r], r))
     cost = [max(lengths[r], 2) for r in ordered]
     runs = _packed_runs if packed else _runs
     fewest = len(runs(cost, budget))

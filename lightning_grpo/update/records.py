@@ -84,7 +84,9 @@ class Recorder(Protocol):
 
     def capture(self) -> AbstractContextManager[Capture]: ...
 
-    def split(self, value: Any, rows: Sequence[int], lengths: Sequence[int]) -> list[Tensor]: ...
+    def split(
+        self, value: Any, rows: Sequence[int], lengths: Sequence[int]
+    ) -> list[Tensor]: ...
 
 
 @dataclass(frozen=True)

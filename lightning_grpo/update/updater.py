@@ -52,8 +52,15 @@ class Split:
 
     @classmethod
     def of(cls, rl, dp_size: int = 1, packed: bool = False) -> Split:
-        return cls(rl.rank_sizes(dp_size).batch, rl.n_mini, rl.n_micro, rl.max_tokens_per_micro, rl.ahead_budget,
-                   rl.mu_iterations, packed)
+        return cls(
+            rl.rank_sizes(dp_size).batch,
+            rl.n_mini,
+            rl.n_micro,
+            rl.max_tokens_per_micro,
+            rl.ahead_budget,
+            rl.mu_iterations,
+            packed,
+        )
 
 
 @dataclass(frozen=True)
@@ -98,10 +105,20 @@ class Updater:
         result = updater.update(batch)
     """
 
-    def __init__(self, policy: nn.Module, forward_chunk: ForwardChunk, split: Split,
-                 needs: Needs = NOTHING, ahead: AheadPass | None = None, hooks: Sequence[ChunkHook] = (),
-                 seed: int = 0, dp: DataParallel = ONE_PROCESS, max_grad_norm: float = 0.0,
-                 max_consecutive_skips: int | None = None, timer: StepTimer | None = None) -> None:
+    def __init__(
+        self,
+        policy: nn.Module,
+        forward_chunk: ForwardChunk,
+        split: Split,
+        needs: Needs = NOTHING,
+        ahead: AheadPass | None = None,
+        hooks: Sequence[ChunkHook] = (),
+        seed: int = 0,
+        dp: DataParallel = ONE_PROCESS,
+        max_grad_norm: float = 0.0,
+        max_consecutive_skips: int | None = None,
+        timer: StepTimer | None = None,
+    ) -> None:
         self.policy = policy
         self.forward_chunk = forward_chunk
         self.split = split
@@ -113,7 +130,8 @@ class Updater:
         self.max_grad_norm = max_grad_norm
         self.max_consecutive_skips = max_consecutive_skips
         self.timer = timer if timer is not None else StepTimer()
-        self.loop: CollectedBatchLoop | None = None  # built by attach, once the optimizer exists
+        # built by attach, once the optimizer exists
+        self.loop: CollectedBatchLoop | None = None
         self.last_plan: ChunkPlan | None = None
         """The ChunkPlan of the last collected batch (metrics, tests)."""
 
@@ -122,8 +140,16 @@ class Updater:
         """Collected batches consumed so far."""
         return self.loop.progress.loop_step if self.loop is not None else 0
 
-    def attach(self, optimizer, scheduler=None, backward=None, step=None, clip=None, split: Split | None = None,
-               dp: DataParallel | None = None) -> CollectedBatchLoop:
+    def attach(
+        self,
+        optimizer,
+        scheduler=None,
+        backward=None,
+        step=None,
+        clip=None,
+        split: Split | None = None,
+        dp: DataParallel | None = None,
+    ) -> CollectedBatchLoop:
         """Build the accumulator and loop around ``optimizer`` (``scheduler`` stepped with it). ``backward``, ``step``
         and ``clip`` default to plain torch; under a Trainer they go through the precision plugin, and ``split`` and
         ``dp`` are the ranks' (known only once the strategy is set up: a part decided earlier would plan one rank's
@@ -132,17 +158,32 @@ class Updater:
             self.split = split
         if dp is not None:
             self.dp = dp
-        acc = DeferredAccumulator(self.policy.parameters(), optimizer, grad_accum=self.split.n_micro,
-                                  max_grad_norm=self.max_grad_norm, backward=backward, scheduler=scheduler,
-                                  grad_sync=self.dp.grad_sync, all_finite=self.dp.all_finite, step=step, clip=clip)
-        self.loop = CollectedBatchLoop(acc, self.forward_chunk, self.hooks,
-                                       max_consecutive_skips=self.max_consecutive_skips)
+        acc = DeferredAccumulator(
+            self.policy.parameters(),
+            optimizer,
+            grad_accum=self.split.n_micro,
+            max_grad_norm=self.max_grad_norm,
+            backward=backward,
+            scheduler=scheduler,
+            grad_sync=self.dp.grad_sync,
+            all_finite=self.dp.all_finite,
+            step=step,
+            clip=clip,
+        )
+        self.loop = CollectedBatchLoop(
+            acc,
+            self.forward_chunk,
+            self.hooks,
+            max_consecutive_skips=self.max_consecutive_skips,
+        )
         return self.loop
 
     def update(self, batch) -> LoopResult:
         """Consume one collected batch (this rank's share): plan -> ahead pass -> windows of chunks."""
         if self.loop is None:
-            raise RuntimeError("Updater.update before Updater.attach(optimizer): there is nothing to step")
+            raise RuntimeError(
+                "Updater.update before Updater.attach(optimizer): there is nothing to step"
+            )
         needs = self.needs
         plan, ahead = self.plan(batch, needs)
         self.last_plan = plan
@@ -151,30 +192,56 @@ class Updater:
         if needs.ahead_pass:
             with self.timer.phase(AHEAD):
                 pi_old = self.ahead.compute(batch, plan, needs, ahead)
-        for hook in self.hooks:  # each hook's records of this batch, read back chunk by chunk in training
-            hook.begin(batch, plan, self.ahead.records.get(hook.name) if needs.ahead_pass else None)
+        # each hook's records of this batch, read back chunk by chunk in training
+        for hook in self.hooks:
+            hook.begin(
+                batch,
+                plan,
+                self.ahead.records.get(hook.name) if needs.ahead_pass else None,
+            )
         return self.loop.run(batch, plan, pi_old if needs.pi_old else None)
 
-    def plan(self, batch, needs: Needs | None = None) -> tuple[ChunkPlan, ChunkPlan | None]:
+    def plan(
+        self, batch, needs: Needs | None = None
+    ) -> tuple[ChunkPlan, ChunkPlan | None]:
         """The ChunkPlan of this collected batch (every epoch) and the ahead pass's own, computed once and shared by
         the ahead pass and the training walk. Token-budgeted counts are agreed over ranks in one all-reduce."""
         s = self.split
         needs = needs or self.needs
         ahead_rows = None
         if needs.pi_old and s.ahead_budget:
-            first = len(batch) // s.n_mini if self.ahead.skips_first_mini(needs, s.mu_iterations) else 0
+            first = (
+                len(batch) // s.n_mini
+                if self.ahead.skips_first_mini(needs, s.mu_iterations)
+                else 0
+            )
             ahead_rows = list(range(first, len(batch)))
-        plan, ahead = plan_update(batch, s.n_mini, s.n_micro, s.max_tokens_per_micro, ahead_rows, s.ahead_budget,
-                                  self.dp.max, expected_rows=s.rows, packed=s.packed)
-        if s.mu_iterations > 1:  # the later epochs' mini-batch order: the same on every rank, new every loop step
-            plan = plan.with_mu_iterations(s.mu_iterations, seed=self.seed * 1_000_003 + self.loop_step)
+        plan, ahead = plan_update(
+            batch,
+            s.n_mini,
+            s.n_micro,
+            s.max_tokens_per_micro,
+            ahead_rows,
+            s.ahead_budget,
+            self.dp.max,
+            expected_rows=s.rows,
+            packed=s.packed,
+        )
+        # the later epochs' mini-batch order: the same on every rank, new every loop step
+        if s.mu_iterations > 1:
+            plan = plan.with_mu_iterations(
+                s.mu_iterations, seed=self.seed * 1_000_003 + self.loop_step
+            )
         return plan, ahead
 
     # -- resume ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Loop counters, the accumulator's window and the probe's verdict (what an exact resume needs)."""
-        return {"loop_progress": self.loop.progress.state_dict(), "accumulator": self.loop.accumulator.state_dict(),
-                "old_logprobs": self.ahead.state_dict() if self.ahead is not None else {}}
+        return {
+            "loop_progress": self.loop.progress.state_dict(),
+            "accumulator": self.loop.accumulator.state_dict(),
+            "old_logprobs": self.ahead.state_dict() if self.ahead is not None else {},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.loop.progress.load_state_dict(state["loop_progress"])

@@ -35,25 +35,47 @@ class ServerAdapters:
     def __init__(self, rank: int) -> None:
         self.max_rank = served_rank(rank)
         shm = Path("/dev/shm")
-        self.root = Path(tempfile.mkdtemp(prefix="lightning-grpo-server-lora-", dir=shm if shm.is_dir() else None))
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)  # at exit too: a failed run's
+        self.root = Path(
+            tempfile.mkdtemp(
+                prefix="lightning-grpo-server-lora-", dir=shm if shm.is_dir() else None
+            )
+        )
+        # at exit too: a failed run's
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)
         self.published = 0
         self.name: str | None = None
         """The adapter requests name as their model (None before the first publication: the base model)."""
 
     def launch_args(self) -> list[str]:
-        return ["--enable-lora", "--max-lora-rank", str(self.max_rank), "--max-loras", "1"]
+        return [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.max_rank),
+            "--max-loras",
+            "1",
+        ]
 
-    def publish(self, clients: Sequence[ServerClient], tensors: dict[str, Tensor], config_json: str,
-                leads: bool = True) -> None:
+    def publish(
+        self,
+        clients: Sequence[ServerClient],
+        tensors: dict[str, Tensor],
+        config_json: str,
+        leads: bool = True,
+    ) -> None:
         """Load this adapter (peft format) on every server under the next name, then unload the previous one.
         ``leads=False`` (a trainer rank other than 0): only the name moves on; rank 0 loads it."""
         self.published += 1
         name, old = f"policy-{self.published}", self.name
         if leads:
             folder = write_adapter_folder(tensors, config_json, self.root / name)
-            each(clients, lambda c: c.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
-                                           "load_lora_adapter"))
+            each(
+                clients,
+                lambda c: c.post(
+                    "/v1/load_lora_adapter",
+                    {"lora_name": name, "lora_path": str(folder)},
+                    "load_lora_adapter",
+                ),
+            )
             if old is not None:
                 each(clients, lambda c: _unload(c, old))
                 shutil.rmtree(self.root / old, ignore_errors=True)
@@ -66,7 +88,9 @@ class ServerAdapters:
 def _unload(client: ServerClient, name: str) -> None:
     """Unload ``name``; a server that does not hold it (restarted since it was loaded) has nothing to unload."""
     try:
-        client.post("/v1/unload_lora_adapter", {"lora_name": name}, "unload_lora_adapter")
+        client.post(
+            "/v1/unload_lora_adapter", {"lora_name": name}, "unload_lora_adapter"
+        )
     except ServerError as err:
         if "answered HTTP 404" not in str(err):
             raise

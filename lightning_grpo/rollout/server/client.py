@@ -25,7 +25,11 @@ from lightning_grpo.rollout.server.process import (
 from lightning_grpo.rollout.server_config import ServerConfig
 
 _T = TypeVar("_T")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 class ServerClient:
@@ -37,7 +41,9 @@ class ServerClient:
         process: the launched child, None for a server at a URL (then ``close`` leaves it running).
     """
 
-    def __init__(self, url: str, config: ServerConfig, process: ServerProcess | None = None) -> None:
+    def __init__(
+        self, url: str, config: ServerConfig, process: ServerProcess | None = None
+    ) -> None:
         self.url, self.config, self.process = url, config, process
         self.model_name = ""
         """The name the server answers to (``/v1/models``); set by ``connect``."""
@@ -57,17 +63,29 @@ class ServerClient:
         """The weight dtype inside the server: the configured one, else read from ``/server_info`` (dev mode)."""
         if self.config.dtype != "auto":
             return _DTYPES[self.config.dtype]
-        text = json.dumps(self.get("/server_info", "server_info"))  # the server's resolved config, as text
+        # the server's resolved config, as text
+        text = json.dumps(self.get("/server_info", "server_info"))
         for name, dtype in _DTYPES.items():
-            if f"dtype=torch.{name}" in text or f'"dtype": "torch.{name}"' in text or f'"dtype": "{name}"' in text:
+            if (
+                f"dtype=torch.{name}" in text
+                or f'"dtype": "torch.{name}"' in text
+                or f'"dtype": "{name}"' in text
+            ):
                 return dtype
-        raise ServerError(f"could not read the model dtype from {self.url}/server_info; set rollout.server.dtype")
+        raise ServerError(
+            f"could not read the model dtype from {self.url}/server_info; set rollout.server.dtype"
+        )
 
     def complete(self, body: dict) -> dict:
         """One ``/v1/completions`` request (a generation: ``request_timeout_s``)."""
         try:
-            return request_json(self.url, "/v1/completions", {"model": self.model_name, **body},
-                                self.config.request_timeout_s, "generate")
+            return request_json(
+                self.url,
+                "/v1/completions",
+                {"model": self.model_name, **body},
+                self.config.request_timeout_s,
+                "generate",
+            )
         except ServerError as err:
             raise self.with_log(err, "generate") from None
 
@@ -75,8 +93,16 @@ class ServerClient:
         """The server's ``log p(ids[i] | ids[:i])`` for i >= 1 (prompt logprobs: they bypass the prefix cache), from
         ``model`` (a loaded LoRA adapter's name; None = the served model)."""
         ids = list(ids)
-        body = {"model": model or self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-        steps = self.post("/v1/completions", body, "probe")["choices"][0]["prompt_logprobs"][1:]
+        body = {
+            "model": model or self.model_name,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+        }
+        steps = self.post("/v1/completions", body, "probe")["choices"][0][
+            "prompt_logprobs"
+        ][1:]
         return [step[str(t)]["logprob"] for step, t in zip(steps, ids[1:])]
 
     def post(self, path: str, body: dict, phase: str) -> object:
@@ -104,8 +130,10 @@ class ServerClient:
         log = self.process.log_path
         if isinstance(err, ServerTimeout):
             knob = "request_timeout_s" if phase == "generate" else "sync_timeout_s"
-            return ServerTimeout(f"{err} (rollout.server.{knob}); vllm serve is still running, hung or overloaded: "
-                                 f"raise {knob}, or look at its log ({log})")
+            return ServerTimeout(
+                f"{err} (rollout.server.{knob}); vllm serve is still running, hung or overloaded: "
+                f"raise {knob}, or look at its log ({log})"
+            )
         return type(err)(f"{err} (vllm serve still running; log: {log})")
 
     def close(self) -> None:
@@ -114,7 +142,9 @@ class ServerClient:
             self.process.stop()
 
 
-def each(clients: Sequence[ServerClient], call: Callable[[ServerClient], _T]) -> list[_T]:
+def each(
+    clients: Sequence[ServerClient], call: Callable[[ServerClient], _T]
+) -> list[_T]:
     """``call(client)`` for every client, concurrently (one thread each); the results in client order.
 
     Every call runs to its end before the first failure is raised, so no server is left mid-phase unseen. A failure

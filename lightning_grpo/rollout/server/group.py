@@ -22,11 +22,18 @@ def group_shm(pgid: int) -> set[Path]:
     found = set()
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:  # field 5: the group
+            # field 5: the group
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
                 continue
             for line in (proc / "maps").read_text().splitlines():
-                path = Path(line.split(maxsplit=5)[-1]) if line.count(" ") >= 5 else None
-                if path and path.parent == Path("/dev/shm") and path.name.startswith(SHM_PREFIXES):
+                path = (
+                    Path(line.split(maxsplit=5)[-1]) if line.count(" ") >= 5 else None
+                )
+                if (
+                    path
+                    and path.parent == Path("/dev/shm")
+                    and path.name.startswith(SHM_PREFIXES)
+                ):
                     found.add(path)
     return found
 

@@ -30,7 +30,11 @@ from collections.abc import Callable
 
 from lightning_grpo.rollout.sampler import sample_seed
 from lightning_grpo.rollout.server.client import ServerClient
-from lightning_grpo.rollout.server.process import ConnectionLost, ServerError, ServerTimeout
+from lightning_grpo.rollout.server.process import (
+    ConnectionLost,
+    ServerError,
+    ServerTimeout,
+)
 
 
 class Gate:
@@ -68,8 +72,10 @@ class Gate:
         with self._cond:
             self._closed = True
             if not self._cond.wait_for(lambda: self._unconfirmed == 0, timeout):
-                raise ServerTimeout(f"pause: {self._unconfirmed} generation request(s) were not running on the server "
-                                    f"after {timeout:g}s (rollout.server.sync_timeout_s)")
+                raise ServerTimeout(
+                    f"pause: {self._unconfirmed} generation request(s) were not running on the server "
+                    f"after {timeout:g}s (rollout.server.sync_timeout_s)"
+                )
 
     def open(self, version: int) -> None:
         """The sync ended: requests go out again, under ``version``."""
@@ -98,7 +104,9 @@ def fails_gate(gate: Gate | None):
         raise
 
 
-def complete_in_flight(client: ServerClient, body: dict, gate: Gate, salt: Callable[[int], dict]) -> dict:
+def complete_in_flight(
+    client: ServerClient, body: dict, gate: Gate, salt: Callable[[int], dict]
+) -> dict:
     """One row's completion, continued across every sync that cut it. Returns the reply ``generate`` reads (tokens,
     text, finish reason, sampler logprobs) plus ``versions``: the weight version that sampled each token.
 
@@ -112,11 +120,20 @@ def complete_in_flight(client: ServerClient, body: dict, gate: Gate, salt: Calla
     while True:
         version = gate.enter()
         seed = body["seed"] if segment == 0 else sample_seed(body["seed"], -1, segment)
-        part = {**body, "prompt": list(body["prompt"]) + tokens, "max_tokens": body["max_tokens"] - len(tokens),
-                "seed": seed, **salt(version)}
+        part = {
+            **body,
+            "prompt": list(body["prompt"]) + tokens,
+            "max_tokens": body["max_tokens"] - len(tokens),
+            "seed": seed,
+            **salt(version),
+        }
         try:
-            ids, lps, text, finish = stream_completion(client.url, {"model": client.model_name, **part}, gate.confirm,
-                                                       client.config.request_timeout_s)
+            ids, lps, text, finish = stream_completion(
+                client.url,
+                {"model": client.model_name, **part},
+                gate.confirm,
+                client.config.request_timeout_s,
+            )
         except ServerError as err:
             raise client.with_log(err, "generate") from None
         tokens += ids
@@ -125,21 +142,32 @@ def complete_in_flight(client: ServerClient, body: dict, gate: Gate, salt: Calla
         texts.append(text)
         if finish != "abort":
             break
-        if len(tokens) >= body["max_tokens"]:  # cut after its last token: it is complete
+        # cut after its last token: it is complete
+        if len(tokens) >= body["max_tokens"]:
             finish = "length"
             break
         segment += 1
-    choice = {"token_ids": tokens, "text": "".join(texts), "finish_reason": finish, "segments": segment + 1,
-              "logprobs": {"token_logprobs": logprobs}, "versions": versions}
+    choice = {
+        "token_ids": tokens,
+        "text": "".join(texts),
+        "finish_reason": finish,
+        "segments": segment + 1,
+        "logprobs": {"token_logprobs": logprobs},
+        "versions": versions,
+    }
     return {"choices": [choice]}
 
 
-def stream_completion(url: str, body: dict, on_first: Callable[[], None],
-                      timeout: float) -> tuple[list[int], list[float], str, str]:
+def stream_completion(
+    url: str, body: dict, on_first: Callable[[], None], timeout: float
+) -> tuple[list[int], list[float], str, str]:
     """One streamed ``/v1/completions`` request: (token ids, sampler logprobs, text, finish reason). ``on_first`` runs
     once, when the first chunk arrives or the request fails."""
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     ids, lps, text, finish = [], [], [], None
     confirmed = False
     try:
@@ -158,18 +186,27 @@ def stream_completion(url: str, body: dict, on_first: Callable[[], None],
                 finish = choice.get("finish_reason") or finish
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")[:500]
-        raise ServerError(f"generate: {url}/v1/completions answered HTTP {err.code}: {detail}") from None
+        raise ServerError(
+            f"generate: {url}/v1/completions answered HTTP {err.code}: {detail}"
+        ) from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
         if isinstance(getattr(err, "reason", err), TimeoutError):
-            raise ServerTimeout(f"generate: {url}/v1/completions did not answer within {timeout:g}s") from None
-        raise ConnectionLost(f"generate: the stream from {url}/v1/completions broke ({err})") from None
+            raise ServerTimeout(
+                f"generate: {url}/v1/completions did not answer within {timeout:g}s"
+            ) from None
+        raise ConnectionLost(
+            f"generate: the stream from {url}/v1/completions broke ({err})"
+        ) from None
     finally:
         if not confirmed:
             on_first()
-    if finish is None and not ids:  # vLLM sends no chunk for a request cut before its first token
+    # vLLM sends no chunk for a request cut before its first token
+    if finish is None and not ids:
         finish = "abort"
     if finish is None:
-        raise ServerError(f"generate: the stream from {url}/v1/completions ended without a finish reason")
+        raise ServerError(
+            f"generate: the stream from {url}/v1/completions ended without a finish reason"
+        )
     return ids, lps, "".join(text), finish
 
 
@@ -193,6 +230,8 @@ def check_pausable(client: ServerClient) -> None:
     try:
         client.get("/is_paused", "is_paused")
     except ServerError as err:
-        raise ServerError(f"rollout.server.inflight_updates=True: the server at {client.url} cannot pause generation "
-                          f"({err}); start it with VLLM_SERVER_DEV_MODE=1 on a vLLM that serves /pause and /resume "
-                          "(0.32 does), or set rollout.server.inflight_updates: false") from None
+        raise ServerError(
+            f"rollout.server.inflight_updates=True: the server at {client.url} cannot pause generation "
+            f"({err}); start it with VLLM_SERVER_DEV_MODE=1 on a vLLM that serves /pause and /resume "
+            "(0.32 does), or set rollout.server.inflight_updates: false"
+        ) from None

@@ -45,7 +45,8 @@ def hop_transport(requested: str, url: str, names: frozenset[str] | None = None)
         raise ValueError(
             f"rollout.server.weight_transport=shm with the server at {url}: shared memory reaches only servers on "
             f"this node, and {urlsplit(url).hostname} is another host (it cannot read this node's /dev/shm); set "
-            "weight_transport: auto (HTTP for that hop) or http")
+            "weight_transport: auto (HTTP for that hop) or http"
+        )
     return requested
 
 
@@ -56,11 +57,14 @@ def bucket_bodies(tensors: dict, transports: set[str], path: Path) -> dict[str, 
     if "http" in transports:
         from safetensors.torch import save
 
-        bodies["http"] = {"update_info": {"data": base64.b64encode(save(tensors)).decode()}}
+        bodies["http"] = {
+            "update_info": {"data": base64.b64encode(save(tensors)).decode()}
+        }
     if "shm" in transports:
         from safetensors.torch import save_file
 
-        save_file(tensors, str(path))  # tmpfs: a memory copy every server on this node maps
+        # tmpfs: a memory copy every server on this node maps
+        save_file(tensors, str(path))
         bodies["shm"] = {"update_info": {"path": str(path)}}
     return bodies
 
@@ -72,4 +76,5 @@ def check_reachable_pool(host: str, ranks: Ranks) -> None:
         raise ValueError(
             f"rollout.server.host={host} with placement=global on {ranks.size // ranks.local_size} nodes: the servers "
             "rank 0 launches answer on node 0 only, which the other nodes' ranks cannot reach; set "
-            "rollout.server.placement: per_node (a pool on every node), or host: node 0's hostname")
+            "rollout.server.placement: per_node (a pool on every node), or host: node 0's hostname"
+        )

@@ -13,13 +13,23 @@ from typing import Sequence
 
 from lightning_grpo.rollout.server.client import ServerClient
 from lightning_grpo.rollout.server.placement import check_reachable_pool
-from lightning_grpo.rollout.server.process import ServerError, ServerProcess, free_ports, request_json
+from lightning_grpo.rollout.server.process import (
+    ServerError,
+    ServerProcess,
+    free_ports,
+    request_json,
+)
 from lightning_grpo.rollout.server.ranks import Ranks
 from lightning_grpo.rollout.server_config import ServerConfig
 
 
-def connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks: Ranks,
-             adapter_args: Sequence[str] = ()) -> list[ServerClient]:
+def connect(
+    model_path: Path,
+    cfg: ServerConfig,
+    sampler_logprobs: bool,
+    ranks: Ranks,
+    adapter_args: Sequence[str] = (),
+) -> list[ServerClient]:
     """A client per server at ``cfg.url``, or per launched replica (all spawned first, so they load side by side;
     several trainer ranks: rank 0 launches them and tells the others where they answer)."""
     if cfg.url is None and ranks.size > 1:
@@ -27,14 +37,21 @@ def connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks: 
         clients, failure = [], None
         if ranks.leads:
             try:
-                clients = connect(model_path, cfg, sampler_logprobs, Ranks(), adapter_args)
-            except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, not wait forever
+                clients = connect(
+                    model_path, cfg, sampler_logprobs, Ranks(), adapter_args
+                )
+            # noqa: BLE001 - the other ranks must hear of it, not wait forever
+            except Exception as err:
                 failure = err
-        urls = ranks.from_lead(f"error: {failure}" if failure is not None else [c.url for c in clients])
+        urls = ranks.from_lead(
+            f"error: {failure}" if failure is not None else [c.url for c in clients]
+        )
         if failure is not None:
             raise failure
         if isinstance(urls, str):
-            raise ServerError(f"the pool's lead rank could not launch vllm serve ({urls[7:]})")
+            raise ServerError(
+                f"the pool's lead rank could not launch vllm serve ({urls[7:]})"
+            )
         return clients or [ServerClient(url, cfg) for url in urls]
     if cfg.url is not None:
         for url in cfg.urls:
@@ -42,9 +59,15 @@ def connect(model_path: Path, cfg: ServerConfig, sampler_logprobs: bool, ranks: 
         return [ServerClient(url, cfg) for url in cfg.urls]
     mode = "processed_logprobs" if sampler_logprobs else "raw_logprobs"
     replicas = [cfg.replica(i) for i in range(cfg.replicas)]
-    if cfg.port is None and cfg.replicas > 1:  # picked together: two replicas never race for one port
-        replicas = [replace(r, port=port) for r, port in zip(replicas, free_ports(cfg.host, cfg.replicas))]
-    processes = [ServerProcess(str(model_path), r, mode, adapter_args) for r in replicas]
+    # picked together: two replicas never race for one port
+    if cfg.port is None and cfg.replicas > 1:
+        replicas = [
+            replace(r, port=port)
+            for r, port in zip(replicas, free_ports(cfg.host, cfg.replicas))
+        ]
+    processes = [
+        ServerProcess(str(model_path), r, mode, adapter_args) for r in replicas
+    ]
     try:
         for process in processes:
             process.spawn()
@@ -63,19 +86,25 @@ def check_answers(url: str, cfg: ServerConfig) -> None:
     try:
         request_json(url, "/health", timeout=_answer_timeout(cfg), phase="health")
     except ServerError as err:
-        raise ServerError(f"rollout.server.url={url}: no vLLM server answers there ({err}); start one (docs/async.md) "
-                          "or set rollout.server.url: null to launch one as a child of this run") from None
+        raise ServerError(
+            f"rollout.server.url={url}: no vLLM server answers there ({err}); start one (docs/async.md) "
+            "or set rollout.server.url: null to launch one as a child of this run"
+        ) from None
 
 
 def check_reachable(url: str, cfg: ServerConfig) -> None:
     """``check_answers``, and refuse a server that lacks the RL routes (started without dev mode)."""
     check_answers(url, cfg)
     try:
-        request_json(url, "/weight_info", timeout=_answer_timeout(cfg), phase="weight_info")
+        request_json(
+            url, "/weight_info", timeout=_answer_timeout(cfg), phase="weight_info"
+        )
     except ServerError as err:
-        raise ServerError(f"rollout.server.url={url}: the server has no weight-update routes ({err}); start it with "
-                          "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{\"backend\": \"lightning_grpo_shm\"}' "
-                          "(docs/async.md)") from None
+        raise ServerError(
+            f"rollout.server.url={url}: the server has no weight-update routes ({err}); start it with "
+            'VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config \'{"backend": "lightning_grpo_shm"}\' '
+            "(docs/async.md)"
+        ) from None
 
 
 def _answer_timeout(cfg: ServerConfig) -> float:

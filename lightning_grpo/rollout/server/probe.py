@@ -29,13 +29,21 @@ def check_version(clients: Sequence[ServerClient], version: int) -> None:
     """Every server reports ``version`` (0: nothing published yet, anything goes)."""
     for client, reported in zip(clients, each(clients, ServerClient.weight_version)):
         if version and reported != str(version):
-            raise StaleEngineError(f"the server at {client.url} reports weight version {reported!r} after this "
-                                   f"run published version {version}: another client updated it, or it "
-                                   "restarted")
+            raise StaleEngineError(
+                f"the server at {client.url} reports weight version {reported!r} after this "
+                f"run published version {version}: another client updated it, or it "
+                "restarted"
+            )
 
 
-def check_probe(clients: Sequence[ServerClient], ids: Sequence[int], trainer: Sequence[float], served: str | None,
-                tol: float, version: int) -> float:
+def check_probe(
+    clients: Sequence[ServerClient],
+    ids: Sequence[int],
+    trainer: Sequence[float],
+    served: str | None,
+    tol: float,
+    version: int,
+) -> float:
     """Every server's probe logprobs within ``tol`` of the ``trainer``'s; the largest error (each client keeps its
     own in ``last_probe_error``)."""
     servers = each(clients, lambda c: c.probe(ids, served))
@@ -48,5 +56,6 @@ def check_probe(clients: Sequence[ServerClient], ids: Sequence[int], trainer: Se
                 f"the server's logprobs on the probe sequence differ from the trainer's by "
                 f"{client.last_probe_error:.3g} > rollout.server.probe_tolerance={tol:g} (weight version "
                 f"{version}{where}): it does not hold the trainer's weights (a sync that did not land, a "
-                "server of another model, or a dtype far from the trainer's: then raise probe_tolerance)")
+                "server of another model, or a dtype far from the trainer's: then raise probe_tolerance)"
+            )
     return max(c.last_probe_error for c in clients)

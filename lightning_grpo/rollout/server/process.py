@@ -78,8 +78,10 @@ class ServerDied(ServerError):
         """How often the child had been started when it was found dead (a later restart repaired this death)."""
         self.log_path = process.log_path
         self.tail = process.log_tail()
-        super().__init__(f"vllm serve at {process.url} exited with code {exit_code(self.code)} during {phase}; "
-                         f"its log: {self.log_path}" + (f"\n{fix}" if fix else ""))
+        super().__init__(
+            f"vllm serve at {process.url} exited with code {exit_code(self.code)} during {phase}; "
+            f"its log: {self.log_path}" + (f"\n{fix}" if fix else "")
+        )
         self.add_note(f"the last lines of {self.log_path}:\n{self.tail}")
 
 
@@ -92,23 +94,39 @@ def exit_code(code: int | None) -> str:
     return str(code)
 
 
-def request_json(url: str, path: str, body: dict | None = None, timeout: float = 30.0, phase: str = "") -> object:
+def request_json(
+    url: str,
+    path: str,
+    body: dict | None = None,
+    timeout: float = 30.0,
+    phase: str = "",
+) -> object:
     """GET (``body`` None) or POST ``body`` as JSON; the decoded reply. Errors name the phase and the server's reply:
     ``ServerTimeout`` after ``timeout`` seconds of silence, ``ConnectionLost`` when the connection broke."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=data, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as reply:
             raw = reply.read()
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")[:500]
-        raise ServerError(f"{phase or path}: {url}{path} answered HTTP {err.code}: {detail}") from None
-    except (urllib.error.URLError, http.client.HTTPException, OSError) as err:  # refused, reset, cut short, timeout
+        raise ServerError(
+            f"{phase or path}: {url}{path} answered HTTP {err.code}: {detail}"
+        ) from None
+    # refused, reset, cut short, timeout
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
         reason = getattr(err, "reason", err)
-        if isinstance(reason, TimeoutError):  # socket.timeout: the only error that means time ran out
-            raise ServerTimeout(f"{phase or path}: {url}{path} did not answer within {timeout:g}s") from None
-        raise ConnectionLost(f"{phase or path}: the connection to {url}{path} broke "
-                             f"({type(reason).__name__}: {reason})") from None
+        # socket.timeout: the only error that means time ran out
+        if isinstance(reason, TimeoutError):
+            raise ServerTimeout(
+                f"{phase or path}: {url}{path} did not answer within {timeout:g}s"
+            ) from None
+        raise ConnectionLost(
+            f"{phase or path}: the connection to {url}{path} broke "
+            f"({type(reason).__name__}: {reason})"
+        ) from None
     if not raw:
         return None
     try:
@@ -136,16 +154,23 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as err:
-            raise ServerError(f"rollout.server.port={port}: {host}:{port} is in use ({err.strerror}); pick another "
-                              "port, set rollout.server.port: null (a free one), or stop what listens there "
-                              f"(`ss -ltnp 'sport = :{port}'` shows it)") from None
+            raise ServerError(
+                f"rollout.server.port={port}: {host}:{port} is in use ({err.strerror}); pick another "
+                "port, set rollout.server.port: null (a free one), or stop what listens there "
+                f"(`ss -ltnp 'sport = :{port}'` shows it)"
+            ) from None
 
 
 class ServerProcess:
     """A launched ``vllm serve`` child: ``start`` (waits for /health), ``log_tail``, ``alive``, ``stop``."""
 
-    def __init__(self, model_path: str, cfg: ServerConfig, logprobs_mode: str,
-                 adapter_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        cfg: ServerConfig,
+        logprobs_mode: str,
+        adapter_args: Sequence[str] = (),
+    ) -> None:
         self.cfg, self.serves_adapters = cfg, bool(adapter_args)
         self.port = cfg.port if cfg.port is not None else free_port(cfg.host)
         if cfg.port is not None:
@@ -153,10 +178,25 @@ class ServerProcess:
         self.url = f"http://{cfg.host}:{self.port}"
         self.log_dir = Path(tempfile.mkdtemp(prefix="lightning-grpo-server-"))
         self.log_path = self.log_dir / "server.log"
-        self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-                     "--served-model-name", SERVED_NAME, "--host", cfg.host, "--port", str(self.port),
-                     "--dtype", cfg.dtype, "--logprobs-mode", logprobs_mode,
-                     "--weight-transfer-config", json.dumps({"backend": BACKEND})]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_path),
+            "--served-model-name",
+            SERVED_NAME,
+            "--host",
+            cfg.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            cfg.dtype,
+            "--logprobs-mode",
+            logprobs_mode,
+            "--weight-transfer-config",
+            json.dumps({"backend": BACKEND}),
+        ]
         if cfg.max_model_len is not None:
             self.argv += ["--max-model-len", str(cfg.max_model_len)]
         if cfg.kv_cache_memory_bytes is not None:
@@ -164,7 +204,8 @@ class ServerProcess:
         if cfg.enforce_eager:
             self.argv.append("--enforce-eager")
         self.argv += [*adapter_args, *cfg.extra_args]
-        if cfg.nice:  # the server's processes (API, engine core, workers) all inherit it
+        # the server's processes (API, engine core, workers) all inherit it
+        if cfg.nice:
             self.argv = ["nice", "-n", str(cfg.nice), *self.argv]
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -177,11 +218,19 @@ class ServerProcess:
 
     def spawn(self) -> None:
         """Start the child without waiting: several replicas then load side by side (``wait_ready`` each)."""
-        log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes it for its whole life
+        # noqa: SIM115 - the child writes it for its whole life
+        log = open(self.log_path, "wb")
         # preexec_fn makes one prctl() call between fork and exec, resolved beforehand (no dlopen in the child, so
         # no loader lock another thread might hold): safe in a threaded parent
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
-                                     start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self._env(),
+            # noqa: PLW1509
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
         log.close()
         self.starts += 1
         _track(self)
@@ -193,17 +242,23 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if not self.alive():
                 code = self.proc.returncode
-                self._stop_keeping_log()  # untracked: no SIGTERM handler of ours outlives it in this process
-                raise self._start_error(f"vllm serve exited with code {code} while starting",
-                                        "fix what it says (rollout.server.extra_args and the other server knobs)")
+                # untracked: no SIGTERM handler of ours outlives it in this process
+                self._stop_keeping_log()
+                raise self._start_error(
+                    f"vllm serve exited with code {code} while starting",
+                    "fix what it says (rollout.server.extra_args and the other server knobs)",
+                )
             with contextlib.suppress(ServerError):
                 request_json(self.url, "/health", timeout=2.0, phase="health")
                 return
-            time.sleep(0.1)  # a stub answers within 0.1 s of its start, vLLM within a minute
+            # a stub answers within 0.1 s of its start, vLLM within a minute
+            time.sleep(0.1)
         self._stop_keeping_log()
-        raise self._start_error(f"vllm serve did not answer /health within rollout.server.startup_timeout_s="
-                                f"{self.cfg.startup_timeout_s:g}s", "raise rollout.server.startup_timeout_s, or "
-                                "fix what its log says")
+        raise self._start_error(
+            f"vllm serve did not answer /health within rollout.server.startup_timeout_s="
+            f"{self.cfg.startup_timeout_s:g}s",
+            "raise rollout.server.startup_timeout_s, or fix what its log says",
+        )
 
     def _stop_keeping_log(self) -> None:
         """Stop the child and move its log to a kept file (for the message and the user); its folder goes."""
@@ -212,13 +267,16 @@ class ServerProcess:
         with contextlib.suppress(OSError):
             shutil.copyfile(self.log_path, kept)
         self.stop()
-        shutil.rmtree(self.log_dir, ignore_errors=True)  # copied; stop() keeps a child's folder if it had exited
+        # copied; stop() keeps a child's folder if it had exited
+        shutil.rmtree(self.log_dir, ignore_errors=True)
         self.log_path = Path(kept)
 
     def _start_error(self, what: str, fix: str) -> ServerError:
         """A start-up failure in a few lines: what happened, the server's last error line, the fix and the log."""
         tail = self.log_tail()
-        err = ServerError(f"{what}; it says: {last_error_line(tail)}\n{fix}; its log: {self.log_path}")
+        err = ServerError(
+            f"{what}; it says: {last_error_line(tail)}\n{fix}; its log: {self.log_path}"
+        )
         err.add_note(f"the last lines of {self.log_path}:\n{tail}")
         return err
 
@@ -244,20 +302,26 @@ class ServerProcess:
                     f"rollout.server.restarts: the dead vllm serve's port {self.port} is taken by another process, so "
                     f"it cannot be started again where the run reaches it. Stop what listens there (`ss -ltnp "
                     f"'sport = :{self.port}'` shows it) and resume with --ckpt_path last, or set rollout.server.port "
-                    "to a port nothing else uses")
+                    "to a port nothing else uses"
+                )
             time.sleep(0.1)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-        env["PYTHONPATH"] = os.pathsep.join([*_plugin_paths(), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [*_plugin_paths(), env.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep)
         if self.cfg.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.cfg.threads)
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin to the trainer's cores
+            # do not pin to the trainer's cores
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.cfg.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.gpus
-        if self.serves_adapters:  # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
+        # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
+        if self.serves_adapters:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the in-process engine's setting; a server is a process
+        # the in-process engine's setting; a server is a process
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         return env
 
     def alive(self, wait_s: float = 0.0) -> bool:
@@ -284,9 +348,12 @@ class ServerProcess:
             _release_sigterm()
         if self.proc is None:
             return
-        shm = group_shm(self.proc.pid)  # before any signal, while the processes still map it
+        # before any signal, while the processes still map it
+        shm = group_shm(self.proc.pid)
         was_running = self.proc.poll() is None
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)) if was_running else ():
+        for sig, wait in (
+            ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)) if was_running else ()
+        ):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
             try:
@@ -294,8 +361,10 @@ class ServerProcess:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        wait_group(self.proc.pid, 5.0)  # engine core and workers exit on the SIGTERM too (unlinking their queues)
-        with contextlib.suppress(ProcessLookupError):  # engine-core/worker processes left in the group
+        # engine core and workers exit on the SIGTERM too (unlinking their queues)
+        wait_group(self.proc.pid, 5.0)
+        # engine-core/worker processes left in the group
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         wait_group(self.proc.pid, 5.0)
         for path in shm:  # what a killed process left behind
@@ -318,10 +387,17 @@ def _can_listen(host: str, port: int) -> bool:
 def last_error_line(log: str) -> str:
     """The line of a server log that says what went wrong: the last exception or ``error:`` line that is not a
     wrapper pointing elsewhere ("See root cause above"), its vLLM prefix dropped; else the last line."""
-    lines = [re.sub(r"^\(.*?\) \w+ [\d-]+ [\d:]+ \[[^]]*\] ", "", line).strip() for line in log.splitlines()]
+    lines = [
+        re.sub(r"^\(.*?\) \w+ [\d-]+ [\d:]+ \[[^]]*\] ", "", line).strip()
+        for line in log.splitlines()
+    ]
     lines = [line for line in lines if line]
-    errors = [line for line in lines if re.search(r"\w(Error|Exception)\b: |\berror: ", line)]
-    causes = [line for line in errors if not re.search(r"root cause|stack trace", line, re.I)]
+    errors = [
+        line for line in lines if re.search(r"\w(Error|Exception)\b: |\berror: ", line)
+    ]
+    causes = [
+        line for line in errors if not re.search(r"root cause|stack trace", line, re.I)
+    ]
     return (causes or errors or lines or ["(the log is empty)"])[-1]
 
 
@@ -345,15 +421,22 @@ def _plugin_paths() -> list[str]:
     """
     from importlib.metadata import entry_points
 
-    package_root = str(Path(__file__).resolve().parents[3])  # lightning_grpo/rollout/server/process.py
-    if any(ep.name == BACKEND and ep.value == PLUGIN for ep in entry_points(group="vllm.general_plugins")):
+    # lightning_grpo/rollout/server/process.py
+    package_root = str(Path(__file__).resolve().parents[3])
+    if any(
+        ep.name == BACKEND and ep.value == PLUGIN
+        for ep in entry_points(group="vllm.general_plugins")
+    ):
         return [package_root]
     shim = Path(tempfile.gettempdir()) / f"lightning-grpo-vllm-plugin-{os.getuid()}"
     info = shim / "lightning_grpo_vllm_plugin-0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lightning-grpo-vllm-plugin\nVersion: 0.0\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: lightning-grpo-vllm-plugin\nVersion: 0.0\n"
+    )
     (info / "entry_points.txt").write_text(
-        f"[vllm.general_plugins]\n{BACKEND} = {PLUGIN}\n")
+        f"[vllm.general_plugins]\n{BACKEND} = {PLUGIN}\n"
+    )
     return [str(shim), package_root]
 
 
@@ -362,7 +445,10 @@ def _track(server: ServerProcess) -> None:
     if not _LIVE:
         atexit.register(stop_all)
     _LIVE.add(server)
-    if not _SIGTERM["installed"] and threading.current_thread() is threading.main_thread():
+    if (
+        not _SIGTERM["installed"]
+        and threading.current_thread() is threading.main_thread()
+    ):
         _SIGTERM["previous"] = signal.signal(signal.SIGTERM, _on_sigterm)
         _SIGTERM["installed"] = True
 
@@ -376,8 +462,11 @@ def stop_all() -> None:
 def _release_sigterm() -> None:
     """The last server stopped: put the previous SIGTERM handler back, if ours is still the one installed (else
     something wrapped it, e.g. Lightning during a fit, and ours stays in its chain, inert while no server lives)."""
-    if (_SIGTERM["installed"] and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+    if (
+        _SIGTERM["installed"]
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is _on_sigterm
+    ):
         signal.signal(signal.SIGTERM, _SIGTERM["previous"])
         _SIGTERM["installed"] = False
 
@@ -393,7 +482,8 @@ def _on_sigterm(signum, frame) -> None:
     stop_all()
     if callable(previous):
         previous(signum, frame)
-    elif previous != signal.SIG_IGN:  # SIG_DFL (or one set from C): die of SIGTERM as without this handler
+    # SIG_DFL (or one set from C): die of SIGTERM as without this handler
+    elif previous != signal.SIG_IGN:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _SIGTERM["installed"] = False
         os.kill(os.getpid(), signal.SIGTERM)

@@ -34,13 +34,20 @@ class Ranks:
     """``global`` (one pool, led by rank 0) or ``per_node`` (a pool per node, led by its local rank 0)."""
 
     @classmethod
-    def current(cls, node: int = 0, local_rank: int = 0, local_size: int | None = None,
-                placement: str = "global") -> Ranks:
+    def current(
+        cls,
+        node: int = 0,
+        local_rank: int = 0,
+        local_size: int | None = None,
+        placement: str = "global",
+    ) -> Ranks:
         """The default process group's ranks (the data-parallel ranks under Lightning's DDP), else one rank; the
         node figures come from the trainer (the launcher's ``NODE_RANK`` / ``GROUP_RANK`` / ``SLURM_NODEID``)."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             size = dist.get_world_size()
-            return cls(dist.get_rank(), size, node, local_rank, local_size or size, placement)
+            return cls(
+                dist.get_rank(), size, node, local_rank, local_size or size, placement
+            )
         return cls(placement=placement)
 
     @property

@@ -51,8 +51,13 @@ class ServerRestarts:
     def left(self) -> int:
         return self.budget - self.done
 
-    def relaunch(self, clients: Sequence[ServerClient], err: ServerDied, can_republish: bool = True,
-                 ranks: int = 1) -> None:
+    def relaunch(
+        self,
+        clients: Sequence[ServerClient],
+        err: ServerDied,
+        can_republish: bool = True,
+        ranks: int = 1,
+    ) -> None:
         """Start every dead launched child among ``clients`` again, or raise the run's stop message.
 
         Args:
@@ -61,25 +66,49 @@ class ServerRestarts:
             can_republish: whether the engine can push the trainer's weights to a restarted server.
             ranks: trainer ranks sharing the servers (several: refused).
         """
-        dead = [c for c in clients if c.process is not None and not c.process.alive(wait_s=2.0)]
+        dead = [
+            c
+            for c in clients
+            if c.process is not None and not c.process.alive(wait_s=2.0)
+        ]
         if not dead:
-            raise err  # not a death this run can repair (a restart since would have been seen by the caller)
+            # not a death this run can repair (a restart since would have been seen by the caller)
+            raise err
         self.require(err, can_republish, ranks, len(dead))
         self._launched_at = time.perf_counter()
         for client in dead:
             self.done += 1
-            log.warning("vllm serve at %s exited with code %s during %s; starting it again (%s: %d of %d used). "
-                        "Its log: %s", client.url, client.process.proc.returncode, err.phase, KNOB, self.done,
-                        self.budget, client.process.log_path)
+            log.warning(
+                "vllm serve at %s exited with code %s during %s; starting it again (%s: %d of %d used). "
+                "Its log: %s",
+                client.url,
+                client.process.proc.returncode,
+                err.phase,
+                KNOB,
+                self.done,
+                self.budget,
+                client.process.log_path,
+            )
             client.process.restart()
             client.connect()
-            client.post("/init_weight_transfer_engine", {"init_info": {}}, "init_weight_transfer_engine")
+            client.post(
+                "/init_weight_transfer_engine",
+                {"init_info": {}},
+                "init_weight_transfer_engine",
+            )
 
-    def require(self, err: ServerDied, can_republish: bool = True, ranks: int = 1, needed: int = 1) -> None:
+    def require(
+        self,
+        err: ServerDied,
+        can_republish: bool = True,
+        ranks: int = 1,
+        needed: int = 1,
+    ) -> None:
         """Raise the run's stop message unless ``needed`` restarts can happen."""
         why_not = why_no_restart(self.budget, can_republish, ranks)
         if why_not is not None:
-            raise stopped(err, why_not) from None  # the report shows this message, not the death's first one
+            # the report shows this message, not the death's first one
+            raise stopped(err, why_not) from None
         if needed > self.left:
             raise stopped(err, self._spent()) from None
 
@@ -90,13 +119,18 @@ class ServerRestarts:
         republish()
         republish_s = time.perf_counter() - launched
         self.seconds.append((launch_s, republish_s))
-        log.warning("vllm serve started again in %.1fs and the trainer's weights republished in %.1fs",
-                    launch_s, republish_s)
+        log.warning(
+            "vllm serve started again in %.1fs and the trainer's weights republished in %.1fs",
+            launch_s,
+            republish_s,
+        )
 
     def _spent(self) -> str:
         if self.budget == 0:
-            return (f"{KNOB}=0: the run stops at a server's death; set {KNOB}: 1 (or more) to start it again with "
-                    "the trainer's weights")
+            return (
+                f"{KNOB}=0: the run stops at a server's death; set {KNOB}: 1 (or more) to start it again with "
+                "the trainer's weights"
+            )
         return f"{KNOB}={self.budget}: all {self.budget} restart(s) are spent; raise it, or find why the server dies"
 
 

@@ -26,8 +26,11 @@ def register() -> None:
     """vLLM general-plugin entry point: add the backend to ``WeightTransferEngineFactory`` (idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:  # vLLM runs general plugins once per process it starts
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "ShmWeightTransferEngine")
+    # vLLM runs general plugins once per process it starts
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, __name__, "ShmWeightTransferEngine"
+        )
 
 
 def _engine_base():
@@ -50,8 +53,10 @@ class ShmUpdateInfo:
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.data is None):
-            raise ValueError(f"{BACKEND} update_info: give exactly one of 'path' (a safetensors file on the server's "
-                             "node) or 'data' (its bytes, base64)")
+            raise ValueError(
+                f"{BACKEND} update_info: give exactly one of 'path' (a safetensors file on the server's "
+                "node) or 'data' (its bytes, base64)"
+            )
 
 
 class ShmWeightTransferEngine(_engine_base()):
@@ -96,7 +101,9 @@ def repack_cpu_embeddings(model) -> int:
     """On CPU, vLLM 0.32 packs the LM head's weight into a GEMM handle when loading; a tied head
     (``tie_word_embeddings``) is never reloaded itself, so after a reload its packed copy still holds the old
     embedding. Re-packing every embedding-backed head fixes it (a no-op on GPU). Returns how many were re-packed."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+    )
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -104,7 +111,9 @@ def repack_cpu_embeddings(model) -> int:
     count = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(module, "cpu_linear"):
+        if isinstance(method, UnquantizedEmbeddingMethod) and hasattr(
+            module, "cpu_linear"
+        ):
             method.process_weights_after_loading(module)
             count += 1
     return count
