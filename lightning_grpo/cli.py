@@ -29,7 +29,6 @@ from torch.optim import Optimizer
 
 from lightning_grpo import run_folder
 from lightning_grpo.alarm import SignalAlarm
-from lightning_grpo.base import quiet_litlogger_tip
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
 from lightning_grpo.checkpoint.resume import check_ckpt_file
 from lightning_grpo.checks import retired_key
@@ -68,6 +67,7 @@ from lightning_grpo.run_folder import (
 )
 from lightning_grpo.summary import RunSummary
 from lightning_grpo.tiny.spec import TinyPolicySpec
+from lightning_grpo.upstream import quiet_litlogger_tip
 
 TRAINER_DEFAULTS = {
     # Under manual optimization Lightning counts logging in batches = loop steps: log every one.

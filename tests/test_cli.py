@@ -17,11 +17,11 @@ import yaml
 from lightning.pytorch import Trainer
 
 from lightning_grpo import docgen
-from lightning_grpo.base import UPSTREAM_WARNINGS, quiet_upstream_warnings
 from lightning_grpo.cli import SECTIONS, flatten, main
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.timing import is_timing
+from lightning_grpo.upstream import UPSTREAM_WARNINGS, quiet_upstream_warnings
 
 """Wall-clock metrics: the only columns two identical runs may differ in."""
 
@@ -64,7 +64,7 @@ def test_flatten_makes_dotted_keys_and_keeps_lists():
 # -- a CLI run prints no warning our code causes ------------------------------------------------------------------
 NOT_OURS: dict[str, str] = {}
 """Warnings a quickstart run still prints, none caused by our code: message start -> where it comes from (none now:
-the upstream ones are filtered at their module: base.UPSTREAM_WARNINGS)."""
+the upstream ones are filtered at their module: upstream.UPSTREAM_WARNINGS)."""
 
 
 def test_lightnings_own_warnings_on_every_fit_are_filtered(tmp_path):
