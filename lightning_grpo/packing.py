@@ -180,11 +180,12 @@ def packed_attention(model: nn.Module) -> Iterator[None]:
         )
     register_attention()
     before = config._attn_implementation
-    config._attn_implementation = ATTENTION
+    # transformers' public switch (it validates the name and reaches every sub-model)
+    model.set_attn_implementation(ATTENTION)
     try:
         yield
     finally:
-        config._attn_implementation = before
+        model.set_attn_implementation(before)
 
 
 def packing_problem(model: nn.Module) -> str | None:
