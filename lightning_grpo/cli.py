@@ -282,10 +282,8 @@ class GRPOCLI(LightningCLI):
             )
 
     def parse_arguments(self, parser, args) -> None:
-        given, args = (
-            args,
-            self._default_help_class(sys.argv[1:] if args is None else args),
-        )
+        given = args
+        args = self._default_help_class(sys.argv[1:] if args is None else args)
         if given is None and args == sys.argv[1:]:
             # LightningCLI warns ("args parameter is intended ...") when args and sys.argv both come
             args = None
