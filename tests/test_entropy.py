@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
 from lightning_grpo.distributed import single_process
 from lightning_grpo.logprobs import KEEP_BYTES, token_logprobs
-from lightning_grpo.metrics import combine_ranks, length_metrics, rank_reduction, roll_up
+from lightning_grpo.metrics import length_metrics, roll_up
+from lightning_grpo.rank_metrics import combine_ranks, rank_reduction
 from lightning_grpo.objectives import ObjectiveParts, build_objective
 from lightning_grpo.objectives.entropy import top_entropy_mask
 from lightning_grpo.objectives.grpo import GRPOObjective
