@@ -77,7 +77,7 @@ def update(path: str, model, batch, scorer) -> float:
 def time_child(quick: bool, rounds: int) -> dict:
     import torch
 
-    from lightning_grpo.logprobs import KEEP_BYTES
+    from lightning_grpo.fused_head import KEEP_BYTES
     from lightning_grpo.scoring import ChunkScorer
 
     torch.set_num_threads(1)

@@ -68,7 +68,8 @@ def sliced_v1(model, input_ids, attention_mask, temperature: float = 1.0, slice_
 def score(path: str, model, ids, attn, positions):
     import torch
 
-    from lightning_grpo.logprobs import KEEP_BYTES, token_logprobs
+    from lightning_grpo.fused_head import KEEP_BYTES
+    from lightning_grpo.logprobs import token_logprobs
 
     if path.startswith("fused"):
         keep = 0 if path == "fused-keep0" else KEEP_BYTES

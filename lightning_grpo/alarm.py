@@ -64,10 +64,8 @@ class SignalAlarm(Callback):
             ):
                 # once per fit: the message names the fix, repeating it adds nothing
                 self._warned.add(name)
-                rollout, rl = (
-                    getattr(pl_module, "rollout_cfg", None),
-                    getattr(pl_module, "rl", None),
-                )
+                rollout = getattr(pl_module, "rollout_cfg", None)
+                rl = getattr(pl_module, "rl", None)
                 rank_zero_warn(self.message(name, metrics, rollout, rl))
 
     def message(

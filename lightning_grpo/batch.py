@@ -103,12 +103,7 @@ def pack_rollouts(
     """
     seqs = [list(r.prompt.token_ids) + list(r.token_ids) for r in rollouts]
     if max_len is not None:
-        for i, s in enumerate(seqs):
-            if len(s) > max_len:
-                raise ValueError(
-                    f"rollout {i} (prompt id {rollouts[i].prompt.id}) has {len(s)} tokens, over the "
-                    f"model context of {max_len}; lower rollout.max_new_tokens or the prompt length"
-                )
+        _refuse_over_context(rollouts, seqs, max_len)
     n = len(seqs)
     width = max(max(len(s) for s in seqs), 2)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -132,15 +127,6 @@ def pack_rollouts(
                 r.logprobs, dtype=torch.float32
             ).masked_fill(~sampled, 0.0)
     group_ids = torch.tensor([r.prompt.id for r in rollouts], dtype=torch.long)
-    # Sample id = group_id * group_size + rank within the group: deterministic and unique.
-    seen: dict[int, int] = {}
-    for r in rollouts:
-        seen[r.prompt.id] = seen.get(r.prompt.id, 0) + 1
-    group_size = max(seen.values())
-    within = [0] * n
-    for i, r in enumerate(rollouts):
-        within[i] = group_size - seen[r.prompt.id]
-        seen[r.prompt.id] -= 1
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -148,9 +134,32 @@ def pack_rollouts(
         advantages=advantages.to(torch.float32),
         rewards=rewards.to(torch.float32),
         group_ids=group_ids,
-        sample_ids=group_ids * group_size + torch.tensor(within, dtype=torch.long),
+        sample_ids=_sample_ids(rollouts, group_ids),
         rollout_logprobs=logprobs,
         images=tuple(tuple(r.prompt.images) for r in rollouts)
         if any(r.prompt.images for r in rollouts)
         else None,
     )
+
+
+def _refuse_over_context(rollouts, seqs: list[list[int]], max_len: int) -> None:
+    """Name the first rollout whose ``prompt + completion`` is longer than the model's context."""
+    for i, s in enumerate(seqs):
+        if len(s) > max_len:
+            raise ValueError(
+                f"rollout {i} (prompt id {rollouts[i].prompt.id}) has {len(s)} tokens, over the "
+                f"model context of {max_len}; lower rollout.max_new_tokens or the prompt length"
+            )
+
+
+def _sample_ids(rollouts, group_ids: Tensor) -> Tensor:
+    """``[N]`` sample id = group_id * group_size + rank within the group: deterministic and unique."""
+    seen: dict[int, int] = {}
+    for r in rollouts:
+        seen[r.prompt.id] = seen.get(r.prompt.id, 0) + 1
+    group_size = max(seen.values())
+    within = [0] * len(rollouts)
+    for i, r in enumerate(rollouts):
+        within[i] = group_size - seen[r.prompt.id]
+        seen[r.prompt.id] -= 1
+    return group_ids * group_size + torch.tensor(within, dtype=torch.long)

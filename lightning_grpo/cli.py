@@ -12,51 +12,41 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import re
 import sys
-import traceback
 from pathlib import Path
-from typing import NoReturn
 
 import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfigCallback
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch.optim import Optimizer
 
 from lightning_grpo import run_folder
 from lightning_grpo.alarm import SignalAlarm
 from lightning_grpo.checkpoint import GRPOCheckpoint, resolve_ckpt_path
 from lightning_grpo.checkpoint.resume import check_ckpt_file
 from lightning_grpo.checks import retired_key
-from lightning_grpo.cli_help import DataKeysParser, SectionHelp
+from lightning_grpo.cli_errors import LOAD_ERRORS, RUN_ERRORS, config_error
+from lightning_grpo.cli_help import (
+    SECTIONS,
+    DataKeysParser,
+    SectionHelp,
+    default_help_class,
+)
+from lightning_grpo.cli_optimizer import (
+    OPTIMIZER_REFUSED,
+    add_refused_optimizer_args,
+    names_optimizer,
+)
+from lightning_grpo.cli_verbs import add_verbs, run_verb
 from lightning_grpo.collect.async_rollouts import unwrapped
 from lightning_grpo.completions import CompletionLog
-from lightning_grpo.config import (
-    ConfigError,
-    GRPOConfig,
-    OptimConfig,
-    RolloutConfig,
-    ServerConfig,
-    VLLMConfig,
-)
 from lightning_grpo.data.prompts import PromptDataModule
-from lightning_grpo.data.rewards import RewardSpec
-from lightning_grpo.data.sources import PromptDataError
-from lightning_grpo.determinism import DeterminismError
-from lightning_grpo.dpo import DPOConfig
-from lightning_grpo.errors import USER_ERRORS, RunWriteError, logged_error
+from lightning_grpo.errors import logged_error
 from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.launcher import check_launch
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.objectives.opd import OPDConfig
-from lightning_grpo.plot import DESCRIPTION as PLOT_DESCRIPTION
-from lightning_grpo.plot import build_parser as plot_parser
-from lightning_grpo.plot import main as plot_main
-from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.base import Served
 from lightning_grpo.run_check import check_run
 from lightning_grpo.run_folder import (
@@ -66,7 +56,6 @@ from lightning_grpo.run_folder import (
     refuse_reused_version,
 )
 from lightning_grpo.summary import RunSummary
-from lightning_grpo.tiny.spec import TinyPolicySpec
 from lightning_grpo.upstream import quiet_litlogger_tip
 
 TRAINER_DEFAULTS = {
@@ -80,45 +69,6 @@ TRAINER_DEFAULTS = {
     "accelerator": "auto",
     "devices": 1,
 }
-SECTIONS = {
-    "model.policy": PolicyConfig,
-    "model.policy.tiny": TinyPolicySpec,
-    "model.rl": GRPOConfig,
-    "model.optim": OptimConfig,
-    "model.rollout": RolloutConfig,
-    "model.rollout.vllm": VLLMConfig,
-    "model.rollout.server": ServerConfig,
-    "model.rewards": RewardSpec,
-    "model.opd": OPDConfig,
-    "model.opd.teacher": PolicyConfig,
-    "model.dpo": DPOConfig,
-}
-"""``--<key>.help`` prints the fields of that section with their descriptions (``--model.help`` shows them all)."""
-DEBUG_ENV = "LIGHTNING_GRPO_DEBUG"
-"""Set to 1 to get the full traceback of a config error instead of its short report."""
-LOAD_ERRORS = (ValueError, TypeError, OSError, ImportError, MisconfigurationException)
-"""Raised while the config's classes are built: the config is wrong (a bug shows its traceback with DEBUG_ENV)."""
-RUN_ERRORS = (
-    ConfigError,
-    PromptDataError,
-    DeterminismError,
-    MisconfigurationException,
-    RunFolderInUseError,
-    *USER_ERRORS,
-)
-"""Config errors only the run can find (per-rank sizes need the DP size, data load at setup, Lightning's checks),
-and what a user causes mid-run (a reward function that raises, a damaged checkpoint: ``errors.py``)."""
-_PACKAGE = str(Path(__file__).parent)
-_UNION_NOISE = re.compile(
-    r"Does not validate against any of the Union subtypes|^\s*Subtypes: |^\s*Errors:$|"
-    r"Expected a <class 'NoneType'>|NestedArg"
-)
-"""Lines of a jsonargparse parse error about the ``None`` alternative of an optional section (the model's)."""
-OPTIMIZER_REFUSED = (
-    "Not accepted: the optimizer is AdamW from model.optim (--model.optim.lr, .weight_decay, .betas, .eps) and "
-    "its schedule is model.optim.warmup_steps/schedule/total_steps, stepped once per optimizer step by the loop. "
-    "For another optimizer subclass GRPOModule and override configure_optimizers (--model.class_path)."
-)
 
 
 class LoggedConfig(SaveConfigCallback):
@@ -219,23 +169,8 @@ class GRPOCLI(LightningCLI):
         # `fit --help` lists data.* too, not only --data.help
         for name in self._subcommand_parsers:
             self._parser(name).appendix = (("data", self.default_classes["data"]),)
-        # `lightning-grpo plot` is handled by main() before LightningCLI; listed so that --help names it.
-        parser._subcommands_action.add_subcommand(
-            "plot", plot_parser(ArgumentParser), help=PLOT_DESCRIPTION
-        )
-        # `show` too: lazily, it is a light module of its own
-        from lightning_grpo import show
-
-        parser._subcommands_action.add_subcommand(
-            "show", show.build_parser(ArgumentParser), help=show.DESCRIPTION
-        )
-        from lightning_grpo import certify_cli
-
-        parser._subcommands_action.add_subcommand(
-            "certify",
-            certify_cli.build_parser(ArgumentParser),
-            help=certify_cli.DESCRIPTION,
-        )
+        # plot, show, certify: run by main() before LightningCLI; listed so that --help names them
+        add_verbs(parser)
 
     def add_arguments_to_parser(self, parser) -> None:
         # Complete, atomic checkpoints once per loop step: `--checkpoint.every_n_loop_steps` (docs/checkpointing.md).
@@ -265,26 +200,12 @@ class GRPOCLI(LightningCLI):
             group.add_argument(f"--{key}.help", action=SectionHelp, section=section)
         # accepted in every form a user may try, then refused with the fix
         if not self.auto_configure_optimizers:
-            common = {"required": False, "instantiate": False, "fail_untyped": False}
-            parser.add_subclass_arguments(
-                Optimizer,
-                "optimizer",
-                skip={"params"},
-                help=OPTIMIZER_REFUSED,
-                **common,
-            )
-            parser.add_subclass_arguments(
-                LRSchedulerTypeTuple,
-                "lr_scheduler",
-                skip={"optimizer"},
-                help=OPTIMIZER_REFUSED,
-                **common,
-            )
+            add_refused_optimizer_args(parser)
 
     def parse_arguments(self, parser, args) -> None:
-        given, args = (
-            args,
-            self._default_help_class(sys.argv[1:] if args is None else args),
+        given = args
+        args = default_help_class(
+            sys.argv[1:] if args is None else args, self.default_classes
         )
         if given is None and args == sys.argv[1:]:
             # LightningCLI warns ("args parameter is intended ...") when args and sys.argv both come
@@ -292,9 +213,7 @@ class GRPOCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as err:
-            if not self.auto_configure_optimizers and re.search(
-                r'key "(optimizer|lr_scheduler)"', str(err)
-            ):
+            if not self.auto_configure_optimizers and names_optimizer(err):
                 config_error(f"--optimizer/--lr_scheduler: {OPTIMIZER_REFUSED}")
             # a removed field: say what replaced it
             if (retired := retired_key(str(err))) is not None:
@@ -322,22 +241,6 @@ class GRPOCLI(LightningCLI):
                 f"--ckpt_path={ckpt_path}: cannot be read as a checkpoint ({type(err).__name__}: {first}); "
                 "the file is damaged. Resume from an earlier one (--ckpt_path=last: the newest intact one)"
             )
-
-    def _default_help_class(self, args):
-        """``--model.help`` / ``--data.help`` without a class describe the default one, not the LightningModule base."""
-        if not isinstance(args, (list, tuple)):
-            return args
-        args = list(args)
-        for key, cls in self.default_classes.items():
-            flag = f"--{key}.help"
-            if flag in args and (
-                args.index(flag) + 1 == len(args)
-                or args[args.index(flag) + 1].startswith("-")
-            ):
-                args.insert(
-                    args.index(flag) + 1, f"{cls.__module__}.{cls.__qualname__}"
-                )
-        return args
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -452,61 +355,6 @@ class GRPOCLI(LightningCLI):
             self.trainer.callbacks.append(RunSummary())
 
 
-def config_error(err: BaseException | str) -> NoReturn:
-    """Report a config error in a few lines on stderr and exit 2 (``LIGHTNING_GRPO_DEBUG=1``: raise it instead)."""
-    if isinstance(err, BaseException) and os.environ.get(DEBUG_ENV, "") not in (
-        "",
-        "0",
-    ):
-        raise err
-    message = (
-        err
-        if isinstance(err, str)
-        else str(err)
-        if isinstance(err, RunWriteError)
-        else _innermost_message(err)
-    )
-    logged = [
-        n for n in getattr(err, "__notes__", ()) if n.startswith("full traceback: ")
-    ]
-    where = (
-        f"{logged[0]} or {DEBUG_ENV}=1" if logged else f"full traceback: {DEBUG_ENV}=1"
-    )
-    sys.stderr.write(
-        f"lightning-grpo: error: {message.strip()}\n"
-        f"  (all options: lightning-grpo fit --help; {where})\n"
-    )
-    raise SystemExit(2)
-
-
-def _innermost_message(err: BaseException) -> str:
-    """The message of the error our code raised: jsonargparse re-raises a class's own error inside its own."""
-    # jsonargparse's parse errors name the key and what was expected
-    if isinstance(err, argparse.ArgumentError):
-        return "\n".join(
-            line for line in str(err).splitlines() if not _UNION_NOISE.search(line)
-        )
-    chain = [err]
-    # `raise ... from None` hides the context on purpose: the message raised already says all of it
-    while (
-        cause := chain[-1].__cause__
-        or (None if chain[-1].__suppress_context__ else chain[-1].__context__)
-    ) is not None and cause not in chain:
-        chain.append(cause)
-    ours = [
-        e
-        for e in chain
-        if e.__traceback__
-        and _PACKAGE in traceback.extract_tb(e.__traceback__)[-1].filename
-    ]
-    origin = ours[-1] if ours else err
-    return (
-        str(origin)
-        if isinstance(origin, ValueError)
-        else f"{type(origin).__name__}: {origin}"
-    )
-
-
 def flatten(tree: dict, prefix: str = "") -> dict:
     """Nested dicts -> one level of dotted keys; lists and scalars stay values.
 
@@ -525,21 +373,8 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def main(args: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if args is None else args
-    if argv and argv[0] == "plot":
-        plot_main(argv[1:])
+    if run_verb(sys.argv[1:] if args is None else args):
         return
-    # before LightningCLI, and without its imports: answers at once
-    if argv and argv[0] == "show":
-        from lightning_grpo.show import main as show_main
-
-        show_main(argv[1:])
-        return
-    # imported here: the verb loads a policy and perhaps vLLM
-    if argv and argv[0] == "certify":
-        from lightning_grpo.certify_cli import main as certify_main
-
-        sys.exit(certify_main(argv[1:]))
     # `--model.class_path my_pkg.MyModule` from the working folder, as `python -m`
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())

@@ -16,6 +16,33 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser
 
 from lightning_grpo.cli_nulls import explicit_nulls, restore_nulls
+from lightning_grpo.config import (
+    GRPOConfig,
+    OptimConfig,
+    RolloutConfig,
+    ServerConfig,
+    VLLMConfig,
+)
+from lightning_grpo.data.rewards import RewardSpec
+from lightning_grpo.dpo import DPOConfig
+from lightning_grpo.objectives.opd import OPDConfig
+from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.tiny.spec import TinyPolicySpec
+
+SECTIONS = {
+    "model.policy": PolicyConfig,
+    "model.policy.tiny": TinyPolicySpec,
+    "model.rl": GRPOConfig,
+    "model.optim": OptimConfig,
+    "model.rollout": RolloutConfig,
+    "model.rollout.vllm": VLLMConfig,
+    "model.rollout.server": ServerConfig,
+    "model.rewards": RewardSpec,
+    "model.opd": OPDConfig,
+    "model.opd.teacher": PolicyConfig,
+    "model.dpo": DPOConfig,
+}
+"""``--<key>.help`` prints the fields of that section with their descriptions (``--model.help`` shows them all)."""
 
 
 class SectionHelp(argparse.Action):
@@ -61,6 +88,22 @@ class DataKeysParser(LightningArgumentParser):
             )
             text += keys.split("\n\n", 1)[-1]  # without its usage line
         return text
+
+
+def default_help_class(args, default_classes: dict[str, type]):
+    """``args`` where ``--model.help`` / ``--data.help`` name no class: the CLI's default one (``default_classes``
+    by key), so the help describes it, not the LightningModule base."""
+    if not isinstance(args, (list, tuple)):
+        return args
+    args = list(args)
+    for key, cls in default_classes.items():
+        flag = f"--{key}.help"
+        if flag in args and (
+            args.index(flag) + 1 == len(args)
+            or args[args.index(flag) + 1].startswith("-")
+        ):
+            args.insert(args.index(flag) + 1, f"{cls.__module__}.{cls.__qualname__}")
+    return args
 
 
 def parser_of(cls: type, key: str, prog: str) -> ArgumentParser:

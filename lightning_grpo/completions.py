@@ -71,10 +71,8 @@ class CompletionLog(Callback):
                 f"CompletionLog(samples_per_step={samples_per_step}, log_completions_every="
                 f"{log_completions_every}): both must be >= 0 (0 = off)"
             )
-        self.samples_per_step, self.log_completions_every = (
-            samples_per_step,
-            log_completions_every,
-        )
+        self.samples_per_step = samples_per_step
+        self.log_completions_every = log_completions_every
         self._path: Path | None = None
         # a write that failed, raised at the next hook (see _append)
         self._failed: OSError | None = None
@@ -152,7 +150,8 @@ class CompletionLog(Callback):
         self._raise_failed()
 
     def _raise_failed(self) -> None:
-        failed, self._failed = self._failed, None
+        failed = self._failed
+        self._failed = None
         if failed is not None:
             raise failed
 

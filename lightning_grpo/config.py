@@ -2,8 +2,8 @@
 
 Each dataclass validates itself in ``__post_init__``, so jsonargparse (and any Python
 caller) refuses a bad config before a model is built. Every problem is collected and
-reported at once as ``field=value: rule; fix`` lines in one ``ConfigError`` (``checks.py``).
-Derived counts (``n_mini``, ``n_micro``, per-rank sizes) are methods, never fields.
+reported at once as ``field=value: rule; fix`` lines in one ``ConfigError`` (``checks.py``;
+the ``rl`` section's rules are in ``rl_rules.py``). Derived counts (``n_mini``, ``n_micro``, per-rank sizes) are methods, never fields.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lightning_grpo.checks import ConfigError, is_finite, is_int, raise_problems, retire
+from lightning_grpo import rl_rules
+from lightning_grpo.checks import ConfigError, is_finite, raise_problems, retire
 from lightning_grpo.correction import RolloutCorrection
+from lightning_grpo.rl_rules import LOSS_FORMS, LOSS_TYPES, RATIO_LEVELS
 from lightning_grpo.rollout.certificate_config import CertificateConfig
 from lightning_grpo.rollout.rollout_config import RolloutConfig  # importable from here
 from lightning_grpo.rollout.server_config import ServerConfig
@@ -40,23 +42,6 @@ class RankSizes:
     batch: int
     mini: int
     micro: int
-
-
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "seq-mean-token-sum")
-"""``rl.loss_type``: how per-token losses become the step's loss (TRL's names; verl's where TRL has none)."""
-RATIO_LEVELS = ("token", "sequence")
-"""``rl.ratio_level``: the importance ratio per token (PPO, GRPO) or per sequence (GSPO)."""
-LOSS_FORMS = ("ppo_clip", "cispo")
-"""``rl.loss``: the clipped surrogate, or CISPO's truncated importance weight on a REINFORCE term."""
-PEER_LOSS_NAMES = {
-    "bnpo": "TRL's bnpo divides by each micro-batch's own token count, so its step changes with the chunking; here "
-    "chunking is exact: use 'dapo' (bnpo's step at one chunk per step on one rank)",
-    "token-mean": "verl's token-mean is 'dapo' here",
-    "seq-mean-token-mean": "verl's seq-mean-token-mean is 'grpo' here",
-    "seq-mean-token-sum-norm": "verl's seq-mean-token-sum-norm is 'dr_grpo' here (loss_scale_factor = "
-    "rollout.max_new_tokens; dr_grpo also divides by the number of sequences)",
-}
-"""Peer names that are not ``rl.loss_type`` values, and what to set instead (docs/objectives.md)."""
 
 
 GRAD_ACCUM_RETIRED = (
@@ -243,206 +228,14 @@ class GRPOConfig:
     def problems(self, dp_size: int = 1) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line; the per-rank rules once the rest hold."""
         p = (
-            self._size_problems()
-            + self._loss_problems()
-            + self._family_problems()
-            + self._pi_old_problems()
+            rl_rules.size_problems(self)
+            + rl_rules.loss_problems(self)
+            + rl_rules.family_problems(self)
+            + rl_rules.pi_old_problems(self)
         )
-        p += self._shaping_problems()
+        p += rl_rules.shaping_problems(self)
         if not p and dp_size > 1:
-            p += self._rank_problems(dp_size)
-        return p
-
-    def _size_problems(self) -> list[str]:
-        """The batch, its group, mini-batch and chunk sizes, and the passes over it."""
-        p: list[str] = []
-        b = self.batch_per_replica
-        mini = self.mini_batch_per_replica
-        micro = self.micro_batch_per_replica
-        g = self.group_size
-        if not is_int(g) or g < 2:
-            p.append(
-                f"group_size={g}: must be an integer >= 2 (a group of one has no relative advantage)"
-            )
-        if not is_int(b) or b <= 0:
-            p.append(f"batch_per_replica={b}: must be a positive integer")
-        elif is_int(g) and g >= 2 and b % g:
-            p.append(
-                f"batch_per_replica={b}: must be a multiple of group_size={g}; try {max(g, b - b % g)}"
-            )
-        if not is_int(mini) or mini < 0:
-            p.append(f"mini_batch_per_replica={mini}: must be >= 0 (0 = whole batch)")
-        elif is_int(b) and b > 0 and mini > b:
-            p.append(
-                f"mini_batch_per_replica={mini}: must not exceed batch_per_replica={b}"
-            )
-        elif is_int(b) and b > 0 and mini and b % mini:
-            p.append(
-                f"mini_batch_per_replica={mini} must divide batch_per_replica={b} (a ragged step changes its token mean)"
-            )
-        if not is_int(micro) or micro < 0:
-            p.append(
-                f"micro_batch_per_replica={micro}: must be >= 0 (0 = one chunk per step)"
-            )
-        elif not p and micro > self.mini_batch:
-            p.append(
-                f"micro_batch_per_replica={micro}: must not exceed the mini-batch ({self.mini_batch})"
-            )
-        elif not p and micro and self.mini_batch % micro:
-            p.append(
-                f"micro_batch_per_replica={micro} must divide the mini-batch ({self.mini_batch}) exactly"
-            )
-        for name in ("max_tokens_per_micro", "max_tokens_per_ahead_micro"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 0:
-                p.append(
-                    f"{name}={value}: must be an integer >= 0 (tokens per chunk; 0 = off)"
-                )
-        if self.max_tokens_per_micro and self.micro_batch_per_replica:
-            p.append(
-                f"max_tokens_per_micro={self.max_tokens_per_micro} with micro_batch_per_replica="
-                f"{self.micro_batch_per_replica}: two ways to cut a mini-batch into chunks; set one, the other 0"
-            )
-        if not is_int(self.mu_iterations) or self.mu_iterations < 1:
-            p.append(
-                f"mu_iterations={self.mu_iterations}: must be an integer >= 1 (passes over each collected batch)"
-            )
-        return p
-
-    def _loss_problems(self) -> list[str]:
-        """The clip range, KL weight, advantage scaling, gradient clip and the skip limit."""
-        p: list[str] = []
-        # CISPO truncates a weight: a lower bound of 0 (epsilon 1.0) is no bound (MiniMax-M1)
-        if self.loss == "cispo":
-            if not is_finite(self.epsilon) or not 0 < self.epsilon <= 1:
-                p.append(
-                    f"epsilon={self.epsilon}: with loss='cispo' must be in (0, 1] (1.0 = no lower bound)"
-                )
-        elif not is_finite(self.epsilon) or not 0 < self.epsilon < 1:
-            p.append(
-                f"epsilon={self.epsilon}: must be in (0, 1) so the clip range 1 - epsilon stays positive"
-            )
-        if self.epsilon_high is not None and (
-            not is_finite(self.epsilon_high) or self.epsilon_high <= 0
-        ):
-            p.append(
-                f"epsilon_high={self.epsilon_high}: must be > 0 (or null for symmetric clipping)"
-            )
-        for name, zero in (
-            ("beta", "no KL, no reference model"),
-            ("max_grad_norm", "no clipping"),
-            ("logits_keep_mb", "always recompute"),
-        ):
-            value = getattr(self, name)
-            if not is_finite(value) or value < 0:
-                p.append(f"{name}={value}: must be a finite number >= 0 (0 = {zero})")
-        if self.scale_rewards not in ("group", "batch", "none"):
-            p.append(
-                f"scale_rewards={self.scale_rewards!r}: must be one of 'group', 'batch', 'none'"
-            )
-        skips = self.max_consecutive_skips
-        if skips is not None and (not is_int(skips) or skips < 0):
-            p.append(
-                f"max_consecutive_skips={skips!r}: must be an integer >= 0 "
-                "(0 = stop at the first skipped step) or null (never stop)"
-            )
-        return p
-
-    def _family_problems(self) -> list[str]:
-        """The loss family: divisor, ratio level and surrogate, and the combinations that make no sense."""
-        p: list[str] = []
-        if self.loss_type not in LOSS_TYPES:
-            hint = PEER_LOSS_NAMES.get(self.loss_type, "the divisor of the step's loss")
-            p.append(
-                f"loss_type={self.loss_type!r}: must be one of {', '.join(map(repr, LOSS_TYPES))}; {hint}"
-            )
-        if self.ratio_level not in RATIO_LEVELS:
-            p.append(
-                f"ratio_level={self.ratio_level!r}: must be 'token' or 'sequence' (GSPO)"
-            )
-        if self.loss not in LOSS_FORMS:
-            p.append(f"loss={self.loss!r}: must be 'ppo_clip' or 'cispo'")
-        elif self.loss == "cispo" and self.ratio_level == "sequence":
-            p.append(
-                "ratio_level='sequence' with loss='cispo': CISPO weighs each token's gradient by that token's own "
-                "truncated ratio (MiniMax-M1); a sequence ratio has no published CISPO form. Set "
-                "ratio_level='token', or loss='ppo_clip' for GSPO"
-            )
-        if not is_finite(self.entropy_coef) or self.entropy_coef < 0:
-            p.append(
-                f"entropy_coef={self.entropy_coef}: must be a finite number >= 0 (0 = no entropy bonus)"
-            )
-        if (
-            not is_finite(self.top_entropy_quantile)
-            or not 0 < self.top_entropy_quantile <= 1
-        ):
-            p.append(
-                f"top_entropy_quantile={self.top_entropy_quantile}: must be in (0, 1] (the share of each "
-                "sequence's tokens trained; 1.0 = all, the paper's 0.2 = the top 20% by entropy)"
-            )
-        return p
-
-    def _pi_old_problems(self) -> list[str]:
-        """Where pi_old comes from, and the routing replay that needs it."""
-        p: list[str] = []
-        if not isinstance(self.freeze_pi_old, bool):
-            p.append(f"freeze_pi_old={self.freeze_pi_old!r}: must be true or false")
-        if self.routing_replay not in ("off", "ahead", "rollout"):
-            p.append(
-                f"routing_replay={self.routing_replay!r}: must be one of 'off', 'ahead', 'rollout'"
-            )
-        elif self.routing_replay == "ahead" and (
-            self.pi_old_is_sampler or not self.freeze_pi_old
-        ):
-            knob = (
-                "rollout_correction.mode='bypass'"
-                if self.pi_old_is_sampler
-                else "freeze_pi_old=false"
-            )
-            p.append(
-                f"routing_replay='ahead': it records routing in the ahead pass, which {knob} turns off; "
-                "use routing_replay='rollout' (routing from the engine) or 'off'"
-            )
-        return p
-
-    def _shaping_problems(self) -> list[str]:
-        """Dynamic sampling, overlong shaping, truncated completions (the buffer's bound reads rollout: run_check.py)."""
-        p: list[str] = []
-        if self.packed != "auto" and not isinstance(self.packed, bool):
-            p.append(f"packed={self.packed!r}: must be true, false or 'auto'")
-        for name in ("dynamic_sampling", "mask_truncated_completions"):
-            if not isinstance(getattr(self, name), bool):
-                p.append(f"{name}={getattr(self, name)!r}: must be true or false")
-        if not is_int(self.max_refill_rounds) or self.max_refill_rounds < 0:
-            p.append(
-                f"max_refill_rounds={self.max_refill_rounds!r}: must be an integer >= 0 (0 = filter, never refill)"
-            )
-        if not is_int(self.overlong_buffer) or self.overlong_buffer < 0:
-            p.append(
-                f"overlong_buffer={self.overlong_buffer!r}: must be an integer >= 0 (tokens; 0 = off)"
-            )
-        if not is_finite(self.overlong_penalty) or self.overlong_penalty < 0:
-            p.append(
-                f"overlong_penalty={self.overlong_penalty!r}: must be a finite number >= 0"
-            )
-        return p
-
-    def _rank_problems(self, dp: int) -> list[str]:
-        """Sizes that must split evenly over ``dp`` data-parallel ranks."""
-        p = []
-        if self.prompts_per_batch % dp:
-            p.append(
-                f"batch_per_replica={self.batch_per_replica}: its {self.prompts_per_batch} groups must split evenly "
-                f"over DP size {dp} (groups never split across ranks)"
-            )
-        if self.mini_batch % dp:
-            p.append(
-                f"mini_batch_per_replica={self.mini_batch}: must divide by DP size {dp}"
-            )
-        if self.micro_batch % dp and not self.max_tokens_per_micro:
-            p.append(
-                f"micro_batch_per_replica={self.micro_batch}: must divide by DP size {dp}"
-            )
+            p += rl_rules.rank_problems(self, dp_size)
         return p
 
 

@@ -2,7 +2,7 @@
 
 A reward function that raises, a ``--ckpt_path`` that is missing or damaged, a ``policy.path`` that is not a
 model: each is raised as one of ``USER_ERRORS``, with a message naming the cause, the knob or file, and the fix.
-The CLI prints that message in a few lines (``cli.config_error``) instead of a 20-100 line traceback whose
+The CLI prints that message in a few lines (``cli_errors.config_error``) instead of a 20-100 line traceback whose
 last line is the message. Nothing is lost: the full traceback goes to ``error.log`` in the run folder (when the
 run got one), and ``LIGHTNING_GRPO_DEBUG=1`` raises it as is. Any other exception is a bug: its traceback shows.
 
@@ -49,7 +49,7 @@ WRITE_ERRNOS = frozenset(
 class RunWriteError(OSError):
     """A run file could not be written (disk full, quota, file size limit, read-only); the message says the fix.
 
-    ``cli.config_error`` prints this message, not its cause's (the raw ``OSError``, the innermost of the chain)."""
+    ``cli_errors.config_error`` prints this message, not its cause's (the raw ``OSError``, the innermost of the chain)."""
 
     def __str__(self) -> str:
         return self.strerror  # the message names the errno already

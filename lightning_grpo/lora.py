@@ -252,6 +252,11 @@ def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
+def _json_value(value: object) -> object:
+    """What json cannot write itself: a set as a sorted list (peft's target_modules), the rest as a string."""
+    return sorted(value) if isinstance(value, set) else str(value)
+
+
 def adapter_config_json(model: nn.Module) -> str:
     """``adapter_config.json`` of the policy's adapter (what ``PeftModel.from_pretrained`` reads)."""
     cfg = model.peft_config[ADAPTER_NAME].to_dict()
@@ -259,7 +264,7 @@ def adapter_config_json(model: nn.Module) -> str:
         cfg,
         indent=2,
         sort_keys=True,
-        default=lambda v: sorted(v) if isinstance(v, set) else str(v),
+        default=_json_value,
     )
 
 

@@ -10,20 +10,19 @@
 * Every name is logged on every loop step: a loop step whose windows were all skipped logs NaN for
   the figures of trained chunks and taken steps and 0 for the counts, never nothing (Lightning
   would re-log the previous step's cached value for a missing key, and a resumed run a blank).
-* Across data-parallel ranks ``combine_ranks`` makes one figure per metric for the whole job (see the
-  ``RANK_*`` sets and docs/distributed.md).
+* Across data-parallel ranks ``combine_ranks`` makes one figure per metric for the whole job
+  (``rank_metrics.py``: the ``RANK_*`` sets; docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import math
-import zlib
-from collections.abc import Callable
 
 import torch
 
 from lightning_grpo.correction import derived_metrics
-from lightning_grpo.timing import AHEAD, PHASES, PREFIX, UPDATE
+from lightning_grpo.rank_metrics import AllReduce, combine_ranks
+from lightning_grpo.timing import AHEAD, PREFIX, UPDATE
 from lightning_grpo.update.loop import LoopResult
 
 
@@ -181,205 +180,3 @@ def length_metrics(
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
     return float(num / den) if float(den) > 0 else 0.0
-
-
-# -- across data-parallel ranks ------------------------------------------------------------------------------------
-# Each rank rolls up its own share; ``combine_ranks`` makes one figure per metric for the whole job.
-# Unlisted names (reward/<name>, rates, shares) are means over ranks, exact because every rank holds the same
-# number of trajectories and groups. grpo/loss is one of them: rank r reports S_r / N_bar (its loss sum over the
-# DP-mean divisor N_bar), so the mean over ranks is sum(S_r) / sum(N_r), the whole batch's token mean.
-RANK_SUM = frozenset(
-    {
-        "grpo/tokens",
-        "correction/tokens",
-        "grpo/n",
-        "grpo/seqs",
-        "grpo/chunks",
-        "grpo/empty_chunks",
-        "grpo/oversized_rows",
-        "dpo/pairs",
-        "data/dynamic_groups_dropped",
-        "data/dynamic_prompts_drawn",
-        "data/dynamic_batch_short",
-        "completion/truncated_masked",
-    }
-)
-"""Counts of this rank's share: summed, they count the whole collected batch."""
-RANK_TOKEN_WEIGHTED = frozenset(
-    {
-        "grpo/clip_frac",
-        "grpo/clip_frac_low",
-        "grpo/clip_frac_high",
-        "grpo/ratio_mean",
-        "grpo/kl",
-        "grpo/kl_old",
-        "grpo/entropy",
-        "opd/kl",
-        "opd/teacher_logprob",
-    }
-)
-"""Per-token figures of this rank's tokens: weighted by ``grpo/tokens`` (ranks hold unequal token counts)."""
-RANK_SAMPLED_WEIGHTED = frozenset(
-    {
-        f"correction/{name}"
-        for name in (
-            "is_weight_mean",
-            "is_weight_sq_mean",
-            "outside_frac",
-            "logprob_gap_mean",
-            "token_mult_prob_error",
-            "trainer_logprob_mean",
-            "rollout_logprob_mean",
-        )
-    }
-)
-"""Rollout-correction means over this rank's sampled tokens (rejected ones too): weighted by ``correction/tokens``."""
-RANK_MAX = frozenset(
-    {
-        "grpo/ratio_max",
-        "correction/is_weight_max",
-        "reward/max",
-        "completion/len_max",
-        "rollout/staleness_worst",
-        "rollout/version_span",
-        "mismatch/kl_max",
-        "mismatch/logprob_diff_max",
-        "mismatch/seconds",
-        *(PREFIX + phase for phase in PHASES),
-    }
-)
-RANK_MIN = frozenset({"reward/min", "completion/len_min"})
-RANK_WEIGHTED = {"completion/terminated_len_mean": "completion/stop_frac"}
-"""Means over a subset of each rank's rows, weighted by the subset's share (ranks hold equal row counts)."""
-RANK_SAME = frozenset(
-    {"step", "loop_step", "global_step", "data/dynamic_refill_rounds"}
-    | {
-        f"{prefix}/{name}"
-        for prefix in ("grpo", "dpo")
-        for name in (
-            "denom",
-            "grad_norm",
-            "grad_norm_max",
-            "lr",
-            "lr_max",
-            "optimizer_steps",
-            "skipped_windows",
-            "consecutive_skips",
-            "discarded_chunks",
-        )
-    }
-)
-"""Equal on every rank by construction (the divisor is already a DP mean, the norm is taken after the gradient
-sync, skip decisions are collective); reduced with max, so a disagreement could only show the worse value."""
-RANK_POOLED_STD = frozenset({"reward/std"})
-"""Unbiased std of all rewards, pooled exactly from each rank's ``reward/mean`` and ``reward/std``."""
-
-AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
-"""``(tensor, op)`` -> the tensor reduced over data-parallel ranks, op ``"sum"`` or ``"max"``."""
-
-
-def rank_reduction(name: str) -> str:
-    """How metric ``name`` combines over ranks: sum, token, sampled, weighted, max, min, same, std or mean."""
-    if name in RANK_WEIGHTED:
-        return "weighted"
-    # per inner epoch: each epoch trains the same rows, so the rank's tokens weigh
-    if name.startswith("grpo/epoch"):
-        return "token"
-    for kind, names in (
-        ("sum", RANK_SUM),
-        ("token", RANK_TOKEN_WEIGHTED),
-        ("sampled", RANK_SAMPLED_WEIGHTED),
-        ("max", RANK_MAX),
-        ("min", RANK_MIN),
-        ("same", RANK_SAME),
-        ("std", RANK_POOLED_STD),
-    ):
-        if name in names:
-            return kind
-    return "mean"
-
-
-def combine_ranks(
-    metrics: dict[str, float], all_reduce: AllReduce, world_size: int, rows: int
-) -> dict[str, float]:
-    """One figure per metric for the whole job from this rank's figures; every rank returns the same dict.
-
-    Three small all-reduces per loop step (a check that every rank has the same names, then one float64
-    vector summed and one maxed) instead of one collective per metric.
-
-    Args:
-        metrics: this rank's figures (``roll_up`` + rollout metrics + counters).
-        all_reduce: reduces a tensor over the data-parallel ranks (``trainer.strategy.reduce``).
-        world_size: data-parallel ranks.
-        rows: trajectories per rank (the same on every rank); pools ``reward/std``.
-    """
-    names = sorted(metrics)
-    key = float(zlib.crc32("\n".join(names).encode()))
-    check = all_reduce(torch.tensor([key, -key], dtype=torch.float64), "max")
-    # max == min: every rank logged the same names
-    if float(check[0]) != -float(check[1]):
-        raise RuntimeError(
-            f"combine_ranks: data-parallel ranks logged different metric names; this rank: {names}"
-        )
-    kind = {n: rank_reduction(n) for n in names}
-    # over every completion token, rejected ones too
-    if "correction/tokens" in kind and "grpo/entropy" in kind:
-        kind["grpo/entropy"] = "sampled"
-    # the count each weighted mean is over
-    weight = {"token": "grpo/tokens", "sampled": "correction/tokens"}
-    summed = [
-        n
-        for n in names
-        if kind[n] in ("sum", "token", "sampled", "weighted", "std", "mean")
-    ]
-    maxed = [n for n in names if kind[n] in ("max", "min", "same")]
-    local = {n: metrics[n] for n in names}
-    for n in names:
-        if kind[n] in weight:
-            # this rank's sum over its tokens
-            local[n] = metrics[n] * metrics.get(weight[kind[n]], 0.0)
-        elif kind[n] == "std":  # this rank's sum of squared rewards
-            local[n] = (rows - 1) * metrics[n] ** 2 + rows * metrics.get(
-                "reward/mean", 0.0
-            ) ** 2
-        elif kind[n] == "min":
-            local[n] = -metrics[n]
-        # a rank with none of the subset (NaN mean) adds nothing
-        elif kind[n] == "weighted":
-            share = metrics.get(RANK_WEIGHTED[n], 0.0)
-            local[n] = metrics[n] * share if share > 0 else 0.0
-    out = dict(zip(summed, _reduced(all_reduce, [local[n] for n in summed], "sum")))
-    out.update(zip(maxed, _reduced(all_reduce, [local[n] for n in maxed], "max")))
-    # summed, before the means
-    shares = {n: out.get(RANK_WEIGHTED[n], 0.0) for n in names if kind[n] == "weighted"}
-    for n in names:
-        if kind[n] == "mean":
-            out[n] /= world_size
-        elif kind[n] in weight:
-            all_tokens = out.get(weight[kind[n]], 0.0)
-            out[n] = (
-                out[n] / all_tokens
-                if all_tokens > 0
-                else (math.nan if math.isnan(out[n]) else 0.0)
-            )
-        elif kind[n] == "min":
-            out[n] = -out[n]
-        elif kind[n] == "weighted":
-            out[n] = out[n] / shares[n] if shares[n] > 0 else math.nan
-    for n in (n for n in names if kind[n] == "std"):
-        count = rows * world_size
-        mean = out.get("reward/mean", 0.0)
-        out[n] = (
-            math.sqrt(max(out[n] - count * mean * mean, 0.0) / (count - 1))
-            if count > 1
-            else 0.0
-        )
-    return out
-
-
-def _reduced(all_reduce: AllReduce, values: list[float], op: str) -> list[float]:
-    return (
-        all_reduce(torch.tensor(values, dtype=torch.float64), op).tolist()
-        if values
-        else []
-    )

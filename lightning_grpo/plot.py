@@ -31,6 +31,10 @@ def _moved(series: Series) -> bool:
     return any(v != 0 for v in series[1])
 
 
+def _kl_moved(series: dict[str, Series]) -> bool:
+    return _moved(series["grpo/kl"])
+
+
 def _can_clip(series: dict[str, Series]) -> bool:
     """The clip fraction is exactly 0 while pi_old is the policy itself (one optimizer step per loop step, no sampler
     pi_old): drawn when a loop step took several optimizer steps, or a clip was seen."""
@@ -49,6 +53,10 @@ def _not_replaced(metric: str, series: dict[str, Series]) -> bool:
     return REPLACED_BY.get(metric) not in series
 
 
+def _always(series: dict[str, Series]) -> bool:
+    return True
+
+
 class Panel(NamedTuple):
     """One panel of the figure: the metric it draws, its title, the lines drawn over it, and when it is drawn."""
 
@@ -56,7 +64,7 @@ class Panel(NamedTuple):
     title: str
     overlays: tuple[str, ...] = ()
     """Further lines drawn when the run logged them (validation: greedy or held-out)."""
-    when: Callable[[dict[str, Series]], bool] = lambda series: True
+    when: Callable[[dict[str, Series]], bool] = _always
     """Drawn only when this holds (beyond the metric being logged)."""
 
 
@@ -74,7 +82,7 @@ PANELS = (
     Panel(
         "grpo/kl",
         "KL to the reference (nats/token)",
-        when=lambda s: _moved(s["grpo/kl"]),
+        when=_kl_moved,
     ),
     Panel("opd/kl", "reverse KL to the teacher (nats/token)"),
     Panel("grpo/clip_frac", "clip fraction (share of tokens)", when=_can_clip),

@@ -150,7 +150,8 @@ class VisionProcessor:
     ) -> VisionInputs | None:
         """Inputs of ``group_size`` rows per prompt (``input_ids`` ``[N, L]``, left-padded): each prompt's images
         are decoded and processed once, their pixels repeated for its rows."""
-        pixels, grids = [], []
+        pixels = []
+        grids = []
         for p in prompts:
             if p.images:
                 px, grid = self.process(load_images(p.images, p.id))

@@ -17,7 +17,8 @@ import yaml
 from lightning.pytorch import Trainer
 
 from lightning_grpo import docgen
-from lightning_grpo.cli import SECTIONS, flatten, main
+from lightning_grpo.cli import flatten, main
+from lightning_grpo.cli_help import SECTIONS
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.timing import is_timing

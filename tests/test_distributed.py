@@ -23,9 +23,10 @@ from helpers import max_rel_delta, params_of, synthetic_batch
 
 from lightning_grpo.advantages import dp_batch_std
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
-from lightning_grpo.metrics import combine_ranks, roll_up
+from lightning_grpo.metrics import roll_up
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.rank_metrics import combine_ranks
 from lightning_grpo.timing import is_timing
 
 pytestmark = pytest.mark.heavy  # the shared 2-rank launch (tests/conftest.two_rank_cases): CI and `make test-integration`

@@ -12,11 +12,13 @@ from transformers import AutoModelForCausalLM
 
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig
 from lightning_grpo.distributed import single_process
-from lightning_grpo.logprobs import KEEP_BYTES, token_logprobs
-from lightning_grpo.metrics import combine_ranks, length_metrics, rank_reduction, roll_up
+from lightning_grpo.fused_head import KEEP_BYTES
+from lightning_grpo.logprobs import token_logprobs
+from lightning_grpo.metrics import length_metrics, roll_up
 from lightning_grpo.objectives import ObjectiveParts, build_objective
 from lightning_grpo.objectives.entropy import top_entropy_mask
 from lightning_grpo.objectives.grpo import GRPOObjective
+from lightning_grpo.rank_metrics import combine_ranks, rank_reduction
 from lightning_grpo.scoring import ChunkScorer
 from lightning_grpo.update import AheadPass, Needs, Split, Updater
 
@@ -248,7 +250,7 @@ def test_the_entropy_dots_stay_float32_under_bf16_autocast():
     """The fused head's entropy sums ``exp(x) * x`` over the vocabulary with a batched dot. Under bf16 autocast (what
     ``precision: bf16-mixed`` runs) that dot must not be cast to bf16: it cost a third of a bf16 update and rounded the
     logged entropy to bf16. Equal bit for bit inside and outside autocast."""
-    from lightning_grpo.logprobs import _exp_dots
+    from lightning_grpo.fused_head import _exp_dots
 
     x = torch.randn(12, 3000, generator=torch.Generator().manual_seed(0)) * 4
     x = x - x.amax(-1, keepdim=True)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_grpo.logprobs import _linear_head, head_logprobs, token_logprobs
+from lightning_grpo.fused_head import head_logprobs
+from lightning_grpo.logprobs import _linear_head, token_logprobs
 
 VOCAB = 101  # unlike any other width of the model, so a matmul of this width is the head
 

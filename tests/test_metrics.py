@@ -6,8 +6,9 @@ import pytest
 import torch
 from helpers import synthetic_batch
 
-from lightning_grpo.metrics import combine_ranks, roll_up
+from lightning_grpo.metrics import roll_up
 from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
+from lightning_grpo.rank_metrics import combine_ranks
 from lightning_grpo.update.accumulate import StepOutcome
 from lightning_grpo.update.loop import LoopResult
 from lightning_grpo.update.plan import ChunkPlan

@@ -15,10 +15,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from lightning_grpo.config import ConfigError, GRPOConfig, RolloutConfig, VLLMConfig
 from lightning_grpo.correction import RolloutCorrection, derived_metrics
 from lightning_grpo.distributed import single_process
-from lightning_grpo.metrics import combine_ranks, roll_up
+from lightning_grpo.metrics import roll_up
 from lightning_grpo.objectives import ObjectiveParts, build_objective
 from lightning_grpo.objectives.grpo import CorrectedChunkStats, GRPOObjective
 from lightning_grpo.policy import PolicyConfig
+from lightning_grpo.rank_metrics import combine_ranks
 from lightning_grpo.rollout.replay import ReplayEngine
 from lightning_grpo.run_check import check_run
 from lightning_grpo.update import Needs, Split

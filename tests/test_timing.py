@@ -62,7 +62,7 @@ def test_every_metrics_row_has_the_time_columns(tiny_policy_dir, tmp_path):
 
 def test_ranks_take_the_slowest_phase_and_the_mean_share():
     """The slowest rank sets the step's time; the share is a ratio, averaged (docs/distributed.md)."""
-    from lightning_grpo.metrics import rank_reduction
+    from lightning_grpo.rank_metrics import rank_reduction
 
     assert {rank_reduction(f"time/{p}") for p in PHASES} == {"max"}
     assert rank_reduction("time/ahead_share") == "mean"

@@ -255,7 +255,7 @@ def test_async_a_server_that_dies_again_spends_the_budget_then_stops(launch):
 
 def test_a_server_failure_ends_in_a_few_lines_on_stderr(launch, capsys):
     """The CLI reports a server death as any runtime error: a few lines naming it; the traceback goes to error.log."""
-    from lightning_grpo.cli import config_error
+    from lightning_grpo.cli_errors import config_error
     from lightning_grpo.errors import USER_ERRORS
 
     engine, policy, _ = launch("--die-at", "generate:1", restarts=0)
