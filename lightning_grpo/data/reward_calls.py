@@ -216,8 +216,7 @@ def run_with_timeout(
                 torch.cuda.set_device(device)
             with torch.set_grad_enabled(grad):
                 box["value"] = call()
-        # noqa: BLE001 - handed to the caller, who raises it
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 - handed to the caller, who raises it
             box["error"] = err
 
     thread = threading.Thread(target=target, name=thread_name, daemon=True)
