@@ -1,6 +1,6 @@
 """The colocated hand-off: one phase machine that passes the device between the rollout engine and the trainer.
 
-Every loop step runs the same cycle (the event log records it, names exactly as here)::
+Every loop step runs the same cycle (the event log records it, names as in ``handoff_events.py``)::
 
     generate -> engine.sleep -> trainer.onload -> train
              -> engine.wake_up(weights) -> weight_sync -> trainer.offload -> engine.wake_up(kv_cache)
@@ -19,68 +19,38 @@ it the engine and the policy once (``on_engine_ready``) and tells it about the t
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict
-from enum import Enum
 from typing import Any, Literal
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch import Tensor, nn
+from torch import nn
 from typing_extensions import override
 
-from lightning_grpo import lora
-from lightning_grpo.offload import OffloadBackend, TrainerOffload, trainer_offload
-from lightning_grpo.publisher import (
-    NoPublisher,
-    WeightPublisher,
-    find_publisher,
-    generates_with,
-    needs_publisher,
+from lightning_grpo.handoff_events import (
+    ENGINE_SLEEP,
+    GENERATE,
+    TRAIN,
+    TRAINER_OFFLOAD,
+    TRAINER_ONLOAD,
+    WAKE_KV_CACHE,
+    WAKE_WEIGHTS,
+    WEIGHT_SYNC,
+    Phase,
 )
-from lightning_grpo.rollout import adapter_sync
-from lightning_grpo.rollout.base import DeclaresWeights, DrawsAhead, RolloutEngine
+from lightning_grpo.offload import OffloadBackend, TrainerOffload, trainer_offload
+from lightning_grpo.publisher import generates_with
+from lightning_grpo.rollout.base import DrawsAhead, RolloutEngine
+from lightning_grpo.rollout.full_sync import publish_checked
 from lightning_grpo.rollout.sleep import sleep_level_problem
-from lightning_grpo.rollout.weight_sync import SyncStats, named_weights
+from lightning_grpo.rollout.weight_sync import SyncStats
 from lightning_grpo.run_check import check_async_handoff
 from lightning_grpo.timing import SYNC, ProfileRecords, StepTimer, profiling_requested
 
 log = logging.getLogger(__name__)
 
-GENERATE = "generate"
-ENGINE_SLEEP = "engine.sleep"
-TRAINER_ONLOAD = "trainer.onload"
-TRAIN = "train"
-WAKE_WEIGHTS = "engine.wake_up(weights)"
-WEIGHT_SYNC = "weight_sync"
-TRAINER_OFFLOAD = "trainer.offload"
-WAKE_KV_CACHE = "engine.wake_up(kv_cache)"
-CYCLE = (
-    GENERATE,
-    ENGINE_SLEEP,
-    TRAINER_ONLOAD,
-    TRAIN,
-    WAKE_WEIGHTS,
-    WEIGHT_SYNC,
-    TRAINER_OFFLOAD,
-    WAKE_KV_CACHE,
-)
-"""One loop step's events, in order, with colocated offload on."""
 NO_SYNC = SyncStats(n_buckets=0, n_tensors=0, bytes=0, seconds=0.0)
-
-
-class Phase(str, Enum):
-    IDLE = "idle"
-    """Outside fit, or before the run reached its first batch boundary."""
-    BOUNDARY = "boundary"
-    """Trainer resident, engine asleep (colocated); publication pending. Checkpoints are taken here."""
-    PUBLISH = "publish"
-    """Waking the engine's weights, syncing, offloading the trainer, waking the KV cache."""
-    GENERATE = "generate"
-    """Engine awake with the current policy, trainer offloaded."""
-    TRAIN = "train"
-    """Engine asleep, trainer resident, the update running."""
 
 
 class HandoffCallback(Callback):
@@ -311,8 +281,10 @@ class HandoffCallback(Callback):
                     self._engine.wake_up(["weights"])
             if self._stale or self._discarded:
                 with self._event(WEIGHT_SYNC):
-                    self.last_sync = self._step_sync = self._sync()
-                self._stale = self._discarded = False
+                    self._step_sync = self._sync()
+                    self.last_sync = self._step_sync
+                self._stale = False
+                self._discarded = False
             if self.handoff:
                 with self._event(TRAINER_OFFLOAD):
                     self._step_bytes["offloaded"] += self._trainer_offload(
@@ -327,41 +299,9 @@ class HandoffCallback(Callback):
         if self.engine_is_policy:
             # HFEngine generates with this very module: its weights are already the policy's
             return NO_SYNC
-        pushed: list[str] = []
-        # LoRA: the adapter alone (an engine with LoRA), else merged weights
-        record = functools.partial(_recorded, names=pushed)
-        stats = adapter_sync.publish_policy(
-            self._policy,
-            self._engine,
-            self._bucket_bytes,
-            with_base=self._discarded,
-            record=record,
+        return publish_checked(
+            self._policy, self._engine, self._bucket_bytes, self._discarded
         )
-        if self._discarded:
-            self._check_complete(pushed)
-        return stats
-
-    def _check_complete(self, pushed: list[str]) -> None:
-        """After a level-2 sleep every tensor the engine holds was discarded: the sync must have rewritten each."""
-        names = (
-            self._engine.weight_names()
-            if isinstance(self._engine, DeclaresWeights)
-            else None
-        )
-        # An engine that cannot say what it holds is checked against the policy's own tensors.
-        own = (
-            adapter_sync.engine_weights(self._policy, merged=False)
-            if lora.is_lora(self._policy)
-            else named_weights(self._policy)
-        )
-        expected = set(names) if names else {name for name, _ in own}
-        missing = sorted(expected - set(pushed))
-        if missing:
-            raise RuntimeError(
-                f"weight sync after a level-2 sleep rewrote {len(expected) - len(missing)} of the {len(expected)} "
-                f"tensors the engine holds (missing e.g. {missing[:5]}): the engine discarded its weights, so the "
-                "policy must provide every one of them under the engine's names (or use sleep_level=1)"
-            )
 
     def _sleep_engine(self) -> None:
         if self.handoff:
@@ -457,40 +397,3 @@ class HandoffCallback(Callback):
             sync=None if sync is None else asdict(sync),
             offload_bytes=moved,
         )
-
-
-def _recorded(
-    named: Iterable[tuple[str, Tensor]], names: list[str]
-) -> Iterator[tuple[str, Tensor]]:
-    for name, tensor in named:
-        names.append(name)
-        yield name, tensor
-
-
-def engine_publisher(
-    trainer: Trainer, engine: RolloutEngine, policy: nn.Module
-) -> WeightPublisher:
-    """The fit's publisher: the Trainer's own; else, for an engine with weights of its own, a hand-off attached
-    here (a run never samples stale weights); else ``NoPublisher``."""
-    from lightning.pytorch.callbacks import Checkpoint
-
-    found = find_publisher(trainer.callbacks)
-    if found is not None or not needs_publisher(engine, policy):
-        return found or NoPublisher()
-    # the engine was built without sleep mode
-    publisher = HandoffCallback(colocated_offload=False)
-    callbacks = trainer.callbacks
-    at = next(
-        (i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)),
-        len(callbacks),
-    )
-    # before checkpoint callbacks, as Lightning orders them
-    callbacks.insert(at, publisher)
-    if trainer.is_global_zero:
-        log.warning(
-            "%s holds weights of its own and no callback publishes them: attached "
-            "HandoffCallback(colocated_offload=False) to sync them once per loop step. Pass "
-            "HandoffCallback() in Trainer(callbacks=...) for the colocated sleep/wake hand-off.",
-            type(engine).__name__,
-        )
-    return publisher

@@ -8,6 +8,7 @@ engine that never sleeps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from lightning.pytorch import Trainer
@@ -15,10 +16,18 @@ from torch import nn
 
 from lightning_grpo.checkpoint.signals import stop_poll
 from lightning_grpo.data.seam import PromptProvider, prompt_provider
-from lightning_grpo.handoff import engine_publisher
-from lightning_grpo.publisher import WeightPublisher, engine_sleeps
+from lightning_grpo.handoff import HandoffCallback
+from lightning_grpo.publisher import (
+    NoPublisher,
+    WeightPublisher,
+    engine_sleeps,
+    find_publisher,
+    needs_publisher,
+)
 from lightning_grpo.rollout.base import RolloutEngine
 from lightning_grpo.timing import StepTimer
+
+log = logging.getLogger(__name__)
 
 
 class TrainerSide:
@@ -72,8 +81,37 @@ class TrainerSide:
         timer: StepTimer | None = None,
     ) -> WeightPublisher:
         """The fit's publisher of ``policy`` to ``engine``, told the engine is ready (``on_engine_ready``): the
-        Trainer's own, else one attached for an engine with weights of its own (``handoff.engine_publisher``), else
+        Trainer's own, else one attached for an engine with weights of its own (``engine_publisher``), else
         ``NoPublisher``."""
         publisher = engine_publisher(self.trainer, engine, policy)
         publisher.on_engine_ready(self.trainer, engine, policy, sync_bucket_mb, timer)
         return publisher
+
+
+def engine_publisher(
+    trainer: Trainer, engine: RolloutEngine, policy: nn.Module
+) -> WeightPublisher:
+    """The fit's publisher: the Trainer's own; else, for an engine with weights of its own, a hand-off attached
+    here (a run never samples stale weights); else ``NoPublisher``."""
+    from lightning.pytorch.callbacks import Checkpoint
+
+    found = find_publisher(trainer.callbacks)
+    if found is not None or not needs_publisher(engine, policy):
+        return found or NoPublisher()
+    # the engine was built without sleep mode
+    publisher = HandoffCallback(colocated_offload=False)
+    callbacks = trainer.callbacks
+    at = next(
+        (i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)),
+        len(callbacks),
+    )
+    # before checkpoint callbacks, as Lightning orders them
+    callbacks.insert(at, publisher)
+    if trainer.is_global_zero:
+        log.warning(
+            "%s holds weights of its own and no callback publishes them: attached "
+            "HandoffCallback(colocated_offload=False) to sync them once per loop step. Pass "
+            "HandoffCallback() in Trainer(callbacks=...) for the colocated sleep/wake hand-off.",
+            type(engine).__name__,
+        )
+    return publisher

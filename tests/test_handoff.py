@@ -22,17 +22,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
-from lightning_grpo.handoff import (
-    CYCLE,
-    ENGINE_SLEEP,
-    GENERATE,
-    NO_SYNC,
-    TRAIN,
-    TRAINER_ONLOAD,
-    WEIGHT_SYNC,
-    HandoffCallback,
-    Phase,
-)
+from lightning_grpo.handoff import NO_SYNC, HandoffCallback
+from lightning_grpo.handoff_events import CYCLE, ENGINE_SLEEP, GENERATE, TRAIN, TRAINER_ONLOAD, WEIGHT_SYNC, Phase
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rollout.hf import HFEngine

@@ -1,4 +1,4 @@
-"""Which publisher keeps a fit's engine current (``handoff.engine_publisher``, ``publisher.engine_sleeps``): the
+"""Which publisher keeps a fit's engine current (``trainer_side.engine_publisher``, ``publisher.engine_sleeps``): the
 Trainer's own, else a hand-off attached for an engine with weights of its own, else none (unit tier, no fit)."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_capabilities import BareEngine
 
-from lightning_grpo.handoff import HandoffCallback, engine_publisher
+from lightning_grpo.handoff import HandoffCallback
 from lightning_grpo.publisher import NoPublisher, engine_sleeps
+from lightning_grpo.trainer_side import engine_publisher
 
 
 class Recorded(BareEngine):

@@ -14,7 +14,8 @@ from lightning_grpo.collect.prompts import step_prompts
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
-from lightning_grpo.handoff import CYCLE, ENGINE_SLEEP, TRAINER_ONLOAD, HandoffCallback
+from lightning_grpo.handoff import HandoffCallback
+from lightning_grpo.handoff_events import CYCLE, ENGINE_SLEEP, TRAINER_ONLOAD
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.timing import is_timing

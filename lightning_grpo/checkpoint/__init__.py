@@ -5,6 +5,9 @@
 - ``callback.py``: ``GRPOCheckpoint``, the cadence in loop steps, keep-last of the run's own files, the config
   beside each file, published after the loop step's metrics row, the emergency save on SIGTERM / SIGUSR1
   and on a failure before the update stepped.
+- ``staging.py``: a save under a staging name, published (manifest, rename, prune) after the step's row.
+- ``beside.py``: what travels beside each checkpoint (the resolved config, a LoRA policy's adapter).
+- ``emergency.py``: when a run failing inside a loop step may save the batch boundary it left.
 - ``atomic.py``: ``atomic_write`` (same-folder temp file + ``os.replace``; a full disk says so, naming the file).
 - ``checkpoint_io.py``: ``AtomicCheckpointIO`` (Lightning's checkpoint IO writing through ``atomic_write``;
   ``weights_only=True`` loads, verified against the manifest).
@@ -17,7 +20,8 @@
 """
 
 from lightning_grpo.checkpoint.atomic import atomic_write
-from lightning_grpo.checkpoint.callback import GRPOCheckpoint, resolved_config
+from lightning_grpo.checkpoint.beside import resolved_config
+from lightning_grpo.checkpoint.callback import GRPOCheckpoint
 from lightning_grpo.checkpoint.checkpoint_io import AtomicCheckpointIO
 from lightning_grpo.checkpoint.integrity import (
     DamagedCheckpointError,

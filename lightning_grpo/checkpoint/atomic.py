@@ -53,6 +53,15 @@ def atomic_write(
     return out.sha.hexdigest(), out.bytes
 
 
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> tuple[str, int]:
+    """``atomic_write`` of ``data`` as is (a config, a manifest)."""
+
+    def write(f: IO[bytes]) -> None:
+        f.write(data)
+
+    return atomic_write(path, write)
+
+
 def disk_full(err: OSError, path: Path) -> OSError:
     """``OSError: [Errno 28] No space left on device: '<path>'``: the errno's own words and the file."""
     return OSError(err.errno, os.strerror(err.errno), str(path))

@@ -9,49 +9,39 @@ and the emergency save on SIGTERM / SIGUSR1 (``signals.py``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import secrets
-import shutil
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_grpo.checkpoint.atomic import DISK_FULL, atomic_write, disk_full
 from lightning_grpo.checkpoint.checkpoint_io import AtomicCheckpointIO
+from lightning_grpo.checkpoint.emergency import (
+    failure_reason,
+    refusal,
+    report_refusal,
+    report_saved,
+)
 from lightning_grpo.checkpoint.integrity import (
     Manifest,
-    digest,
     mark_validation,
-    write_manifest,
 )
-from lightning_grpo.checkpoint.lock import FolderInUseError, FolderLock
+from lightning_grpo.checkpoint.lock import FolderLock, take_folder
 from lightning_grpo.checkpoint.paths import (
-    adapter_path,
     checkpoint_name,
-    config_path,
-    entries,
     find_last_checkpoint,
-    prune,
-    publish,
-    staging_path,
 )
 from lightning_grpo.checkpoint.revalidate import rerun_validation, validation_pending
 from lightning_grpo.checkpoint.shared import check_every_rank_sees
 from lightning_grpo.checkpoint.signals import Preempted, SignalWatch
-from lightning_grpo.checkpoint.state import (
-    NonFiniteParametersError,
-    nonfinite_parameter,
-)
-from lightning_grpo.lora import is_lora, save_adapter
+from lightning_grpo.checkpoint.staging import publish_staged, stage
+from lightning_grpo.checkpoint.state import NonFiniteParametersError, trained_loop_step
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +189,7 @@ class GRPOCheckpoint(Checkpoint):
         # Saved here, at the batch boundary, but published (renamed into place) only once Lightning has written this
         # loop step's metrics row, right after this hook: a checkpoint of step K never exists without row K, so a
         # kill -9 just after the publish, or a signal, loses no row. The signal is agreed on here (a collective).
-        step = _loop_step(trainer)
+        step = trained_loop_step(trainer)
         signum = self._signals.pending(trainer) if self._signals.active else None
         scheduled = (
             bool(self.every_n_loop_steps) and step % self.every_n_loop_steps == 0
@@ -238,11 +228,13 @@ class GRPOCheckpoint(Checkpoint):
         if self._signals.active and not trainer.sanity_checking:
             self._stop = self._signals.pending(trainer)
             if self._stop is not None:
-                self._stop_now(trainer, _loop_step(trainer), validation="pending")
+                self._stop_now(
+                    trainer, trained_loop_step(trainer), validation="pending"
+                )
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        step = _loop_step(trainer)
+        step = trained_loop_step(trainer)
         if (
             self._in_fit
             and not trainer.sanity_checking
@@ -258,7 +250,7 @@ class GRPOCheckpoint(Checkpoint):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._after_row(trainer)
-        step = _loop_step(trainer)
+        step = trained_loop_step(trainer)
         if self.save_on_train_end and step > 0 and step != self._last_saved:
             self.save(trainer, step, reason="train_end")
         self._let_go()
@@ -289,62 +281,28 @@ class GRPOCheckpoint(Checkpoint):
         reason: str = "scheduled",
         publish_now: bool = True,
     ) -> Path | None:
-        """Config beside it first, then the checkpoint under a staging name, its manifest, the rename, then prune.
-
-        The staging rename covers strategies that bypass ``CheckpointIO`` too (FSDP2's sharded
-        folder): a checkpoint name only ever points at a finished save, file or folder, whose
-        manifest is already there. Returns None, saving nothing, when a parameter holds NaN/inf.
-        ``publish_now=False`` leaves the finished save staged until ``_publish_pending`` (after the step's row).
+        """Config beside it first, then the checkpoint under a staging name, its manifest, the rename, then prune
+        (``staging.py``). Returns None, saving nothing, when a parameter holds NaN/inf. ``publish_now=False``
+        leaves the finished save staged until ``_publish_pending`` (after the step's row).
         """
         self._publish_pending(trainer)
         path = self.dirpath / checkpoint_name(loop_step, self.lineage)
-        staging = staging_path(path)
-        policy = getattr(trainer.lightning_module, "policy", None)
-        if trainer.is_global_zero:
-            text = resolved_config(trainer).encode()
-            atomic_write(config_path(path), lambda f: f.write(text))
-            # the adapter in peft's format (PeftModel.from_pretrained), beside the checkpoint
-            if is_lora(policy):
-                save_adapter(policy, adapter_path(path))
-        manifest = None
         try:
-            # Every rank (collectives), then a barrier. The module refuses NaN/inf parameters: checked there, inside
-            # the hand-off's window, where parameters are resident (torch_memory_saver may have paused them before).
-            trainer.save_checkpoint(staging, weights_only=False)
-            if trainer.is_global_zero:
-                sha, size = _written(trainer, staging)
-                manifest = Manifest(
-                    lineage=self.lineage,
-                    run=self.run_id,
-                    loop_step=loop_step,
-                    global_step=trainer.global_step,
-                    saved_at=time.time_ns(),
-                    sha256=sha,
-                    bytes=size,
-                    reason=reason,
-                    parent=self._parent,
-                )
+            manifest = stage(
+                trainer,
+                path,
+                lineage=self.lineage,
+                run=self.run_id,
+                loop_step=loop_step,
+                reason=reason,
+                parent=self._parent,
+            )
         except BaseException as err:
             # no emergency save retries it on the way out (a full disk stays full)
             self._save_failed = True
-            if trainer.is_global_zero and not path.exists():
-                # no checkpoint, no config or adapter beside it
-                config_path(path).unlink(missing_ok=True)
-                shutil.rmtree(adapter_path(path), ignore_errors=True)
             # every rank alike: the check is a collective
             if isinstance(err, NonFiniteParametersError):
-                log.error(
-                    "not saving loop step %d: parameter %r holds NaN/inf; the newest checkpoint of run %s, %s, "
-                    "holds the last good batch boundary",
-                    loop_step,
-                    err.parameter,
-                    self.lineage,
-                    find_last_checkpoint([self.dirpath], self.lineage),
-                )
                 return None
-            if isinstance(err, OSError) and err.errno in DISK_FULL:
-                # the last line names the checkpoint, not its staging name
-                raise disk_full(err, path) from err
             raise
         self._last_saved = loop_step
         self.last_path = path
@@ -360,15 +318,13 @@ class GRPOCheckpoint(Checkpoint):
         path, manifest = self._pending
         self._pending = None
         if trainer.is_global_zero:
-            write_manifest(path, dataclasses.replace(manifest, validation=validation))
-            publish(staging_path(path), path)
-            prune(self.dirpath, self.keep_last, self.lineage)
+            publish_staged(path, manifest, validation, self.keep_last)
 
     def _after_row(self, trainer: Trainer, validation: str | None = None) -> None:
         """The first hook after Lightning wrote the loop step's metrics row: publish, then act on a signal."""
         self._publish_pending(trainer, validation)
         if self._stop is not None:
-            self._stop_now(trainer, _loop_step(trainer), validation)
+            self._stop_now(trainer, trained_loop_step(trainer), validation)
 
     def _stop_now(
         self, trainer: Trainer, loop_step: int, validation: str | None = None
@@ -405,83 +361,33 @@ class GRPOCheckpoint(Checkpoint):
         raise stop
 
     def _emergency_save(self, trainer: Trainer, exception: BaseException) -> None:
-        """A run failing inside a loop step, before its first optimizer step, saves the batch boundary it left.
-
-        The parameters and optimizer state are still those of the boundary, and the checkpoint records the
-        boundary's data position and RNG streams (``checkpoint/state.py``), so ``--ckpt_path last`` after the fix
-        repeats the failed loop step exactly. Under DP a failure may be one rank's alone, and a save is a
-        collective that the other ranks would never join: only the scheduled checkpoints count there.
-        """
-        step = _loop_step(trainer)
+        """A run failing inside a loop step, before its first optimizer step, saves the batch boundary it left
+        (``emergency.py``: when it may, and why that repeats the failed loop step exactly)."""
+        step = trained_loop_step(trainer)
         if step == 0 or step == self._last_saved:
             return
-        # In this order: the non-finite check is a collective, never reached with several ranks.
-        at_boundary = getattr(trainer.lightning_module, "at_batch_boundary", False)
-        why = (
-            "it runs on several ranks"
-            if trainer.world_size > 1
-            else "a save had just failed"
-            if self._save_failed
-            else "the update had already stepped"
-            if not at_boundary
-            else "parameters hold NaN/inf"
-            if nonfinite_parameter(trainer) is not None
-            else None
-        )
+        why = refusal(trainer, self._save_failed)
         if why is not None:
             if trainer.is_global_zero:
-                log.warning(
-                    "no emergency checkpoint of loop step %d (%s); the newest is %s",
-                    step,
-                    why,
-                    find_last_checkpoint([self.dirpath], self.lineage),
-                )
+                newest = find_last_checkpoint([self.dirpath], self.lineage)
+                report_refusal(step, why, newest)
             return
-        signum = getattr(exception, "signum", None)
-        reason = (
-            f"signal:{signal.Signals(signum).name}"
-            if signum
-            else f"error:{type(exception).__name__}"
-        )
         try:
-            path = self.save(trainer, step, reason)
-        # noqa: BLE001 - the run's own failure is what the user must see
-        except Exception as err:
+            path = self.save(trainer, step, failure_reason(exception))
+        except Exception as err:  # noqa: BLE001 - the run's own failure is what the user must see
             log.error("emergency checkpoint of loop step %d failed: %s", step, err)
             return
+        signum = getattr(exception, "signum", None)
         if signum:
             self._signals.forward(signum)
-            log.warning("%s", Preempted(signum, path, step))
-        else:
-            log.warning(
-                "emergency checkpoint of loop step %d (the last batch boundary): %s; after fixing the cause, "
-                "resume with --ckpt_path last",
-                step,
-                path,
-            )
+        report_saved(step, path, signum)
 
     # -- ownership and signals ----------------------------------------------------------------------------------------
     def _take_folder(self, trainer: Trainer) -> None:
         """Lock the folder for this run (rank 0; every rank raises if another live run holds it)."""
-        refused = None
         if trainer.is_global_zero:
             self._lock = FolderLock(self.dirpath)
-            try:
-                self._lock.acquire(self.run_id, self.lineage)
-            except FolderInUseError as err:
-                refused = str(err)
-            others = sorted(
-                {e.lineage or "(no id)" for e in entries([self.dirpath])}
-                - {self.lineage}
-            )
-            if refused is None and others:
-                rank_zero_info(
-                    f"{self.dirpath} also holds checkpoints of run(s) {', '.join(others)}: this run "
-                    f"({self.lineage}) prunes only its own; --ckpt_path last resumes the run saved last"
-                )
-        refused = trainer.strategy.broadcast(refused)
-        if refused:
-            raise FolderInUseError(refused)
+        take_folder(trainer, self._lock, self.run_id, self.lineage)
 
     def _let_go(self) -> None:
         self._in_fit = False
@@ -489,44 +395,3 @@ class GRPOCheckpoint(Checkpoint):
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-def _written(trainer: Trainer, staging: Path) -> tuple[str, int]:
-    """SHA-256 and size of a finished save: recorded by ``AtomicCheckpointIO`` while writing, else read back."""
-    recorded = getattr(trainer.strategy.checkpoint_io, "written", {}).pop(
-        str(staging), None
-    )
-    return recorded if recorded is not None else digest(staging)
-
-
-def _loop_step(trainer: Trainer) -> int:
-    """The trained module's ``loop_step`` (``UpdateModule``'s), refused for a module that does not count them."""
-    module = trainer.lightning_module
-    step = getattr(module, "loop_step", None)
-    if not isinstance(step, int):
-        raise TypeError(
-            f"GRPOCheckpoint counts loop steps through module.loop_step, which {type(module).__name__} "
-            "lacks (use it with GRPOModule)"
-        )
-    return step
-
-
-def resolved_config(trainer: Trainer) -> str:
-    """The run's full config as YAML: LightningCLI's parsed config, else the module's config dataclasses."""
-    from lightning.pytorch.cli import SaveConfigCallback
-
-    for cb in trainer.callbacks:
-        if isinstance(cb, SaveConfigCallback):
-            return cb.parser.dump(cb.config, skip_none=False)
-    import yaml
-
-    module = trainer.lightning_module
-    out = {}
-    for name in ("policy_cfg", "rl", "optim_cfg", "rollout_cfg", "seed"):
-        value = getattr(module, name, None)
-        out[name] = (
-            dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-        )
-    return yaml.safe_dump(
-        {"model": out, "trainer": {"max_steps": trainer.max_steps}}, sort_keys=False
-    )

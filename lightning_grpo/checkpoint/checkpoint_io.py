@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from pathlib import Path
@@ -21,11 +22,17 @@ from lightning_grpo.checkpoint.atomic import atomic_write
 from lightning_grpo.checkpoint.integrity import (
     DamagedCheckpointError,
     check_intact,
+    digest,
     read_manifest,
 )
 from lightning_grpo.checkpoint.paths import previous_checkpoint
 
 log = logging.getLogger(__name__)
+
+
+def _as_stored(storage: Any, location: str) -> Any:
+    """``map_location`` that keeps each storage where it was saved (Lightning's default)."""
+    return storage
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -49,14 +56,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         self.written[str(path)] = atomic_write(
-            path, lambda f: torch.save(checkpoint, f)
+            path, functools.partial(torch.save, checkpoint)
         )
 
     @override
     def load_checkpoint(
         self,
         path,
-        map_location: Any = lambda storage, loc: storage,
+        map_location: Any = _as_stored,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         if weights_only is False:
@@ -73,6 +80,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if local and not Path(path).is_dir() and read_manifest(Path(path)) is None:
             check_values(checkpoint, Path(path))
         return checkpoint
+
+
+def save_digest(checkpoint_io: object, path: Path) -> tuple[str, int]:
+    """SHA-256 and size of a finished save: recorded by ``AtomicCheckpointIO`` while writing, else read back."""
+    recorded = getattr(checkpoint_io, "written", {}).pop(str(path), None)
+    return recorded if recorded is not None else digest(path)
 
 
 IMPLAUSIBLE = 1e30

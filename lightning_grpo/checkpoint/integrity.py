@@ -19,7 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_grpo.checkpoint.atomic import atomic_write
+from lightning_grpo.checkpoint.atomic import atomic_write_bytes
 
 MANIFEST_FORMAT = 1
 # (path, size, mtime_ns, sha256) read back intact in this process
@@ -61,7 +61,7 @@ def manifest_path(ckpt: Path) -> Path:
 
 def write_manifest(ckpt: Path, manifest: Manifest) -> None:
     text = json.dumps(dataclasses.asdict(manifest), indent=1).encode()
-    atomic_write(manifest_path(ckpt), lambda f: f.write(text))
+    atomic_write_bytes(manifest_path(ckpt), text)
 
 
 def mark_validation(ckpt: Path, state: str) -> None:

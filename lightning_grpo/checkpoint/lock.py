@@ -19,6 +19,11 @@ import socket
 import time
 from pathlib import Path
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_grpo.checkpoint.paths import entries
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
@@ -87,6 +92,29 @@ class FolderLock:
             os.ftruncate(fd, 0)
         finally:
             os.close(fd)  # closing drops the flock
+
+
+def take_folder(
+    trainer: Trainer, lock: FolderLock | None, run: str, lineage: str
+) -> None:
+    """Hold ``lock`` (rank 0's; None on the other ranks) for this run: every rank raises ``FolderInUseError`` if
+    another live run holds the folder. Rank 0 says when the folder also holds other runs' checkpoints."""
+    refused = None
+    if lock is not None:
+        folder = lock.path.parent
+        try:
+            lock.acquire(run, lineage)
+        except FolderInUseError as err:
+            refused = str(err)
+        others = sorted({e.lineage or "(no id)" for e in entries([folder])} - {lineage})
+        if refused is None and others:
+            rank_zero_info(
+                f"{folder} also holds checkpoints of run(s) {', '.join(others)}: this run "
+                f"({lineage}) prunes only its own; --ckpt_path last resumes the run saved last"
+            )
+    refused = trainer.strategy.broadcast(refused)
+    if refused:
+        raise FolderInUseError(refused)
 
 
 def _flock(fd: int, previous: dict | None) -> bool:

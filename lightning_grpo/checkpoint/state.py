@@ -164,6 +164,18 @@ def nonfinite_parameter(trainer: Trainer) -> str | None:
     return named[bad - 1][0] if bad else None
 
 
+def trained_loop_step(trainer: Trainer) -> int:
+    """The trained module's ``loop_step`` (``UpdateModule``'s), refused for a module that does not count them."""
+    module = trainer.lightning_module
+    step = getattr(module, "loop_step", None)
+    if not isinstance(step, int):
+        raise TypeError(
+            f"GRPOCheckpoint counts loop steps through module.loop_step, which {type(module).__name__} "
+            "lacks (use it with GRPOModule)"
+        )
+    return step
+
+
 # -- the module's state at the batch boundary ---------------------------------------------------------------------
 class LoopState:
     """Keeps the module's state at the last batch boundary, writes it into checkpoints, and puts a loaded one back.

@@ -22,7 +22,8 @@ def _last_boxed(text: str) -> str | None:
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    depth, i = 1, start + len("\\boxed{")
+    depth = 1
+    i = start + len("\\boxed{")
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:

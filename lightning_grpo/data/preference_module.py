@@ -169,7 +169,7 @@ class PreferenceDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return step_loader(Steps(self.pairs_at, lambda: self._consumed))
+        return step_loader(Steps(self.pairs_at, self))
 
     @override
     def val_dataloader(self) -> DataLoader | list:

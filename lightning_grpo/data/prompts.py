@@ -6,8 +6,6 @@ the refill lane (dynamic sampling) at its next round.
 
 from __future__ import annotations
 
-import random
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -16,23 +14,25 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_grpo.data.chat import fit_items
-from lightning_grpo.data.images import missing_files
+from lightning_grpo.data.holdout import (
+    HOLDOUT_SEED,
+    hold_out,
+    load_held_out,
+    val_batches,
+)
+from lightning_grpo.data.image_files import check_image_files
 from lightning_grpo.data.items import TaskItem
 from lightning_grpo.data.seam import PromptConsumer, PromptProvider
-from lightning_grpo.data.sources import PromptDataError, load_items
+from lightning_grpo.data.sources import load_items
 from lightning_grpo.data.steps import Fixed, Steps, step_loader
 from lightning_grpo.data.stream import PromptRecord, PromptStream
 
-# the stream's names, from here too
+# the stream's and the held-out seed's names, from here too
 __all__ = ["HOLDOUT_SEED", "PromptDataModule", "PromptRecord", "PromptStream"]
 
 
 def _name(source: Any) -> str:
     return repr(source) if isinstance(source, str) else f"<{type(source).__name__}>"
-
-
-HOLDOUT_SEED = 0
-"""Seed of the rows a file/dataset source holds out for validation: the same held-out set for every run seed."""
 
 
 class PromptDataModule(PromptProvider, LightningDataModule):
@@ -106,32 +106,17 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         on_bad_record: Literal["error", "skip"] = "error",
     ) -> None:
         super().__init__()
-        if prompts_per_step is not None and (
-            not isinstance(prompts_per_step, int) or prompts_per_step < 1
-        ):
-            raise ValueError(
-                f"PromptDataModule(prompts_per_step={prompts_per_step!r}): must be a positive integer"
-            )
-        if val_size < 0:
-            raise ValueError(
-                f"PromptDataModule(val_size={val_size}): must be >= 0 (0 disables validation)"
-            )
-        if not isinstance(val_samples_per_prompt, int) or val_samples_per_prompt < 0:
-            raise ValueError(
-                f"PromptDataModule(val_samples_per_prompt={val_samples_per_prompt!r}): must be an integer "
-                ">= 0 (0 = greedy validation only)"
-            )
+        _check_knobs(prompts_per_step, val_size, val_samples_per_prompt, on_bad_record)
         self.val_samples_per_prompt = val_samples_per_prompt
         self.val_pass_reward = val_pass_reward
-        if on_bad_record not in ("error", "skip"):
-            raise ValueError(
-                f"PromptDataModule(on_bad_record={on_bad_record!r}): must be 'error' or 'skip'"
-            )
         self.on_bad_record = on_bad_record
         self.bad_records_skipped = 0
         """Records skipped for an unreadable image (``on_bad_record=skip``; logged: data/bad_records_skipped)."""
-        self.source, self.val_source = source, val_source  # the train / held-out pairs
-        self.split, self.val_split = split, val_split
+        # the train / held-out pairs
+        self.source = source
+        self.val_source = val_source
+        self.split = split
+        self.val_split = val_split
         self.prompts_per_step = prompts_per_step
         self._load = {
             "prompt_key": prompt_key,
@@ -147,9 +132,14 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         self.shuffle = shuffle
         self.builtin_size = builtin_size
         self.val_size = val_size
-        self.rank, self.world_size = 0, 1
+        self.rank = 0
+        self.world_size = 1
         self.long_prompts_dropped = 0
         """Training prompts dropped as longer than ``rollout.max_prompt_tokens`` (logged: data/long_prompts_dropped)."""
+        self._start_unloaded()
+
+    def _start_unloaded(self) -> None:
+        """Nothing loaded yet (``setup`` loads), the stream at its start."""
         self._items: list[TaskItem] | None = None
         self._val_given: list[TaskItem] | None = None
         self._stream: PromptStream | None = None
@@ -189,8 +179,15 @@ class PromptDataModule(PromptProvider, LightningDataModule):
                 dataset_split=self.split,
                 **self._load,
             )
-            self._val_given = self._load_val()
-            self._check_image_files()
+            self._val_given = load_held_out(
+                self.source,
+                self.val_source,
+                self.split,
+                self.val_split,
+                self.val_size,
+                self._load,
+            )
+            check_image_files(self._items, _name(self.source), self.on_bad_record)
             self._assemble()
         if self.trainer is not None and not self._val_items and stage == "fit":
             # No held-out prompts (data.val_size: 0): validation is off. Lightning's knob for that, instead of an
@@ -232,53 +229,10 @@ class PromptDataModule(PromptProvider, LightningDataModule):
                     val, tokenizer, max_tokens, on_long, "held-out prompts (validation)"
                 )
         if val is None:  # hold val_size rows of the source out of training
-            items, rows, val = self._hold_out(items, rows)
+            items, rows, val = hold_out(items, rows, self.val_size, _name(self.source))
         self._stream = PromptStream(items, self.seed, self.shuffle, rows)
         self._refill = PromptStream(items, self.seed, self.shuffle, rows, lane="refill")
         self._val_items = val
-
-    def _check_image_files(self) -> None:
-        """A row whose image file is missing: refused before training (``on_bad_record=error``) or warned about
-        once, naming the rows (``skip``: each is left out at the loop step that draws it, counted)."""
-        rows = [
-            (i, missing)
-            for i, it in enumerate(self._items)
-            if (missing := missing_files(it.images))
-        ]
-        if not rows:
-            return
-        first = f"row {rows[0][0]}: {rows[0][1][0]}"
-        where = f"data.source={_name(self.source)}: {len(rows)} of {len(self._items)} rows name a missing image file"
-        if self.on_bad_record == "error":
-            raise PromptDataError(
-                f"{where} ({first}); fix the paths, or set data.on_bad_record=skip to train "
-                "without those rows (counted in data/bad_records_skipped)"
-            )
-        warnings.warn(
-            f"{where} (rows {[i for i, _ in rows][:10]}; {first}); each is skipped at the loop step "
-            "that draws it (data.on_bad_record=skip, counted in data/bad_records_skipped)",
-            stacklevel=2,
-        )
-
-    def _hold_out(
-        self, items: list[TaskItem], rows: list[int]
-    ) -> tuple[list[TaskItem], list[int], list[TaskItem]]:
-        """``val_size`` items drawn with a fixed seed (the same set for every run seed); the rest train."""
-        if self.val_size >= len(items):
-            raise PromptDataError(
-                f"data.val_size={self.val_size}: would hold out all {len(items)} prompts of "
-                f"source={_name(self.source)} for validation, leaving none to train on. Lower --data.val_size "
-                "(0 = no validation) or give --data.val_source / --data.val_split"
-            )
-        order = list(range(len(items)))
-        random.Random(HOLDOUT_SEED).shuffle(order)
-        held = set(order[: self.val_size])
-        train = [i for i in range(len(items)) if i not in held]
-        return (
-            [items[i] for i in train],
-            [rows[i] for i in train],
-            [items[i] for i in sorted(held)],
-        )
 
     @property
     def has_images(self) -> bool:
@@ -305,25 +259,6 @@ class PromptDataModule(PromptProvider, LightningDataModule):
                 f"which {type(module).__name__} lacks; give prompts_per_step"
             )
         return int(module.prompts_per_step)
-
-    def _load_val(self) -> list[TaskItem] | None:
-        """Held-out items from their own source or split; None = hold ``val_size`` rows out of ``source``."""
-        if self.val_size == 0:
-            return []
-        split = self.val_split or self.split
-        if self.val_source is not None:
-            return load_items(
-                self.val_source, size=self.val_size, dataset_split=split, **self._load
-            )[: self.val_size]
-        if isinstance(self.source, str) and self.source.startswith("builtin:"):
-            return load_items(
-                self.source, size=self.val_size, split="val", **self._load
-            )
-        if self.val_split is not None:
-            return load_items(self.source, dataset_split=self.val_split, **self._load)[
-                : self.val_size
-            ]
-        return None
 
     # -- stream --------------------------------------------------------------------------------------------------
     @property
@@ -359,15 +294,9 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         (uneven ranks would hang a distributed validation loop); wrapped prompts repeat their ids.
         """
         self._ensure_setup()
-        items = self._val_items
-        per_rank = self.prompts_per_step // self.world_size
-        n = len(self._val_items)
-        batches = []
-        for step in range(-(-n // self.prompts_per_step) if n else 0):
-            start = step * self.prompts_per_step + self.rank * per_rank
-            ids = [(start + i) % n for i in range(per_rank)]
-            batches.append([PromptRecord.of(i, items[i], source_index=i) for i in ids])
-        return batches
+        return val_batches(
+            self._val_items, self.prompts_per_step, self.rank, self.world_size
+        )
 
     def _ensure_setup(self) -> None:
         if self._items is None:
@@ -377,7 +306,7 @@ class PromptDataModule(PromptProvider, LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         self._ensure_setup()
-        return step_loader(Steps(self.records, lambda: self._consumed))
+        return step_loader(Steps(self.records, self))
 
     @override
     def val_dataloader(self) -> DataLoader | list:
@@ -440,3 +369,31 @@ class PromptDataModule(PromptProvider, LightningDataModule):
         self._consumed = int(state_dict["position"])
         self._refill_rounds = int(state_dict.get("refill_rounds", 0))
         self._rounds_at = {}
+
+
+def _check_knobs(
+    prompts_per_step: int | None,
+    val_size: int,
+    val_samples_per_prompt: int,
+    on_bad_record: str,
+) -> None:
+    """The constructor's arguments that have a range, checked in order (the first one out of range raises)."""
+    if prompts_per_step is not None and (
+        not isinstance(prompts_per_step, int) or prompts_per_step < 1
+    ):
+        raise ValueError(
+            f"PromptDataModule(prompts_per_step={prompts_per_step!r}): must be a positive integer"
+        )
+    if val_size < 0:
+        raise ValueError(
+            f"PromptDataModule(val_size={val_size}): must be >= 0 (0 disables validation)"
+        )
+    if not isinstance(val_samples_per_prompt, int) or val_samples_per_prompt < 0:
+        raise ValueError(
+            f"PromptDataModule(val_samples_per_prompt={val_samples_per_prompt!r}): must be an integer "
+            ">= 0 (0 = greedy validation only)"
+        )
+    if on_bad_record not in ("error", "skip"):
+        raise ValueError(
+            f"PromptDataModule(on_bad_record={on_bad_record!r}): must be 'error' or 'skip'"
+        )

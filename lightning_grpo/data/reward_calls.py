@@ -19,6 +19,7 @@ be real numbers or None, one per completion, else a ``RewardError`` names the fu
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import threading
@@ -121,14 +122,15 @@ def call_reward(
 
     ``should_stop`` (polled while the call runs; e.g. "the trainer received SIGTERM") abandons it early.
     """
+    args: tuple = ()
+    kwargs: dict[str, Any] = {}
     if rf.style == "rollouts":
-        args, kwargs = (copy.deepcopy(list(rollouts)),), {}
+        args = (copy.deepcopy(list(rollouts)),)
     else:
-        args, kwargs = (), trl_arguments(rf, rollouts)
+        kwargs = trl_arguments(rf, rollouts)
+    call = functools.partial(rf.fn, *args, **kwargs)
     try:
-        return run_with_timeout(
-            lambda: rf.fn(*args, **kwargs), timeout_s, f"reward:{rf.name}", should_stop
-        )
+        return run_with_timeout(call, timeout_s, f"reward:{rf.name}", should_stop)
     except CallAbandoned as err:
         raise RewardError(
             f"reward function {rf.name!r} {err} on a batch of {len(rollouts)} completions; the step fails and the "
@@ -214,8 +216,7 @@ def run_with_timeout(
                 torch.cuda.set_device(device)
             with torch.set_grad_enabled(grad):
                 box["value"] = call()
-        # noqa: BLE001 - handed to the caller, who raises it
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 - handed to the caller, who raises it
             box["error"] = err
 
     thread = threading.Thread(target=target, name=thread_name, daemon=True)

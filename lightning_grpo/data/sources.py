@@ -179,8 +179,7 @@ def _read_file(path: Path) -> tuple[Any, Callable[[int], str]]:
         _check_utf8(path)
     try:
         rows = datasets.load_dataset(builder, data_files=str(path), split="train")
-    # noqa: BLE001 - diagnosed below with our own line-by-line reader
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - diagnosed below with our own line-by-line reader
         if builder != "json":
             raise PromptDataError(
                 f"source={str(path)!r}: datasets could not read it ({type(err).__name__}: {err})"

@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from torch.utils.data import DataLoader, IterableDataset
 
 
-class Steps(IterableDataset):
-    """Yields one list of records per loop step, forever, from ``start()`` on (read when iteration begins, so a
-    resumed run starts at its checkpoint's position)."""
+class Positioned(Protocol):
+    """What a per-step dataset starts from: a datamodule's stream position."""
 
-    def __init__(
-        self, records: Callable[[int], list], start: Callable[[], int]
-    ) -> None:
-        self._records, self._start = records, start
+    @property
+    def position(self) -> int:
+        """Loop steps of records drawn so far."""
+        ...
+
+
+class Steps(IterableDataset):
+    """Yields one list of records per loop step, forever, from ``stream.position`` on (read when iteration begins,
+    so a resumed run starts at its checkpoint's position)."""
+
+    def __init__(self, records: Callable[[int], list], stream: Positioned) -> None:
+        self._records = records
+        self._stream = stream
 
     def __iter__(self) -> Iterator[list]:
-        step = self._start()
+        step = self._stream.position
         while True:
             yield self._records(step)
             step += 1

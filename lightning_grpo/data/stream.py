@@ -87,8 +87,11 @@ class PromptStream:
         rows: Sequence[int] | None = None,
         lane: str = "",
     ) -> None:
-        self.items, self.seed, self.shuffle = items, seed, shuffle
-        self.rows, self.lane = rows, lane
+        self.items = items
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rows = rows
+        self.lane = lane
         self._orders: dict[int, list[int]] = {}
 
     def record(self, position: int) -> PromptRecord:

@@ -13,6 +13,7 @@ the same ``TaskItem`` shape, for the real-model recipe.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -81,7 +82,8 @@ class ArithTask:
         )
         out: list[TaskItem] = []
         while len(out) < n:
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+            a = rng.randint(0, self.max_operand)
+            b = rng.randint(0, self.max_operand)
             if self._is_val(a, b) == reserved:
                 out.append(TaskItem(f"{a}+{b}=", str(a + b), {"a": a, "b": b}))
         return out
@@ -92,12 +94,12 @@ class ArithTask:
 
 TASKS: dict[str, Callable[[], Task]] = {
     "arith": ArithTask,
-    "arith_small": lambda: ArithTask(
-        max_operand=5, val_holdout=False, name="arith_small"
+    "arith_small": functools.partial(
+        ArithTask, max_operand=5, val_holdout=False, name="arith_small"
     ),
     # operands too large to add in one's head (or in a tiny policy's weights): the calculator environment's task
-    "arith_tools": lambda: ArithTask(
-        max_operand=999, val_holdout=False, name="arith_tools"
+    "arith_tools": functools.partial(
+        ArithTask, max_operand=999, val_holdout=False, name="arith_tools"
     ),
     "colors": ColorTask,  # images: PIL is imported only when a visual task draws items
 }

@@ -35,7 +35,8 @@ def square_png(
 
     image = Image.new("RGB", (size, size), tuple(rng.randint(0, 50) for _ in range(3)))
     side = rng.randint(16, 40)
-    x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+    x = rng.randint(0, size - side)
+    y = rng.randint(0, size - side)
     shade = tuple(max(0, min(255, c + rng.randint(-25, 25))) for c in color)
     ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=shade)
     buf = io.BytesIO()

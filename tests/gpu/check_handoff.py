@@ -140,7 +140,7 @@ def _fit(engine: str, steps: int = 3, **handoff_kw):
 
 
 def _expected(steps: int) -> list[str]:
-    from lightning_grpo.handoff import CYCLE, ENGINE_SLEEP
+    from lightning_grpo.handoff_events import CYCLE, ENGINE_SLEEP
 
     return [ENGINE_SLEEP] + (list(CYCLE[4:]) + list(CYCLE[:4])) * steps
 

@@ -19,7 +19,8 @@ from lightning_grpo import lora
 from lightning_grpo.config import GRPOConfig, OptimConfig, RolloutConfig
 from lightning_grpo.data.prompts import PromptDataModule
 from lightning_grpo.data.rewards import RewardSpec
-from lightning_grpo.handoff import WEIGHT_SYNC, HandoffCallback
+from lightning_grpo.handoff import HandoffCallback
+from lightning_grpo.handoff_events import WEIGHT_SYNC
 from lightning_grpo.lora import LoraConfig
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.policy import PolicyConfig, load_policy
