@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_grpo.lora import write_adapter_folder
 from lightning_grpo.rollout.adapter_sync import served_rank
 from lightning_grpo.rollout.server.client import ServerClient, each
-from lightning_grpo.rollout.server.process import ServerError
+from lightning_grpo.rollout.server.http_json import ServerError
 
 
 class ServerAdapters:

@@ -14,14 +14,13 @@ from typing import TypeVar
 
 import torch
 
-from lightning_grpo.rollout.server.process import (
+from lightning_grpo.rollout.server.http_json import (
     ConnectionLost,
-    ServerDied,
     ServerError,
-    ServerProcess,
     ServerTimeout,
     request_json,
 )
+from lightning_grpo.rollout.server.process import ServerDied, ServerProcess
 from lightning_grpo.rollout.server_config import ServerConfig
 
 _T = TypeVar("_T")

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from lightning_grpo.rollout.sampler import sample_seed
 from lightning_grpo.rollout.server.client import ServerClient
-from lightning_grpo.rollout.server.process import (
+from lightning_grpo.rollout.server.http_json import (
     ConnectionLost,
     ServerError,
     ServerTimeout,

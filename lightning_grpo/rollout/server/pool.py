@@ -12,13 +12,10 @@ from pathlib import Path
 from typing import Sequence
 
 from lightning_grpo.rollout.server.client import ServerClient
+from lightning_grpo.rollout.server.http_json import ServerError, request_json
 from lightning_grpo.rollout.server.placement import check_reachable_pool
-from lightning_grpo.rollout.server.process import (
-    ServerError,
-    ServerProcess,
-    free_ports,
-    request_json,
-)
+from lightning_grpo.rollout.server.ports import free_ports
+from lightning_grpo.rollout.server.process import ServerProcess
 from lightning_grpo.rollout.server.ranks import Ranks
 from lightning_grpo.rollout.server_config import ServerConfig
 

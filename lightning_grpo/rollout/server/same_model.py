@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from lightning_grpo.rollout.server.client import ServerClient
-from lightning_grpo.rollout.server.process import ServerError
+from lightning_grpo.rollout.server.http_json import ServerError
 
 _EMBEDDING = re.compile(
     r"VocabParallelEmbedding\(num_embeddings=\d+.*?embedding_dim=(\d+).*?org_vocab_size=(\d+)"
