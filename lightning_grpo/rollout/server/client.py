@@ -43,7 +43,9 @@ class ServerClient:
     def __init__(
         self, url: str, config: ServerConfig, process: ServerProcess | None = None
     ) -> None:
-        self.url, self.config, self.process = url, config, process
+        self.url = url
+        self.config = config
+        self.process = process
         self.model_name = ""
         """The name the server answers to (``/v1/models``); set by ``connect``."""
         self.requests = 0
