@@ -35,8 +35,8 @@ from lightning_grpo.data.images import BadImageError
 from lightning_grpo.data.reward_calls import RewardError
 from lightning_grpo.envs.environment import EnvProtocolError
 from lightning_grpo.policy import PolicyNotFoundError
+from lightning_grpo.rollout.server.http_json import ServerError
 from lightning_grpo.rollout.server.probe import StaleEngineError
-from lightning_grpo.rollout.server.process import ServerError
 from lightning_grpo.rollout.vllm_loadable import EngineCannotLoadError
 from lightning_grpo.update.loop import NonFiniteRunError
 

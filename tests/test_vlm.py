@@ -272,14 +272,14 @@ def test_vllm_request_carries_images_and_unexpanded_placeholders(tiny_vlm_dir):
     from lightning_grpo.collect.prompts import step_prompts
     from lightning_grpo.data.images import load_images, with_image_parts
     from lightning_grpo.data.prompts import PromptRecord
-    from lightning_grpo.rollout.vllm import _image_token_id, vllm_request
+    from lightning_grpo.rollout.vllm_requests import model_image_token_id, vllm_request
 
     module = make(tiny_vlm_dir)
     two = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "same?"}]}]
     records = [PromptRecord(0, "same?", None, {}, two, (png((56, 56)), png((84, 56)))),
                PromptRecord(1, "plain", None, {}, with_image_parts("plain", 0))]
     prompts, _ = step_prompts(records, module.tokenizer, module.vision)
-    token = _image_token_id(tiny_vlm_dir)
+    token = model_image_token_id(tiny_vlm_dir)
     assert token == module.vision.image_token_id
     request = vllm_request(prompts[0], token, load_images)
     assert request["prompt_token_ids"] == records[0].to_prompt(module.tokenizer).token_ids  # 1 placeholder per image

@@ -85,7 +85,8 @@ MUTATIONS = (
         ("request_json(self.url, path, body, self.config.sync_timeout_s, phase)",
          "request_json(self.url, path, body, self.config.request_timeout_s, phase)"),
     )),
-    Mutation("server", "an in-flight sync does not pause the servers (tokens sampled mid-sync)", "rollout/vllm_server.py", (
+    Mutation("server", "an in-flight sync does not pause the servers (tokens sampled mid-sync)",
+             "rollout/server/weight_update.py", (
         ('self._post, "/pause?mode=abort&clear_cache=false", {}, "pause"',
          'lambda *a: None, "/pause?mode=abort&clear_cache=false", {}, "pause"'),
     )),

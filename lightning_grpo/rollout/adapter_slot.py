@@ -48,7 +48,8 @@ class AdapterSlot:
         request = LoRARequest(f"policy-{self.published}", self.published, str(folder))
         if not llm_engine.add_lora(request):
             raise RuntimeError(f"vLLM refused LoRA adapter {folder}")
-        old, self.request = self.request, request
+        old = self.request
+        self.request = request
         if old is not None:
             llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)

@@ -139,6 +139,11 @@ def publish_policy(
     )
 
 
+def _as_pushed(named: NamedTensors) -> NamedTensors:
+    """No ``record``: the pushed stream unchanged."""
+    return named
+
+
 def push_policy(
     model: nn.Module,
     engine,
@@ -149,7 +154,7 @@ def push_policy(
     """Publish a LoRA policy: the adapter alone to an engine that serves adapters (plus modules_to_save as plain
     weights, and the base weights when ``with_base``: after a level-2 sleep discarded them), else every weight
     merged. ``record(named)`` wraps the pushed (name, tensor) stream. Returns the sync's ``SyncStats``."""
-    record = record or (lambda named: named)
+    record = record or _as_pushed
     if not serves_adapters(engine):
         return push_weights(
             record(engine_weights(model, merged=True)),

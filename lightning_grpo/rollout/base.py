@@ -308,11 +308,15 @@ def cut_at_stop(
     if not any(s in text for s in stop):
         return ids, text, False
     # the shortest prefix whose text holds a stop string (containment only grows)
-    lo, hi = 1, len(ids)
+    lo = 1
+    hi = len(ids)
     while lo < hi:
         mid = (lo + hi) // 2
         prefix = decode(ids[:mid])
-        hi, lo = (mid, lo) if any(s in prefix for s in stop) else (hi, mid + 1)
+        if any(s in prefix for s in stop):
+            hi = mid
+        else:
+            lo = mid + 1
     text = decode(ids[:lo])
     return ids[:lo], text[: min(text.find(s) for s in stop if s in text)], True
 
@@ -333,10 +337,12 @@ def finish_rollout(
         raise RuntimeError(
             f"the engine finished prompt id={prompt.id} with reason {finish!r}"
         )
-    ids, logprobs = list(ids), None if logprobs is None else list(logprobs)
+    ids = list(ids)
+    logprobs = None if logprobs is None else list(logprobs)
     ids, cut = cut_before_forbidden(ids, sampling.forbidden_token_ids)
     if cut:  # a vision token: the completion ends before it, unfinished
-        text, finish = decode(ids), "length"
+        text = decode(ids)
+        finish = "length"
         logprobs = None if logprobs is None else logprobs[: len(ids)]
     # tokens up to the one completing the stop string, text cut before it: exactly as HFEngine
     if sampling.stop:

@@ -88,10 +88,8 @@ def applies(model: nn.Module) -> bool:
         or getattr(config, "_attn_implementation", None) != "sdpa"
     ):
         return False
-    heads, kv_heads = (
-        getattr(config, "num_attention_heads", None),
-        getattr(config, "num_key_value_heads", None),
-    )
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
     if not heads or not kv_heads or kv_heads >= heads:
         return False
     return next(model.parameters()).device.type == "cpu"

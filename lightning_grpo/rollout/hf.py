@@ -21,6 +21,7 @@ vLLM's ``processed_logprobs`` mode returns the same quantity (see ``rollout/vllm
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -231,7 +232,8 @@ class HFEngine(BookkeptSleep):
         """eval + no_grad and a neutral generation_config (the draw's randomness is the sampler's own streams)."""
         from transformers import GenerationConfig
 
-        model, was_training = self.model, self.model.training
+        model = self.model
+        was_training = model.training
         saved_config = getattr(model, "generation_config", None)
         # The checkpoint's generation_config.json (top_k, repetition_penalty, ...) would otherwise fill any
         # field we leave unset: the draw must follow SamplingConfig and nothing else.
@@ -256,7 +258,7 @@ class HFEngine(BookkeptSleep):
         eos = next((j for j, t in enumerate(ids) if t in self.eos_token_ids), None)
         # EOS included; padding after it dropped
         ids = ids if eos is None else ids[: eos + 1]
-        decode = lambda t: self.tokenizer.decode(t, skip_special_tokens=True)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
         ids, text, stopped = (
             cut_at_stop(ids, stop, decode) if stop else (ids, decode(ids), False)
         )
@@ -316,7 +318,9 @@ class _StopStrings:
     """
 
     def __init__(self, tokenizer, stop: Sequence[str], prompt_width: int) -> None:
-        self.tokenizer, self.stop, self.start = tokenizer, list(stop), prompt_width
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        self.start = prompt_width
         # tokens that can spell the longest stop string
         self.window = max(len(s) for s in self.stop) + 4
 

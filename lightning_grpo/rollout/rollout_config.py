@@ -89,6 +89,10 @@ class RolloutConfig:
 
     def problems(self) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line."""
+        return [*self._sampling_problems(), *self._engine_problems()]
+
+    def _sampling_problems(self) -> list[str]:
+        """The prompt and completion lengths, the stop strings and the sampling knobs."""
         p = []
         if self.max_new_tokens < 1:
             p.append(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
@@ -115,6 +119,11 @@ class RolloutConfig:
             p.append(f"top_p={self.top_p}: must be in (0, 1]")
         if not is_int(self.top_k) or self.top_k < 0:
             p.append(f"top_k={self.top_k}: must be an integer >= 0 (0 = off)")
+        return p
+
+    def _engine_problems(self) -> list[str]:
+        """The engine and what it must support: async rollouts, the certificate, salts, in-flight updates."""
+        p = []
         if not is_finite(self.sync_bucket_mb) or self.sync_bucket_mb <= 0:
             p.append(f"sync_bucket_mb={self.sync_bucket_mb}: must be > 0")
         if self.engine not in ("hf", "vllm", "vllm_server", "replay"):

@@ -86,14 +86,22 @@ class ServerConfig:
 
     def problems(self) -> list[str]:
         """Every broken rule as a ``field=value: rule; fix`` line."""
+        return [
+            *self._url_problems(),
+            *self._launch_problems(),
+            *self._pool_problems(),
+            *self._sync_problems(),
+        ]
+
+    def _url_list(self) -> list:
+        """``url`` as a list, as given (empty when launching)."""
+        if isinstance(self.url, list):
+            return self.url
+        return [] if self.url is None else [self.url]
+
+    def _url_problems(self) -> list[str]:
         p = []
-        urls = (
-            self.url
-            if isinstance(self.url, list)
-            else []
-            if self.url is None
-            else [self.url]
-        )
+        urls = self._url_list()
         if isinstance(self.url, list) and not self.url:
             p.append(
                 "url=[]: an empty list names no server; give at least one URL, or null to launch servers"
@@ -110,6 +118,11 @@ class ServerConfig:
                 f"url={self.url!r}: names a server twice; list each server once (two sessions on one server "
                 "would clash at every sync)"
             )
+        return p
+
+    def _launch_problems(self) -> list[str]:
+        """The settings of launched servers."""
+        p = []
         if not is_int(self.replicas) or self.replicas < 1:
             p.append(f"replicas={self.replicas!r}: must be an integer >= 1")
         elif self.replicas > 1 and self.url is not None:
@@ -142,6 +155,11 @@ class ServerConfig:
             p.append(
                 f"max_model_len={self.max_model_len!r}: must be >= 1 or null (the model's)"
             )
+        return p
+
+    def _pool_problems(self) -> list[str]:
+        """How the servers are reached: the weight transport, the placement, the timeouts."""
+        p = []
         if self.weight_transport not in ("auto", "shm", "http"):
             p.append(
                 f"weight_transport={self.weight_transport!r}: must be 'auto', 'shm' or 'http'"
@@ -157,6 +175,11 @@ class ServerConfig:
             value = getattr(self, name)
             if not is_finite(value) or value <= 0:
                 p.append(f"{name}={value!r}: must be a number of seconds > 0")
+        return p
+
+    def _sync_problems(self) -> list[str]:
+        """What a sync may do: restart a dead server, run in flight, tolerate on the probe."""
+        p = []
         if not is_int(self.restarts) or self.restarts < 0:
             p.append(f"restarts={self.restarts!r}: must be an integer >= 0")
         elif self.restarts and self.url is not None:
@@ -180,14 +203,7 @@ class ServerConfig:
     @property
     def urls(self) -> list[str]:
         """The servers to connect to (``url`` as a list; empty when launching), without a trailing slash."""
-        urls = (
-            self.url
-            if isinstance(self.url, list)
-            else []
-            if self.url is None
-            else [self.url]
-        )
-        return [u.rstrip("/") for u in urls]
+        return [u.rstrip("/") for u in self._url_list()]
 
     def replica(self, i: int) -> ServerConfig:
         """The launch settings of replica ``i``: its own port (``port + i``) and, with a list, its own ``gpus``."""

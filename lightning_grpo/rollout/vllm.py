@@ -31,11 +31,11 @@ Side effects of an in-process vLLM worth knowing (vLLM 0.32):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import math
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -48,15 +48,18 @@ from lightning_grpo.rollout.base import (
     Rollout,
     SamplingConfig,
     VocabDraw,
-    finish_rollout,
 )
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.sleep import SleepState
 from lightning_grpo.rollout.vllm_config import VLLMConfig
-
-ImageLoader = Callable[[Sequence, int | None], list]
-"""Decodes a prompt's image references (``Prompt.images``) into images, naming the prompt id in its errors
-(``lightning_grpo.data.images.load_images``): the data layer owns the reference formats, so it is passed in."""
+from lightning_grpo.rollout.vllm_requests import (
+    ImageLoader,
+    completion_rollout,
+    model_image_token_id,
+    sampling_params,
+    vllm_request,
+    vocab_draw,
+)
 
 # Loggers that complain on every partial (bucketed) reload that the other layers were "not loaded".
 _RELOAD_LOGGERS = (
@@ -120,7 +123,7 @@ class VLLMEngine:
             self.llm = LLM(model=str(self.model_path), **kwargs)
         self.dtype: torch.dtype = self.llm.llm_engine.vllm_config.model_config.dtype
         """Weight dtype inside vLLM; ``push_weights`` casts to it."""
-        self.image_token_id: int | None = _image_token_id(self.model_path)
+        self.image_token_id: int | None = model_image_token_id(self.model_path)
         """A vision-language model's image placeholder id (prompts with images go as ``multi_modal_data``)."""
         self._load_images = load_images
         self._sleep = SleepState()
@@ -155,7 +158,7 @@ class VLLMEngine:
             vllm_request(p, self.image_token_id, self._load_images) for p in prompts
         ]
         requests = [dict(r) for r in per_prompt for _ in range(group_size)]
-        params = [_sampling_params(sampling, s) for s in seeds]
+        params = [sampling_params(sampling, s) for s in seeds]
         # None: the base (no adapter published yet)
         lora = self.adapters.request if self.adapters else None
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
@@ -163,7 +166,7 @@ class VLLMEngine:
             self._decoder() if sampling.stop or sampling.forbidden_token_ids else None
         )
         return [
-            _rollout(p, out.outputs[0], sampling, decode)
+            completion_rollout(p, out.outputs[0], sampling, decode)
             for p, out in zip(rows, outputs)
         ]
 
@@ -197,12 +200,12 @@ class VLLMEngine:
         lora = self.adapters.request if self.adapters else None
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
-        return [_vocab_draw(out.outputs[0], vocab) for out in outputs]
+        return [vocab_draw(out.outputs[0], vocab) for out in outputs]
 
     def _decoder(self):
         """Token ids -> text as HFEngine decodes them (special tokens skipped), for the shared stop-string cut."""
         tokenizer = self.llm.get_tokenizer()
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
     # -- hand-off hooks ------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -304,51 +307,6 @@ def _repack_cpu_embeddings(worker) -> int:
     return count
 
 
-def vllm_request(
-    prompt: Prompt,
-    image_token_id: int | None = None,
-    load_images: ImageLoader | None = None,
-) -> dict:
-    """vLLM's input for ``prompt``: its tokens, and for an image prompt its decoded images as ``multi_modal_data``.
-
-    vLLM expands each image placeholder itself (its processor replaces one ``<|image_pad|>`` per image with the
-    image's token count), so the expanded runs our prompts carry (what the update scores) go back to one token each.
-    The completion comes back alone, so the rollout keeps our expanded prompt.
-    """
-    if not prompt.images:
-        return {"prompt_token_ids": list(prompt.token_ids)}
-    if image_token_id is None:
-        raise ValueError(
-            f"prompt id={prompt.id} has images but the engine's model is text-only"
-        )
-    if load_images is None:
-        raise ValueError(
-            f"prompt id={prompt.id} has images but the engine has no image loader: build it with "
-            "VLLMEngine(load_images=lightning_grpo.data.images.load_images)"
-        )
-    ids = prompt.token_ids
-    collapsed = [
-        t
-        for i, t in enumerate(ids)
-        if not (t == image_token_id and i and ids[i - 1] == image_token_id)
-    ]
-    return {
-        "prompt_token_ids": collapsed,
-        "multi_modal_data": {"image": load_images(prompt.images, prompt.id)},
-    }
-
-
-def _image_token_id(model_path: Path) -> int | None:
-    import json
-
-    config = json.loads((model_path / "config.json").read_text())
-    return (
-        config.get("image_token_id")
-        if config.get("vision_config") is not None
-        else None
-    )
-
-
 def _check_launch(cfg: VLLMConfig) -> None:
     if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
         raise RuntimeError(
@@ -388,58 +346,13 @@ def _llm_kwargs(cfg: VLLMConfig, sleep_mode: bool, logprobs_mode: str) -> dict:
     return {**kwargs, **cfg.engine_kwargs}
 
 
-def _sampling_params(s: SamplingConfig, seed: int):
-    from vllm import SamplingParams
-
-    return SamplingParams(
-        n=1,
-        temperature=s.temperature,
-        top_p=s.top_p if s.temperature > 0 else 1.0,
-        top_k=s.top_k if s.temperature > 0 else 0,  # 0 = off in vLLM too
-        max_tokens=s.max_new_tokens,
-        logprobs=0 if s.logprobs else None,  # 0 = only the sampled token's logprob
-        seed=seed,
-        # vLLM matches them in the completion text only, as HFEngine does
-        stop=list(s.stop) or None,
-    )
-
-
-def _rollout(
-    prompt: Prompt, completion, sampling: SamplingConfig, decode=None
-) -> Rollout:
-    ids = list(completion.token_ids)
-    logprobs = (
-        [step[t].logprob for step, t in zip(completion.logprobs, ids)]
-        if sampling.logprobs
-        else None
-    )
-    return finish_rollout(
-        prompt,
-        ids,
-        completion.text,
-        completion.finish_reason,
-        logprobs,
-        sampling,
-        decode,
-    )
-
-
-def _vocab_draw(completion, vocab: int) -> VocabDraw:
-    """vLLM's per-step ``{token id: Logprob}`` dicts as one ``[T, V]`` tensor (-inf where vLLM left a token out)."""
-    ids = list(completion.token_ids)
-    logprobs = torch.full((len(ids), vocab), -math.inf)  # [T, V]
-    for t, step in enumerate(completion.logprobs):
-        index = torch.tensor(list(step.keys()))
-        logprobs[t, index] = torch.tensor([lp.logprob for lp in step.values()])
-    return VocabDraw(ids, logprobs)
-
-
 @contextlib.contextmanager
 def _caller_rng_kept() -> Iterator[None]:
     """vLLM seeds torch/random/numpy globally while it starts; give the caller its streams back."""
     import numpy as np
 
-    py_state, np_state = random.getstate(), np.random.get_state()
+    py_state = random.getstate()
+    np_state = np.random.get_state()
     devices = (
         list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     )

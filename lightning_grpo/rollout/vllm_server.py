@@ -14,17 +14,19 @@ bucket is a safetensors blob in ``/dev/shm`` (same node) or in the request body 
 has ``sync_timeout_s`` and a failure names the phase. After the sync the engine is checked: ``/weight_info`` must report
 the new version, and the server's logprobs on a fixed probe sequence must match the trainer's within
 ``probe_tolerance``, so a sync that did not land is an error, never a quiet bias. With several servers every phase
-reaches each (one thread per server, ``server/client.each``) before any samples again, and each is checked.
+reaches each (one thread per server, ``server/client.each``) before any samples again, and each is checked
+(``server/weight_update.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,15 +41,15 @@ from lightning_grpo.rollout.server.inflight import (
     Gate,
     check_pausable,
     complete_in_flight,
-    fails_gate,
 )
-from lightning_grpo.rollout.server.placement import bucket_bodies, hop_transport
+from lightning_grpo.rollout.server.placement import hop_transport
 from lightning_grpo.rollout.server.pool import connect
-from lightning_grpo.rollout.server.probe import check_probe, check_version, probe_ids
+from lightning_grpo.rollout.server.probe import probe_ids
 from lightning_grpo.rollout.server.process import ServerDied, ServerError, ServerProcess
 from lightning_grpo.rollout.server.ranks import Ranks
 from lightning_grpo.rollout.server.restarts import ServerRestarts, repaired
 from lightning_grpo.rollout.server.same_model import check_same_model
+from lightning_grpo.rollout.server.weight_update import ServerWeightUpdates
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.sleep import BookkeptSleep, SleepState
 
@@ -66,7 +68,7 @@ def sequence_logprobs(model: nn.Module, ids: Sequence[int]) -> list[float]:
     return lp.cpu().tolist()
 
 
-class VLLMServerEngine(BookkeptSleep):
+class VLLMServerEngine(ServerWeightUpdates, BookkeptSleep):
     """Rollouts from a ``vllm serve`` process; weights through vLLM's weight-transfer API.
 
     Args:
@@ -117,7 +119,8 @@ class VLLMServerEngine(BookkeptSleep):
         self._interrupted: ServerDied | None = None
         """A death met in the sync under way: its remaining buckets are skipped, and its end recovers."""
         self.model_path = Path(model_path)
-        self.reference, self.decode = reference, decode
+        self.reference = reference
+        self.decode = decode
         self.ranks = ranks or Ranks()
         adapter_args = self.adapters.launch_args() if self.adapters is not None else []
         self.clients: list[ServerClient] = connect(
@@ -303,7 +306,7 @@ class VLLMServerEngine(BookkeptSleep):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+            self.decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
         return self.decode
 
     def _body(self, prompt: Prompt, s: SamplingConfig, seed: int) -> dict:
@@ -337,61 +340,6 @@ class VLLMServerEngine(BookkeptSleep):
             else {}
         )
 
-    # -- weight sync (vLLM's RL API) -----------------------------------------------------------------------------
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """One bucket (checkpoint names); the first bucket of a sync opens vLLM's weight-update session."""
-        # in-flight: the cut requests raise a failed sync's error
-        with fails_gate(self.gate):
-            self._load_bucket(named_tensors)
-
-    def _load_bucket(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        self._sleep.require("weights", call="VLLMServerEngine.load_weights()")
-        if not self._session:
-            # every rank is done sampling before the weights change
-            self.ranks.barrier()
-            self._session, self._bucket = True, 0
-            # in-flight updates: cut the running requests instead of waiting for them
-            if self.gate is not None:
-                self.gate.close(self.config.sync_timeout_s)
-                self._guarded(
-                    self._post, "/pause?mode=abort&clear_cache=false", {}, "pause"
-                )
-            self._guarded(self._post, "/start_weight_update", {}, "start_weight_update")
-        self._bucket += 1
-        # every rank: FSDP2 gathers
-        tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}
-        if self._interrupted is not None:
-            # the sync is redone from its first bucket at its end (``reset_prefix_cache``)
-            return
-        phase = f"update_weights (bucket {self._bucket})"
-        self._guarded(self._push_bucket, tensors, phase)
-
-    def _guarded(self, call, *args) -> None:
-        """``call(*args)`` in a sync on rank 0; a death is kept for the sync's end, which recovers (or, with no
-        restart possible, raised now: the rest of the sync would be lost time)."""
-        if not self.ranks.leads:
-            return  # the same weights: the pool's lead pushes them
-        try:
-            call(*args)
-        except ServerDied as err:
-            # none possible: stop now
-            self.restarts.require(err, self.republish is not None, self.ranks.size)
-            self._interrupted = err
-
-    def _push_bucket(self, tensors: dict[str, Tensor], phase: str) -> None:
-        """One bucket to every server by its hop's transport (``placement.py``): the body (http) or a tmpfs file (shm)."""
-        path = Path(f"{self._bucket_prefix}-{self._bucket}.safetensors")
-        try:  # each server by its hop's transport (placement.py)
-            bodies = bucket_bodies(tensors, set(self.transports.values()), path)
-            each(
-                self.clients,
-                lambda c: c.post(
-                    "/update_weights", bodies[self.transports[c.url]], phase
-                ),
-            )
-        finally:
-            path.unlink(missing_ok=True)
-
     @property
     def serves_adapters(self) -> bool:
         """Built with a LoRA rank: a sync publishes the adapter alone (``load_adapter``)."""
@@ -415,76 +363,6 @@ class VLLMServerEngine(BookkeptSleep):
         """The loaded LoRA adapter's name requests and probes use; None = the served base model."""
         return None if self.adapters is None else self.adapters.name
 
-    def reset_prefix_cache(self) -> None:
-        """End of a sync: finish the session under the next weight version, drop cached KV blocks (under
-        ``cache_salt`` the next requests' salt does it), check the engine.
-        A server that died in this sync (any phase) is started again and the sync redone from its first bucket."""
-        # in-flight: the cut requests raise a failed sync's error
-        with fails_gate(self.gate):
-            try:
-                self._finish_sync()
-            except ServerDied as err:
-                # the republish is the redone sync (the trainer's weights did not change meanwhile)
-                self._recover(err)
-
-    def _finish_sync(self) -> None:
-        if self._interrupted is not None:
-            raise self._interrupted
-        if self._session:
-            if self.ranks.leads:
-                self._post(
-                    "/finish_weight_update",
-                    {"weight_version": str(self.version + 1)},
-                    "finish_weight_update",
-                )
-            self._session = False
-            self.version += 1
-        # salted: the new version's salt misses the old blocks
-        if self.ranks.leads and not self.config.cache_salt:
-            self._post("/reset_prefix_cache", {}, "reset_prefix_cache")
-        if self.gate is None:
-            self.ranks.barrier()  # no rank samples before the new weights landed
-            self.check_current()  # on every rank
-            return
-        # the probe is a request too: the servers sample again, the gate stays shut
-        if self.ranks.leads:
-            self._post("/resume", {}, "resume")
-        # failing, it fails the gate: the cut requests never continue on stale weights
-        self.check_current()
-        self.gate.open(self.version)
-
-    def check_current(self) -> float | None:
-        """Raise ``StaleEngineError`` unless every server holds the trainer's weights; the probes' max |error|."""
-        check_version(self.clients, self.version)
-        if self.reference is None:
-            return None
-        # once: every server must match the same trainer logprobs
-        trainer = self.reference(self.probe_ids)
-        self.last_probe_error = check_probe(
-            self.clients,
-            self.probe_ids,
-            trainer,
-            self._served(),
-            self.probe_tolerance,
-            self.version,
-        )
-        return self.last_probe_error
-
-    @property
-    def probe_tolerance(self) -> float:
-        tol = self.config.probe_tolerance
-        return (
-            tol if tol is not None else (1e-3 if self.dtype == torch.float32 else 0.1)
-        )
-
-    def probe_logprobs(
-        self, ids: Sequence[int] | None = None, server: int = 0
-    ) -> list[float]:
-        """Server ``server``'s ``log p(ids[i] | ids[:i])`` for i >= 1 (prompt logprobs bypass the prefix cache)."""
-        return self.clients[server].probe(
-            self.probe_ids if ids is None else ids, self._served()
-        )
-
     # -- hand-off hooks and lifetime -------------------------------------------------------------------------------
     # sleep, wake_up, asleep: BookkeptSleep (the server is another process; its memory is not the trainer's)
     def close(self) -> None:
@@ -493,10 +371,6 @@ class VLLMServerEngine(BookkeptSleep):
             client.close()
         if self.adapters is not None:
             self.adapters.close()
-
-    def _post(self, path: str, body: dict, phase: str) -> None:
-        """One phase on every server, concurrently; returns once each has answered (a failure names its URL)."""
-        each(self.clients, lambda c: c.post(path, body, phase))
 
 
 def _shm_root() -> str:

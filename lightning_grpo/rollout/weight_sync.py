@@ -93,7 +93,8 @@ def iter_buckets(
         group_size = sum(_nbytes(t, dtype) for _, t in group)
         if bucket and size + group_size > bucket_bytes:
             yield bucket
-            bucket, size = [], 0
+            bucket = []
+            size = 0
         bucket += [(name, _materialize(t, dtype, device)) for name, t in group]
         size += group_size
     if bucket:

@@ -20,8 +20,8 @@ from lightning_grpo.checks import ConfigError
 from lightning_grpo.collect.async_rollouts import AsyncRollouts
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
 from lightning_grpo.rollout.rollout_config import RolloutConfig
+from lightning_grpo.rollout.server.http_json import ServerError
 from lightning_grpo.rollout.server.probe import StaleEngineError
-from lightning_grpo.rollout.server.process import ServerError
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_server import VLLMServerEngine
 from lightning_grpo.rollout.weight_sync import push_weights

@@ -27,8 +27,9 @@ pytest.importorskip("vllm")
 
 from lightning_grpo.policy import PolicyConfig, load_policy
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
+from lightning_grpo.rollout.server.http_json import ServerError, request_json
 from lightning_grpo.rollout.server.probe import StaleEngineError
-from lightning_grpo.rollout.server.process import ServerDied, ServerError, ServerProcess, request_json
+from lightning_grpo.rollout.server.process import ServerDied, ServerProcess
 from lightning_grpo.rollout.server.restarts import ServerRestarts
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_server import VLLMServerEngine, sequence_logprobs

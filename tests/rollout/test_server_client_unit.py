@@ -15,8 +15,8 @@ import torch
 from toy import ToyLM, ids_text, toy_logprobs
 
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
+from lightning_grpo.rollout.server.http_json import ServerError
 from lightning_grpo.rollout.server.probe import StaleEngineError
-from lightning_grpo.rollout.server.process import ServerError
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_server import VLLMServerEngine
 from lightning_grpo.rollout.weight_sync import push_weights

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from lightning_grpo.config import ServerConfig
-from lightning_grpo.rollout.server import process as server_process
-from lightning_grpo.rollout.server.process import ServerError, ServerProcess, last_error_line
+from lightning_grpo.rollout.server import orphans
+from lightning_grpo.rollout.server.http_json import ServerError
+from lightning_grpo.rollout.server.process import ServerProcess, last_error_line
 
 pytestmark = pytest.mark.integration  # a fit with a transformers policy: not the unit tier
 
@@ -38,7 +39,7 @@ def test_a_server_that_exits_at_start_quotes_its_own_error_line(tmp_path):
     with pytest.raises(ServerError) as err:
         process.start()
     # untracked: a dead child's SIGTERM handler left installed turned a later fit's graceful stop into a kill
-    assert signal.getsignal(signal.SIGTERM) == before and process not in server_process._LIVE
+    assert signal.getsignal(signal.SIGTERM) == before and process not in orphans._LIVE
     lines = str(err.value).splitlines()
     assert len(lines) == 2, lines
     assert lines[0] == ("vllm serve exited with code 2 while starting; it says: api_server.py: error: unrecognized "

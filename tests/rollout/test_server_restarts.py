@@ -23,7 +23,8 @@ from lightning_grpo.collect.async_rollouts import AsyncRollouts
 from lightning_grpo.rollout.base import Prompt, SamplingConfig
 from lightning_grpo.rollout.sampler import row_seeds
 from lightning_grpo.rollout.server import process as process_module
-from lightning_grpo.rollout.server.process import ServerDied, ServerError, ServerProcess, ServerTimeout
+from lightning_grpo.rollout.server.http_json import ServerError, ServerTimeout
+from lightning_grpo.rollout.server.process import ServerDied, ServerProcess
 from lightning_grpo.rollout.server_config import ServerConfig
 from lightning_grpo.rollout.vllm_server import VLLMServerEngine
 from lightning_grpo.rollout.weight_sync import push_weights

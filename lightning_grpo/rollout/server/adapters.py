@@ -11,6 +11,7 @@ this machine's filesystem (the same node, as the ``shm`` weight transport).
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 import weakref
@@ -22,7 +23,7 @@ from torch import Tensor
 from lightning_grpo.lora import write_adapter_folder
 from lightning_grpo.rollout.adapter_sync import served_rank
 from lightning_grpo.rollout.server.client import ServerClient, each
-from lightning_grpo.rollout.server.process import ServerError
+from lightning_grpo.rollout.server.http_json import ServerError
 
 
 class ServerAdapters:
@@ -65,24 +66,24 @@ class ServerAdapters:
         """Load this adapter (peft format) on every server under the next name, then unload the previous one.
         ``leads=False`` (a trainer rank other than 0): only the name moves on; rank 0 loads it."""
         self.published += 1
-        name, old = f"policy-{self.published}", self.name
+        name = f"policy-{self.published}"
+        old = self.name
         if leads:
             folder = write_adapter_folder(tensors, config_json, self.root / name)
-            each(
-                clients,
-                lambda c: c.post(
-                    "/v1/load_lora_adapter",
-                    {"lora_name": name, "lora_path": str(folder)},
-                    "load_lora_adapter",
-                ),
-            )
+            each(clients, functools.partial(_load, name=name, folder=folder))
             if old is not None:
-                each(clients, lambda c: _unload(c, old))
+                each(clients, functools.partial(_unload, name=old))
                 shutil.rmtree(self.root / old, ignore_errors=True)
         self.name = name
 
     def close(self) -> None:
         self._cleanup()
+
+
+def _load(client: ServerClient, name: str, folder: Path) -> None:
+    """Load the adapter in ``folder`` under ``name``."""
+    body = {"lora_name": name, "lora_path": str(folder)}
+    client.post("/v1/load_lora_adapter", body, "load_lora_adapter")
 
 
 def _unload(client: ServerClient, name: str) -> None:

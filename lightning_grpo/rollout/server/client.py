@@ -14,14 +14,13 @@ from typing import TypeVar
 
 import torch
 
-from lightning_grpo.rollout.server.process import (
+from lightning_grpo.rollout.server.http_json import (
     ConnectionLost,
-    ServerDied,
     ServerError,
-    ServerProcess,
     ServerTimeout,
     request_json,
 )
+from lightning_grpo.rollout.server.process import ServerDied, ServerProcess
 from lightning_grpo.rollout.server_config import ServerConfig
 
 _T = TypeVar("_T")
@@ -44,7 +43,9 @@ class ServerClient:
     def __init__(
         self, url: str, config: ServerConfig, process: ServerProcess | None = None
     ) -> None:
-        self.url, self.config, self.process = url, config, process
+        self.url = url
+        self.config = config
+        self.process = process
         self.model_name = ""
         """The name the server answers to (``/v1/models``); set by ``connect``."""
         self.requests = 0

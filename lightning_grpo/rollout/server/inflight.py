@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from lightning_grpo.rollout.sampler import sample_seed
 from lightning_grpo.rollout.server.client import ServerClient
-from lightning_grpo.rollout.server.process import (
+from lightning_grpo.rollout.server.http_json import (
     ConnectionLost,
     ServerError,
     ServerTimeout,
@@ -71,11 +71,15 @@ class Gate:
         """No request is sent from now on, and every one sent is running: the pause that follows cuts them all."""
         with self._cond:
             self._closed = True
-            if not self._cond.wait_for(lambda: self._unconfirmed == 0, timeout):
+            if not self._cond.wait_for(self._all_running, timeout):
                 raise ServerTimeout(
                     f"pause: {self._unconfirmed} generation request(s) were not running on the server "
                     f"after {timeout:g}s (rollout.server.sync_timeout_s)"
                 )
+
+    def _all_running(self) -> bool:
+        """Every request sent is running on the server (or ended); called under ``_cond``."""
+        return self._unconfirmed == 0
 
     def open(self, version: int) -> None:
         """The sync ended: requests go out again, under ``version``."""
@@ -168,7 +172,10 @@ def stream_completion(
         data=json.dumps({**body, "stream": True}).encode(),
         headers={"Content-Type": "application/json"},
     )
-    ids, lps, text, finish = [], [], [], None
+    ids = []
+    lps = []
+    text = []
+    finish = None
     confirmed = False
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:

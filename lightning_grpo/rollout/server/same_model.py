@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from lightning_grpo.rollout.server.client import ServerClient
-from lightning_grpo.rollout.server.process import ServerError
+from lightning_grpo.rollout.server.http_json import ServerError
 
 _EMBEDDING = re.compile(
     r"VocabParallelEmbedding\(num_embeddings=\d+.*?embedding_dim=(\d+).*?org_vocab_size=(\d+)"
@@ -61,7 +61,8 @@ def _count_layers(lines: list[str]) -> int | None:
             break
         entry = _ENTRY.match(line)
         if entry and depth == indent:
-            first, last = int(entry.group(2)), int(entry.group(3) or entry.group(2))
+            first = int(entry.group(2))
+            last = int(entry.group(3) or entry.group(2))
             count += last - first + 1
     return count
 
@@ -78,7 +79,8 @@ def check_same_model(client: ServerClient, model_path: Path) -> None:
             return
         raise
     inspection = str((reply or {}).get("results", [""])[0])
-    mine, theirs = policy_shape(model_path), served_shape(inspection)
+    mine = policy_shape(model_path)
+    theirs = served_shape(inspection)
     differ = [
         f"{k} {theirs[k]} (policy: {mine[k]})"
         for k in mine
