@@ -102,9 +102,9 @@ def decode_attention(model: nn.Module, enabled: bool = True) -> Iterator[None]:
         yield
         return
     register_attention()
-    config = model.config
-    config._attn_implementation = ATTENTION
+    # transformers' public switch (it validates the name and reaches every sub-model)
+    model.set_attn_implementation(ATTENTION)
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"
+        model.set_attn_implementation("sdpa")
