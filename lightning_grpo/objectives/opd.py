@@ -32,8 +32,9 @@ from lightning_grpo.checks import raise_problems
 from lightning_grpo.config import GRPOConfig, VLLMConfig
 from lightning_grpo.distributed import single_process
 from lightning_grpo.objectives.base import PolicyView, Reduction, nonzero
+from lightning_grpo.objectives.chunk_stats import ChunkStats
 from lightning_grpo.objectives.entropy import token_mean
-from lightning_grpo.objectives.grpo import ChunkStats, DPMean, GRPOObjective
+from lightning_grpo.objectives.grpo import DPMean, GRPOObjective
 from lightning_grpo.objectives.kl import (
     CHUNK_BYTES,
     chunk_tokens,
