@@ -258,6 +258,9 @@ class OPDObjective:
         t_hidden = teacher.completion_hidden(chunk)  # [N, H_t], no grad
         targets = chunk.input_ids[:, 1:][mask]  # [N]
 
+        def teacher_logprobs(start: int, end: int) -> Tensor:
+            return teacher.distribution(t_hidden[start:end])  # [end - start, V]
+
         def student(model: nn.Module) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             # [N, H]
             hidden = completion_hidden(
@@ -271,7 +274,7 @@ class OPDObjective:
                 hidden,
                 head,
                 targets,
-                lambda a, b: teacher.distribution(t_hidden[a:b]),
+                teacher_logprobs,
                 temperature=policy.temperature,
                 chunk=step,
             )
