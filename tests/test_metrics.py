@@ -7,7 +7,8 @@ import torch
 from helpers import synthetic_batch
 
 from lightning_grpo.metrics import roll_up
-from lightning_grpo.objectives.grpo import ChunkStats, GRPOObjective
+from lightning_grpo.objectives.chunk_stats import ChunkStats
+from lightning_grpo.objectives.grpo import GRPOObjective
 from lightning_grpo.rank_metrics import combine_ranks
 from lightning_grpo.update.accumulate import StepOutcome
 from lightning_grpo.update.loop import LoopResult

@@ -17,7 +17,8 @@ from lightning_grpo.correction import RolloutCorrection, derived_metrics
 from lightning_grpo.distributed import single_process
 from lightning_grpo.metrics import roll_up
 from lightning_grpo.objectives import ObjectiveParts, build_objective
-from lightning_grpo.objectives.grpo import CorrectedChunkStats, GRPOObjective
+from lightning_grpo.objectives.chunk_stats import CorrectedChunkStats
+from lightning_grpo.objectives.grpo import GRPOObjective
 from lightning_grpo.policy import PolicyConfig
 from lightning_grpo.rank_metrics import combine_ranks
 from lightning_grpo.rollout.replay import ReplayEngine

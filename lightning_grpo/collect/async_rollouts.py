@@ -19,6 +19,7 @@ validation) is drawn on the spot, after the in-flight batches, with the current 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -97,11 +98,9 @@ class AsyncRollouts:
                 f"AsyncRollouts(max_off_policy_steps={max_off_policy_steps}): must be >= 1 (0 = do "
                 "not wrap the engine)"
             )
-        self.engine, self.k, self._weights_now = (
-            engine,
-            max_off_policy_steps,
-            weights_step,
-        )
+        self.engine = engine
+        self.k = max_off_policy_steps
+        self._weights_now = weights_step
         self.max_off_policy_steps = max_off_policy_steps
         self.weights_step = weights_step()
         """Loop step whose weights the engine holds (set when a sync ends)."""
@@ -320,13 +319,13 @@ class AsyncRollouts:
         if self.inflight:
             threading.Thread(
                 target=_run,
-                args=(flight, lambda: job(prompts, sampling)),
+                args=(flight, functools.partial(job, prompts, sampling)),
                 name=f"lightning-grpo-rollouts-{step}",
                 daemon=True,
             ).start()
             return flight
         with self._wake:
-            self._queue.append((flight, lambda: job(prompts, sampling)))
+            self._queue.append((flight, functools.partial(job, prompts, sampling)))
             self._wake.notify()
         return flight
 

@@ -36,7 +36,7 @@ from lightning_grpo.collect.prompts import (
     step_prompts,
     with_skipped_groups,
 )
-from lightning_grpo.collect.refill import fill
+from lightning_grpo.collect.refill import Refill, fill
 from lightning_grpo.collect.rewards import RewardScorer
 from lightning_grpo.collect.rows import RewardParts, StepRows
 from lightning_grpo.collect.schedule import AsyncSchedule
@@ -147,29 +147,11 @@ class Collector:
             self.rewards.begin_step()
         groups, metrics = self._round(records, loop_step)
         if self.rl.dynamic_sampling:
-            refill = functools.partial(self._refill, loop_step)
-            groups, counts = fill(
-                groups,
-                self.rl.group_size,
-                len(records),
-                self.rl.max_refill_rounds,
-                refill,
-                self.dp.total,
-                self.dp.rank,
-            )
+            groups, counts = self._filled(groups, len(records), loop_step)
             metrics.update(counts.metrics())
         # over the rows trained: a refill round is drawn now, with current weights
         if self.schedule is not None:
-            # as _advantages: what was drawn
-            rows = groups.trained if bool(groups.trained.any()) else groups.live
-            metrics.update(
-                staleness_metrics(
-                    groups.versions, rows, loop_step, self.schedule.rollouts.k
-                )
-            )
-            # tokens of one row may come from two versions
-            if self.schedule.rollouts.inflight:
-                metrics.update(token_staleness(groups.rollouts, rows, loop_step))
+            metrics.update(self._staleness(groups, loop_step))
         advantages, adv_metrics = self._advantages(groups)
         batch = pack_rollouts(
             groups.rollouts,
@@ -303,6 +285,34 @@ class Collector:
         if not generate:
             return None
         return self._round(records, loop_step)[0]
+
+    # -- dynamic sampling and staleness -------------------------------------------------------------------------------
+    def _filled(
+        self, groups: Groups, n_records: int, loop_step: int
+    ) -> tuple[Groups, Refill]:
+        """``rl.dynamic_sampling``: only groups whose rewards differ, refilled from further prompts."""
+        refill = functools.partial(self._refill, loop_step)
+        return fill(
+            groups,
+            self.rl.group_size,
+            n_records,
+            self.rl.max_refill_rounds,
+            refill,
+            self.dp.total,
+            self.dp.rank,
+        )
+
+    def _staleness(self, groups: Groups, loop_step: int) -> dict[str, float]:
+        """Under async rollouts, how many weight versions behind the trained rows were drawn."""
+        # as _advantages: what was drawn
+        rows = groups.trained if bool(groups.trained.any()) else groups.live
+        metrics = staleness_metrics(
+            groups.versions, rows, loop_step, self.schedule.rollouts.k
+        )
+        # tokens of one row may come from two versions
+        if self.schedule.rollouts.inflight:
+            metrics.update(token_staleness(groups.rollouts, rows, loop_step))
+        return metrics
 
     # -- advantages ---------------------------------------------------------------------------------------------------
     def _advantages(self, groups: Groups) -> tuple[Tensor, dict[str, float]]:

@@ -73,7 +73,9 @@ def fill(
         total_short: this rank's missing groups -> their sum over ranks (an all-reduce: every rank calls it alike).
         rank: this data-parallel rank (rank 0 alone warns when the batch stays short).
     """
-    kept, spare, counts = [], [], Refill()
+    kept = []
+    spare = []
+    counts = Refill()
 
     def sort(groups: Groups) -> None:
         # [P]

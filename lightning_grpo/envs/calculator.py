@@ -16,11 +16,9 @@ class CalculatorEnv:
         self.submitted = False
 
     def reset(self, **row) -> str | None:
-        self.answer, self.reward, self.submitted = (
-            str(row.get("answer", "")).strip(),
-            0.0,
-            False,
-        )
+        self.answer = str(row.get("answer", "")).strip()
+        self.reward = 0.0
+        self.submitted = False
         return None
 
     def add(self, a: int, b: int) -> int:
@@ -49,5 +47,6 @@ class CalculatorEnv:
         """
         if self.submitted:  # one try per episode: guessing again is not rewarded
             return "already submitted"
-        self.reward, self.submitted = float(str(answer) == self.answer), True
+        self.reward = float(str(answer) == self.answer)
+        self.submitted = True
         return "submitted"

@@ -123,7 +123,8 @@ class EpisodeRunner:
                 f"model.env.name={cfg.name!r}: the policy's tokenizer has no chat template, which "
                 "renders the tool schemas and tool turns; use a chat model or set policy.chat_template"
             )
-        self.cfg, self.tokenizer = cfg, tokenizer
+        self.cfg = cfg
+        self.tokenizer = tokenizer
         self.env_class: EnvClass = load_env(cfg.name)
         self.parse = load_parser(cfg.parser)
         self.delta = TurnDelta(tokenizer, self.env_class.schemas, eos_token_ids)
@@ -257,7 +258,8 @@ class EpisodeRunner:
     ) -> list[ToolCall | str]:
         """Append the model turn; the calls it makes (empty: the episode ended)."""
         e.append(out.token_ids, True, out.logprobs)
-        e.turns, e.text = e.turns + 1, out.text
+        e.turns += 1
+        e.text = out.text
         e.log.append(Turn(out.text, len(out.token_ids)))
         # the turn did not end: per-turn or total budget
         if out.finish_reason == "length" or not out.token_ids:

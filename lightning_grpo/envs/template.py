@@ -32,7 +32,8 @@ class TurnDelta:
     def __init__(
         self, tokenizer, tools: Sequence[dict], eos_token_ids: Sequence[int]
     ) -> None:
-        self.tokenizer, self.tools = tokenizer, list(tools)
+        self.tokenizer = tokenizer
+        self.tools = list(tools)
         self.eos_texts = {t: tokenizer.decode([t]) for t in eos_token_ids}
 
     def ids(

@@ -131,7 +131,8 @@ def public_methods(
 def bad_arguments(tool: Tool, arguments: Mapping[str, Any]) -> str | None:
     """Why ``arguments`` do not fit the tool's schema (missing, unknown, wrong JSON type), or None when they do."""
     params = tool.schema["function"].get("parameters", {})
-    props, required = params.get("properties", {}), params.get("required", [])
+    props = params.get("properties", {})
+    required = params.get("required", [])
     missing = [a for a in required if a not in arguments]
     unknown = [a for a in arguments if a not in props]
     if missing or unknown:

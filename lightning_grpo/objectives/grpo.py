@@ -10,8 +10,7 @@ division to the optimizer step. Every divisor below is a sum over rows and a chu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import ClassVar
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -19,106 +18,12 @@ from torch import Tensor, nn
 from lightning_grpo.batch import RolloutBatch
 from lightning_grpo.correction import Correction, RolloutCorrection, correct
 from lightning_grpo.distributed import single_process
-from lightning_grpo.objectives.base import PolicyView, Reduction
+from lightning_grpo.objectives.base import PolicyView
+from lightning_grpo.objectives.chunk_stats import ChunkStats, CorrectedChunkStats
 from lightning_grpo.objectives.entropy import token_mean, top_entropy_mask
 
 # Reduces a scalar tensor to its mean over data-parallel ranks (identity on one device).
 DPMean = Callable[[Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class ChunkStats:
-    """What one chunk reports, as 0-d tensors: the roll-up moves them to the host in one sync."""
-
-    REDUCE: ClassVar[dict[str, Reduction]] = {
-        "loss": ("grpo/loss", "denom"),
-        "denom": ("grpo/denom", "sum"),
-        "tokens": ("grpo/tokens", "sum"),
-        "n": ("grpo/n", "sum"),
-        "clip_frac": ("grpo/clip_frac", "tokens"),
-        "ratio_mean": ("grpo/ratio_mean", "tokens"),
-        "ratio_max": ("grpo/ratio_max", "max"),
-        "kl": ("grpo/kl", "tokens"),
-        "kl_old": ("grpo/kl_old", "tokens"),
-        "clip_frac_low": ("grpo/clip_frac_low", "tokens"),
-        "clip_frac_high": ("grpo/clip_frac_high", "tokens"),
-        "seqs": ("grpo/seqs", "sum"),
-        "entropy": ("grpo/entropy", "tokens"),
-    }
-    """Field -> (metric, reduction): the loss weighted by the divisor, per-token figures by this rank's tokens."""
-
-    loss: Tensor
-    denom: Tensor
-    """Divisor the loss was normalized by (a DP mean: completion tokens, sequences, or sequences x max length)."""
-    tokens: Tensor
-    """This rank's masked completion tokens."""
-    n: Tensor
-    """Trajectories in the chunk."""
-    clip_frac: Tensor
-    """Fraction of this rank's tokens whose ratio was clipped (low + high)."""
-    ratio_mean: Tensor
-    """Token mean of the ratio over this rank's tokens (a sequence ratio counts once per token of its sequence)."""
-    ratio_max: Tensor
-    """Largest ratio on a counted token (-inf on an empty chunk)."""
-    kl: Tensor
-    """Token mean of the k3 KL (0 when beta == 0)."""
-    kl_old: Tensor | None = None
-    """Token mean of the k3 estimate of KL(pi_old || pi): how far the policy moved from the one that sampled."""
-    clip_frac_low: Tensor | None = None
-    """Fraction of tokens clipped below (ppo_clip: ratio < 1 - epsilon and A < 0; cispo: weight truncated below)."""
-    clip_frac_high: Tensor | None = None
-    """Fraction of tokens clipped above (ppo_clip: ratio > 1 + epsilon_high and A > 0; cispo: weight truncated)."""
-    seqs: Tensor | None = None
-    """This rank's sequences with at least one counted token (the unit of the per-sequence divisors)."""
-    entropy: Tensor | None = None
-    """Token mean of the policy's entropy on the completion tokens, those a rollout correction rejects included (NaN
-    when the policy view cannot measure it)."""
-
-
-@dataclass(frozen=True)
-class CorrectedChunkStats(ChunkStats):
-    """``ChunkStats`` plus the rollout correction's figures (``rl.rollout_correction``), means over the chunk's
-    sampled completion tokens (rejected ones included), weighted by them in the roll-up."""
-
-    REDUCE: ClassVar[dict[str, Reduction]] = {
-        **ChunkStats.REDUCE,
-        "sampled": ("correction/tokens", "sum"),
-        # over every completion token: a rejection changes no entropy
-        "entropy": ("grpo/entropy", "sampled"),
-        "is_weight": ("correction/is_weight_mean", "sampled"),
-        "is_weight_sq": ("correction/is_weight_sq_mean", "sampled"),
-        "is_weight_max": ("correction/is_weight_max", "max"),
-        "outside": ("correction/outside_frac", "sampled"),
-        "logprob_gap": ("correction/logprob_gap_mean", "sampled"),
-        "mult_prob_error": ("correction/token_mult_prob_error", "sampled"),
-        "trainer_logprob": ("correction/trainer_logprob_mean", "sampled"),
-        "rollout_logprob": ("correction/rollout_logprob_mean", "sampled"),
-    }
-
-    sampled: Tensor | None = None
-    """This rank's completion tokens before any rejection."""
-    is_weight: Tensor | None = None
-    """Mean weight on the surrogate (tis: min(rho, threshold); icepop: rho inside the band, else 0; mask: 1 or 0)."""
-    is_weight_sq: Tensor | None = None
-    """Mean squared weight (the effective sample size is mean^2 / this)."""
-    is_weight_max: Tensor | None = None
-    outside: Tensor | None = None
-    """Fraction of tokens whose rho left the band (mask: rejected; icepop: zeroed) or passed the threshold (tis)."""
-    logprob_gap: Tensor | None = None
-    """Mean |log pi_old - log pi_rollout|."""
-    mult_prob_error: Tensor | None = None
-    """Mean exp|log pi_old - log pi_rollout| (NeMo-RL's token_mult_prob_error)."""
-    trainer_logprob: Tensor | None = None
-    rollout_logprob: Tensor | None = None
-
-    @classmethod
-    def of(cls, base: ChunkStats, sums: dict[str, Tensor]) -> CorrectedChunkStats:
-        sampled = sums.pop("sampled")
-        means = {
-            k: v if k == "is_weight_max" else v / sampled.clamp(min=1)
-            for k, v in sums.items()
-        }
-        return cls(**vars(base), sampled=sampled, **means)
 
 
 class GRPOObjective:
@@ -261,25 +166,12 @@ class GRPOObjective:
         adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [B, 1]
         clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
         per_token = self._surrogate(logprobs, ratio, clipped, adv, mask, corr, entropy)
-        kl = torch.zeros_like(per_token)
-        if self.beta > 0:
-            if ref_logprobs is None:
-                raise ValueError(
-                    "GRPOObjective(beta>0) needs ref_logprobs; build the module with a reference model"
-                )
-            delta = ref_logprobs - logprobs
-            kl = torch.exp(delta) - delta - 1  # k3 estimator: unbiased, always >= 0
-            per_token = per_token + self.beta * kl
-        # a bonus: lower loss for a higher-entropy policy, under the loss's own divisor
-        if self.entropy_coef > 0:
-            per_token = per_token - self.entropy_coef * entropy
+        kl = self._kl(per_token, logprobs, ref_logprobs)
+        per_token = self._regularized(per_token, kl, entropy)
         tokens = m.sum()
         # rows with a counted token: a DP filler row is no sequence
         seqs = (m.sum(-1) > 0).to(m.dtype).sum()
-        total, denom = self._sum_and_divisor(per_token, m, tokens, seqs)
-        # Guard zero only: an all-masked chunk has denom 0 and loss 0, never 0/0. Under DP the divisor is a mean and
-        # may be in (0, 1) (fewer tokens than ranks); clamping it to 1 would make loss * denom differ from the chunk sum.
-        loss = total / torch.where(denom > 0, denom, torch.ones_like(denom))
+        loss, denom = self._loss_and_divisor(per_token, m, tokens, seqs)
         with torch.no_grad():
             stats = self._stats(
                 loss,
@@ -294,12 +186,57 @@ class GRPOObjective:
                 m,
                 mask,
             )
-            stats = replace(
-                stats, entropy=token_mean(entropy, completion, completion.sum())
-            )
-            if corr is not None:
-                stats = CorrectedChunkStats.of(stats, dict(corr.stats))
+            stats = self._with_entropy_and_correction(stats, entropy, completion, corr)
         return loss, denom, stats
+
+    def _kl(
+        self, per_token: Tensor, logprobs: Tensor, ref_logprobs: Tensor | None
+    ) -> Tensor:
+        """``[B, T-1]`` k3 KL to the reference (zeros when beta == 0)."""
+        if not self.beta > 0:
+            return torch.zeros_like(per_token)
+        if ref_logprobs is None:
+            raise ValueError(
+                "GRPOObjective(beta>0) needs ref_logprobs; build the module with a reference model"
+            )
+        delta = ref_logprobs - logprobs
+        return torch.exp(delta) - delta - 1  # k3 estimator: unbiased, always >= 0
+
+    def _regularized(
+        self, per_token: Tensor, kl: Tensor, entropy: Tensor | None
+    ) -> Tensor:
+        """``[B, T-1]`` the surrogate plus ``beta`` x the KL, minus the entropy bonus."""
+        if self.beta > 0:
+            per_token = per_token + self.beta * kl
+        # a bonus: lower loss for a higher-entropy policy, under the loss's own divisor
+        if self.entropy_coef > 0:
+            per_token = per_token - self.entropy_coef * entropy
+        return per_token
+
+    def _loss_and_divisor(
+        self, per_token: Tensor, m: Tensor, tokens: Tensor, seqs: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The chunk's loss (its sum over the divisor) and the divisor."""
+        total, denom = self._sum_and_divisor(per_token, m, tokens, seqs)
+        # Guard zero only: an all-masked chunk has denom 0 and loss 0, never 0/0. Under DP the divisor is a mean and
+        # may be in (0, 1) (fewer tokens than ranks); clamping it to 1 would make loss * denom differ from the chunk sum.
+        loss = total / torch.where(denom > 0, denom, torch.ones_like(denom))
+        return loss, denom
+
+    @staticmethod
+    def _with_entropy_and_correction(
+        stats: ChunkStats,
+        entropy: Tensor | None,
+        completion: Tensor,
+        corr: Correction | None,
+    ) -> ChunkStats:
+        """``stats`` plus the entropy over every completion token and the correction's figures (if any)."""
+        stats = replace(
+            stats, entropy=token_mean(entropy, completion, completion.sum())
+        )
+        if corr is not None:
+            stats = CorrectedChunkStats.of(stats, dict(corr.stats))
+        return stats
 
     def _surrogate(
         self,

@@ -32,8 +32,9 @@ from lightning_grpo.checks import raise_problems
 from lightning_grpo.config import GRPOConfig, VLLMConfig
 from lightning_grpo.distributed import single_process
 from lightning_grpo.objectives.base import PolicyView, Reduction, nonzero
+from lightning_grpo.objectives.chunk_stats import ChunkStats
 from lightning_grpo.objectives.entropy import token_mean
-from lightning_grpo.objectives.grpo import ChunkStats, DPMean, GRPOObjective
+from lightning_grpo.objectives.grpo import DPMean, GRPOObjective
 from lightning_grpo.objectives.kl import (
     CHUNK_BYTES,
     chunk_tokens,
@@ -257,6 +258,9 @@ class OPDObjective:
         t_hidden = teacher.completion_hidden(chunk)  # [N, H_t], no grad
         targets = chunk.input_ids[:, 1:][mask]  # [N]
 
+        def teacher_logprobs(start: int, end: int) -> Tensor:
+            return teacher.distribution(t_hidden[start:end])  # [end - start, V]
+
         def student(model: nn.Module) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             # [N, H]
             hidden = completion_hidden(
@@ -270,7 +274,7 @@ class OPDObjective:
                 hidden,
                 head,
                 targets,
-                lambda a, b: teacher.distribution(t_hidden[a:b]),
+                teacher_logprobs,
                 temperature=policy.temperature,
                 chunk=step,
             )

@@ -329,7 +329,8 @@ class ReplayHooks:
             (0.0 if self._flipped is None else float(self._flipped)),
             float(self._replayed),
         )
-        self._flipped, self._replayed = None, 0
+        self._flipped = None
+        self._replayed = 0
         return out
 
 

@@ -69,7 +69,9 @@ def sft(
     opt = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0
     )
-    was_training, losses, start = model.training, [], time.perf_counter()
+    was_training = model.training
+    losses = []
+    start = time.perf_counter()
     model.train()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -49,12 +49,12 @@ class ScriptedTurns:
     at the sampling's stop strings by ``finish_rollout``."""
 
     def __init__(self, tokenizer, script: Script) -> None:
-        self.tokenizer, self.script = tokenizer, script
+        self.tokenizer = tokenizer
+        self.script = script
 
     def generate(
         self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingConfig
     ) -> list[Rollout]:
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         out = []
         for prompt in prompts:
             for _ in range(group_size):
@@ -62,9 +62,14 @@ class ScriptedTurns:
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 ids = list(ids) + [self.tokenizer.eos_token_id] * final
                 out.append(
-                    finish_rollout(prompt, ids, text, "stop", None, sampling, decode)
+                    finish_rollout(
+                        prompt, ids, text, "stop", None, sampling, self._decode
+                    )
                 )
         return out
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def calculator_script(share: float, seed: int) -> Script:
@@ -74,7 +79,8 @@ def calculator_script(share: float, seed: int) -> Script:
 
     def script(prompt: Prompt) -> tuple[str, bool]:
         turn = turns[prompt.id] = turns.get(prompt.id, -1) + 1
-        a, b = prompt.meta["a"], prompt.meta["b"]
+        a = prompt.meta["a"]
+        b = prompt.meta["b"]
         rng = random.Random(f"{seed}-{prompt.id}")
         if rng.random() >= share:
             # answers in its head: wrong, and no call
@@ -92,18 +98,57 @@ def guess_script(share: float, seed: int) -> Script:
 
     def script(prompt: Prompt) -> tuple[str, bool]:
         turn = turns[prompt.id] = turns.get(prompt.id, -1) + 1
-        a, b = prompt.meta["a"], prompt.meta["b"]
+        a = prompt.meta["a"]
+        b = prompt.meta["b"]
         rng = random.Random(f"{seed}-{prompt.id}")
         if rng.random() < share:
-            return [f"add(a={a}, b={b})", f"submit(answer={a + b})", ""][
-                turn
-            ], turn == 2
+            text = [f"add(a={a}, b={b})", f"submit(answer={a + b})", ""][turn]
+            return text, turn == 2
         guess = rng.randint(0, 2 * max(a, b, 1))
         # never right by chance: only the tool's result earns the reward
         guess += guess == a + b
         return [f"submit(answer={guess})", ""][turn], turn == 1
 
     return script
+
+
+class ScriptedBatches:
+    """``sft``'s ``batch_of``: loop step ``step`` plays the script's episodes on ``batch_size`` items from
+    ``(first + step) * batch_size`` on, and returns them as supervised rows."""
+
+    SAMPLING = SamplingConfig(max_new_tokens=64, stop=TOOL_STOP)
+    """A turn's cap, and the run's stop string (a call ends its turn)."""
+
+    def __init__(
+        self,
+        items: Sequence,
+        runner: EpisodeRunner,
+        engine: ScriptedTurns,
+        batch_size: int,
+        first: int,
+    ) -> None:
+        self.items = items
+        self.runner = runner
+        self.engine = engine
+        self.batch_size = batch_size
+        self.first = first
+
+    def __call__(self, step: int):
+        start = (self.first + step) * self.batch_size
+        prompts = [
+            Prompt(
+                start + i,
+                [],
+                it.text,
+                it.answer,
+                dict(it.meta),
+                [{"role": "user", "content": it.text}],
+            )
+            for i, it in enumerate(self.items[start : start + self.batch_size])
+        ]
+        episodes, _ = self.runner.play(self.engine, prompts, 1, self.SAMPLING)
+        pad_id = self.engine.tokenizer.pad_token_id
+        return (*episode_rows(episodes, pad_id), {})
 
 
 def warm_start_tools(
@@ -135,28 +180,10 @@ def warm_start_tools(
     settle = min(settle, steps)
     items = get_task(task).items(steps * batch_size, seed, "train")
     runner = EpisodeRunner(TOOL_EPISODES, tokenizer, [tokenizer.eos_token_id])
-    sampling = SamplingConfig(max_new_tokens=64, stop=TOOL_STOP)
 
-    def batches(script: Script, first: int):
+    def batches(script: Script, first: int) -> ScriptedBatches:
         engine = ScriptedTurns(tokenizer, script)
-
-        def batch_of(step: int):
-            start = (first + step) * batch_size
-            prompts = [
-                Prompt(
-                    start + i,
-                    [],
-                    it.text,
-                    it.answer,
-                    dict(it.meta),
-                    [{"role": "user", "content": it.text}],
-                )
-                for i, it in enumerate(items[start : start + batch_size])
-            ]
-            episodes, _ = runner.play(engine, prompts, 1, sampling)
-            return (*episode_rows(episodes, tokenizer.pad_token_id), {})
-
-        return batch_of
+        return ScriptedBatches(items, runner, engine, batch_size, first)
 
     formats = sft(
         model, steps - settle, seed, lr, batches(calculator_script(0.5, seed), 0)
@@ -186,7 +213,8 @@ def episode_rows(
     mask = torch.zeros((len(rows), width), dtype=torch.bool)  # [B, T]
     for i, (row, e) in enumerate(zip(rows, episodes)):
         start = len(e.prompt.token_ids)
-        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), True
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = True
         model = torch.tensor(e.model_mask or [True] * len(e.token_ids))  # [T_episode]
         labels[i, start : len(row)] = torch.where(
             model, torch.tensor(e.token_ids), -100

@@ -49,16 +49,12 @@ def warm_start(
     """
     task = get_task(task) if isinstance(task, str) else task
     items = task.items(steps * batch_size, seed, "train")
-    return sft(
-        model,
-        steps,
-        seed,
-        lr,
-        lambda step: (
-            *_sft_batch(tokenizer, items[step * batch_size : (step + 1) * batch_size]),
-            {},
-        ),
-    )
+
+    def batch_of(step: int):
+        rows = items[step * batch_size : (step + 1) * batch_size]
+        return (*_sft_batch(tokenizer, rows), {})
+
+    return sft(model, steps, seed, lr, batch_of)
 
 
 def _sft_batch(
@@ -77,7 +73,8 @@ def sft_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, labels)`` of right-padded ``prompt + answer + eos`` rows, labels -100 except on
     the answer and EOS (the warm starts' supervised rows, text or image prompts alike)."""
-    rows, targets = [], []
+    rows = []
+    targets = []
     for prompt, text in zip(prompts, answers):
         answer = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [
             tokenizer.eos_token_id
@@ -90,11 +87,9 @@ def sft_rows(
     labels = torch.full((len(rows), width), -100, dtype=torch.long)  # [B, T]
     mask = torch.zeros((len(rows), width), dtype=torch.bool)  # [B, T]
     for i, (row, target) in enumerate(zip(rows, targets)):
-        ids[i, : len(row)], labels[i, : len(row)], mask[i, : len(row)] = (
-            torch.tensor(row),
-            torch.tensor(target),
-            True,
-        )
+        ids[i, : len(row)] = torch.tensor(row)
+        labels[i, : len(row)] = torch.tensor(target)
+        mask[i, : len(row)] = True
     return ids, mask, labels
 
 
@@ -185,10 +180,8 @@ def warm_start_folder(
     )
 
     model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    model, tok = (
-        model_class.from_pretrained(folder),
-        AutoTokenizer.from_pretrained(folder),
-    )
+    model = model_class.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
     if vision:
         result = warm_start_vision(
             model,
