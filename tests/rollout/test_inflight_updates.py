@@ -56,6 +56,13 @@ def token_errors(rollouts, weights: dict[int, ToyLM], versions_of) -> list[float
     return errors
 
 
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the stub server sampled nothing"
+        time.sleep(0.005)
+
+
 def sync_mid_draw(stub, engine, trainer):
     """Draw PROMPTS (2 rows each) while a sync lands once each row sampled 3 tokens; the rollouts."""
     stub.stall_after = 3
@@ -133,7 +140,7 @@ def test_one_step_off_with_inflight_updates_bounds_the_first_token_and_scores_ev
     """The async schedule (k = 1) over 4 loop steps, a sync at each boundary landing in the batch in flight: a
     group's first token is at most k steps stale, its later tokens may be newer, each token's logprob is the one of
     the loop step's weights it records; a sync puts the next batch in flight at once (beside the cut one)."""
-    stub_server.token_delay = 0.02  # 16 tokens take >= 0.3 s: the sync lands mid-batch even on a loaded machine
+    stub_server.token_delay = 0.02
     trainer = ToyLM(seed=0)
     engine = connect(stub_server, policy_folder, trainer)
     steps = [0]  # the loop step whose weights the trainer holds
@@ -150,7 +157,12 @@ def test_one_step_off_with_inflight_updates_bounds_the_first_token_and_scores_ev
     drawn, in_flight = [], []
     for loop_step in range(4):
         got, _, first = rollouts.take(loop_step + 1, *batch(loop_step + 1), job)
+        if loop_step == 0:  # the next batch stalls at its 3rd token until the first sync's pause cuts it
+            stub_server.stall_after = 2
+            sampled = stub_server.tokens_sampled
         rollouts.submit_ahead(loop_step + 1, lambda i, s=loop_step + 1: batch(s + i), job)
+        if loop_step == 0:  # ... once it is sampling: the sync lands mid-completion, not before its requests
+            wait_until(lambda: stub_server.tokens_sampled > sampled)
         assert loop_step - first <= 1  # put in flight with weights at most k = 1 step old ...
         assert all(first <= r.versions[0] and loop_step - r.versions[0] <= 1 for r in got)  # ... or sent after a sync
         assert all(r.versions[0] <= v <= loop_step for r in got for v in r.versions)
