@@ -285,24 +285,25 @@ def test_a_stopped_server_hands_sigterm_back_and_a_wrapped_handler_stays_inert(t
     """A launched `vllm serve` installs a SIGTERM handler that stops it. Once the last server stopped, it must not
     outlive it: the previous handler comes back, and where something wrapped it meanwhile (Lightning, GRPOCheckpoint),
     it does nothing, so a later fit's graceful SIGTERM stop is not turned into a kill (it killed pytest itself)."""
+    from lightning_grpo.rollout.server import orphans
     from lightning_grpo.rollout.server import process as sp
     from lightning_grpo.rollout.server_config import ServerConfig
 
     before = signal.getsignal(signal.SIGTERM)
     first = sp.ServerProcess(str(tmp_path), ServerConfig(), "raw_logprobs")  # never spawned: stop() still untracks
-    sp._track(first)
-    assert signal.getsignal(signal.SIGTERM) is sp._on_sigterm
+    orphans.track(first)
+    assert signal.getsignal(signal.SIGTERM) is orphans._on_sigterm
     first.stop()
     assert signal.getsignal(signal.SIGTERM) == before
     second = sp.ServerProcess(str(tmp_path), ServerConfig(), "raw_logprobs")
-    sp._track(second)
+    orphans.track(second)
     seen = []
     signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))  # a wrapper, as SignalWatch installs
     try:
         second.stop()
-        sp._on_sigterm(signal.SIGTERM, None)  # the wrapper forwarding the signal: no server, so nothing happens
-        assert seen == [] and sp._SIGTERM["installed"]
+        orphans._on_sigterm(signal.SIGTERM, None)  # the wrapper forwarding the signal: no server, so nothing happens
+        assert seen == [] and orphans._SIGTERM["installed"]
     finally:
-        signal.signal(signal.SIGTERM, sp._on_sigterm)
-        sp._release_sigterm()
+        signal.signal(signal.SIGTERM, orphans._on_sigterm)
+        orphans._release_sigterm()
     assert signal.getsignal(signal.SIGTERM) == before
