@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Checkpoint
 from torch import nn
 
 from lightning_grpo.checkpoint.signals import stop_poll
@@ -93,8 +94,6 @@ def engine_publisher(
 ) -> WeightPublisher:
     """The fit's publisher: the Trainer's own; else, for an engine with weights of its own, a hand-off attached
     here (a run never samples stale weights); else ``NoPublisher``."""
-    from lightning.pytorch.callbacks import Checkpoint
-
     found = find_publisher(trainer.callbacks)
     if found is not None or not needs_publisher(engine, policy):
         return found or NoPublisher()

@@ -41,13 +41,16 @@ def publish_checked(
 def check_complete(engine: RolloutEngine, policy: nn.Module, pushed: list[str]) -> None:
     """After a level-2 sleep every tensor the engine holds was discarded: the sync must have rewritten each."""
     names = engine.weight_names() if isinstance(engine, DeclaresWeights) else None
-    # An engine that cannot say what it holds is checked against the policy's own tensors.
-    own = (
-        adapter_sync.engine_weights(policy, merged=False)
-        if lora.is_lora(policy)
-        else named_weights(policy)
-    )
-    expected = set(names) if names else {name for name, _ in own}
+    if names:
+        expected = set(names)
+    else:
+        # An engine that cannot say what it holds is checked against the policy's own tensors.
+        own = (
+            adapter_sync.engine_weights(policy, merged=False)
+            if lora.is_lora(policy)
+            else named_weights(policy)
+        )
+        expected = {name for name, _ in own}
     missing = sorted(expected - set(pushed))
     if missing:
         raise RuntimeError(
