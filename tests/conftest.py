@@ -28,40 +28,99 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 UNIT_DIRS = ("update", "collect", "objectives", "rollout", "envs")
 """Folders of tests/ that mirror a package layer: a test there is in the unit tier unless marked contract or slow."""
 TIERS = ("unit", "contract", "integration", "end-to-end")
-_TIER_OF: dict[str, str] = {}
 _TIER_SECONDS: dict[str, float] = {}
 _TIER_TESTS: dict[str, int] = {}
+SHARED_SESSION_FIXTURES = ("two_rank_cases",)
+"""Session fixtures that cost a launch: under pytest-xdist every test using one runs on the same worker (one launch)."""
+LONGEST_FIRST = ("test_async_learning.py", "test_quickstart.py", "test_rollout_vllm_server.py",
+                 "test_server_restarts_vllm.py", "test_nodes.py", "test_bench_smoke.py")
+"""The longest files of the slow tier (CI's --durations), handed out first under pytest-xdist: a long one started
+last would leave the other worker idle at the end."""
 
 
-def tier_of(item) -> str:
-    """unit (a layer's folder unless the file says integration), contract (marked), end-to-end (slow), else integration."""
-    if item.get_closest_marker("slow"):
-        return "end-to-end"
-    if item.get_closest_marker("contract"):
-        return "contract"
-    if item.get_closest_marker("integration"):
-        return "integration"
+def in_unit_folder(item) -> bool:
+    """In a layer's folder and not marked for another tier: the unit tier."""
+    if any(item.get_closest_marker(name) for name in ("slow", "contract", "integration")):
+        return False
     folder = Path(str(item.path)).parent
-    if folder.parent.name == "tests" and folder.name in UNIT_DIRS:
+    return folder.parent.name == "tests" and folder.name in UNIT_DIRS
+
+
+def tier_of(keywords) -> str:
+    """A test's tier from its marks (an item's or, under pytest-xdist, a report's keywords)."""
+    if "slow" in keywords:
+        return "end-to-end"
+    if "contract" in keywords:
+        return "contract"
+    if "unit" in keywords:
         return "unit"
     return "integration"
 
 
+def worker_group(item) -> str:
+    """What must run on one pytest-xdist worker: tests sharing a fit (an ``xdist_group`` mark names it), a costly
+    session fixture, or else the file (its module fixtures)."""
+    marked = item.get_closest_marker("xdist_group")
+    if marked:
+        return marked.args[0]
+    shared = [name for name in SHARED_SESSION_FIXTURES if name in item.fixturenames]
+    return shared[0] if shared else Path(str(item.path)).name
+
+
+def _start_rank(item) -> tuple[int, int]:
+    """Longest first: the files of LONGEST_FIRST in its order, then the rest of the slow tier, then the others."""
+    name = Path(str(item.path)).name
+    if name in LONGEST_FIRST:
+        return (0, LONGEST_FIRST.index(name))
+    return (1 if item.get_closest_marker("slow") else 2, 0)
+
+
+def pytest_itemcollected(item):
+    """Under ``--dist loadgroup``, every test's worker group, as it is collected: before any hook reads the marks.
+    The report carries it back, so the controller can check that no group was split (``_SPLIT_GROUPS``)."""
+    if not getattr(item.config.option, "loadgroup", False):
+        return
+    if not item.get_closest_marker("xdist_group"):
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+    item.user_properties.append(("worker_group", worker_group(item)))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Mark the unit tier by folder before ``-m unit`` selects (tryfirst: the mark plugin deselects after us)."""
+    """Mark the unit tier by folder before ``-m unit`` selects (tryfirst: the mark plugin deselects after us); under
+    ``--dist loadgroup`` hand out the long tests first (a stable sort: each file keeps its order)."""
     for item in items:
-        tier = tier_of(item)
-        _TIER_OF[item.nodeid] = tier
-        if tier == "unit":
+        if in_unit_folder(item):
             item.add_marker(pytest.mark.unit)
+    if getattr(config.option, "loadgroup", False):  # what a worker of `--dist loadgroup` is told
+        items.sort(key=_start_rank)
+
+
+_WORKERS_OF_GROUP: dict[str, set[str]] = {}
+
+
+def _split_groups() -> dict[str, list[str]]:
+    """Worker groups that ran on more than one worker: their shared fit, server or launch ran once per worker. (It
+    happened silently: pytest 9.2 keeps node ids where pytest-xdist 3.8's loadgroup no longer writes its suffix.)"""
+    return {group: sorted(workers) for group, workers in _WORKERS_OF_GROUP.items() if len(workers) > 1}
 
 
 def pytest_runtest_logreport(report):
-    tier = _TIER_OF.get(report.nodeid, "integration")
+    """Tier totals, read from the report's marks: under pytest-xdist the controller sees reports, not items; and which
+    worker ran each worker group."""
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    for name, value in report.user_properties:
+        if name == "worker_group" and worker is not None:
+            _WORKERS_OF_GROUP.setdefault(value, set()).add(worker.id)
+    tier = tier_of(report.keywords)
     _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration  # setup + call + teardown
     if report.when == "setup":
         _TIER_TESTS[tier] = _TIER_TESTS.get(tier, 0) + 1
+
+
+def _is_worker(config) -> bool:
+    """A pytest-xdist worker: the controller (or a plain run) checks what the whole run left behind."""
+    return hasattr(config, "workerinput")
 
 
 _SHM_AND_TEMP_AT_START: set[str] = set()
@@ -77,6 +136,8 @@ def _fail_on_leftovers() -> bool:
 
 
 def pytest_sessionstart(session):
+    if _is_worker(session.config):
+        return
     from leftovers import entries
 
     _SHM_AND_TEMP_AT_START.update(entries())
@@ -88,11 +149,13 @@ def pytest_sessionfinish(session, exitstatus):
     from leftovers import leftovers
 
     shutil.rmtree(_HF_HOME, ignore_errors=True)
-    if session.config.option.collectonly:
+    if session.config.option.collectonly or _is_worker(session.config):
         return
     pytest_tmp = session.config._tmp_path_factory._basetemp  # pytest keeps its last 3 runs' folders on purpose
     keep = {str(pytest_tmp), str(pytest_tmp.parent)} if pytest_tmp is not None else set()
     _LEFT.extend(leftovers(_SHM_AND_TEMP_AT_START, keep))
+    if _split_groups():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if _LEFT and _fail_on_leftovers() and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -107,6 +170,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             terminalreporter.write_line(f"  {entry}")
         verdict = "the run fails on them" if _fail_on_leftovers() else "reported only"
         terminalreporter.write_line(f"(created during this session; {verdict}: {LEFTOVERS_FAIL}=1 fails, =0 reports)")
+    for group, workers in _split_groups().items():
+        terminalreporter.write_line(f"worker group {group} ran on {', '.join(workers)}: what its tests share ran once per "
+                                    "worker (pytest and pytest-xdist versions? see pyproject.toml's pin)", red=True)
     if _TIER_SECONDS:
         terminalreporter.write_sep("-", "seconds per test tier (setup + call + teardown)")
         for tier in TIERS:

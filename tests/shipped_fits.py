@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_grpo.cli import main
@@ -99,6 +100,11 @@ MAY_STALL = {"vlm-quickstart": 1}
 CPU seed 2 reached 0.500 at loop step 10 and fell back to its start, 0.188, for the rest of the run (this machine:
 0.500 at the end); docs/vlm.md's seeds 6 and 7 stayed flat on an Intel Xeon. Its 4-colour task on a frozen tiny
 tower is a weak signal that another CPU's rounding can lose; every other config rises at every seed."""
+
+
+def shares_fit(name: str) -> pytest.MarkDecorator:
+    """Tests that assert about the fits of ``configs/<name>.yaml`` run on one pytest-xdist worker: one fit each."""
+    return pytest.mark.xdist_group(f"fit-{name}")
 
 
 def learned(name: str, seed: int, tmp_path_factory):

@@ -130,6 +130,7 @@ def test_without_correction_the_same_async_run_does_worse(bands):
     assert sum(m > 0 for m in margins) >= 2, (margins, bands)
 
 
+@pytest.mark.xdist_group("async-held-out")  # its own fits: under pytest-xdist, beside the three kinds' (own server)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_async_quickstart_held_out_validation_rises(seed, server_url, tmp_path_factory):
     """configs/async-quickstart.yaml (one loop step off), its size shortened to LOOP_STEPS: the greedy held-out

@@ -3,7 +3,8 @@
 
 Each fit is a ``lightning-grpo fit`` process of its own, so what it leaves is what a user's run would leave (the
 LoRA folder of an in-process engine nobody closes goes at interpreter exit). Entries another process creates
-meanwhile would show too: on a shared machine run these alone.
+meanwhile would show too (a killed `vllm serve` of another test leaves its segments on purpose): marked ``alone``,
+``make test`` runs them after the parallel tests, by themselves; on a shared machine run them alone too.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _held() -> set[str]:
 
 
 @pytest.mark.heavy  # a fit per engine: CI and `make test-integration`
+@pytest.mark.alone
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
 @pytest.mark.parametrize(("args", "code"), list(FITS.values()), ids=list(FITS))
 def test_a_fit_leaves_nothing_in_dev_shm(args, code, tmp_path):

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from agreement import check_agreement
-from shipped_fits import LEARNERS, MAY_STALL, RISE, SEEDS, learned
+from shipped_fits import LEARNERS, MAY_STALL, RISE, SEEDS, learned, shares_fit
 
 from lightning_grpo.cli import main
 
 
 @pytest.mark.slow
+@shares_fit("quickstart")
 def test_quickstart_reward_rises_and_writes_metrics_and_checkpoint(tmp_path_factory):
     fit = learned("quickstart", 0, tmp_path_factory)  # as `make run` runs it (seed 0 is the file's)
     run, every = fit.run, fit.rows
@@ -35,6 +36,7 @@ def test_quickstart_reward_rises_and_writes_metrics_and_checkpoint(tmp_path_fact
 
 
 @pytest.mark.slow
+@shares_fit("vlm-quickstart")
 def test_vlm_quickstart_reward_rises(tmp_path_factory):
     """`lightning-grpo fit --config configs/vlm-quickstart.yaml` as shipped: a tiny Qwen2.5-VL learns which colour
     the square in the image is (only the pixels tell)."""
@@ -52,6 +54,9 @@ def test_vlm_quickstart_reward_rises(tmp_path_factory):
 VLLM_CONFIGS = {"vllm-cpu": "engine: vllm\n", "vllm-server": "engine: vllm_server\n",
                 "async-quickstart": "max_off_policy_steps: 1\n"}
 """Config -> a line its printed config.yaml holds: in-process vLLM; a `vllm serve` child, in turns or one batch ahead."""
+IN_TURNS = pytest.mark.xdist_group("shipped-vllm-in-turns")
+"""vllm-cpu and vllm-server: compared with each other below, so one pytest-xdist worker runs both (once each)."""
+VLLM_NAMES = [pytest.param(name, marks=IN_TURNS if name != "async-quickstart" else ()) for name in sorted(VLLM_CONFIGS)]
 _RUNS: dict[str, tuple[Path, str]] = {}
 
 
@@ -77,7 +82,7 @@ def rows_of(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", sorted(VLLM_CONFIGS))
+@pytest.mark.parametrize("name", VLLM_NAMES)
 def test_vllm_config_learns_the_quickstart_task(name, tmp_path, tmp_path_factory, monkeypatch, capsys):
     """`lightning-grpo fit --config configs/<name>.yaml` as shipped (nothing overridden: the tiny policy, the built-in
     task and the CPU are all here): the quickstart task, rolled out by vLLM (in-process, a server in turns with the
@@ -103,6 +108,7 @@ def test_vllm_config_learns_the_quickstart_task(name, tmp_path, tmp_path_factory
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@IN_TURNS
 def test_the_server_engine_in_turns_reproduces_the_in_process_engine(tmp_path_factory, monkeypatch, capsys):
     """configs/vllm-server.yaml is configs/vllm-cpu.yaml on a `vllm serve` child (max_off_policy_steps 0): the same
     seeds, weights and float32 sampler give the same completions, so every loop step's metrics agree. Measured: every
@@ -170,7 +176,7 @@ def test_tools_quickstart_sampled_tool_use_rises(tools_run, seed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("name", sorted(LEARNERS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=shares_fit(name)) for name in sorted(LEARNERS)])
 def test_held_out_validation_rises_as_shipped(name, seed, tmp_path_factory):
     """Every quickstart that learns on CPU, as shipped (overridden: the shipped policy at every seed, dpo-arith's
     length; shipped_fits.LEARNERS), over 3 seeds: its held-out validation at the end is RISE above the starting policy's
@@ -188,7 +194,7 @@ def test_held_out_validation_rises_as_shipped(name, seed, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MAY_STALL))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=shares_fit(name)) for name in sorted(MAY_STALL)])
 def test_held_out_validation_rises_at_most_seeds(name, tmp_path_factory):
     """A config in MAY_STALL: at most MAY_STALL[name] of the 3 seeds' fits end at their start; the rest rise by RISE."""
     ends = []

@@ -7,7 +7,7 @@ import csv
 from pathlib import Path
 
 import pytest
-from shipped_fits import learned
+from shipped_fits import learned, shares_fit
 
 from lightning_grpo.cli import main
 
@@ -54,6 +54,7 @@ def test_dpo_config_runs_two_steps_and_resumes(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@shares_fit("opd-arith")
 def test_opd_student_gets_closer_to_the_teacher_and_better_at_the_task(tmp_path_factory):
     """As shipped: reverse KL to the teacher falls, and the task reward (logged, not trained on) rises: greedy on the
     held-out prompts (the starting policy at loop step 0, then the fit's validations) and, sampled, in training.
@@ -77,6 +78,7 @@ def test_opd_student_gets_closer_to_the_teacher_and_better_at_the_task(tmp_path_
 
 
 @pytest.mark.slow
+@shares_fit("dpo-arith")
 def test_dpo_held_out_preference_accuracy_rises_from_chance(tmp_path_factory):
     """As shipped, with the sanity check over every held-out pair measuring the untrained (indifferent) policy at
     loop step 0, then the fit's validations (the seed-0 fit of tests/test_quickstart.py's held-out test)."""

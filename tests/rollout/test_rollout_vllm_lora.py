@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import SMALL
 from lightning.pytorch import Callback, Trainer
+from shipped_fits import shares_fit
 
 pytest.importorskip("vllm")
 
@@ -174,6 +175,7 @@ def test_fit_through_the_hand_off_publishes_the_adapter(tmp_path, sync):
 
 
 @pytest.mark.slow
+@shares_fit("lora-quickstart")
 def test_lora_quickstart_learns_as_shipped(tmp_path_factory):
     """`lightning-grpo fit --config configs/lora-quickstart.yaml`, as shipped: the reward rises, the engine served
     the adapter, and the checkpoint's adapter folder loads with PeftModel.from_pretrained. The seed-0 fit of
