@@ -1,5 +1,6 @@
 """A fit leaves nothing in ``/dev/shm`` (RAM until reboot), with each engine, after a failure too: no vLLM
-``psm_*`` / ``sem.mp-*`` segments of a stopped server, no ``lightning-grpo-*`` adapter or weight-bucket folder.
+``psm_*`` / ``sem.mp-*`` segments of a stopped server, no ``lightning-grpo-*`` adapter or weight-bucket folder; nor
+vLLM's IPC sockets and dist-init file in the temporary folder (a launched server keeps them in its own folder).
 
 Each fit is a ``lightning-grpo fit`` process of its own, so what it leaves is what a user's run would leave (the
 LoRA folder of an in-process engine nobody closes goes at interpreter exit). Entries another process creates
@@ -13,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,8 +39,14 @@ FITS = {
 }
 
 
+TMP = Path(tempfile.gettempdir())
+VLLM_TMP = re.compile(r"vllm_dist_[0-9a-f]{32}|[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}")
+"""What a vLLM server leaves in the temporary folder when it exits: its dist-init file, its IPC sockets (a uuid)."""
+
+
 def _ours() -> set[str]:
-    return {p.name for p in SHM.iterdir() if p.name.startswith(OURS)}
+    shm = {p.name for p in SHM.iterdir() if p.name.startswith(OURS)}
+    return shm | {str(p) for p in TMP.iterdir() if VLLM_TMP.fullmatch(p.name)}
 
 
 def _held() -> set[str]:

@@ -16,6 +16,7 @@ HTTP goes through ``http_json.py``: one short JSON request per call; ports throu
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import os
 import re
@@ -238,6 +239,11 @@ class ServerProcess:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         # the in-process engine's setting; a server is a process
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        # vLLM's IPC sockets and its dist-init file stay in the temporary folder after
+        # the server exits (8 files a launch, measured): in the server's own folder,
+        # they go with it; torch's compile cache stays where it was, shared
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+        env["TMPDIR"] = str(self.log_dir)
         return env
 
     def alive(self, wait_s: float = 0.0) -> bool:
@@ -285,6 +291,11 @@ class ServerProcess:
             path.unlink(missing_ok=True)
         if was_running:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def inductor_cache_dir() -> str:
+    """Where torch keeps compiled kernels when ``TORCHINDUCTOR_CACHE_DIR`` is unset."""
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 
 
 def last_error_line(log: str) -> str:
