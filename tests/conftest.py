@@ -181,9 +181,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     deselected = terminalreporter.stats.get("deselected", [])
     left = {name: sum(1 for item in deselected if item.get_closest_marker(name)) for name in ("heavy", "slow")}
     if left["heavy"] or left["slow"]:
-        terminalreporter.write_line(f"not run here (CI runs them): {left['heavy']} heavy integration, {left['slow']} slow "
-                                    "end-to-end tests; `make test-integration` adds the heavy ones, `make test-all` "
-                                    "runs every test")
+        counts = f"{left['heavy']} heavy integration, {left['slow']} slow end-to-end tests"
+    else:  # under pytest-xdist the workers deselect: no count here
+        labels = {"heavy": "the heavy integration", "slow": "the slow end-to-end"}
+        left_out = [label for name, label in labels.items() if f"not {name}" in config.option.markexpr]
+        if not left_out:
+            return
+        counts = " and ".join(left_out) + " tests"
+    terminalreporter.write_line(f"not run here (CI runs them): {counts}; `make test-integration` adds the heavy ones, "
+                                "`make test-all` runs every test")
 
 
 @pytest.fixture(scope="session", autouse=True)
