@@ -77,12 +77,13 @@ def _start_rank(item) -> tuple[int, int]:
 
 def pytest_itemcollected(item):
     """Under ``--dist loadgroup``, every test's worker group, as it is collected: before any hook reads the marks.
-    The report carries it back, so the controller can check that no group was split (``_SPLIT_GROUPS``)."""
+    The report carries it back, so the controller can check that no group was split (``_split_groups``)."""
     if not getattr(item.config.option, "loadgroup", False):
         return
+    group = worker_group(item)
     if not item.get_closest_marker("xdist_group"):
-        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
-    item.user_properties.append(("worker_group", worker_group(item)))
+        item.add_marker(pytest.mark.xdist_group(group))
+    item.user_properties.append(("worker_group", group))
 
 
 @pytest.hookimpl(tryfirst=True)

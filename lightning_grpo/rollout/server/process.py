@@ -294,8 +294,16 @@ class ServerProcess:
 
 
 def inductor_cache_dir() -> str:
-    """Where torch keeps compiled kernels when ``TORCHINDUCTOR_CACHE_DIR`` is unset."""
-    return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    """Where torch keeps compiled kernels when ``TORCHINDUCTOR_CACHE_DIR`` is unset:
+    ``torch._inductor.runtime.cache_dir_utils.default_cache_dir``, written out because
+    importing it loads all of torch._inductor (~900 modules) into every launch. Its
+    fallback too: a container's uid without a passwd entry has no user name."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 def last_error_line(log: str) -> str:
